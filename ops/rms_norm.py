@@ -1,0 +1,410 @@
+# RMSNorm: y = x / sqrt(mean(x^2) + eps) * w, statistics in float32.
+#
+# No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
+from types import SimpleNamespace
+
+import cuda.tile as ct
+import torch
+
+from tiletune.autotune import Autotuner, Search, Work, bucket, next_pow2
+from tiletune.device import arch, current_stream, num_sms
+
+ZERO = ct.PaddingMode.ZERO
+
+# ---------------------------------------------------------------------------------------------
+# Kernels. Tiles are powers of two; rows and columns past the array's end are zero-padded on
+# load (so they add nothing to the sum of squares) and dropped on store.
+
+
+@ct.kernel
+def rms_norm_fwd_rows(x, w, y, rstd, inv_n, eps,
+                      TILE_M: ct.Constant[int], TILE_N: ct.Constant[int],
+                      SAVE_RSTD: ct.Constant[bool]):
+    """Whole rows in one tile: x, y (M, N), w (N,), rstd (M,) f32. Grid-stride over row tiles."""
+    wt = ct.reshape(ct.load(w, (0,), (TILE_N,), padding_mode=ZERO).astype(ct.float32), (1, TILE_N))
+    num_row_tiles = ct.cdiv(x.shape[0], TILE_M)
+    for t in range(ct.bid(0), num_row_tiles, ct.num_blocks(0)):
+        xt = ct.load(x, (t, 0), (TILE_M, TILE_N), padding_mode=ZERO).astype(ct.float32)
+        r = ct.rsqrt(ct.sum(xt * xt, axis=1, keepdims=True) * inv_n + eps)  # [TILE_M, 1]
+        ct.store(y, (t, 0), (xt * r * wt).astype(y.dtype))
+        if SAVE_RSTD:
+            ct.store(rstd, (t,), ct.reshape(r, (TILE_M,)))
+
+
+@ct.kernel
+def rms_norm_fwd_chunked(x, w, y, rstd, inv_n, eps,
+                         TILE_N: ct.Constant[int], SAVE_RSTD: ct.Constant[bool]):
+    """Rows too wide for one tile: two passes over TILE_N-wide chunks (the second hits L2)."""
+    num_chunks = ct.cdiv(x.shape[1], TILE_N)
+    for row in range(ct.bid(0), x.shape[0], ct.num_blocks(0)):
+        acc = ct.zeros((1, TILE_N), ct.float32)
+        for c in range(num_chunks):
+            xt = ct.load(x, (row, c), (1, TILE_N), padding_mode=ZERO).astype(ct.float32)
+            acc = acc + xt * xt
+        r = ct.rsqrt(ct.sum(acc, axis=1, keepdims=True) * inv_n + eps)  # [1, 1]
+        for c in range(num_chunks):
+            xt = ct.load(x, (row, c), (1, TILE_N), padding_mode=ZERO).astype(ct.float32)
+            wt = ct.reshape(ct.load(w, (c,), (TILE_N,), padding_mode=ZERO).astype(ct.float32),
+                            (1, TILE_N))
+            ct.store(y, (row, c), (xt * r * wt).astype(y.dtype))
+        if SAVE_RSTD:
+            ct.store(rstd, (row,), ct.reshape(r, (1,)))
+
+
+@ct.kernel
+def rms_norm_bwd_rows(dy, x, w, rstd, dx, dw_partial, inv_n,
+                      TILE_M: ct.Constant[int], TILE_N: ct.Constant[int]):
+    """dx = r*g - x*r^3*mean(g*x) with g = dy*w; each CTA adds its rows' dy*x*r into one row of
+    dw_partial (G, N) f32, summed over G afterwards. Whole rows in one tile."""
+    wt = ct.reshape(ct.load(w, (0,), (TILE_N,), padding_mode=ZERO).astype(ct.float32), (1, TILE_N))
+    dw_acc = ct.zeros((1, TILE_N), ct.float32)
+    num_row_tiles = ct.cdiv(x.shape[0], TILE_M)
+    for t in range(ct.bid(0), num_row_tiles, ct.num_blocks(0)):
+        xt = ct.load(x, (t, 0), (TILE_M, TILE_N), padding_mode=ZERO).astype(ct.float32)
+        dyt = ct.load(dy, (t, 0), (TILE_M, TILE_N), padding_mode=ZERO).astype(ct.float32)
+        r = ct.reshape(ct.load(rstd, (t,), (TILE_M,), padding_mode=ZERO), (TILE_M, 1))
+        g = dyt * wt
+        c = ct.sum(g * xt, axis=1, keepdims=True) * inv_n * (r * r * r)
+        ct.store(dx, (t, 0), (g * r - xt * c).astype(dx.dtype))
+        dw_acc = dw_acc + ct.sum(dyt * xt * r, axis=0, keepdims=True)
+    ct.store(dw_partial, (ct.bid(0), 0), dw_acc)
+
+
+@ct.kernel
+def rms_norm_bwd_row_coef(dy, x, w, rstd, coef, inv_n, TILE_N: ct.Constant[int]):
+    """Wide rows, step 1: coef[r] = rstd^3 * mean(dy*w*x) per row."""
+    num_chunks = ct.cdiv(x.shape[1], TILE_N)
+    for row in range(ct.bid(0), x.shape[0], ct.num_blocks(0)):
+        acc = ct.zeros((1, TILE_N), ct.float32)
+        for c in range(num_chunks):
+            xt = ct.load(x, (row, c), (1, TILE_N), padding_mode=ZERO).astype(ct.float32)
+            dyt = ct.load(dy, (row, c), (1, TILE_N), padding_mode=ZERO).astype(ct.float32)
+            wt = ct.reshape(ct.load(w, (c,), (TILE_N,), padding_mode=ZERO).astype(ct.float32),
+                            (1, TILE_N))
+            acc = acc + dyt * wt * xt
+        r = ct.load(rstd, (row,), (1,))
+        ct.store(coef, (row,), ct.sum(acc, axis=1) * inv_n * (r * r * r))
+
+
+@ct.kernel
+def rms_norm_bwd_cols(dy, x, w, rstd, coef, dx, dw_partial,
+                      TILE_M: ct.Constant[int], TILE_N: ct.Constant[int]):
+    """Wide rows, step 2: grid (column blocks, row groups); dx = r*dy*w - x*coef, and each CTA's
+    column block of sum(dy*x*r) over its rows goes to dw_partial[row group]."""
+    col = ct.bid(0)
+    wt = ct.reshape(ct.load(w, (col,), (TILE_N,), padding_mode=ZERO).astype(ct.float32),
+                    (1, TILE_N))
+    dw_acc = ct.zeros((1, TILE_N), ct.float32)
+    num_row_tiles = ct.cdiv(x.shape[0], TILE_M)
+    for t in range(ct.bid(1), num_row_tiles, ct.num_blocks(1)):
+        xt = ct.load(x, (t, col), (TILE_M, TILE_N), padding_mode=ZERO).astype(ct.float32)
+        dyt = ct.load(dy, (t, col), (TILE_M, TILE_N), padding_mode=ZERO).astype(ct.float32)
+        r = ct.reshape(ct.load(rstd, (t,), (TILE_M,), padding_mode=ZERO), (TILE_M, 1))
+        k = ct.reshape(ct.load(coef, (t,), (TILE_M,), padding_mode=ZERO), (TILE_M, 1))
+        ct.store(dx, (t, col), (dyt * wt * r - xt * k).astype(dx.dtype))
+        dw_acc = dw_acc + ct.sum(dyt * xt * r, axis=0, keepdims=True)
+    ct.store(dw_partial, (ct.bid(1), col), dw_acc)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs. A config names the kernel variant, its tiles and the occupancy hint; the grid is
+# persistent: min(row tiles, SMs x occupancy) CTAs, each striding over row tiles.
+
+MAX_ROW_TILE = 16384      # widest row (elements) kept whole in one tile; wider rows are chunked
+OCCUPANCIES = (1, 2, 4, 8, 16)
+
+
+def fwd_configs(arch, n_cols, max_tile_elems=8192, occupancies=OCCUPANCIES):
+    """Forward search space for rows of `n_cols` elements (default first)."""
+    tile_n = next_pow2(n_cols)
+    if tile_n <= MAX_ROW_TILE:
+        tile_ms = [m for m in (1, 2, 4, 8, 16, 32) if m * tile_n <= max(max_tile_elems, tile_n)]
+        default = SimpleNamespace(kind="rows", tile_m=tile_ms[min(len(tile_ms) - 1, 1)],
+                                  tile_n=tile_n, occupancy=4)
+        yield default
+        for m in tile_ms:
+            for occ in occupancies:
+                cfg = SimpleNamespace(kind="rows", tile_m=m, tile_n=tile_n, occupancy=occ)
+                if cfg != default:
+                    yield cfg
+    else:
+        yield SimpleNamespace(kind="chunked", tile_m=1, tile_n=4096, occupancy=4)
+        for tn in (2048, 4096, 8192):
+            for occ in (1, 2, 4, 8):
+                if (tn, occ) != (4096, 4):
+                    yield SimpleNamespace(kind="chunked", tile_m=1, tile_n=tn, occupancy=occ)
+
+
+def bwd_configs(arch, n_cols, max_tile_elems=8192, occupancies=(1, 2, 4, 8)):
+    """Backward (whole-row kernel) search space; only for rows up to MAX_ROW_TILE."""
+    tile_n = next_pow2(n_cols)
+    tile_ms = [m for m in (1, 2, 4, 8, 16, 32) if m * tile_n <= max(max_tile_elems, tile_n)]
+    default = SimpleNamespace(tile_m=tile_ms[0], tile_n=tile_n, occupancy=2)
+    yield default
+    for m in tile_ms:
+        for occ in occupancies:
+            cfg = SimpleNamespace(tile_m=m, tile_n=tile_n, occupancy=occ)
+            if cfg != default:
+                yield cfg
+
+
+def bwd_coef_configs(arch, n_cols):
+    yield SimpleNamespace(tile_n=4096, occupancy=4)
+    for tn in (2048, 4096, 8192):
+        for occ in (2, 4, 8):
+            if (tn, occ) != (4096, 4):
+                yield SimpleNamespace(tile_n=tn, occupancy=occ)
+
+
+def bwd_cols_configs(arch, n_cols):
+    yield SimpleNamespace(tile_m=8, tile_n=512, occupancy=4)
+    for tm, tn in ((4, 1024), (8, 512), (16, 256), (8, 1024), (16, 512)):
+        for occ in (2, 4, 8):
+            if (tm, tn, occ) != (8, 512, 4):
+                yield SimpleNamespace(tile_m=tm, tile_n=tn, occupancy=occ)
+
+
+_fwd = Autotuner("rms_norm_fwd",
+                 lambda cfg: rms_norm_fwd_rows if cfg.kind == "rows" else rms_norm_fwd_chunked,
+                 fwd_configs,
+                 default=SimpleNamespace(kind="chunked", tile_m=1, tile_n=4096, occupancy=4))
+_bwd = Autotuner("rms_norm_bwd", rms_norm_bwd_rows, bwd_configs,
+                 default=SimpleNamespace(tile_m=1, tile_n=MAX_ROW_TILE, occupancy=2))
+_bwd_coef = Autotuner("rms_norm_bwd_coef", rms_norm_bwd_row_coef, bwd_coef_configs,
+                      default=SimpleNamespace(tile_n=4096, occupancy=4))
+_bwd_cols = Autotuner("rms_norm_bwd_cols", rms_norm_bwd_cols, bwd_cols_configs,
+                      default=SimpleNamespace(tile_m=8, tile_n=512, occupancy=4))
+TUNERS = (_fwd, _bwd, _bwd_coef, _bwd_cols)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host launches (2-D, contiguous rows). Grids are persistent: each CTA strides over row tiles.
+
+def _ctas(n_tiles, dev_index, occupancy):
+    return max(1, min(n_tiles, num_sms(dev_index) * occupancy))
+
+
+def _fwd_args(cfg, x, w, y, rstd, eps):
+    if cfg.kind == "rows":
+        return (x, w, y, rstd, 1.0 / x.shape[1], eps, cfg.tile_m, cfg.tile_n)
+    return (x, w, y, rstd, 1.0 / x.shape[1], eps, cfg.tile_n)
+
+
+def _fwd_grid(cfg, x):
+    return (_ctas(-(-x.shape[0] // cfg.tile_m), x.get_device(), cfg.occupancy),)
+
+
+def launch_fwd(x, w, y, rstd, eps):
+    M, N = x.shape
+    key = (N, bucket(M), x.dtype, w.dtype, x.get_device())
+    cfg, kernel = _fwd.cache.get(key) or _fwd.tune(key, x, Search(
+        shape=dict(n_cols=N), grid_fn=lambda c: _fwd_grid(c, x),
+        args_fn=lambda c: _fwd_args(c, x, w, y, rstd, eps),
+        work=Work(bytes=2 * x.numel() * x.element_size() + w.numel() * w.element_size() + 4 * M)))
+    ct.launch(current_stream(x.get_device()), _fwd_grid(cfg, x), kernel,
+              _fwd_args(cfg, x, w, y, rstd, eps))
+
+
+def _bwd_work(dy, w):
+    return Work(bytes=3 * dy.numel() * dy.element_size() + 2 * w.numel() * w.element_size())
+
+
+def launch_bwd(dy, x, w, rstd, dx):
+    """dx written in place; returns dw (float32, shape (N,))."""
+    M, N = x.shape
+    dev = x.get_device()
+    key = (N, bucket(M), x.dtype, dy.dtype, w.dtype, dev)
+    if next_pow2(N) <= MAX_ROW_TILE:
+        def grid(c):
+            return (_ctas(-(-M // c.tile_m), dev, c.occupancy),)
+
+        def partial_for(c, scratch=None):
+            g = grid(c)[0]
+            return scratch[:g] if scratch is not None else torch.empty((g, N), device=x.device,
+                                                                       dtype=torch.float32)
+
+        def search():
+            scratch = torch.empty((max(grid(c)[0] for c in _bwd.config_list(arch(x), dict(n_cols=N))), N),
+                                  device=x.device, dtype=torch.float32)
+            return Search(shape=dict(n_cols=N), grid_fn=grid,
+                          args_fn=lambda c: (dy, x, w, rstd, dx, partial_for(c, scratch), 1.0 / N,
+                                             c.tile_m, c.tile_n),
+                          work=_bwd_work(dy, w))
+        cfg, kernel = _bwd.cache.get(key) or _bwd.tune(key, x, search())
+        partial = partial_for(cfg)
+        ct.launch(current_stream(dev), grid(cfg), kernel,
+                  (dy, x, w, rstd, dx, partial, 1.0 / N, cfg.tile_m, cfg.tile_n))
+        return partial.sum(0)
+
+    # Wide rows: per-row coefficient, then column blocks (dx and dw partials).
+    coef = torch.empty(M, device=x.device, dtype=torch.float32)
+    ccfg, ckernel = _bwd_coef.cache.get(key) or _bwd_coef.tune(key, x, Search(
+        shape=dict(n_cols=N), grid_fn=lambda c: (_ctas(M, dev, c.occupancy),),
+        args_fn=lambda c: (dy, x, w, rstd, coef, 1.0 / N, c.tile_n)))
+    ct.launch(current_stream(dev), (_ctas(M, dev, ccfg.occupancy),), ckernel,
+              (dy, x, w, rstd, coef, 1.0 / N, ccfg.tile_n))
+
+    def cols_grid(c):
+        col_blocks = -(-N // c.tile_n)
+        return (col_blocks, max(1, min(-(-M // c.tile_m), -(-num_sms(dev) * c.occupancy // col_blocks))))
+
+    def search_cols():
+        rows = max(cols_grid(c)[1] for c in _bwd_cols.config_list(arch(x), dict(n_cols=N)))
+        scratch = torch.empty((rows, N), device=x.device, dtype=torch.float32)
+        return Search(shape=dict(n_cols=N), grid_fn=cols_grid,
+                      args_fn=lambda c: (dy, x, w, rstd, coef, dx, scratch[:cols_grid(c)[1]],
+                                         c.tile_m, c.tile_n),
+                      work=_bwd_work(dy, w))
+    cfg, kernel = _bwd_cols.cache.get(key) or _bwd_cols.tune(key, x, search_cols())
+    partial = torch.empty((cols_grid(cfg)[1], N), device=x.device, dtype=torch.float32)
+    ct.launch(current_stream(dev), cols_grid(cfg), kernel,
+              (dy, x, w, rstd, coef, dx, partial, cfg.tile_m, cfg.tile_n))
+    return partial.sum(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrapper: validation, flattening to rows, int32-safe row chunks.
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_CHUNK_ELEMS = 2**31 - 1   # kernels index with int32: launch at most this many elements
+
+
+def _row_chunks(M, N):
+    if M * N <= _MAX_CHUNK_ELEMS:
+        return ((0, M),)
+    rows = max(16, (_MAX_CHUNK_ELEMS // N) // 16 * 16)   # multiple of 16 keeps views 16B-aligned
+    return tuple((s, min(s + rows, M)) for s in range(0, M, rows))
+
+
+def _check(x, weight, eps):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"rms_norm: x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"rms_norm: weight must be a torch.Tensor, got {type(weight).__name__}")
+    if not x.is_cuda:
+        raise ValueError(f"rms_norm: x must be a CUDA tensor, got device {x.device}")
+    if weight.device != x.device:
+        raise ValueError(f"rms_norm: weight is on {weight.device} but x is on {x.device}")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"rms_norm: x dtype {x.dtype} is not supported (float32, float16, bfloat16)")
+    if weight.dtype not in DTYPES:
+        raise TypeError(f"rms_norm: weight dtype {weight.dtype} is not supported "
+                        "(float32, float16, bfloat16)")
+    if x.dim() < 1:
+        raise ValueError("rms_norm: x must have at least one dimension (the hidden size)")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"rms_norm: weight must have shape ({x.shape[-1]},) to match the last "
+                         f"dim of x, got {tuple(weight.shape)}")
+    if isinstance(eps, bool) or not isinstance(eps, (float, int)):
+        raise TypeError(f"rms_norm: eps must be a float, got {type(eps).__name__}")
+    if not eps >= 0.0 or eps == float("inf"):
+        raise ValueError(f"rms_norm: eps must be a finite number >= 0, got {eps}")
+
+
+def _forward(x, weight, eps):
+    """(y, rstd): y like x, rstd float32 with one value per row."""
+    N = x.shape[-1]
+    x2 = x.reshape(-1, N)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    rstd = torch.empty(M, device=x.device, dtype=torch.float32)
+    if M and N:
+        w = weight if weight.stride(0) == 1 else weight.contiguous()
+        for s, e in _row_chunks(M, N):
+            launch_fwd(x2[s:e], w, y[s:e], rstd[s:e], float(eps))
+    return y.view(x.shape), rstd
+
+
+def _backward(dy, x, weight, rstd):
+    """(dx, dw): dx like x, dw like weight."""
+    N = x.shape[-1]
+    x2 = x.reshape(-1, N)
+    dy2 = dy.reshape(-1, N)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if dy2.stride(-1) != 1:
+        dy2 = dy2.contiguous()
+    M = x2.shape[0]
+    dx = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if not (M and N):
+        return dx.view(x.shape), torch.zeros_like(weight)
+    w = weight if weight.stride(0) == 1 else weight.contiguous()
+    dw = None
+    for s, e in _row_chunks(M, N):
+        part = launch_bwd(dy2[s:e], x2[s:e], w, rstd[s:e], dx[s:e])
+        dw = part if dw is None else dw + part
+    return dx.view(x.shape), dw.to(weight.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd: a plain Function for eager (least host overhead) and a torch.library custom op
+# (with fake impls and the same backward) for torch.compile(fullgraph=True).
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = _forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = _backward(dy, x, weight, rstd)
+        return dx, dw, None
+
+
+@torch.library.custom_op("tiletune::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(x, weight, eps)
+
+
+@_rms_norm_fwd_op.register_fake
+def _(x, weight, eps):
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op("tiletune::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward(dy, x, weight, rstd)
+
+
+@_rms_norm_bwd_op.register_fake
+def _(dy, x, weight, rstd):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _op_backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _rms_norm_bwd_op(dy, x, weight, rstd)
+    return dx, dw, None
+
+
+_rms_norm_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+def rms_norm(x, weight, eps=1e-6):
+    """RMSNorm over the last dim: `x / sqrt(mean(x**2, -1) + eps) * weight`.
+
+    x: (..., N) float32/float16/bfloat16 CUDA tensor, any leading dims (flattened to rows), any
+    N >= 1 (rows up to 16384 wide are kept in one tile; wider rows are processed in chunks).
+    Non-contiguous x is accepted (copied once if its rows cannot be viewed).
+    weight: (N,) float32/float16/bfloat16 on x's device; its dtype may differ from x's.
+    Statistics in float32; returns a new tensor of x's shape and dtype. Differentiable in x and
+    weight (dweight comes back in weight's dtype). Works under torch.compile(fullgraph=True).
+    """
+    _check(x, weight, eps)
+    if torch.compiler.is_compiling():
+        return _rms_norm_fwd_op(x, weight, float(eps))[0]
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return RMSNormFunction.apply(x, weight, float(eps))
+    return _forward(x, weight, eps)[0]

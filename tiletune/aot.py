@@ -1,0 +1,124 @@
+"""Ahead-of-time compilation of kernels without a GPU (CI), with the signatures the JIT would infer.
+
+The JIT specializes each array argument on facts it reads off the real tensor (unit strides,
+16-byte divisibility of strides and shapes, size-1 dims, base alignment). A CI compile must state
+the same facts, or it compiles a different kernel (no TMA, no wgmma) than the GPU runs.
+`jit_array` states them; a GPU test checks it against `KernelSignature.from_kernel_args`.
+"""
+import io
+import os
+import time
+from dataclasses import dataclass, field
+
+import cuda.tile as ct
+from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSignature,
+                                   ScalarConstraint, export_kernel)
+
+TORCH_TO_CT = {}  # filled lazily: torch dtype -> ct dtype
+
+
+def ct_dtype(torch_dtype):
+    if not TORCH_TO_CT:
+        import torch
+        TORCH_TO_CT.update({torch.float32: ct.float32, torch.float16: ct.float16,
+                            torch.bfloat16: ct.bfloat16, torch.float64: ct.float64,
+                            torch.int32: ct.int32, torch.int64: ct.int64,
+                            torch.float8_e4m3fn: ct.float8_e4m3fn,
+                            torch.float8_e5m2: ct.float8_e5m2})
+    return TORCH_TO_CT[torch_dtype]
+
+
+def jit_array(dtype, shape, strides=None, *, base_aligned=True, index_dtype=ct.int32):
+    """ArrayConstraint for an array of this dtype/shape/strides as the JIT would specialize it.
+
+    `dtype` is a ct dtype or a torch dtype; `strides` default to C-contiguous (in elements).
+    """
+    if not isinstance(dtype, ct.DType):
+        dtype = ct_dtype(dtype)
+    shape = tuple(int(s) for s in shape)
+    if strides is None:
+        strides, acc = [], 1
+        for s in reversed(shape):
+            strides.append(acc)
+            acc *= max(s, 1)
+        strides = tuple(reversed(strides))
+    nbytes = dtype.bitwidth // 8
+    elems_per_16b = max(16 // nbytes, 1)
+    return ArrayConstraint(
+        dtype, len(shape),
+        index_dtype=index_dtype,
+        stride_lower_bound_incl=0,
+        alias_groups=(),
+        may_alias_internally=False,
+        stride_constant=tuple(1 if st == 1 else None for st in strides),
+        shape_constant=tuple(1 if sh == 1 else None for sh in shape),
+        stride_divisible_by=tuple(elems_per_16b if (st * nbytes) % 16 == 0 and st != 1 else 1
+                                  for st in strides),
+        shape_divisible_by=tuple(16 if sh % 16 == 0 and sh != 1 else 1 for sh in shape),
+        base_addr_divisible_by=16 if base_aligned else 1,
+    )
+
+
+def scalar(dtype):
+    return ScalarConstraint(dtype)
+
+
+F32 = ScalarConstraint(ct.float32)
+I32 = ScalarConstraint(ct.int32)
+
+
+def signature(params):
+    return KernelSignature(list(params), CallingConvention.cutile_python_v2())
+
+
+@dataclass
+class CompileCase:
+    """One kernel, one config, one signature: what the JIT would compile for one launch."""
+    op: str
+    kernel: object          # a ct.kernel, hints already applied
+    params: list            # constraints, constants in place
+    label: str = ""
+
+
+@dataclass
+class CompileReport:
+    ok: list = field(default_factory=list)      # (label, seconds)
+    failed: list = field(default_factory=list)  # (label, error)
+
+
+def compile_case(case, arch):
+    """Compile one case to a cubin for `arch` with the real tileiras. Returns seconds taken."""
+    t0 = time.perf_counter()
+    export_kernel(case.kernel, [signature(case.params)], io.BytesIO(),
+                  gpu_code=arch, output_format="cubin")
+    return time.perf_counter() - t0
+
+
+def _compile_worker(args):
+    case, arch = args
+    os.environ.setdefault("CUDA_TILE_COMPILER_TIMEOUT_SEC", "120")
+    try:
+        return case.label, arch, compile_case(case, arch), None
+    except Exception as e:  # a failed compile is a result to report, not a crash
+        return case.label, arch, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def compile_all(cases, archs, jobs=None):
+    """Compile every case for every arch, in a process pool (compiles are serialized per process)."""
+    from concurrent.futures import ProcessPoolExecutor
+    work = [(c, a) for c in cases for a in archs]
+    report = CompileReport()
+    jobs = jobs or max(os.cpu_count() or 1, 1)
+    if jobs == 1:
+        results = map(_compile_worker, work)
+    else:
+        pool = ProcessPoolExecutor(jobs)
+        results = pool.map(_compile_worker, work)
+    for label, arch, secs, err in results:
+        if err is None:
+            report.ok.append((f"{label} [{arch}]", secs))
+        else:
+            report.failed.append((f"{label} [{arch}]", err))
+    if jobs != 1:
+        pool.shutdown()
+    return report

@@ -1,0 +1,307 @@
+"""The tune-once / cache / launch engine.
+
+An op owns one `Autotuner` per kernel family. Its wrapper does:
+
+    entry = tuner.cache.get(key) or tuner.tune(key, tensor, Search(...))
+    cfg, kernel = entry
+    ct.launch(stream, grid(cfg), kernel, args)
+
+The first line is the whole fast path: one dict lookup (`or` only evaluates the miss branch when
+the lookup fails). `tune` is the miss path: DISABLE_AUTOTUNE=1 -> first config; else the persistent
+store; else `exhaustive_search` over the op's configs; then `replace_hints` once and cache.
+"""
+import dataclasses
+import hashlib
+import inspect
+import json
+import logging
+import os
+import threading
+import time
+import warnings
+from types import SimpleNamespace
+from typing import Any, Callable, Optional
+
+import cuda.tile as ct
+import torch
+
+from tiletune import device as _device
+from tiletune import store
+
+log = logging.getLogger("tiletune")
+if os.environ.get("TILETUNE_LOG", "").strip() not in ("", "0"):
+    logging.basicConfig()
+    log.setLevel(logging.INFO)
+
+MAX_CONFIGS = 30
+COMPILE_TIMEOUT_SEC = float(os.environ.get("TILETUNE_COMPILE_TIMEOUT_SEC", "60"))
+
+# One lock for every search: searches time the GPU, so two at once would disturb each other.
+_search_lock = threading.RLock()
+
+
+class TuningFailedError(RuntimeError):
+    """Every config failed. `.failures` is a list of (config, error type name, message)."""
+
+    def __init__(self, op, key, failures):
+        self.op, self.key, self.failures = op, key, list(failures)
+        lines = [f"tiletune: every config of {op} failed for key {key}:"]
+        lines += [f"  {cfg}: {etype}: {msg.splitlines()[0] if msg else ''}"
+                  for cfg, etype, msg in self.failures]
+        super().__init__("\n".join(lines))
+
+
+def disabled():
+    """True when DISABLE_AUTOTUNE=1: misses take the op's first (default) config, no search."""
+    return os.environ.get("DISABLE_AUTOTUNE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def next_pow2(n):
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def bucket(n):
+    """Dynamic dims (tokens = batch x seq) are keyed by their next power of two."""
+    return next_pow2(n)
+
+
+def config_dict(cfg):
+    return dict(vars(cfg)) if isinstance(cfg, SimpleNamespace) else dict(cfg)
+
+
+@dataclasses.dataclass
+class Work:
+    """What one launch moves and computes, for achieved GB/s and TFLOP/s in the records."""
+    bytes: float = 0.0
+    flops: float = 0.0
+
+    def rates(self, us):
+        out = {}
+        if self.bytes:
+            out["gb_per_s"] = self.bytes / us / 1e3
+        if self.flops:
+            out["tflop_per_s"] = self.flops / us / 1e6
+        return out
+
+
+@dataclasses.dataclass
+class Search:
+    """What a miss needs to search one key; built only on a miss.
+
+    shape:   keyword arguments for the op's config generator (besides `arch`).
+    grid_fn: cfg -> grid.  args_fn: cfg -> kernel args (cheap: called for every sample;
+             search with scratch outputs, split buffers for in-place kernels, never clones).
+    work:    bytes/FLOPs of one launch, for the record's achieved rate.
+    """
+    shape: dict
+    grid_fn: Callable
+    args_fn: Callable
+    work: Optional[Work] = None
+
+
+@dataclasses.dataclass
+class TuningRecord:
+    """What happened when a key was resolved: where the config came from and what it cost."""
+    op: str
+    key: tuple
+    config: dict
+    source: str                  # "search", "store", "default" (DISABLE_AUTOTUNE), "capture"
+    timings: list = dataclasses.field(default_factory=list)   # [{config, mean_us, ...}] fastest first
+    failures: list = dataclasses.field(default_factory=list)  # [{config, error, message}]
+    search_s: float = 0.0
+    best_us: Optional[float] = None
+    rates: dict = dataclasses.field(default_factory=dict)
+
+    def to_json(self):
+        d = dataclasses.asdict(self)
+        d["key"] = [str(k) for k in self.key]
+        return d
+
+
+def default_hints(cfg):
+    """Hints a config carries: `occupancy` and `num_ctas` when it has them."""
+    return {h: getattr(cfg, h) for h in ("occupancy", "num_ctas", "opt_level") if hasattr(cfg, h)}
+
+
+_registry = {}
+
+
+class Autotuner:
+    """Tune-once/cache/launch for one kernel family.
+
+    name:    unique op name (store file name, logs).
+    kernel:  a bare `ct.kernel`, or a function cfg -> bare kernel when configs pick variants.
+    configs: generator(arch, **shape) yielding SimpleNamespace configs, default first, <= 30.
+    default: the config to use if the generator yields nothing.
+    hints:   cfg -> hint dict for `replace_hints` (default: occupancy/num_ctas/opt_level).
+    """
+
+    def __init__(self, name, kernel, configs, *, default, hints=default_hints):
+        if name in _registry:
+            raise ValueError(f"an Autotuner named {name!r} already exists")
+        self.name = name
+        self._kernel = kernel
+        self.configs = configs
+        self.default = default
+        self.hints = hints
+        self.cache = {}          # key -> (cfg, tuned kernel): the fast path reads only this
+        self.records = {}        # key -> TuningRecord
+        self.searches = 0        # number of exhaustive searches run (tests, stats)
+        self._capture_cache = {}  # key -> (cfg, kernel) used while a CUDA graph is captured
+        self._warned_capture = False
+        _registry[name] = self
+
+    # -- pieces -----------------------------------------------------------------------------
+    def base_kernel(self, cfg):
+        return self._kernel if isinstance(self._kernel, ct.kernel) else self._kernel(cfg)
+
+    def build(self, cfg):
+        """The launchable kernel for a config: `replace_hints` once, with exactly its hints."""
+        return self.base_kernel(cfg).replace_hints(**self.hints(cfg))
+
+    def config_list(self, arch, shape):
+        cfgs = list(self.configs(arch, **shape))
+        if len(cfgs) > MAX_CONFIGS:
+            raise ValueError(f"{self.name}: config space has {len(cfgs)} configs (max {MAX_CONFIGS})")
+        return cfgs or [self.default]
+
+    def _fingerprint(self, cfgs):
+        h = hashlib.sha256()
+        h.update(json.dumps([config_dict(c) for c in cfgs], sort_keys=True, default=str).encode())
+        kernels = {id(k): k for k in (self.base_kernel(c) for c in cfgs)}
+        for k in kernels.values():
+            h.update(inspect.getsource(k._pyfunc).encode())
+        return h.hexdigest()[:16]
+
+    def store_key(self, key, dev, cfgs):
+        parts = [str(k) for k in key] + [
+            _device.gpu_name(dev), _device.arch(dev), f"cuda-tile {ct.__version__}",
+            f"space {self._fingerprint(cfgs)}"]
+        return " | ".join(parts)
+
+    def _find(self, cfgs, stored):
+        for c in cfgs:
+            if config_dict(c) == stored:
+                return c
+        return None
+
+    # -- the miss path ----------------------------------------------------------------------
+    def tune(self, key, tensor, search: Search):
+        """Resolve a key that missed the cache; returns (cfg, kernel) and caches it."""
+        dev = tensor.device
+        if torch.cuda.is_current_stream_capturing():
+            return self._resolve_during_capture(key, dev, search)
+        with _search_lock:
+            hit = self.cache.get(key)
+            if hit is not None:          # another thread resolved it while we waited
+                return hit
+            cfgs = self.config_list(_device.arch(dev), search.shape)
+            if disabled():
+                record = TuningRecord(self.name, key, config_dict(cfgs[0]), "default")
+                return self._finish(key, cfgs[0], record)
+            skey = self.store_key(key, dev, cfgs)
+            stored = store.load(self.name, skey)
+            cfg = self._find(cfgs, stored.get("config")) if isinstance(stored, dict) else None
+            if cfg is not None:
+                record = TuningRecord(self.name, key, config_dict(cfg), "store",
+                                      best_us=stored.get("best_us"))
+                return self._finish(key, cfg, record)
+            cfg, record = self._search(key, dev, cfgs, search)
+            store.save(self.name, skey, {"config": record.config, "best_us": record.best_us,
+                                         "search_s": round(record.search_s, 3),
+                                         "saved": time.strftime("%Y-%m-%dT%H:%M:%S")})
+            return self._finish(key, cfg, record)
+
+    def _search(self, key, dev, cfgs, search):
+        from cuda.tile.tune import exhaustive_search
+        self.searches += 1
+        stream = torch.cuda.current_stream(dev)
+        t0 = time.perf_counter()
+        try:
+            with ct.compiler_timeout(COMPILE_TIMEOUT_SEC):
+                result = exhaustive_search(cfgs, stream, search.grid_fn, self.base_kernel,
+                                           search.args_fn, self.hints, quiet=True)
+        except ValueError as e:
+            if "No valid config" not in str(e):
+                raise
+            result = None
+        elapsed = time.perf_counter() - t0
+        if result is None:
+            # exhaustive_search keeps only the first error when all fail: find each one's error.
+            failures = [(config_dict(c), *self._probe(c, search)) for c in cfgs]
+            raise TuningFailedError(self.name, key, failures)
+        timings = sorted(({"config": config_dict(m.config), "mean_us": m.mean_us,
+                           "error_us": m.error_margin_us, "samples": m.num_samples}
+                          for m in result.successes), key=lambda t: t["mean_us"])
+        failures = [{"config": config_dict(c), "error": t.__name__, "message": msg}
+                    for c, t, msg in result.failures]
+        best = result.best
+        rates = search.work.rates(best.mean_us) if search.work else {}
+        record = TuningRecord(self.name, key, config_dict(best.config), "search", timings,
+                              failures, elapsed, best.mean_us, rates)
+        return best.config, record
+
+    def _probe(self, cfg, search):
+        """Launch one config once to get its own error (used only when every config failed)."""
+        try:
+            ct.launch(torch.cuda.current_stream(), search.grid_fn(cfg), self.build(cfg),
+                      search.args_fn(cfg))
+            torch.cuda.synchronize()
+            return "NoError", "ran when probed alone"
+        except Exception as e:
+            return type(e).__name__, str(e)
+
+    def _finish(self, key, cfg, record):
+        entry = (cfg, self.build(cfg))
+        self.records[key] = record
+        self.cache[key] = entry
+        if record.source == "search":
+            rate = " ".join(f"{k}={v:.1f}" for k, v in record.rates.items())
+            log.info("tuned %s %s in %.2fs: %s %.2f us %s (%d configs, %d failed)", self.name,
+                     key, record.search_s, record.config, record.best_us or 0.0, rate,
+                     len(record.timings), len(record.failures))
+        else:
+            log.info("%s %s: %s config %s", self.name, key, record.source, record.config)
+        return entry
+
+    def _resolve_during_capture(self, key, dev, search):
+        """No search while a CUDA graph is captured: stored winner or the default, warn once."""
+        hit = self._capture_cache.get(key)
+        if hit is not None:
+            return hit
+        if not self._warned_capture:
+            warnings.warn(f"tiletune: {self.name} key {key} was first seen during CUDA graph "
+                          "capture; using the stored or default config without tuning. Run the "
+                          "op once before capturing to tune it.")
+            self._warned_capture = True
+        cfgs = self.config_list(_device.arch(dev), search.shape)
+        cfg = None
+        if not disabled():
+            stored = store.load(self.name, self.store_key(key, dev, cfgs))
+            cfg = self._find(cfgs, stored.get("config")) if isinstance(stored, dict) else None
+        cfg = cfg or cfgs[0]
+        entry = (cfg, self.build(cfg))
+        self._capture_cache[key] = entry
+        self.records.setdefault(key, TuningRecord(self.name, key, config_dict(cfg), "capture"))
+        return entry
+
+    def clear(self):
+        self.cache.clear()
+        self.records.clear()
+        self._capture_cache.clear()
+
+
+def tuners():
+    """Every Autotuner created so far, by name."""
+    return dict(_registry)
+
+
+def clear_cache():
+    """Forget every in-memory tuning result (the persistent store is untouched)."""
+    for t in _registry.values():
+        t.clear()
+
+
+def records():
+    """Every TuningRecord of this process: {op name: {key: record}}."""
+    return {name: dict(t.records) for name, t in _registry.items() if t.records}
