@@ -18,8 +18,7 @@ ZERO = ct.PaddingMode.ZERO
 
 @ct.kernel
 def rms_norm_fwd_rows(x, w, y, rstd, inv_n, eps,
-                      TILE_M: ct.Constant[int], TILE_N: ct.Constant[int],
-                      SAVE_RSTD: ct.Constant[bool]):
+                      TILE_M: ct.Constant[int], TILE_N: ct.Constant[int]):
     """Whole rows in one tile: x, y (M, N), w (N,), rstd (M,) f32. Grid-stride over row tiles."""
     wt = ct.reshape(ct.load(w, (0,), (TILE_N,), padding_mode=ZERO).astype(ct.float32), (1, TILE_N))
     num_row_tiles = ct.cdiv(x.shape[0], TILE_M)
@@ -27,13 +26,12 @@ def rms_norm_fwd_rows(x, w, y, rstd, inv_n, eps,
         xt = ct.load(x, (t, 0), (TILE_M, TILE_N), padding_mode=ZERO).astype(ct.float32)
         r = ct.rsqrt(ct.sum(xt * xt, axis=1, keepdims=True) * inv_n + eps)  # [TILE_M, 1]
         ct.store(y, (t, 0), (xt * r * wt).astype(y.dtype))
-        if SAVE_RSTD:
-            ct.store(rstd, (t,), ct.reshape(r, (TILE_M,)))
+        ct.store(rstd, (t,), ct.reshape(r, (TILE_M,)))
 
 
 @ct.kernel
 def rms_norm_fwd_chunked(x, w, y, rstd, inv_n, eps,
-                         TILE_N: ct.Constant[int], SAVE_RSTD: ct.Constant[bool]):
+                         TILE_N: ct.Constant[int]):
     """Rows too wide for one tile: two passes over TILE_N-wide chunks (the second hits L2)."""
     num_chunks = ct.cdiv(x.shape[1], TILE_N)
     for row in range(ct.bid(0), x.shape[0], ct.num_blocks(0)):
@@ -47,8 +45,7 @@ def rms_norm_fwd_chunked(x, w, y, rstd, inv_n, eps,
             wt = ct.reshape(ct.load(w, (c,), (TILE_N,), padding_mode=ZERO).astype(ct.float32),
                             (1, TILE_N))
             ct.store(y, (row, c), (xt * r * wt).astype(y.dtype))
-        if SAVE_RSTD:
-            ct.store(rstd, (row,), ct.reshape(r, (1,)))
+        ct.store(rstd, (row,), ct.reshape(r, (1,)))
 
 
 @ct.kernel
@@ -107,67 +104,85 @@ def rms_norm_bwd_cols(dy, x, w, rstd, coef, dx, dw_partial,
 
 
 # ---------------------------------------------------------------------------------------------
-# Configs. A config names the kernel variant, its tiles and the occupancy hint; the grid is
-# persistent: min(row tiles, SMs x occupancy) CTAs, each striding over row tiles.
+# Configs. A config names the kernel variant, its tiles, and the hints (occupancy, worker warps).
+# Grids are persistent: min(row tiles, SMs x occupancy) CTAs, each striding over row tiles.
+# Measured on H200 (BENCHMARKS.md): occupancy >= 8 and tiles over 16K elements lose 2-6x
+# (register spills), so the space stays at 4K-16K-element tiles, occupancy 1-4(8), 4 or 8 warps.
 
 MAX_ROW_TILE = 16384      # widest row (elements) kept whole in one tile; wider rows are chunked
-OCCUPANCIES = (1, 2, 4, 8, 16)
+WARPS = (4, 8)            # tileiras 13.4 takes 4 or 8 worker warps
 
 
-def fwd_configs(arch, n_cols, max_tile_elems=8192, occupancies=OCCUPANCIES):
+def _space(default, **dims):
+    """Default first, then the product of `dims` (dicts of name -> values), without repeats."""
+    yield default
+    seen = [default]
+    names = list(dims)
+
+    def rec(i, acc):
+        if i == len(names):
+            cfg = SimpleNamespace(**{**vars(default), **acc})
+            if cfg not in seen:
+                seen.append(cfg)
+                yield cfg
+            return
+        for v in dims[names[i]]:
+            yield from rec(i + 1, {**acc, names[i]: v})
+    yield from rec(0, {})
+
+
+def _row_tiles(tile_n, elems=(4096, 8192, 16384)):
+    """Rows per tile so a tile holds about `elems` elements (at least one row)."""
+    return sorted({max(1, e // tile_n) for e in elems})
+
+
+def fwd_configs(arch, n_cols, tile_elems=(4096, 8192, 16384), occupancies=(1, 2, 4, 8), warps=WARPS):
     """Forward search space for rows of `n_cols` elements (default first)."""
     tile_n = next_pow2(n_cols)
     if tile_n <= MAX_ROW_TILE:
-        tile_ms = [m for m in (1, 2, 4, 8, 16, 32) if m * tile_n <= max(max_tile_elems, tile_n)]
-        default = SimpleNamespace(kind="rows", tile_m=tile_ms[min(len(tile_ms) - 1, 1)],
-                                  tile_n=tile_n, occupancy=4)
-        yield default
-        for m in tile_ms:
-            for occ in occupancies:
-                cfg = SimpleNamespace(kind="rows", tile_m=m, tile_n=tile_n, occupancy=occ)
-                if cfg != default:
-                    yield cfg
+        default = SimpleNamespace(kind="rows", tile_m=max(1, 8192 // tile_n), tile_n=tile_n,
+                                  occupancy=2, num_worker_warps=4)
+        yield from _space(default, tile_m=_row_tiles(tile_n, tile_elems), occupancy=occupancies,
+                          num_worker_warps=warps)
     else:
-        yield SimpleNamespace(kind="chunked", tile_m=1, tile_n=4096, occupancy=4)
-        for tn in (2048, 4096, 8192):
-            for occ in (1, 2, 4, 8):
-                if (tn, occ) != (4096, 4):
-                    yield SimpleNamespace(kind="chunked", tile_m=1, tile_n=tn, occupancy=occ)
+        default = SimpleNamespace(kind="chunked", tile_m=1, tile_n=4096, occupancy=2,
+                                  num_worker_warps=4)
+        yield from _space(default, tile_n=(2048, 4096, 8192), occupancy=occupancies,
+                          num_worker_warps=warps)
 
 
-def bwd_configs(arch, n_cols, max_tile_elems=8192, occupancies=(1, 2, 4, 8)):
+def bwd_configs(arch, n_cols, tile_elems=(4096, 8192, 16384), occupancies=(1, 2, 4), warps=WARPS):
     """Backward (whole-row kernel) search space; only for rows up to MAX_ROW_TILE."""
     tile_n = next_pow2(n_cols)
-    tile_ms = [m for m in (1, 2, 4, 8, 16, 32) if m * tile_n <= max(max_tile_elems, tile_n)]
-    default = SimpleNamespace(tile_m=tile_ms[0], tile_n=tile_n, occupancy=2)
-    yield default
-    for m in tile_ms:
-        for occ in occupancies:
-            cfg = SimpleNamespace(tile_m=m, tile_n=tile_n, occupancy=occ)
-            if cfg != default:
-                yield cfg
+    default = SimpleNamespace(tile_m=max(1, 8192 // tile_n), tile_n=tile_n, occupancy=2,
+                              num_worker_warps=4)
+    yield from _space(default, tile_m=_row_tiles(tile_n, tile_elems), occupancy=occupancies,
+                      num_worker_warps=warps)
 
 
 def bwd_coef_configs(arch, n_cols):
-    yield SimpleNamespace(tile_n=4096, occupancy=4)
-    for tn in (2048, 4096, 8192):
-        for occ in (2, 4, 8):
-            if (tn, occ) != (4096, 4):
-                yield SimpleNamespace(tile_n=tn, occupancy=occ)
+    default = SimpleNamespace(tile_n=4096, occupancy=4, num_worker_warps=4)
+    yield from _space(default, tile_n=(2048, 4096, 8192), occupancy=(2, 4, 8), num_worker_warps=WARPS)
 
 
 def bwd_cols_configs(arch, n_cols):
-    yield SimpleNamespace(tile_m=8, tile_n=512, occupancy=4)
-    for tm, tn in ((4, 1024), (8, 512), (16, 256), (8, 1024), (16, 512)):
+    default = SimpleNamespace(tile_m=8, tile_n=512, occupancy=4, num_worker_warps=4)
+    yield default
+    for tm, tn in ((8, 512), (4, 1024), (16, 256), (8, 1024), (16, 512)):
         for occ in (2, 4, 8):
-            if (tm, tn, occ) != (8, 512, 4):
-                yield SimpleNamespace(tile_m=tm, tile_n=tn, occupancy=occ)
+            for warps in WARPS:
+                cfg = SimpleNamespace(tile_m=tm, tile_n=tn, occupancy=occ, num_worker_warps=warps)
+                if cfg != default:
+                    yield cfg
 
 
-_fwd = Autotuner("rms_norm_fwd",
-                 lambda cfg: rms_norm_fwd_rows if cfg.kind == "rows" else rms_norm_fwd_chunked,
-                 fwd_configs,
-                 default=SimpleNamespace(kind="chunked", tile_m=1, tile_n=4096, occupancy=4))
+def _fwd_kernel(cfg):
+    return rms_norm_fwd_rows if cfg.kind == "rows" else rms_norm_fwd_chunked
+
+
+# `default` is the hard-coded fallback if a generator ever yields nothing.
+_fwd = Autotuner("rms_norm_fwd", _fwd_kernel, fwd_configs,
+                 default=SimpleNamespace(kind="chunked", tile_m=1, tile_n=4096, occupancy=2))
 _bwd = Autotuner("rms_norm_bwd", rms_norm_bwd_rows, bwd_configs,
                  default=SimpleNamespace(tile_m=1, tile_n=MAX_ROW_TILE, occupancy=2))
 _bwd_coef = Autotuner("rms_norm_bwd_coef", rms_norm_bwd_row_coef, bwd_coef_configs,
@@ -408,3 +423,45 @@ def rms_norm(x, weight, eps=1e-6):
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return RMSNormFunction.apply(x, weight, float(eps))
     return _forward(x, weight, eps)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time compile cases (CI without a GPU, `python -m tiletune compile`): every config of
+# every kernel, for row widths that reach each variant; aligned and ragged widths; other dtypes.
+
+AOT_WIDTHS = (4096, 1001, 8192, 16384, 20000)
+
+
+def aot_cases():
+    from tiletune.aot import F32, CompileCase, jit_array
+    f32 = torch.float32
+
+    def fwd_params(cfg, M, N, xd, wd):
+        x, w, y, r = (jit_array(xd, (M, N)), jit_array(wd, (N,)), jit_array(xd, (M, N)),
+                      jit_array(f32, (M,)))
+        tiles = (cfg.tile_m, cfg.tile_n) if cfg.kind == "rows" else (cfg.tile_n,)
+        return [x, w, y, r, F32, F32, *tiles]
+
+    M, G = 4096, 264
+    for N in AOT_WIDTHS:
+        for i, cfg in enumerate(fwd_configs("sm_90", N)):
+            combos = [(torch.bfloat16, torch.bfloat16)]
+            if i == 0:   # the default config also for the other dtype combinations
+                combos += [(f32, f32), (torch.float16, torch.float16), (torch.bfloat16, f32)]
+            for xd, wd in combos:
+                yield CompileCase("rms_norm", _fwd.build(cfg), fwd_params(cfg, M, N, xd, wd),
+                                  f"rms_norm_fwd N={N} {xd} w={wd} {vars(cfg)}")
+        x, w, r = jit_array(torch.bfloat16, (M, N)), jit_array(torch.bfloat16, (N,)), jit_array(f32, (M,))
+        if next_pow2(N) <= MAX_ROW_TILE:
+            for cfg in bwd_configs("sm_90", N):
+                yield CompileCase("rms_norm", _bwd.build(cfg),
+                                  [x, x, w, r, x, jit_array(f32, (G, N)), F32, cfg.tile_m, cfg.tile_n],
+                                  f"rms_norm_bwd N={N} {vars(cfg)}")
+        else:
+            for cfg in bwd_coef_configs("sm_90", N):
+                yield CompileCase("rms_norm", _bwd_coef.build(cfg), [x, x, w, r, r, F32, cfg.tile_n],
+                                  f"rms_norm_bwd_coef N={N} {vars(cfg)}")
+            for cfg in bwd_cols_configs("sm_90", N):
+                yield CompileCase("rms_norm", _bwd_cols.build(cfg),
+                                  [x, x, w, r, r, x, jit_array(f32, (G, N)), cfg.tile_m, cfg.tile_n],
+                                  f"rms_norm_bwd_cols N={N} {vars(cfg)}")

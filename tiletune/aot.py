@@ -94,31 +94,42 @@ def compile_case(case, arch):
     return time.perf_counter() - t0
 
 
+_CASES = {}   # per process: op name -> its list of cases (kernels cannot be pickled)
+
+
+def op_cases(op):
+    if op not in _CASES:
+        import importlib
+        _CASES[op] = list(importlib.import_module(f"tiletune.ops.{op}").aot_cases())
+    return _CASES[op]
+
+
 def _compile_worker(args):
-    case, arch = args
-    os.environ.setdefault("CUDA_TILE_COMPILER_TIMEOUT_SEC", "120")
+    op, index, arch = args
+    case = op_cases(op)[index]
     try:
         return case.label, arch, compile_case(case, arch), None
     except Exception as e:  # a failed compile is a result to report, not a crash
-        return case.label, arch, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return case.label, arch, None, f"{type(e).__name__}: {first}"
 
 
-def compile_all(cases, archs, jobs=None):
-    """Compile every case for every arch, in a process pool (compiles are serialized per process)."""
+def compile_all(ops, archs, jobs=None):
+    """Compile every AOT case of the named ops for every arch, in a process pool (compiles are
+    serialized inside one process). Returns a CompileReport."""
     from concurrent.futures import ProcessPoolExecutor
-    work = [(c, a) for c in cases for a in archs]
+    os.environ.setdefault("CUDA_TILE_COMPILER_TIMEOUT_SEC", "120")
+    work = [(op, i, a) for op in ops for i in range(len(op_cases(op))) for a in archs]
     report = CompileReport()
-    jobs = jobs or max(os.cpu_count() or 1, 1)
+    jobs = jobs or os.cpu_count() or 1
     if jobs == 1:
-        results = map(_compile_worker, work)
+        results = list(map(_compile_worker, work))
     else:
-        pool = ProcessPoolExecutor(jobs)
-        results = pool.map(_compile_worker, work)
+        with ProcessPoolExecutor(jobs) as pool:
+            results = list(pool.map(_compile_worker, work, chunksize=4))
     for label, arch, secs, err in results:
         if err is None:
             report.ok.append((f"{label} [{arch}]", secs))
         else:
             report.failed.append((f"{label} [{arch}]", err))
-    if jobs != 1:
-        pool.shutdown()
     return report

@@ -118,9 +118,12 @@ class TuningRecord:
         return d
 
 
+HINTS = ("occupancy", "num_ctas", "num_worker_warps", "opt_level")
+
+
 def default_hints(cfg):
-    """Hints a config carries: `occupancy` and `num_ctas` when it has them."""
-    return {h: getattr(cfg, h) for h in ("occupancy", "num_ctas", "opt_level") if hasattr(cfg, h)}
+    """The compiler hints a config carries (occupancy, num_ctas, num_worker_warps, opt_level)."""
+    return {h: getattr(cfg, h) for h in HINTS if hasattr(cfg, h)}
 
 
 _registry = {}

@@ -1,0 +1,248 @@
+"""The engine's own logic, driven through its real code; a stand-in replaces only the GPU search."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import cuda.tile as ct
+import cuda.tile.tune
+import pytest
+import torch
+
+from tiletune import autotune, device, store
+from tiletune.autotune import Autotuner, Search, TuningFailedError, bucket
+
+
+@ct.kernel
+def _k(x, T: ct.Constant[int]):
+    ct.store(x, (ct.bid(0),), ct.load(x, (ct.bid(0),), (T,)))
+
+
+def _space(arch, n):
+    for occ in (1, 2, 4):
+        yield SimpleNamespace(tile=n, occupancy=occ)
+
+
+class FakeTensor:
+    device = "cuda:0"
+
+
+class FakeSearch:
+    """Stands in for exhaustive_search: times are a function of the config; counts calls."""
+
+    def __init__(self, fail=(), delay=0.0, best_occ=2):
+        self.calls, self.fail, self.delay, self.best_occ = 0, set(fail), delay, best_occ
+
+    def __call__(self, space, stream, grid_fn, kernel, args_fn, hints_fn=None, **kw):
+        self.calls += 1
+        time.sleep(self.delay)
+        ok, bad = [], []
+        for c in space:
+            kernel(c).replace_hints(**hints_fn(c))  # what the real search does per config
+            if c.occupancy in self.fail:
+                bad.append((c, RuntimeError, f"boom {c.occupancy}"))
+            else:
+                ok.append(cuda.tile.tune.Measurement(config=c, mean_us=10.0 + abs(c.occupancy - self.best_occ),
+                                                     num_samples=5, error_margin_us=0.1))
+        if not ok:
+            raise ValueError("No valid config found in search space.")
+        return cuda.tile.tune.TuningResult(best=min(ok, key=lambda m: m.mean_us), successes=ok, failures=bad)
+
+
+@pytest.fixture
+def env(monkeypatch, tmp_path):
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "store"))
+    monkeypatch.delenv("DISABLE_AUTOTUNE", raising=False)
+    monkeypatch.setattr(device, "arch", lambda d=None: "sm_90")
+    monkeypatch.setattr(device, "gpu_name", lambda d: "Fake H200")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    fake = FakeSearch()
+    monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", fake)
+    made = []
+
+    def make(name="op", configs=_space):
+        t = Autotuner(f"{name}{len(made)}_{id(made)}", _k, configs, default=SimpleNamespace(tile=8, occupancy=1))
+        made.append(t)
+        return t
+    yield SimpleNamespace(fake=fake, make=make, path=tmp_path / "store")
+    for t in made:
+        autotune._registry.pop(t.name, None)
+
+
+def search(n=16):
+    return Search(shape=dict(n=n), grid_fn=lambda c: (1,), args_fn=lambda c: ())
+
+
+def resolve(t, key, n=16):
+    return t.cache.get(key) or t.tune(key, FakeTensor(), search(n))
+
+
+def test_bucket_is_next_power_of_two():
+    assert [bucket(n) for n in (1, 2, 3, 5, 1000, 1024, 1025)] == [1, 2, 4, 8, 1024, 1024, 2048]
+
+
+def test_miss_searches_once_then_hits(env, monkeypatch):
+    t = env.make()
+    cfg, kern = resolve(t, ("k", 1))
+    assert cfg.occupancy == 2 and env.fake.calls == 1 and t.searches == 1
+    rec = t.records[("k", 1)]
+    assert rec.source == "search" and rec.config == {"tile": 16, "occupancy": 2}
+    assert len(rec.timings) == 3 and rec.timings[0]["mean_us"] == 10.0
+    # the hit path: no search and no replace_hints
+    monkeypatch.setattr(ct.kernel, "replace_hints", lambda *a, **k: pytest.fail("replace_hints on a hit"))
+    assert resolve(t, ("k", 1)) == (cfg, kern)
+    assert env.fake.calls == 1
+
+
+def test_tuned_kernel_carries_exactly_the_winning_hints(env):
+    t = env.make()
+    _, kern = resolve(t, ("k",))
+    assert kern._compiler_options.occupancy == 2
+
+
+def test_disable_autotune_takes_first_config_without_search(env, monkeypatch):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    t = env.make()
+    cfg, _ = resolve(t, ("k",))
+    assert cfg.occupancy == 1 and env.fake.calls == 0
+    assert t.records[("k",)].source == "default"
+    assert not env.path.exists() or not any(env.path.iterdir())
+
+
+def test_empty_generator_falls_back_to_hard_coded_default(env, monkeypatch):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    t = env.make(configs=lambda arch, n: iter(()))
+    assert resolve(t, ("k",))[0] == SimpleNamespace(tile=8, occupancy=1)
+
+
+def test_more_than_30_configs_is_refused(env):
+    t = env.make(configs=lambda arch, n: (SimpleNamespace(occupancy=i) for i in range(31)))
+    with pytest.raises(ValueError, match="max 30"):
+        resolve(t, ("k",))
+
+
+def test_store_round_trip_skips_search(env):
+    t1 = env.make("a")
+    resolve(t1, ("k", 7))
+    t1.clear()
+    t1.searches = 0
+    cfg, _ = resolve(t1, ("k", 7))
+    assert t1.searches == 0 and cfg.occupancy == 2 and t1.records[("k", 7)].source == "store"
+    entries = store.entries(t1.name)[t1.name]
+    (skey,) = entries
+    assert "Fake H200" in skey and "sm_90" in skey and f"cuda-tile {ct.__version__}" in skey
+
+
+def test_changed_config_space_does_not_reuse_stale_winner(env):
+    t = env.make()
+    resolve(t, ("k",), n=16)
+    t.clear()
+    t.configs = lambda arch, n: (SimpleNamespace(tile=n, occupancy=o) for o in (1, 2, 8))
+    resolve(t, ("k",), n=16)
+    assert env.fake.calls == 2
+
+
+def test_corrupt_store_is_ignored_and_rewritten(env):
+    t = env.make()
+    env.path.mkdir(parents=True)
+    (env.path / f"{t.name}.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="ignoring"):
+        resolve(t, ("k",))
+    data = json.loads((env.path / f"{t.name}.json").read_text())
+    assert data["format"] == store.FORMAT and len(data["entries"]) == 1
+
+
+def test_foreign_store_file_is_ignored(env):
+    t = env.make()
+    env.path.mkdir(parents=True)
+    (env.path / f"{t.name}.json").write_text(json.dumps([1, 2, 3]))
+    with pytest.warns(UserWarning):
+        resolve(t, ("k",))
+    assert env.fake.calls == 1
+
+
+def test_store_off(env, monkeypatch):
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", "off")
+    t = env.make()
+    resolve(t, ("k",))
+    t.clear()
+    resolve(t, ("k",))
+    assert env.fake.calls == 2 and not env.path.exists()
+
+
+def test_all_configs_failing_raises_with_every_error(env, monkeypatch):
+    env.fake.fail = {1, 2, 4}
+    t = env.make()
+    monkeypatch.setattr(t, "_probe", lambda cfg, s: ("RuntimeError", f"boom {cfg.occupancy}"))
+    with pytest.raises(TuningFailedError) as e:
+        resolve(t, ("k",))
+    assert len(e.value.failures) == 3
+    assert all(f"boom {o}" in str(e.value) for o in (1, 2, 4))
+
+
+def test_partial_failures_are_recorded(env):
+    env.fake.fail = {4}
+    t = env.make()
+    resolve(t, ("k",))
+    rec = t.records[("k",)]
+    assert [f["config"]["occupancy"] for f in rec.failures] == [4] and len(rec.timings) == 2
+
+
+def test_eight_threads_on_a_cold_key_search_once(env):
+    env.fake.delay = 0.2
+    t = env.make()
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(resolve(t, ("cold",)))) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert env.fake.calls == 1 and len(results) == 8 and len({id(r[1]) for r in results}) == 1
+
+
+def test_miss_during_graph_capture_does_not_search(env, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    t = env.make()
+    with pytest.warns(UserWarning, match="capture"):
+        cfg, _ = resolve(t, ("k",))
+    assert env.fake.calls == 0 and cfg.occupancy == 1
+    assert ("k",) not in t.cache      # tuned properly on the next miss outside capture
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    resolve(t, ("k",))
+    assert env.fake.calls == 1
+
+
+def test_capture_uses_stored_winner(env, monkeypatch):
+    t = env.make()
+    resolve(t, ("k",))
+    t.clear()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.warns(UserWarning):
+        assert resolve(t, ("k",))[0].occupancy == 2
+
+
+_WRITER = """
+import sys
+from tiletune import store
+for i in range(40):
+    store.save("shared", f"p{sys.argv[1]}-{i}", {"config": {"i": i}})
+"""
+
+
+def test_store_writes_from_several_processes_keep_every_entry(tmp_path):
+    env = dict(os.environ, TILETUNE_CACHE_DIR=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(p)], env=env) for p in range(4)]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    data = json.loads((tmp_path / "shared.json").read_text())
+    assert len(data["entries"]) == 160
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+def test_store_clear(env):
+    t = env.make()
+    resolve(t, ("k",))
+    assert store.clear() == 1 and store.entries() == {}
