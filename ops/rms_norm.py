@@ -465,3 +465,81 @@ def aot_cases():
                 yield CompileCase("rms_norm", _bwd_cols.build(cfg),
                                   [x, x, w, r, r, x, jit_array(f32, (G, N)), cfg.tile_m, cfg.tile_n],
                                   f"rms_norm_bwd_cols N={N} {vars(cfg)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmarks (python -m tiletune bench rms_norm).
+
+BENCH_SHAPES = ((16384, 4096, torch.bfloat16), (4096, 8192, torch.bfloat16),
+                (32768, 2048, torch.bfloat16), (8192, 5120, torch.float16),
+                (2048, 32768, torch.bfloat16))
+
+
+def _peer_fns(eps):
+    peers = {}
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        peers["liger"] = lambda x, w: LigerRMSNormFunction.apply(x, w, eps)
+    except Exception:
+        pass
+    try:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from tilegym.ops.cutile.rms_norm import rms_norm as tilegym_rms_norm
+        peers["tilegym"] = lambda x, w: tilegym_rms_norm(x, None, w, eps)
+    except Exception:
+        pass
+    return peers
+
+
+def bench_cases():
+    from tiletune.bench import BenchCase
+    eps = 1e-6
+    cases = []
+    for M, N, dt in BENCH_SHAPES:
+        x = torch.randn(M, N, device="cuda", dtype=dt)
+        w = torch.rand(N, device="cuda", dtype=dt) + 0.5
+        copy_out = torch.empty_like(x)
+        torch_fn = lambda x, w, N=N: torch.nn.functional.rms_norm(x, (N,), w, eps)
+        compiled = torch.compile(torch_fn)
+        fns = {"torch": torch_fn, "torch_compile": compiled, **_peer_fns(eps)}
+        name = f"{M}x{N} {str(dt).replace('torch.', '')}"
+        nbytes = 2 * x.numel() * x.element_size()
+        cases.append(BenchCase(
+            "rms_norm", name, "fwd", lambda x=x, w=w: rms_norm(x, w, eps),
+            {k: (lambda f=f, x=x, w=w: f(x, w)) for k, f in fns.items()},
+            bytes=nbytes, ceiling=("copy", lambda x=x, o=copy_out: o.copy_(x))))
+
+        xg = x.detach().clone().requires_grad_()
+        wg = w.detach().clone().requires_grad_()
+        dy = torch.randn_like(x)
+
+        def train_step(f, xg=xg, wg=wg, dy=dy):
+            return lambda: torch.autograd.backward(f(xg, wg), dy)
+        cases.append(BenchCase(
+            "rms_norm", name, "fwd+bwd", train_step(lambda a, b: rms_norm(a, b, eps)),
+            {k: train_step(f) for k, f in fns.items()},
+            bytes=2.5 * nbytes,   # fwd: read x, write y; bwd: read x and dy, write dx
+            ceiling=("copy", lambda x=x, o=copy_out: o.copy_(x)), ceiling_scale=2.5))
+    return cases
+
+
+def bench_host():
+    """Host microseconds per call at a tiny shape: bare ct.launch of the tuned kernel vs the
+    engine's fast path (key, lookup, grid, launch) vs the whole op (validation, allocation)."""
+    from tiletune.bench import host_us
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(1024, device="cuda", dtype=torch.bfloat16)
+    y, rstd = torch.empty_like(x), torch.empty(64, device="cuda", dtype=torch.float32)
+    launch_fwd(x, w, y, rstd, 1e-6)
+    key = (1024, bucket(64), x.dtype, w.dtype, x.get_device())
+    cfg, kernel = _fwd.cache[key]
+    grid, args = _fwd_grid(cfg, x), _fwd_args(cfg, x, w, y, rstd, 1e-6)
+    stream = current_stream(0)
+    out = {"bare_launch": host_us(lambda: ct.launch(stream, grid, kernel, args)),
+           "engine_fast_path": host_us(lambda: launch_fwd(x, w, y, rstd, 1e-6)),
+           "rms_norm_call": host_us(lambda: rms_norm(x, w)),
+           "torch_rms_norm_call": host_us(lambda: torch.nn.functional.rms_norm(x, (1024,), w, 1e-6))}
+    out["fast_path_over_bare"] = out["engine_fast_path"] / out["bare_launch"]
+    return out

@@ -44,4 +44,3 @@ def _raw_stream_fallback(device_index):
 # torch.cuda.current_stream() builds a Stream object (3.4 us on H200); the raw handle is 0.2 us.
 # ct.launch takes either. Both follow torch's current stream, graph capture included.
 current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _raw_stream_fallback)
-current_stream.__doc__ = "The current CUDA stream handle (int) of a device index, for ct.launch."

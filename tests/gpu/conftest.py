@@ -1,0 +1,27 @@
+import pytest
+
+import tiletune
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "/gpu/" in str(item.fspath):
+            item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """Empty in-memory caches and an empty store for one test; autotuning on."""
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "store"))
+    monkeypatch.delenv("DISABLE_AUTOTUNE", raising=False)
+    tiletune.clear_cache()
+    yield tmp_path / "store"
+    tiletune.clear_cache()
+
+
+def poison_allocator(torch):
+    """Fill freed blocks of the caching allocator with NaN so unwritten outputs show up."""
+    free = torch.cuda.mem_get_info()[0]
+    n = min(free // 4, 1 << 28)          # up to 1 GiB of NaN, then released to the cache
+    t = torch.full((n // 4,), float("nan"), device="cuda")
+    del t

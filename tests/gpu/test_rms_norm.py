@@ -1,0 +1,281 @@
+"""RMSNorm on the GPU against a float32 reference on random data."""
+import os
+import subprocess
+import sys
+import threading
+
+import cuda.tile as ct
+import cuda.tile.tune
+import pytest
+import torch
+
+import tiletune
+from tiletune.ops import rms_norm as R
+from tiletune.ops.rms_norm import rms_norm
+
+from .conftest import poison_allocator
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}   # relative norm error
+
+
+def reference(x, w, eps):
+    x64, w64 = x.double(), w.double()
+    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w64
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all(), "non-finite values (unwritten output?)"
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check(shape, dt, wdt, eps=1e-6, grad=True):
+    N = shape[-1]
+    x = torch.randn(shape, device="cuda", dtype=dt) * 3
+    w = (torch.rand(N, device="cuda", dtype=wdt) + 0.5)
+    xr, wr = x.clone().requires_grad_(grad), w.clone().requires_grad_(grad)
+    poison_allocator(torch)
+    y = rms_norm(xr, wr, eps)
+    assert y.shape == x.shape and y.dtype == dt
+    ref_x, ref_w = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = reference(ref_x, ref_w, eps)
+    tol = max(TOL[dt], TOL[wdt])
+    assert rel(y, ref) < tol
+    if grad:
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        ref.backward(dy.double())
+        assert xr.grad.dtype == dt and wr.grad.dtype == wdt
+        assert rel(xr.grad, ref_x.grad) < tol * 2
+        assert rel(wr.grad, ref_w.grad) < tol * 2
+    assert torch.equal(xr.detach(), x)    # input untouched
+
+
+SHAPES = [(1, 1), (3, 7), (5, 1000), (37, 4096), (2, 3, 8192), (17, 16384), (9, 20000),
+          (4, 65536), (1025, 1001), (300, 128)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dt", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_tuned(fresh, shape, dt):
+    check(shape, dt, dt)
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (37, 4096), (9, 20000), (1025, 1001)], ids=str)
+@pytest.mark.parametrize("dt", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_disable_autotune_never_searches(fresh, monkeypatch, shape, dt):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    monkeypatch.setattr(cuda.tile.tune, "exhaustive_search",
+                        lambda *a, **k: pytest.fail("exhaustive_search under DISABLE_AUTOTUNE=1"))
+    check(shape, dt, dt)
+    assert all(t.searches == 0 for t in R.TUNERS)
+
+
+@pytest.mark.parametrize("dt,wdt", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                    (torch.float32, torch.bfloat16)], ids=str)
+def test_weight_dtype_differs(fresh, dt, wdt):
+    check((33, 4096), dt, wdt)
+    keys = list(R._fwd.cache)
+    assert any(wdt in k for k in keys)
+
+
+def test_second_call_no_search_no_replace_hints(fresh, monkeypatch):
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    rms_norm(x, w)
+    assert R._fwd.searches == 1
+    monkeypatch.setattr(ct.kernel, "replace_hints", lambda *a, **k: pytest.fail("replace_hints"))
+    monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", lambda *a, **k: pytest.fail("search"))
+    rms_norm(x, w)
+    rms_norm(torch.randn(60, 2048, device="cuda", dtype=torch.bfloat16), w)   # same M bucket
+    assert R._fwd.searches == 1
+
+
+def test_tuned_kernel_is_compiled_once(fresh):
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    rms_norm(x, w)
+    (cfg, kernel), = R._fwd.cache.values()
+    rms_norm(x, w)
+    assert R._fwd.cache[next(iter(R._fwd.cache))][1] is kernel
+    rec = next(iter(R._fwd.records.values()))
+    assert rec.source == "search" and rec.timings and rec.rates.get("gb_per_s", 0) > 0
+
+
+_CHILD = """
+import torch
+from tiletune.ops import rms_norm as R
+x = torch.randn(128, 3000, device="cuda", dtype=torch.float16)
+w = torch.randn(3000, device="cuda", dtype=torch.float16)
+R.rms_norm(x.requires_grad_(), w.requires_grad_()).sum().backward()
+print("SEARCHES", sum(t.searches for t in R.TUNERS))
+"""
+
+
+def test_second_process_reuses_store(tmp_path):
+    env = dict(os.environ, TILETUNE_CACHE_DIR=str(tmp_path / "store"))
+    env.pop("DISABLE_AUTOTUNE", None)
+    out = [subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
+                          timeout=600) for _ in range(2)]
+    for o in out:
+        assert o.returncode == 0, o.stderr[-2000:]
+    assert "SEARCHES 2" in out[0].stdout and "SEARCHES 0" in out[1].stdout
+
+
+def test_eight_threads_cold_key_one_search(fresh):
+    x = torch.randn(96, 1536, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1536, device="cuda", dtype=torch.bfloat16)
+    outs, errors = [None] * 8, []
+
+    def work(i):
+        try:
+            outs[i] = rms_norm(x, w)
+        except Exception as e:
+            errors.append(e)
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    torch.cuda.synchronize()
+    assert not errors and R._fwd.searches == 1
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+def test_torch_compile_fullgraph(fresh):
+    x = torch.randn(4, 50, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def f(x, w):
+        return rms_norm(x * 2, w).float().sum()
+    eager = f(x, w)
+    gx, gw = torch.autograd.grad(eager, (x, w))
+    compiled = torch.compile(f, fullgraph=True)
+    out = compiled(x, w)
+    cx, cw = torch.autograd.grad(out, (x, w))
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(cx, gx)
+    torch.testing.assert_close(cw, gw)
+
+
+def test_cuda_graph_replay(fresh):
+    x = torch.randn(256, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        rms_norm(x, w)             # warm-up tunes outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = rms_norm(x, w)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel(y, reference(x, w, 1e-6)) < TOL[torch.bfloat16]
+
+
+def test_capture_of_cold_key_does_not_search(fresh):
+    x = torch.randn(100, 640, device="cuda", dtype=torch.float16)
+    w = torch.rand(640, device="cuda", dtype=torch.float16)
+    ref = reference(x, w, 1e-6)
+    g = torch.cuda.CUDAGraph()
+    with pytest.warns(UserWarning, match="capture"):
+        with torch.cuda.graph(g):
+            y = rms_norm(x, w)
+    g.replay()
+    torch.cuda.synchronize()
+    assert R._fwd.searches == 0 and rel(y, ref) < TOL[torch.float16]
+
+
+def test_non_contiguous_input(fresh):
+    base = torch.randn(64, 2, 4096, device="cuda", dtype=torch.bfloat16)
+    x = base[:, 1, :]                    # row stride 8192: a strided view
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16)
+    assert rel(rms_norm(x, w), reference(x, w, 1e-6)) < TOL[torch.bfloat16]
+    xt = torch.randn(4096, 64, device="cuda", dtype=torch.float32).t()   # last dim not unit stride
+    wt = torch.rand(4096, device="cuda", dtype=torch.float32)
+    assert rel(rms_norm(xt, wt), reference(xt, wt, 1e-6)) < TOL[torch.float32]
+
+
+def test_empty_batch(fresh):
+    w = torch.rand(4096, device="cuda")
+    for shape in [(0, 4096), (2, 0, 4096)]:
+        x = torch.randn(shape, device="cuda", requires_grad=True)
+        y = rms_norm(x, w.requires_grad_())
+        assert y.shape == x.shape
+        y.sum().backward()
+
+
+def test_bad_input():
+    x = torch.randn(4, 64, device="cuda")
+    w = torch.rand(64, device="cuda")
+    with pytest.raises(ValueError, match="x must be a CUDA tensor"):
+        rms_norm(x.cpu(), w)
+    with pytest.raises(ValueError, match="weight is on"):
+        rms_norm(x, w.cpu())
+    with pytest.raises(ValueError, match="weight must have shape"):
+        rms_norm(x, torch.rand(63, device="cuda"))
+    with pytest.raises(TypeError, match="x dtype"):
+        rms_norm(x.to(torch.int32), w)
+    with pytest.raises(TypeError, match="weight dtype"):
+        rms_norm(x, w.double())
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm(x, w, eps=-1e-6)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        rms_norm([1.0], w)
+
+
+def test_module_hf_attributes(fresh):
+    from tiletune.suites.hf import RMSNorm
+    m = RMSNorm(1024, eps=1e-5).cuda().to(torch.bfloat16)
+    assert m.weight.shape == (1024,) and m.variance_epsilon == 1e-5
+    x = torch.randn(2, 9, 1024, device="cuda", dtype=torch.bfloat16)
+    assert rel(m(x), reference(x, m.weight, 1e-5)) < TOL[torch.bfloat16]
+
+
+def test_int32_overflow_rows_are_chunked():
+    assert R._row_chunks(10, 100) == ((0, 10),)
+    chunks = R._row_chunks(70000, 65536)
+    assert chunks[0][0] == 0 and chunks[-1][1] == 70000
+    assert all((e - s) * 65536 < 2**31 for s, e in chunks)
+
+
+def test_examples_run_and_agree():
+    ex = os.path.join(os.path.dirname(__file__), "..", "..", "assets", "examples",
+                      "01_rmsnorm_occupancy_only")
+    res = {}
+    for name in ("fixed_launch.py", "autotuned_launch.py"):
+        o = subprocess.run([sys.executable, os.path.join(ex, name)], capture_output=True, text=True,
+                           timeout=600, env=dict(os.environ, TILETUNE_CACHE_DIR="off"))
+        assert o.returncode == 0, o.stderr[-2000:]
+        res[name] = dict(line.split("=", 1) for line in o.stdout.splitlines() if "=" in line)
+    a, b = float(res["fixed_launch.py"]["checksum"]), float(res["autotuned_launch.py"]["checksum"])
+    assert abs(a - b) <= 1e-3 * abs(a)
+    fixed, tuned = float(res["fixed_launch.py"]["us"]), float(res["autotuned_launch.py"]["us"])
+    assert tuned <= fixed * 1.05, (fixed, tuned)
+
+
+def test_more_than_2_31_elements(fresh, monkeypatch):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")     # one launch per chunk, no search: keep it quick
+    M, N = 65600, 32768                            # 2.15e9 elements > 2**31
+    x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(N, device="cuda", dtype=torch.bfloat16)
+    y = rms_norm(x, w)
+    for rows in (slice(0, 8), slice(M // 2 - 4, M // 2 + 4), slice(M - 8, M)):
+        assert rel(y[rows], reference(x[rows], w, 1e-6)) < TOL[torch.bfloat16]
+    del x, y
+
+
+def test_aot_signature_matches_jit():
+    """The CI compile's signatures (tiletune.aot.jit_array) equal what the JIT infers on the GPU."""
+    from cuda.tile.compilation import CallingConvention, KernelSignature
+    from tiletune.aot import F32, jit_array, signature
+    for M, N, dt in [(4096, 4096, torch.bfloat16), (1000, 1001, torch.float16), (1, 4097, torch.float32)]:
+        x = torch.randn(M, N, device="cuda", dtype=dt)
+        w = torch.rand(N, device="cuda", dtype=torch.float32)
+        y, r = torch.empty_like(x), torch.empty(M, device="cuda")
+        tn = R.next_pow2(N)
+        jit = KernelSignature.from_kernel_args(R.rms_norm_fwd_rows, (x, w, y, r, 1.0 / N, 1e-6, 1, tn),
+                                               CallingConvention.cutile_python_v2())
+        mine = signature([jit_array(x.dtype, x.shape), jit_array(w.dtype, w.shape),
+                          jit_array(y.dtype, y.shape), jit_array(r.dtype, r.shape), F32, F32, 1, tn])
+        assert jit.parameters == mine.parameters

@@ -1,0 +1,191 @@
+"""A/B benchmarks on the current GPU: tuned vs fixed default vs the best baselines in this process.
+
+Each op contributes `bench_cases()` -> list of BenchCase. Times are medians of CUDA-event timings
+with L2 flushed before every run (as exhaustive_search does), after warm-up; every number in a row
+comes from the same process and card.
+"""
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tiletune import autotune
+
+
+@dataclass
+class BenchCase:
+    op: str
+    name: str            # shape/dtype label
+    mode: str            # "fwd" or "fwd+bwd"
+    ours: object         # () -> None, runs our op (tuning happens on its first call)
+    baselines: dict      # label -> () -> None
+    bytes: float = 0.0   # ideal bytes moved (for GB/s)
+    flops: float = 0.0
+    ceiling: tuple = None  # (label, () -> None): the ceiling, e.g. a copy of the same tensor
+    ceiling_scale: float = 1.0   # ceiling time = scale x time of that callable
+    extra: dict = field(default_factory=dict)
+
+
+_flush_buf = None
+
+
+def _flush_l2():
+    global _flush_buf
+    if _flush_buf is None:
+        _flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    _flush_buf.zero_()
+
+
+def time_us(fn, reps=50, warmup=10):
+    """Median device time of fn() in microseconds (L2 flushed before each run)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        _flush_l2()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    ts = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+    return ts[len(ts) // 2]
+
+
+def host_us(fn, n=2000, reps=5):
+    """Host time per call (min over reps of the mean over n calls)."""
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+@contextlib.contextmanager
+def fixed_configs():
+    """Run the block with every op on its default config (as DISABLE_AUTOTUNE=1 would), then put
+    the tuned cache back."""
+    saved = {name: dict(t.cache) for name, t in autotune.tuners().items()}
+    old = os.environ.get("DISABLE_AUTOTUNE")
+    os.environ["DISABLE_AUTOTUNE"] = "1"
+    try:
+        for t in autotune.tuners().values():
+            t.cache.clear()
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("DISABLE_AUTOTUNE", None)
+        else:
+            os.environ["DISABLE_AUTOTUNE"] = old
+        for name, t in autotune.tuners().items():
+            t.cache.clear()
+            t.cache.update(saved.get(name, {}))
+
+
+def run_case(case):
+    row = {"op": case.op, "case": case.name, "mode": case.mode}
+    t0 = time.perf_counter()
+    case.ours()                       # first call tunes (or loads the store)
+    torch.cuda.synchronize()
+    row["first_call_s"] = round(time.perf_counter() - t0, 3)
+    row["tuned_us"] = time_us(case.ours)
+    with fixed_configs():
+        case.ours()
+        row["fixed_us"] = time_us(case.ours)
+    row["speedup_over_fixed"] = row["fixed_us"] / row["tuned_us"]
+    for label, fn in case.baselines.items():
+        try:
+            us = time_us(fn)
+        except Exception as e:  # a baseline that cannot run is reported, not fatal
+            row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            continue
+        row[f"{label}_us"] = us
+        row[f"vs_{label}"] = us / row["tuned_us"]      # > 1: we are faster
+    if case.ceiling:
+        label, fn = case.ceiling
+        row[f"{label}_us"] = time_us(fn) * case.ceiling_scale
+        row[f"frac_{label}"] = row[f"{label}_us"] / row["tuned_us"]
+    if case.bytes:
+        row["tuned_GBps"] = case.bytes / row["tuned_us"] / 1e3
+    if case.flops:
+        row["tuned_TFLOPs"] = case.flops / row["tuned_us"] / 1e6
+    row.update(case.extra)
+    return row
+
+
+def _fmt(v):
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def print_table(rows):
+    cols = ["case", "mode", "tuned_us", "fixed_us", "speedup_over_fixed"]
+    extra = sorted({k for r in rows for k in r if k.startswith(("vs_", "frac_"))})
+    cols += extra + ["tuned_GBps"]
+    widths = [max(len(c), *(len(_fmt(r.get(c, "-"))) for r in rows)) for c in cols]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c, "-")).ljust(w) for c, w in zip(cols, widths)))
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    labels = [f"{r['case']} {r['mode']}" for r in rows]
+    keys = sorted({k for r in rows for k in r if k.startswith(("vs_", "frac_"))})
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 1.2), 4))
+    width = 0.8 / max(len(keys), 1)
+    for i, k in enumerate(keys):
+        ax.bar([j + i * width for j in range(len(rows))], [r.get(k, 0) for r in rows], width, label=k)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.4 for j in range(len(rows))], labels, rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("ratio (>1: tiletune faster / share of ceiling)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(ops, json_path=None, plot_path=None):
+    import importlib
+    dev = torch.cuda.get_device_name(0)
+    print(f"device: {dev}, torch {torch.__version__}", flush=True)
+    rows, host = [], {}
+    for op in ops:
+        mod = importlib.import_module(f"tiletune.ops.{op}")
+        for case in mod.bench_cases():
+            row = run_case(case)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if hasattr(mod, "bench_host"):
+            host[op] = mod.bench_host()
+            print(f"host overhead {op}: {json.dumps(host[op])}", flush=True)
+    print()
+    print_table(rows)
+    for op, h in host.items():
+        print(f"{op} host us: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                            for k, v in h.items()))
+    if json_path:
+        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump({"device": dev, "torch": torch.__version__,
+                       "date": time.strftime("%Y-%m-%d"), "rows": rows, "host_us": host,
+                       "tuning": {op: {str(k): r.to_json() for k, r in recs.items()}
+                                  for op, recs in autotune.records().items()}}, f, indent=1)
+        print(f"wrote {json_path}")
+    if plot_path:
+        plot(rows, plot_path)
+    return 0
