@@ -136,19 +136,20 @@ def _row_tiles(tile_n, elems=(4096, 8192, 16384)):
     return sorted({max(1, e // tile_n) for e in elems})
 
 
-def fwd_configs(arch, n_cols, tile_elems=(4096, 8192, 16384), occupancies=(1, 2, 4, 8), warps=WARPS):
-    """Forward search space for rows of `n_cols` elements (default first)."""
+def fwd_configs(arch, n_cols, tile_elems=(4096, 8192), occupancies=(1, 2, 4), warps=WARPS):
+    """Forward search space for rows of `n_cols` elements (default first). `persistent=False`
+    launches one CTA per row tile instead of SMs x occupancy."""
     tile_n = next_pow2(n_cols)
     if tile_n <= MAX_ROW_TILE:
         default = SimpleNamespace(kind="rows", tile_m=max(1, 8192 // tile_n), tile_n=tile_n,
-                                  occupancy=2, num_worker_warps=4)
+                                  occupancy=2, num_worker_warps=4, persistent=True)
         yield from _space(default, tile_m=_row_tiles(tile_n, tile_elems), occupancy=occupancies,
-                          num_worker_warps=warps)
+                          num_worker_warps=warps, persistent=(True, False))
     else:
         default = SimpleNamespace(kind="chunked", tile_m=1, tile_n=4096, occupancy=2,
-                                  num_worker_warps=4)
-        yield from _space(default, tile_n=(2048, 4096, 8192), occupancy=occupancies,
-                          num_worker_warps=warps)
+                                  num_worker_warps=4, persistent=True)
+        yield from _space(default, tile_n=(2048, 4096, 8192), occupancy=(2, 4),
+                          num_worker_warps=warps, persistent=(True, False))
 
 
 def bwd_configs(arch, n_cols, tile_elems=(4096, 8192, 16384), occupancies=(1, 2, 4), warps=WARPS):
@@ -182,7 +183,8 @@ def _fwd_kernel(cfg):
 
 # `default` is the hard-coded fallback if a generator ever yields nothing.
 _fwd = Autotuner("rms_norm_fwd", _fwd_kernel, fwd_configs,
-                 default=SimpleNamespace(kind="chunked", tile_m=1, tile_n=4096, occupancy=2))
+                 default=SimpleNamespace(kind="chunked", tile_m=1, tile_n=4096, occupancy=2,
+                                         persistent=True))
 _bwd = Autotuner("rms_norm_bwd", rms_norm_bwd_rows, bwd_configs,
                  default=SimpleNamespace(tile_m=1, tile_n=MAX_ROW_TILE, occupancy=2))
 _bwd_coef = Autotuner("rms_norm_bwd_coef", rms_norm_bwd_row_coef, bwd_coef_configs,
@@ -206,7 +208,8 @@ def _fwd_args(cfg, x, w, y, rstd, eps):
 
 
 def _fwd_grid(cfg, x):
-    return (_ctas(-(-x.shape[0] // cfg.tile_m), x.get_device(), cfg.occupancy),)
+    tiles = -(-x.shape[0] // cfg.tile_m)
+    return (_ctas(tiles, x.get_device(), cfg.occupancy) if cfg.persistent else max(tiles, 1),)
 
 
 def launch_fwd(x, w, y, rstd, eps):
@@ -515,8 +518,8 @@ def bench_cases():
         wg = w.detach().clone().requires_grad_()
         dy = torch.randn_like(x)
 
-        def train_step(f, xg=xg, wg=wg, dy=dy):
-            return lambda: torch.autograd.backward(f(xg, wg), dy)
+        def train_step(f, xg=xg, wg=wg, dy=dy):   # grad(): no accumulation into .grad
+            return lambda: torch.autograd.grad(f(xg, wg), (xg, wg), dy)
         cases.append(BenchCase(
             "rms_norm", name, "fwd+bwd", train_step(lambda a, b: rms_norm(a, b, eps)),
             {k: train_step(f) for k, f in fns.items()},

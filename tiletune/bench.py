@@ -159,6 +159,15 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+def _write(path, dev, rows, host):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"device": dev, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                   "rows": rows, "host_us": host,
+                   "tuning": {op: {str(k): r.to_json() for k, r in recs.items()}
+                              for op, recs in autotune.records().items()}}, f, indent=1)
+
+
 def main(ops, json_path=None, plot_path=None):
     import importlib
     dev = torch.cuda.get_device_name(0)
@@ -170,6 +179,8 @@ def main(ops, json_path=None, plot_path=None):
             row = run_case(case)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if json_path:
+                _write(json_path, dev, rows, host)
         if hasattr(mod, "bench_host"):
             host[op] = mod.bench_host()
             print(f"host overhead {op}: {json.dumps(host[op])}", flush=True)
@@ -178,13 +189,14 @@ def main(ops, json_path=None, plot_path=None):
     for op, h in host.items():
         print(f"{op} host us: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                                             for k, v in h.items()))
+    for op, recs in autotune.records().items():
+        for k, r in recs.items():
+            if r.source == "search":
+                print(f"tuned {op} {[str(p) for p in k]}: {r.config} {r.best_us:.1f} us, "
+                      f"{len(r.timings)} configs in {r.search_s:.1f}s, slowest "
+                      f"{r.timings[-1]['mean_us']:.1f} us")
     if json_path:
-        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump({"device": dev, "torch": torch.__version__,
-                       "date": time.strftime("%Y-%m-%d"), "rows": rows, "host_us": host,
-                       "tuning": {op: {str(k): r.to_json() for k, r in recs.items()}
-                                  for op, recs in autotune.records().items()}}, f, indent=1)
+        _write(json_path, dev, rows, host)
         print(f"wrote {json_path}")
     if plot_path:
         plot(rows, plot_path)

@@ -46,7 +46,11 @@ def check(shape, dt, wdt, eps=1e-6, grad=True):
         y.backward(dy)
         ref.backward(dy.double())
         assert xr.grad.dtype == dt and wr.grad.dtype == wdt
-        assert rel(xr.grad, ref_x.grad) < tol * 2
+        # dx = r*g - x*r^3*mean(g*x) subtracts two terms of size |r*g|: measure against that
+        # scale (for N=1 they cancel almost exactly and dx itself is ~eps-sized).
+        scale = (dy.double() * ref_w.detach() * torch.rsqrt(
+            x.double().pow(2).mean(-1, keepdim=True) + eps)).norm()
+        assert (xr.grad.double() - ref_x.grad).norm().item() / scale.item() < tol * 2
         assert rel(wr.grad, ref_w.grad) < tol * 2
     assert torch.equal(xr.detach(), x)    # input untouched
 
@@ -55,13 +59,17 @@ SHAPES = [(1, 1), (3, 7), (5, 1000), (37, 4096), (2, 3, 8192), (17, 16384), (9, 
           (4, 65536), (1025, 1001), (300, 128)]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("dt", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+# Tuned (a full search per key, ~10 s of compiles each): every dtype, aligned, odd and wide rows.
+@pytest.mark.parametrize("shape,dt", [((5, 1000), torch.float16), ((37, 4096), torch.bfloat16),
+                                      ((9, 20000), torch.float32), ((1025, 1001), torch.bfloat16),
+                                      ((3, 7), torch.float32)], ids=str)
 def test_tuned(fresh, shape, dt):
     check(shape, dt, dt)
+    assert R._fwd.searches == 1
 
 
-@pytest.mark.parametrize("shape", [(3, 7), (37, 4096), (9, 20000), (1025, 1001)], ids=str)
+# Default configs (DISABLE_AUTOTUNE=1): every shape x every dtype.
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dt", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_disable_autotune_never_searches(fresh, monkeypatch, shape, dt):
     monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
