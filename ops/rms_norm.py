@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import cuda.tile as ct
 import torch
 
-from tiletune.autotune import Autotuner, Search, Work, bucket, next_pow2
+from tiletune.autotune import Autotuner, Search, Work, next_pow2
 from tiletune.device import arch, current_stream, num_sms
 
 ZERO = ct.PaddingMode.ZERO
@@ -197,8 +197,12 @@ TUNERS = (_fwd, _bwd, _bwd_coef, _bwd_cols)
 # ---------------------------------------------------------------------------------------------
 # Host launches (2-D, contiguous rows). Grids are persistent: each CTA strides over row tiles.
 
+_SMS = {}   # device index -> SM count (a plain dict: this is on the launch path)
+
+
 def _ctas(n_tiles, dev_index, occupancy):
-    return max(1, min(n_tiles, num_sms(dev_index) * occupancy))
+    sms = _SMS.get(dev_index) or _SMS.setdefault(dev_index, num_sms(dev_index))
+    return max(1, min(n_tiles, sms * occupancy))
 
 
 def _fwd_args(cfg, x, w, y, rstd, eps):
@@ -214,13 +218,13 @@ def _fwd_grid(cfg, x):
 
 def launch_fwd(x, w, y, rstd, eps):
     M, N = x.shape
-    key = (N, bucket(M), x.dtype, w.dtype, x.get_device())
+    dev = x.get_device()
+    key = (N, 1 << (M - 1).bit_length(), x.dtype, w.dtype, dev)   # M bucketed: next power of 2
     cfg, kernel = _fwd.cache.get(key) or _fwd.tune(key, x, Search(
         shape=dict(n_cols=N), grid_fn=lambda c: _fwd_grid(c, x),
         args_fn=lambda c: _fwd_args(c, x, w, y, rstd, eps),
         work=Work(bytes=2 * x.numel() * x.element_size() + w.numel() * w.element_size() + 4 * M)))
-    ct.launch(current_stream(x.get_device()), _fwd_grid(cfg, x), kernel,
-              _fwd_args(cfg, x, w, y, rstd, eps))
+    ct.launch(current_stream(dev), _fwd_grid(cfg, x), kernel, _fwd_args(cfg, x, w, y, rstd, eps))
 
 
 def _bwd_work(dy, w):
@@ -231,7 +235,7 @@ def launch_bwd(dy, x, w, rstd, dx):
     """dx written in place; returns dw (float32, shape (N,))."""
     M, N = x.shape
     dev = x.get_device()
-    key = (N, bucket(M), x.dtype, dy.dtype, w.dtype, dev)
+    key = (N, 1 << (M - 1).bit_length(), x.dtype, dy.dtype, w.dtype, dev)
     if next_pow2(N) <= MAX_ROW_TILE:
         def grid(c):
             return (_ctas(-(-M // c.tile_m), dev, c.occupancy),)
@@ -330,8 +334,11 @@ def _forward(x, weight, eps):
     rstd = torch.empty(M, device=x.device, dtype=torch.float32)
     if M and N:
         w = weight if weight.stride(0) == 1 else weight.contiguous()
-        for s, e in _row_chunks(M, N):
-            launch_fwd(x2[s:e], w, y[s:e], rstd[s:e], float(eps))
+        if M * N <= _MAX_CHUNK_ELEMS:
+            launch_fwd(x2, w, y, rstd, float(eps))
+        else:
+            for s, e in _row_chunks(M, N):
+                launch_fwd(x2[s:e], w, y[s:e], rstd[s:e], float(eps))
     return y.view(x.shape), rstd
 
 
@@ -536,7 +543,7 @@ def bench_host():
     w = torch.rand(1024, device="cuda", dtype=torch.bfloat16)
     y, rstd = torch.empty_like(x), torch.empty(64, device="cuda", dtype=torch.float32)
     launch_fwd(x, w, y, rstd, 1e-6)
-    key = (1024, bucket(64), x.dtype, w.dtype, x.get_device())
+    key = (1024, 64, x.dtype, w.dtype, x.get_device())
     cfg, kernel = _fwd.cache[key]
     grid, args = _fwd_grid(cfg, x), _fwd_args(cfg, x, w, y, rstd, 1e-6)
     stream = current_stream(0)

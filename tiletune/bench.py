@@ -75,7 +75,7 @@ def host_us(fn, n=2000, reps=5):
 def fixed_configs():
     """Run the block with every op on its default config (as DISABLE_AUTOTUNE=1 would), then put
     the tuned cache back."""
-    saved = {name: dict(t.cache) for name, t in autotune.tuners().items()}
+    saved = {name: (dict(t.cache), dict(t.records)) for name, t in autotune.tuners().items()}
     old = os.environ.get("DISABLE_AUTOTUNE")
     os.environ["DISABLE_AUTOTUNE"] = "1"
     try:
@@ -88,8 +88,11 @@ def fixed_configs():
         else:
             os.environ["DISABLE_AUTOTUNE"] = old
         for name, t in autotune.tuners().items():
+            cache, recs = saved.get(name, ({}, {}))
             t.cache.clear()
-            t.cache.update(saved.get(name, {}))
+            t.cache.update(cache)
+            t.records.clear()
+            t.records.update(recs)
 
 
 def run_case(case):

@@ -60,6 +60,8 @@ def env(monkeypatch, tmp_path):
     monkeypatch.setattr(device, "gpu_name", lambda d: "Fake H200")
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    launches = []
+    monkeypatch.setattr(ct, "launch", lambda *a, **k: launches.append(a))   # the GPU stand-in
     fake = FakeSearch()
     monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", fake)
     made = []
@@ -68,7 +70,7 @@ def env(monkeypatch, tmp_path):
         t = Autotuner(f"{name}{len(made)}_{id(made)}", _k, configs, default=SimpleNamespace(tile=8, occupancy=1))
         made.append(t)
         return t
-    yield SimpleNamespace(fake=fake, make=make, path=tmp_path / "store")
+    yield SimpleNamespace(fake=fake, make=make, path=tmp_path / "store", launches=launches)
     for t in made:
         autotune._registry.pop(t.name, None)
 
@@ -96,6 +98,7 @@ def test_miss_searches_once_then_hits(env, monkeypatch):
     monkeypatch.setattr(ct.kernel, "replace_hints", lambda *a, **k: pytest.fail("replace_hints on a hit"))
     assert resolve(t, ("k", 1)) == (cfg, kern)
     assert env.fake.calls == 1
+    assert len(env.launches) == 1    # the tuned kernel was launched (compiled) once, on the miss
 
 
 def test_tuned_kernel_carries_exactly_the_winning_hints(env):
