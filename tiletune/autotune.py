@@ -293,6 +293,7 @@ class Autotuner:
         return entry
 
     def clear(self):
+        self.searches = 0
         self.cache.clear()
         self.records.clear()
         self._capture_cache.clear()

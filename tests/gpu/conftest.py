@@ -22,6 +22,6 @@ def fresh(monkeypatch, tmp_path):
 def poison_allocator(torch):
     """Fill freed blocks of the caching allocator with NaN so unwritten outputs show up."""
     free = torch.cuda.mem_get_info()[0]
-    n = min(free // 4, 1 << 28)          # up to 1 GiB of NaN, then released to the cache
+    n = min(free // 4, 1 << 26)          # up to 256 MiB of NaN, then released to the cache
     t = torch.full((n // 4,), float("nan"), device="cuda")
     del t
