@@ -201,19 +201,19 @@ class Autotuner:
             cfgs = self.config_list(_device.arch(dev), search.shape)
             if disabled():
                 record = TuningRecord(self.name, key, config_dict(cfgs[0]), "default")
-                return self._finish(key, cfgs[0], record, search)
+                return self._finish(key, cfgs[0], record, search, dev)
             skey = self.store_key(key, dev, cfgs)
             stored = store.load(self.name, skey)
             cfg = self._find(cfgs, stored.get("config")) if isinstance(stored, dict) else None
             if cfg is not None:
                 record = TuningRecord(self.name, key, config_dict(cfg), "store",
                                       best_us=stored.get("best_us"))
-                return self._finish(key, cfg, record, search)
+                return self._finish(key, cfg, record, search, dev)
             cfg, record = self._search(key, dev, cfgs, search)
             store.save(self.name, skey, {"config": record.config, "best_us": record.best_us,
                                          "search_s": round(record.search_s, 3),
                                          "saved": time.strftime("%Y-%m-%dT%H:%M:%S")})
-            return self._finish(key, cfg, record, search)
+            return self._finish(key, cfg, record, search, dev)
 
     def _search(self, key, dev, cfgs, search):
         from cuda.tile.tune import exhaustive_search
@@ -254,11 +254,11 @@ class Autotuner:
         except Exception as e:
             return type(e).__name__, str(e)
 
-    def _finish(self, key, cfg, record, search):
+    def _finish(self, key, cfg, record, search, dev):
         kernel = self.build(cfg)
         # One launch with the search's (scratch) arguments, still under the lock: the JIT compiles
         # the tuned kernel here, once, instead of in whichever threads launch it first.
-        ct.launch(torch.cuda.current_stream(), search.grid_fn(cfg), kernel, search.args_fn(cfg))
+        ct.launch(torch.cuda.current_stream(dev), search.grid_fn(cfg), kernel, search.args_fn(cfg))
         entry = (cfg, kernel)
         self.records[key] = record
         self.cache[key] = entry
