@@ -31,8 +31,10 @@ def rms_norm_fwd_rows(x, w, y, rstd, inv_n, eps,
 
 @ct.kernel
 def rms_norm_fwd_chunked(x, w, y, rstd, inv_n, eps,
-                         TILE_N: ct.Constant[int]):
-    """Rows too wide for one tile: two passes over TILE_N-wide chunks (the second hits L2)."""
+                         TILE_M: ct.Constant[int], TILE_N: ct.Constant[int]):
+    """Rows too wide for one tile: two passes over TILE_N-wide chunks (the second hits L2).
+    One row at a time (TILE_M is 1; it is a parameter so both forward kernels take the same
+    arguments)."""
     num_chunks = ct.cdiv(x.shape[1], TILE_N)
     for row in range(ct.bid(0), x.shape[0], ct.num_blocks(0)):
         acc = ct.zeros((1, TILE_N), ct.float32)
@@ -103,11 +105,24 @@ def rms_norm_bwd_cols(dy, x, w, rstd, coef, dx, dw_partial,
     ct.store(dw_partial, (ct.bid(1), col), dw_acc)
 
 
+@ct.kernel
+def column_sum(partial, out, TILE_G: ct.Constant[int], TILE_N: ct.Constant[int]):
+    """out[n] = sum_g partial[g, n] over float32 partials (G, N), cast to out's dtype: the
+    dweight reduction and cast in one launch."""
+    col = ct.bid(0)
+    acc = ct.zeros((TILE_G, TILE_N), ct.float32)
+    for g in range(ct.cdiv(partial.shape[0], TILE_G)):
+        acc = acc + ct.load(partial, (g, col), (TILE_G, TILE_N), padding_mode=ZERO)
+    ct.store(out, (col,), ct.sum(acc, axis=0).astype(out.dtype))
+
+
 # ---------------------------------------------------------------------------------------------
 # Configs. A config names the kernel variant, its tiles, and the hints (occupancy, worker warps).
 # Grids are persistent: min(row tiles, SMs x occupancy) CTAs, each striding over row tiles.
 # Measured on H200 (BENCHMARKS.md): occupancy >= 8 and tiles over 16K elements lose 2-6x
-# (register spills), so the space stays at 4K-16K-element tiles, occupancy 1-4(8), 4 or 8 warps.
+# (register spills); occupancy 1 never won a forward search; plain (non-TMA) loads and stores
+# were 5-16% slower than TMA. So: 4K-16K-element tiles, occupancy 2-4 (1-4 backward), 4 or 8
+# worker warps, persistent or one-CTA-per-tile grids.
 
 MAX_ROW_TILE = 16384      # widest row (elements) kept whole in one tile; wider rows are chunked
 WARPS = (4, 8)            # tileiras 13.4 takes 4 or 8 worker warps
@@ -136,7 +151,7 @@ def _row_tiles(tile_n, elems=(4096, 8192, 16384)):
     return sorted({max(1, e // tile_n) for e in elems})
 
 
-def fwd_configs(arch, n_cols, tile_elems=(4096, 8192), occupancies=(1, 2, 4), warps=WARPS):
+def fwd_configs(arch, n_cols, tile_elems=(4096, 8192, 16384), occupancies=(2, 4), warps=WARPS):
     """Forward search space for rows of `n_cols` elements (default first). `persistent=False`
     launches one CTA per row tile instead of SMs x occupancy."""
     tile_n = next_pow2(n_cols)
@@ -177,6 +192,11 @@ def bwd_cols_configs(arch, n_cols):
                     yield cfg
 
 
+def column_sum_configs(arch, n_cols):
+    default = SimpleNamespace(tile_g=16, tile_n=64, occupancy=4)
+    yield from _space(default, tile_g=(16, 64), tile_n=(16, 32, 64, 128), occupancy=(4,))
+
+
 def _fwd_kernel(cfg):
     return rms_norm_fwd_rows if cfg.kind == "rows" else rms_norm_fwd_chunked
 
@@ -191,7 +211,9 @@ _bwd_coef = Autotuner("rms_norm_bwd_coef", rms_norm_bwd_row_coef, bwd_coef_confi
                       default=SimpleNamespace(tile_n=4096, occupancy=4))
 _bwd_cols = Autotuner("rms_norm_bwd_cols", rms_norm_bwd_cols, bwd_cols_configs,
                       default=SimpleNamespace(tile_m=8, tile_n=512, occupancy=4))
-TUNERS = (_fwd, _bwd, _bwd_coef, _bwd_cols)
+_column_sum = Autotuner("rms_norm_dw_sum", column_sum, column_sum_configs,
+                        default=SimpleNamespace(tile_g=16, tile_n=64, occupancy=4))
+TUNERS = (_fwd, _bwd, _bwd_coef, _bwd_cols, _column_sum)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,34 +227,44 @@ def _ctas(n_tiles, dev_index, occupancy):
     return max(1, min(n_tiles, sms * occupancy))
 
 
-def _fwd_args(cfg, x, w, y, rstd, eps):
-    if cfg.kind == "rows":
-        return (x, w, y, rstd, 1.0 / x.shape[1], eps, cfg.tile_m, cfg.tile_n)
-    return (x, w, y, rstd, 1.0 / x.shape[1], eps, cfg.tile_n)
-
-
-def _fwd_grid(cfg, x):
-    tiles = -(-x.shape[0] // cfg.tile_m)
-    return (_ctas(tiles, x.get_device(), cfg.occupancy) if cfg.persistent else max(tiles, 1),)
+def _fwd_grid(cfg, M, dev):
+    tiles = -(-M // cfg.tile_m)
+    return (_ctas(tiles, dev, cfg.occupancy) if cfg.persistent else max(tiles, 1),)
 
 
 def launch_fwd(x, w, y, rstd, eps):
+    """The fast path: key, one dict lookup, grid, launch (nothing else runs on a cache hit)."""
     M, N = x.shape
     dev = x.get_device()
     key = (N, 1 << (M - 1).bit_length(), x.dtype, w.dtype, dev)   # M bucketed: next power of 2
     cfg, kernel = _fwd.cache.get(key) or _fwd.tune(key, x, Search(
-        shape=dict(n_cols=N), grid_fn=lambda c: _fwd_grid(c, x),
-        args_fn=lambda c: _fwd_args(c, x, w, y, rstd, eps),
+        shape=dict(n_cols=N), grid_fn=lambda c: _fwd_grid(c, M, dev),
+        args_fn=lambda c: (x, w, y, rstd, 1.0 / N, eps, c.tile_m, c.tile_n),
         work=Work(bytes=2 * x.numel() * x.element_size() + w.numel() * w.element_size() + 4 * M)))
-    ct.launch(current_stream(dev), _fwd_grid(cfg, x), kernel, _fwd_args(cfg, x, w, y, rstd, eps))
+    ct.launch(current_stream(dev), _fwd_grid(cfg, M, dev), kernel,
+              (x, w, y, rstd, 1.0 / N, eps, cfg.tile_m, cfg.tile_n))
 
 
 def _bwd_work(dy, w):
     return Work(bytes=3 * dy.numel() * dy.element_size() + 2 * w.numel() * w.element_size())
 
 
-def launch_bwd(dy, x, w, rstd, dx):
-    """dx written in place; returns dw (float32, shape (N,))."""
+def launch_column_sum(partial, out):
+    """out (N,) = partial (G, N) summed over G, in out's dtype."""
+    G, N = partial.shape
+    dev = partial.get_device()
+    key = (N, 1 << (G - 1).bit_length(), out.dtype, dev)
+
+    def grid(c):
+        return (-(-N // c.tile_n),)
+    cfg, kernel = _column_sum.cache.get(key) or _column_sum.tune(key, partial, Search(
+        shape=dict(n_cols=N), grid_fn=grid, args_fn=lambda c: (partial, out, c.tile_g, c.tile_n),
+        work=Work(bytes=partial.numel() * 4 + out.numel() * out.element_size())))
+    ct.launch(current_stream(dev), grid(cfg), kernel, (partial, out, cfg.tile_g, cfg.tile_n))
+
+
+def launch_bwd(dy, x, w, rstd, dx, dw):
+    """dx (M, N) and dw (N,) written in place (dw in its own dtype)."""
     M, N = x.shape
     dev = x.get_device()
     key = (N, 1 << (M - 1).bit_length(), x.dtype, dy.dtype, w.dtype, dev)
@@ -256,7 +288,8 @@ def launch_bwd(dy, x, w, rstd, dx):
         partial = partial_for(cfg)
         ct.launch(current_stream(dev), grid(cfg), kernel,
                   (dy, x, w, rstd, dx, partial, 1.0 / N, cfg.tile_m, cfg.tile_n))
-        return partial.sum(0)
+        launch_column_sum(partial, dw)
+        return
 
     # Wide rows: per-row coefficient, then column blocks (dx and dw partials).
     coef = torch.empty(M, device=x.device, dtype=torch.float32)
@@ -281,7 +314,7 @@ def launch_bwd(dy, x, w, rstd, dx):
     partial = torch.empty((cols_grid(cfg)[1], N), device=x.device, dtype=torch.float32)
     ct.launch(current_stream(dev), cols_grid(cfg), kernel,
               (dy, x, w, rstd, coef, dx, partial, cfg.tile_m, cfg.tile_n))
-    return partial.sum(0)
+    launch_column_sum(partial, dw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,11 +389,17 @@ def _backward(dy, x, weight, rstd):
     if not (M and N):
         return dx.view(x.shape), torch.zeros_like(weight)
     w = weight if weight.stride(0) == 1 else weight.contiguous()
-    dw = None
-    for s, e in _row_chunks(M, N):
-        part = launch_bwd(dy2[s:e], x2[s:e], w, rstd[s:e], dx[s:e])
-        dw = part if dw is None else dw + part
-    return dx.view(x.shape), dw.to(weight.dtype)
+    chunks = _row_chunks(M, N)
+    if len(chunks) == 1:
+        dw = torch.empty_like(w)
+        launch_bwd(dy2, x2, w, rstd, dx, dw)
+        return dx.view(x.shape), dw
+    dw32 = torch.zeros(N, device=x.device, dtype=torch.float32)   # f32 sum over row chunks
+    part = torch.empty(N, device=x.device, dtype=torch.float32)
+    for s, e in chunks:
+        launch_bwd(dy2[s:e], x2[s:e], w, rstd[s:e], dx[s:e], part)
+        dw32 += part
+    return dx.view(x.shape), dw32.to(weight.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,10 +488,15 @@ def aot_cases():
     def fwd_params(cfg, M, N, xd, wd):
         x, w, y, r = (jit_array(xd, (M, N)), jit_array(wd, (N,)), jit_array(xd, (M, N)),
                       jit_array(f32, (M,)))
-        tiles = (cfg.tile_m, cfg.tile_n) if cfg.kind == "rows" else (cfg.tile_n,)
-        return [x, w, y, r, F32, F32, *tiles]
+        return [x, w, y, r, F32, F32, cfg.tile_m, cfg.tile_n]
 
     M, G = 4096, 264
+    for N in (4096, 1001):
+        for cfg in column_sum_configs("sm_90", N):
+            for od in (torch.bfloat16, f32):
+                yield CompileCase("rms_norm", _column_sum.build(cfg),
+                                  [jit_array(f32, (G, N)), jit_array(od, (N,)), cfg.tile_g, cfg.tile_n],
+                                  f"rms_norm_dw_sum N={N} {od} {vars(cfg)}")
     for N in AOT_WIDTHS:
         for i, cfg in enumerate(fwd_configs("sm_90", N)):
             combos = [(torch.bfloat16, torch.bfloat16)]
@@ -545,11 +589,23 @@ def bench_host():
     launch_fwd(x, w, y, rstd, 1e-6)
     key = (1024, 64, x.dtype, w.dtype, x.get_device())
     cfg, kernel = _fwd.cache[key]
-    grid, args = _fwd_grid(cfg, x), _fwd_args(cfg, x, w, y, rstd, 1e-6)
+    grid, args = _fwd_grid(cfg, 64, 0), (x, w, y, rstd, 1.0 / 1024, 1e-6, cfg.tile_m, cfg.tile_n)
     stream = current_stream(0)
     out = {"bare_launch": host_us(lambda: ct.launch(stream, grid, kernel, args)),
            "engine_fast_path": host_us(lambda: launch_fwd(x, w, y, rstd, 1e-6)),
            "rms_norm_call": host_us(lambda: rms_norm(x, w)),
            "torch_rms_norm_call": host_us(lambda: torch.nn.functional.rms_norm(x, (1024,), w, 1e-6))}
+    # One training step through autograd (forward + backward), host time per step.
+    xg, wg = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    dy = torch.randn_like(x)
+    steps = {"rms_norm": lambda a, b: rms_norm(a, b),
+             "torch": lambda a, b: torch.nn.functional.rms_norm(a, (1024,), b, 1e-6),
+             **_peer_fns(1e-6)}
+    for name, f in steps.items():
+        try:
+            out[f"{name}_fwd_bwd_step"] = host_us(
+                lambda f=f: torch.autograd.grad(f(xg, wg), (xg, wg), dy), n=500)
+        except Exception as e:
+            out[f"{name}_fwd_bwd_step"] = f"{type(e).__name__}: {e}"
     out["fast_path_over_bare"] = out["engine_fast_path"] / out["bare_launch"]
     return out

@@ -61,25 +61,25 @@ for (M, N) in [(16384, 4096), (4096, 8192)]:
         except Exception as e:
             print(name, "failed:", e)
     # forward: wide space
-    cfgs = list(R.fwd_configs("sm_90", N, max_tile_elems=32768, occupancies=(1, 2, 4, 8, 16, 32)))
+    cfgs = list(R.fwd_configs("sm_90", N, tile_elems=(4096, 8192, 16384, 32768), occupancies=(1, 2, 4, 8, 16, 32)))
     cfgs += [c for c in R.fwd_configs("sm_90", 40000)]  # chunked variants on this N too
     kern = lambda c: R.rms_norm_fwd_rows if c.kind == "rows" else R.rms_norm_fwd_chunked
     t0 = time.time()
-    res = exhaustive_search(cfgs, torch.cuda.current_stream(), lambda c: R._fwd_grid(c, x), kern,
-                            lambda c: R._fwd_args(c, x, w, y, rstd, 1e-6), R._fwd.hints, quiet=True)
+    res = exhaustive_search(cfgs, torch.cuda.current_stream(), lambda c: R._fwd_grid(c, M, 0), kern,
+                            lambda c: (x, w, y, rstd, 1.0 / N, 1e-6, c.tile_m, c.tile_n), R._fwd.hints, quiet=True)
     row["fwd_search_s"] = time.time() - t0
     print(res.summary(top_k=12, bottom_k=3))
     row["fwd"] = sorted([(str(vars(m.config)), m.mean_us) for m in res.successes], key=lambda t: t[1])
     best = res.best.config
     bk = kern(best).replace_hints(occupancy=best.occupancy)
     st = torch.cuda.current_stream()
-    row["ours_fwd_us"] = bench(lambda: ct.launch(st, R._fwd_grid(best, x), bk, R._fwd_args(best, x, w, y, rstd, 1e-6)))
+    row["ours_fwd_us"] = bench(lambda: ct.launch(st, R._fwd_grid(best, M, 0), bk, (x, w, y, rstd, 1.0 / N, 1e-6, best.tile_m, best.tile_n)))
     ref = torch.nn.functional.rms_norm(x.float(), (N,), w.float(), 1e-6)
     row["fwd_err"] = ((y.float() - ref).norm() / ref.norm()).item()
     # backward: wide space
     dy = torch.randn_like(x)
     dx = torch.empty_like(x)
-    bcfgs = list(R.bwd_configs("sm_90", N, max_tile_elems=32768, occupancies=(1, 2, 4, 8, 16)))
+    bcfgs = list(R.bwd_configs("sm_90", N, tile_elems=(4096, 8192, 16384, 32768), occupancies=(1, 2, 4, 8, 16)))
     scratch = torch.empty((sms * 32, N), device=dev, dtype=torch.float32)
     grid = lambda c: (R._ctas(-(-M // c.tile_m), 0, c.occupancy),)
     t0 = time.time()
