@@ -59,12 +59,7 @@ def jit_array(dtype, shape, strides=None, *, base_aligned=True, index_dtype=ct.i
     )
 
 
-def scalar(dtype):
-    return ScalarConstraint(dtype)
-
-
-F32 = ScalarConstraint(ct.float32)
-I32 = ScalarConstraint(ct.int32)
+F32 = ScalarConstraint(ct.float32)   # a Python float argument
 
 
 def signature(params):
