@@ -49,7 +49,8 @@ def jit_array(dtype, shape, strides=None, *, base_aligned=True, index_dtype=ct.i
         index_dtype=index_dtype,
         stride_lower_bound_incl=0,
         alias_groups=(),
-        may_alias_internally=False,
+        # a stride-0 dim of size > 1 (an expanded tensor) makes elements share memory
+        may_alias_internally=any(st == 0 and sh > 1 for st, sh in zip(strides, shape)),
         stride_constant=tuple(1 if st == 1 else None for st in strides),
         shape_constant=tuple(1 if sh == 1 else None for sh in shape),
         stride_divisible_by=tuple(elems_per_16b if (st * nbytes) % 16 == 0 and st != 1 else 1

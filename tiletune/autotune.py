@@ -137,9 +137,12 @@ class Autotuner:
     configs: generator(arch, **shape) yielding SimpleNamespace configs, default first, <= 30.
     default: the config to use if the generator yields nothing.
     hints:   cfg -> hint dict for `replace_hints` (default: occupancy/num_ctas/opt_level).
+    search_kernel: for in-place kernels, the split-buffer twin that the search times instead
+             (same body and traffic, separate input and output arrays; kernel or cfg -> kernel).
+             The winning config is then applied to `kernel`, which runs in place.
     """
 
-    def __init__(self, name, kernel, configs, *, default, hints=default_hints):
+    def __init__(self, name, kernel, configs, *, default, hints=default_hints, search_kernel=None):
         if name in _registry:
             raise ValueError(f"an Autotuner named {name!r} already exists")
         self.name = name
@@ -147,6 +150,7 @@ class Autotuner:
         self.configs = configs
         self.default = default
         self.hints = hints
+        self._search_kernel = search_kernel
         self.cache = {}          # key -> (cfg, tuned kernel): the fast path reads only this
         self.records = {}        # key -> TuningRecord
         self.searches = 0        # number of exhaustive searches run (tests, stats)
@@ -156,7 +160,10 @@ class Autotuner:
 
     # -- pieces -----------------------------------------------------------------------------
     def base_kernel(self, cfg):
-        return self._kernel if isinstance(self._kernel, ct.kernel) else self._kernel(cfg)
+        return _pick(self._kernel, cfg)
+
+    def search_kernel(self, cfg):
+        return _pick(self._search_kernel or self._kernel, cfg)
 
     def build(self, cfg):
         """The launchable kernel for a config: `replace_hints` once, with exactly its hints."""
@@ -171,7 +178,7 @@ class Autotuner:
     def _fingerprint(self, cfgs):
         h = hashlib.sha256()
         h.update(json.dumps([config_dict(c) for c in cfgs], sort_keys=True, default=str).encode())
-        kernels = {id(k): k for k in (self.base_kernel(c) for c in cfgs)}
+        kernels = {id(k): k for c in cfgs for k in (self.base_kernel(c), self.search_kernel(c))}
         for k in kernels.values():
             h.update(inspect.getsource(k._pyfunc).encode())
         return h.hexdigest()[:16]
@@ -222,7 +229,7 @@ class Autotuner:
         t0 = time.perf_counter()
         try:
             with ct.compiler_timeout(COMPILE_TIMEOUT_SEC):
-                result = exhaustive_search(cfgs, stream, search.grid_fn, self.base_kernel,
+                result = exhaustive_search(cfgs, stream, search.grid_fn, self.search_kernel,
                                            search.args_fn, self.hints, quiet=True)
         except ValueError as e:
             if "No valid config" not in str(e):
@@ -247,8 +254,8 @@ class Autotuner:
     def _probe(self, cfg, search):
         """Launch one config once to get its own error (used only when every config failed)."""
         try:
-            ct.launch(torch.cuda.current_stream(), search.grid_fn(cfg), self.build(cfg),
-                      search.args_fn(cfg))
+            ct.launch(torch.cuda.current_stream(), search.grid_fn(cfg),
+                      self.search_kernel(cfg).replace_hints(**self.hints(cfg)), search.args_fn(cfg))
             torch.cuda.synchronize()
             return "NoError", "ran when probed alone"
         except Exception as e:
@@ -256,9 +263,12 @@ class Autotuner:
 
     def _finish(self, key, cfg, record, search, dev):
         kernel = self.build(cfg)
-        # One launch with the search's (scratch) arguments, still under the lock: the JIT compiles
-        # the tuned kernel here, once, instead of in whichever threads launch it first.
-        ct.launch(torch.cuda.current_stream(dev), search.grid_fn(cfg), kernel, search.args_fn(cfg))
+        if self._search_kernel is None:
+            # One launch with the search's (scratch) arguments, still under the lock: the JIT
+            # compiles the tuned kernel here, once, instead of in whichever threads launch it
+            # first. (Not for in-place kernels: their search arguments belong to the twin.)
+            ct.launch(torch.cuda.current_stream(dev), search.grid_fn(cfg), kernel,
+                      search.args_fn(cfg))
         entry = (cfg, kernel)
         self.records[key] = record
         self.cache[key] = entry
@@ -297,6 +307,10 @@ class Autotuner:
         self.cache.clear()
         self.records.clear()
         self._capture_cache.clear()
+
+
+def _pick(kernel, cfg):
+    return kernel if isinstance(kernel, ct.kernel) else kernel(cfg)
 
 
 def tuners():

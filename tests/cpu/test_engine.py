@@ -38,6 +38,7 @@ class FakeSearch:
 
     def __call__(self, space, stream, grid_fn, kernel, args_fn, hints_fn=None, **kw):
         self.calls += 1
+        self.kernels = [kernel(c)._pyfunc.__name__ for c in space]
         time.sleep(self.delay)
         ok, bad = [], []
         for c in space:
@@ -249,3 +250,20 @@ def test_store_clear(env):
     t = env.make()
     resolve(t, ("k",))
     assert store.clear() == 1 and store.entries() == {}
+
+
+@ct.kernel
+def _k_twin(x, y, T: ct.Constant[int]):
+    ct.store(y, (ct.bid(0),), ct.load(x, (ct.bid(0),), (T,)))
+
+
+def test_in_place_kernel_searches_its_split_buffer_twin(env):
+    t = Autotuner(f"inplace_{id(env)}", _k, _space, default=SimpleNamespace(tile=8, occupancy=1),
+                  search_kernel=_k_twin)
+    try:
+        cfg, kern = t.cache.get(("k",)) or t.tune(("k",), FakeTensor(), search())
+    finally:
+        autotune._registry.pop(t.name, None)
+    assert env.fake.kernels == ["_k_twin"] * 3
+    assert kern._pyfunc.__name__ == "_k" and kern._compiler_options.occupancy == 2
+    assert env.launches == []      # no warm launch: its arguments belong to the twin

@@ -1,0 +1,379 @@
+# Rotary position embedding (HF "rotate_half" convention) for q (B, Hq, S, D) and k (B, Hkv, S, D).
+#
+#   x1, x2 = x[..., :R/2], x[..., R/2:R]        (R = rotary width <= D; dims R..D pass through)
+#   out1 = x1 * cos1 - x2 * sin1,  out2 = x2 * cos2 + x1 * sin2
+# with cos/sin rows (R,) split the same way. The backward is the transpose:
+#   dx1 = dy1 * cos1 + dy2 * sin2,  dx2 = dy2 * cos2 - dy1 * sin1
+# i.e. the forward with (sin1, sin2) -> (-sin2, -sin1).
+#
+# No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
+from types import SimpleNamespace
+
+import cuda.tile as ct
+import torch
+
+from tiletune.autotune import Autotuner, Search, Work, next_pow2
+from tiletune.device import current_stream, num_sms
+
+ZERO = ct.PaddingMode.ZERO
+
+# ---------------------------------------------------------------------------------------------
+# Kernels. One CTA handles one (batch, position) at a time: all q heads and all k heads, so the
+# cos/sin row is read once per position. Arrays are 4-D views (B, H, S, D) with any strides;
+# tiles are [1, TILE_H, 1, TILE_R] over the heads and one rotary half.
+
+
+def _cos_sin(cos, sin, b, p, half, TILE_R, BACKWARD):
+    """cos1, cos2, sin1, sin2 as [1, TILE_R] f32 tiles for batch row b, position p."""
+    c1 = ct.load(cos.slice(2, 0, half), (b, p, 0), (1, 1, TILE_R), padding_mode=ZERO)
+    c2 = ct.load(cos.slice(2, half, 2 * half), (b, p, 0), (1, 1, TILE_R), padding_mode=ZERO)
+    s1 = ct.load(sin.slice(2, 0, half), (b, p, 0), (1, 1, TILE_R), padding_mode=ZERO)
+    s2 = ct.load(sin.slice(2, half, 2 * half), (b, p, 0), (1, 1, TILE_R), padding_mode=ZERO)
+    c1 = ct.reshape(c1, (1, TILE_R)).astype(ct.float32)
+    c2 = ct.reshape(c2, (1, TILE_R)).astype(ct.float32)
+    s1 = ct.reshape(s1, (1, TILE_R)).astype(ct.float32)
+    s2 = ct.reshape(s2, (1, TILE_R)).astype(ct.float32)
+    if BACKWARD:
+        return c1, c2, 0.0 - s2, 0.0 - s1
+    return c1, c2, s1, s2
+
+
+def _rotate(x, out, b, s, half, c1, c2, s1, s2, TILE_H, TILE_R, TILE_P, COPY_REST):
+    """Rotate the first 2*half dims of x[b, :, s, :] into out[b, :, s, :]; copy the rest."""
+    x1 = ct.load(x.slice(3, 0, half), (b, 0, s, 0), (1, TILE_H, 1, TILE_R), padding_mode=ZERO)
+    x2 = ct.load(x.slice(3, half, 2 * half), (b, 0, s, 0), (1, TILE_H, 1, TILE_R),
+                 padding_mode=ZERO)
+    x1 = ct.reshape(x1, (TILE_H, TILE_R)).astype(ct.float32)
+    x2 = ct.reshape(x2, (TILE_H, TILE_R)).astype(ct.float32)
+    o1 = ct.reshape(x1 * c1 - x2 * s1, (1, TILE_H, 1, TILE_R)).astype(out.dtype)
+    o2 = ct.reshape(x2 * c2 + x1 * s2, (1, TILE_H, 1, TILE_R)).astype(out.dtype)
+    ct.store(out.slice(3, 0, half), (b, 0, s, 0), o1)
+    ct.store(out.slice(3, half, 2 * half), (b, 0, s, 0), o2)
+    if COPY_REST:
+        rest = ct.load(x.slice(3, 2 * half, x.shape[3]), (b, 0, s, 0), (1, TILE_H, 1, TILE_P),
+                       padding_mode=ZERO)
+        ct.store(out.slice(3, 2 * half, x.shape[3]), (b, 0, s, 0), rest)
+
+
+def _position(pos, b, s, HAS_POS):
+    if HAS_POS:
+        return ct.load(pos, (b, s), (1, 1)).item()
+    return s
+
+
+@ct.kernel
+def rope_kernel(q, k, cos, sin, pos, q_out, k_out, half,
+                TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int], TILE_R: ct.Constant[int],
+                TILE_P: ct.Constant[int], HAS_POS: ct.Constant[bool], COPY_REST: ct.Constant[bool],
+                BACKWARD: ct.Constant[bool]):
+    """Out of place: q_out, k_out = rope(q), rope(k). cos/sin (Bc, S', R) with Bc in {1, B}
+    (a stride-0 batch dim when shared); pos (B, S) int32 rows of cos/sin when HAS_POS."""
+    S = q.shape[2]
+    for bs in range(ct.bid(0), q.shape[0] * S, ct.num_blocks(0)):
+        b = bs // S
+        s = bs - b * S
+        p = _position(pos, b, s, HAS_POS)
+        c1, c2, s1, s2 = _cos_sin(cos, sin, b, p, half, TILE_R, BACKWARD)
+        _rotate(q, q_out, b, s, half, c1, c2, s1, s2, TILE_HQ, TILE_R, TILE_P, COPY_REST)
+        _rotate(k, k_out, b, s, half, c1, c2, s1, s2, TILE_HK, TILE_R, TILE_P, COPY_REST)
+
+
+@ct.kernel
+def rope_inplace_kernel(q, k, cos, sin, pos, half,
+                        TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int],
+                        TILE_R: ct.Constant[int], HAS_POS: ct.Constant[bool],
+                        BACKWARD: ct.Constant[bool]):
+    """In place: q, k = rope(q), rope(k) (each element is read before it is written, by the
+    same CTA; pass-through dims are left alone)."""
+    S = q.shape[2]
+    for bs in range(ct.bid(0), q.shape[0] * S, ct.num_blocks(0)):
+        b = bs // S
+        s = bs - b * S
+        p = _position(pos, b, s, HAS_POS)
+        c1, c2, s1, s2 = _cos_sin(cos, sin, b, p, half, TILE_R, BACKWARD)
+        _rotate(q, q, b, s, half, c1, c2, s1, s2, TILE_HQ, TILE_R, 1, False)
+        _rotate(k, k, b, s, half, c1, c2, s1, s2, TILE_HK, TILE_R, 1, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs: occupancy-only plus grid shape (one CTA per position, or a persistent grid of
+# SMs x occupancy CTAs striding over positions). Not yet measured on a GPU: the space is
+# deliberately small (10) until a search says which dimension matters.
+
+def rope_configs(arch, heads, rot):
+    default = SimpleNamespace(occupancy=4, persistent=False)
+    yield default
+    for persistent in (False, True):
+        for occ in (1, 2, 4, 8, 16):
+            cfg = SimpleNamespace(occupancy=occ, persistent=persistent)
+            if cfg != default:
+                yield cfg
+
+
+_rope = Autotuner("rope", rope_kernel, rope_configs,
+                  default=SimpleNamespace(occupancy=4, persistent=False))
+# In place: the search times the out-of-place twin with a scratch output (split buffers), so
+# q and k keep their values until the one in-place launch with the winning config.
+_rope_inplace = Autotuner("rope_inplace", rope_inplace_kernel, rope_configs,
+                          default=SimpleNamespace(occupancy=4, persistent=False),
+                          search_kernel=rope_kernel)
+TUNERS = (_rope, _rope_inplace)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host launch.
+
+_SMS = {}
+
+
+def _grid(cfg, positions, dev):
+    if not cfg.persistent:
+        return (max(positions, 1),)
+    sms = _SMS.get(dev) or _SMS.setdefault(dev, num_sms(dev))
+    return (max(1, min(positions, sms * cfg.occupancy)),)
+
+
+def _launch(q, k, cos, sin, pos, q_out, k_out, rot, backward):
+    """q_out/k_out None: in place. cos/sin (B, S', rot) views; pos (B, S) int32 or None."""
+    B, Hq, S, D = q.shape
+    Hk = k.shape[1]
+    dev = q.get_device()
+    half = rot // 2
+    inplace = q_out is None
+    tiles = (next_pow2(Hq), next_pow2(Hk), next_pow2(half))
+    tile_p = next_pow2(max(D - rot, 1))
+    copy_rest = (not inplace) and rot < D
+    has_pos = pos is not None
+    pos_arg = pos if has_pos else cos      # unused when HAS_POS is False
+    key = (Hq, Hk, D, rot, 1 << (B * S - 1).bit_length(), q.dtype, cos.dtype, has_pos, backward,
+           dev)
+    tuner = _rope_inplace if inplace else _rope
+
+    def out_args(qo, ko):
+        return (q, k, cos, sin, pos_arg, qo, ko, half, *tiles, tile_p, has_pos, copy_rest, backward)
+
+    def search():
+        if inplace:   # split buffers: one scratch allocation per miss, reused by every sample
+            scratch_q, scratch_k = torch.empty_like(q), torch.empty_like(k)
+            args_fn = lambda c: out_args(scratch_q, scratch_k)
+        else:
+            args_fn = lambda c: out_args(q_out, k_out)
+        nbytes = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * cos.shape[1] * rot * cos.element_size()
+        return Search(shape=dict(heads=Hq + Hk, rot=rot), grid_fn=lambda c: _grid(c, B * S, dev),
+                      args_fn=args_fn, work=Work(bytes=nbytes))
+    cfg, kernel = tuner.cache.get(key) or tuner.tune(key, q, search())
+    if inplace:
+        args = (q, k, cos, sin, pos_arg, half, *tiles, has_pos, backward)
+    else:
+        args = out_args(q_out, k_out)
+    ct.launch(current_stream(dev), _grid(cfg, B * S, dev), kernel, args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrapper: validation and normalization of cos/sin/position_ids.
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _prepare(q, k, cos, sin, position_ids, rotary_dim):
+    """Validate; return (cos3, sin3, pos, rot): cos/sin as (B, S', rot) views (stride-0 batch
+    when shared), pos as (B, S) int32 or None."""
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"apply_rope: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_cuda:
+            raise ValueError(f"apply_rope: {name} must be a CUDA tensor, got device {t.device}")
+        if t.device != q.device:
+            raise ValueError(f"apply_rope: {name} is on {t.device} but q is on {q.device}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"apply_rope: {name} dtype {t.dtype} is not supported "
+                            "(float32, float16, bfloat16)")
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"apply_rope: q and k must be 4-D (B, H, S, D), got {tuple(q.shape)} "
+                         f"and {tuple(k.shape)}")
+    B, Hq, S, D = q.shape
+    if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
+        raise ValueError(f"apply_rope: k {tuple(k.shape)} does not match q {tuple(q.shape)} in "
+                         "batch, sequence length or head_dim")
+    if k.dtype != q.dtype:
+        raise TypeError(f"apply_rope: k dtype {k.dtype} differs from q dtype {q.dtype}")
+    Hk = k.shape[1]
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"apply_rope: q heads ({Hq}) must be a multiple of k heads ({Hk})")
+    if cos.shape != sin.shape:
+        raise ValueError(f"apply_rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
+    if cos.dim() == 4 and cos.shape[1] == 1:      # (B, 1, S, R): HF unsqueezed form
+        cos, sin = cos[:, 0], sin[:, 0]
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    if cos.dim() != 3 or cos.shape[0] not in (1, B):
+        raise ValueError(f"apply_rope: cos/sin must be (S, R), (1, S, R) or ({B}, S, R), got "
+                         f"{tuple(cos.shape)}")
+    rot = cos.shape[-1] if rotary_dim is None else int(rotary_dim)
+    if rot <= 0 or rot % 2 or rot > D:
+        raise ValueError(f"apply_rope: rotary width must be even and in [2, head_dim={D}], got {rot}")
+    if cos.shape[-1] < rot:
+        raise ValueError(f"apply_rope: cos/sin have {cos.shape[-1]} columns, fewer than the rotary "
+                         f"width {rot}")
+    cos, sin = cos[..., :rot], sin[..., :rot]
+    if cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
+    pos = None
+    if position_ids is not None:
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError("apply_rope: position_ids must be an int32/int64 tensor")
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None]
+        if position_ids.dim() != 2 or position_ids.shape[1] != S or position_ids.shape[0] not in (1, B):
+            raise ValueError(f"apply_rope: position_ids must be (S,), (1, S) or ({B}, S) with "
+                             f"S={S}, got {tuple(position_ids.shape)}")
+        if position_ids.device != q.device:
+            raise ValueError(f"apply_rope: position_ids is on {position_ids.device}, q on {q.device}")
+        # Out-of-range rows would read outside cos/sin: checked here (one device sync), except
+        # during CUDA graph capture, where it is the caller's contract.
+        if not torch.cuda.is_current_stream_capturing() and position_ids.numel():
+            lo, hi = int(position_ids.min()), int(position_ids.max())
+            if lo < 0 or hi >= cos.shape[1]:
+                raise ValueError(f"apply_rope: position_ids range [{lo}, {hi}] is outside the "
+                                 f"{cos.shape[1]} rows of cos/sin")
+        pos = position_ids.to(torch.int32).expand(B, S)
+    elif cos.shape[1] < S:
+        raise ValueError(f"apply_rope: cos/sin have {cos.shape[1]} rows, fewer than S={S}")
+    return cos, sin, pos, rot
+
+
+def _rope_out(q, k, cos, sin, pos, rot, backward=False):
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    if q.shape[0] * q.shape[2]:
+        _launch(q, k, cos, sin, pos, q_out, k_out, rot, backward)
+    return q_out, k_out
+
+
+class RoPEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, pos, rot, inplace):
+        ctx.save_for_backward(cos, sin, pos)
+        ctx.rot = rot
+        if inplace:
+            if q.shape[0] * q.shape[2]:
+                _launch(q, k, cos, sin, pos, None, None, rot, False)
+            ctx.mark_dirty(q, k)
+            return q, k
+        return _rope_out(q, k, cos, sin, pos, rot)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin, pos = ctx.saved_tensors
+        dq = torch.zeros_like(dq if dq is not None else dk) if dq is None else dq
+        dk = torch.zeros_like(dq) if dk is None else dk
+        dq_in, dk_in = _rope_out(dq, dk, cos, sin, pos, ctx.rot, backward=True)
+        return dq_in, dk_in, None, None, None, None, None
+
+
+def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=False):
+    """Rotary position embedding, HF "rotate_half" convention, for q and k together.
+
+    q: (B, Hq, S, D), k: (B, Hkv, S, D) with Hq a multiple of Hkv (GQA/MQA); any strides (e.g.
+    the transposed views HF produces); float32/float16/bfloat16 (q and k alike).
+    cos, sin: (S', R), (1, S', R), (B, S', R) or (B, 1, S', R), any of the three dtypes; R is the
+    rotary width (`rotary_dim`, default cos's last dim; even, <= D): the first R dims of each head
+    rotate, the rest pass through. Row s of cos/sin serves position s, or position_ids[b, s] when
+    `position_ids` (B, S) / (1, S) / (S,) is given (range checked on the host: one sync).
+    inplace=False returns new (q_embed, k_embed) laid out like q and k; inplace=True writes q and
+    k in place (marked dirty for autograd) and returns them. Differentiable in q and k.
+    """
+    cos, sin, pos, rot = _prepare(q, k, cos, sin, position_ids, rotary_dim)
+    if inplace and (q.requires_grad or k.requires_grad) and torch.is_grad_enabled() and \
+            (q.is_leaf or k.is_leaf):
+        raise ValueError("apply_rope: inplace=True on a leaf tensor that requires grad")
+    return RoPEFunction.apply(q, k, cos, sin, pos, rot, bool(inplace))
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """HF-compatible functional form: returns (q_embed, k_embed). cos/sin as HF passes them
+    ((B, S, D) or (S, D)); `unsqueeze_dim` is accepted for signature compatibility (q/k must be
+    (B, H, S, D), i.e. unsqueeze_dim=1)."""
+    if unsqueeze_dim != 1:
+        raise ValueError("apply_rotary_pos_emb: only unsqueeze_dim=1 ((B, H, S, D) q/k) is supported")
+    return apply_rope(q, k, cos, sin, position_ids=position_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time compile cases: every config for the headline layout (HF transposed views, GQA
+# 32/8, D 128, bf16) in both kernels; the default config for partial rotary + position_ids (fp16,
+# D 80), MQA float32, and the backward.
+
+def aot_cases():
+    from cuda.tile.compilation import ScalarConstraint
+    from tiletune.aot import CompileCase, jit_array
+    i32 = ScalarConstraint(ct.int32)
+
+    def hf_view(dt, B, H, S, D):     # (B, S, H, D) storage seen as (B, H, S, D)
+        return jit_array(dt, (B, H, S, D), (S * H * D, D, H * D, 1))
+
+    def shared(dt, B, S, R):         # cos/sin expanded over the batch (stride 0)
+        return jit_array(dt, (B, S, R), (0, R, 1))
+
+    def out_params(dt, cdt, B, Hq, Hk, S, D, R, has_pos, backward):
+        q, k = hf_view(dt, B, Hq, S, D), hf_view(dt, B, Hk, S, D)
+        c = shared(cdt, B, S, R)
+        pos = jit_array(torch.int32, (B, S), (0, 1)) if has_pos else c
+        return [q, k, c, c, pos, hf_view(dt, B, Hq, S, D), hf_view(dt, B, Hk, S, D), i32,
+                next_pow2(Hq), next_pow2(Hk), next_pow2(R // 2), next_pow2(max(D - R, 1)),
+                has_pos, R < D, backward]
+
+    B, S = 4, 4096
+    for cfg in rope_configs("sm_90", 40, 128):
+        p = out_params(torch.bfloat16, torch.bfloat16, B, 32, 8, S, 128, 128, False, False)
+        yield CompileCase("rope", _rope.build(cfg), p, f"rope 32/8 D128 bf16 {vars(cfg)}")
+        yield CompileCase("rope", _rope_inplace.build(cfg), p[:5] + p[7:11] + [p[12], p[14]],
+                          f"rope_inplace 32/8 D128 bf16 {vars(cfg)}")
+    cfg = next(rope_configs("sm_90", 40, 128))
+    variants = [("fp16 7/1 D80 R40 pos", (torch.float16, torch.float32, 2, 7, 1, 423, 80, 40, True, False)),
+                ("f32 8/1 D64 backward", (torch.float32, torch.float32, 1, 8, 1, 17, 64, 64, False, True)),
+                ("bf16 32/8 D128 pos backward", (torch.bfloat16, torch.bfloat16, B, 32, 8, S, 128, 128, True, True))]
+    for label, args in variants:
+        yield CompileCase("rope", _rope.build(cfg), out_params(*args), f"rope {label} {vars(cfg)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmarks (python -m tiletune bench rope).
+
+def _hf_rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def hf_apply_rotary_pos_emb(q, k, cos, sin):
+    """The Hugging Face reference (cos/sin (B, S, D), unsqueezed over heads)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _hf_rotate_half(q) * sin, k * cos + _hf_rotate_half(k) * sin
+
+
+def bench_cases():
+    from tiletune.bench import BenchCase
+    cases = []
+    for B, Hq, Hk, S, D in ((4, 32, 8, 4096, 128),):
+        dt = torch.bfloat16
+        q = torch.randn(B, S, Hq, D, device="cuda", dtype=dt).transpose(1, 2)
+        k = torch.randn(B, S, Hk, D, device="cuda", dtype=dt).transpose(1, 2)
+        ang = torch.rand(S, D // 2, device="cuda") * 6.28
+        cos = torch.cat((ang.cos(), ang.cos()), -1)[None].expand(B, S, D).to(dt)
+        sin = torch.cat((ang.sin(), ang.sin()), -1)[None].expand(B, S, D).to(dt)
+        base = {"torch": hf_apply_rotary_pos_emb,
+                "torch_compile": torch.compile(hf_apply_rotary_pos_emb)}
+        try:
+            from liger_kernel.transformers.rope import liger_rotary_pos_emb
+            base["liger"] = liger_rotary_pos_emb
+        except Exception:
+            pass
+        qc, kc = q.contiguous(), k.contiguous()
+        q_out, k_out = torch.empty_like(qc), torch.empty_like(kc)
+        cases.append(BenchCase(
+            "rope", f"B{B} Hq{Hq} Hkv{Hk} S{S} D{D} bf16", "fwd",
+            lambda: apply_rope(q, k, cos, sin),
+            {name: (lambda f=f: f(q, k, cos, sin)) for name, f in base.items()},
+            bytes=2 * (q.numel() + k.numel()) * 2 + 2 * S * D * 2,
+            ceiling=("copy", lambda: (q_out.copy_(qc), k_out.copy_(kc)))))
+    return cases

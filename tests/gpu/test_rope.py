@@ -1,0 +1,128 @@
+"""RoPE on the GPU against a float64 reference of HF's apply_rotary_pos_emb on random data."""
+import cuda.tile.tune
+import pytest
+import torch
+
+from tiletune.ops import rope as R
+from tiletune.ops.rope import apply_rope, apply_rotary_pos_emb
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def make(B, Hq, Hk, S, D, R_, dt, batched_cos=False, rows=None):
+    q = torch.randn(B, S, Hq, D, device="cuda", dtype=dt).transpose(1, 2)   # HF layout: a view
+    k = torch.randn(B, S, Hk, D, device="cuda", dtype=dt).transpose(1, 2)
+    rows = rows or S
+    ang = torch.rand(B if batched_cos else 1, rows, R_, device="cuda", dtype=torch.float64) * 6.3
+    cos, sin = ang.cos().to(dt), ang.sin().to(dt)      # halves differ: a general cos/sin
+    return q, k, cos, sin
+
+
+def reference(q, k, cos, sin, pos, R_):
+    cos, sin = cos.double(), sin.double()
+    B, S = q.shape[0], q.shape[2]
+    if pos is not None:
+        idx = pos.expand(B, S)
+        cos = torch.stack([cos[min(b, cos.shape[0] - 1)][idx[b]] for b in range(B)])
+        sin = torch.stack([sin[min(b, sin.shape[0] - 1)][idx[b]] for b in range(B)])
+    else:
+        cos, sin = cos[:, :S].expand(B, S, R_), sin[:, :S].expand(B, S, R_)
+    cos, sin = cos[:, None], sin[:, None]
+
+    def rot(x):
+        x = x.double()
+        xr, xp = x[..., :R_], x[..., R_:]
+        h = R_ // 2
+        rh = torch.cat((-xr[..., h:], xr[..., :h]), -1)
+        return torch.cat((xr * cos + rh * sin, xp), -1)
+    return rot(q), rot(k)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm()).item()
+
+
+CASES = [  # B, Hq, Hk, S, D, R, position_ids, batched cos
+    (2, 32, 8, 423, 128, 128, False, False),
+    (1, 8, 1, 97, 64, 64, True, False),
+    (3, 7, 1, 51, 80, 40, False, True),       # odd heads, D 80, partial rotary 0.5
+    (2, 12, 4, 33, 80, 80, True, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("dt", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("disable", [False, True], ids=["tuned", "DISABLE_AUTOTUNE"])
+def test_forward_backward(fresh, monkeypatch, case, dt, disable):
+    if disable:
+        monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+        monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", lambda *a, **k: pytest.fail("search"))
+    B, Hq, Hk, S, D, R_, with_pos, batched = case
+    q, k, cos, sin = make(B, Hq, Hk, S, D, R_, dt, batched, rows=S + 5)
+    pos = torch.randint(0, S + 5, (1, S), device="cuda") if with_pos else None
+    qg, kg = q.detach().requires_grad_(), k.detach().requires_grad_()
+    qo, ko = apply_rope(qg, kg, cos, sin, position_ids=pos)
+    rq, rk = reference(q, k, cos, sin, pos, R_)
+    assert rel(qo, rq) < TOL[dt] and rel(ko, rk) < TOL[dt]
+    assert qo.shape == q.shape and qo.stride() == q.stride()
+    dq, dk = torch.randn_like(qo), torch.randn_like(ko)
+    gq, gk = torch.autograd.grad((qo, ko), (qg, kg), (dq, dk))
+    q64, k64 = q.double().requires_grad_(), k.double().requires_grad_()
+    rq, rk = reference(q64, k64, cos, sin, pos, R_)
+    eq, ek = torch.autograd.grad((rq, rk), (q64, k64), (dq.double(), dk.double()))
+    assert rel(gq, eq) < TOL[dt] and rel(gk, ek) < TOL[dt]
+
+
+def test_inplace_search_leaves_inputs_intact(fresh, monkeypatch):
+    q, k, cos, sin = make(2, 32, 8, 300, 128, 128, torch.bfloat16)
+    q, k = q.contiguous(), k.contiguous()
+    q0, k0 = q.clone(), k.clone()
+    real = cuda.tile.tune.exhaustive_search
+    seen = []
+
+    def checked(*a, **kw):
+        res = real(*a, **kw)
+        seen.append(torch.equal(q, q0) and torch.equal(k, k0))   # untouched by every sample
+        return res
+    monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", checked)
+    qo, ko = apply_rope(q, k, cos, sin, inplace=True)
+    assert seen == [True] and qo is q and ko is k
+    rq, rk = reference(q0, k0, cos, sin, None, 128)
+    assert rel(q, rq) < TOL[torch.bfloat16] and rel(k, rk) < TOL[torch.bfloat16]
+    searches = R._rope_inplace.searches
+    apply_rope(q, k, cos, sin, inplace=True)
+    assert R._rope_inplace.searches == searches == 1
+
+
+def test_second_call_does_not_search(fresh):
+    q, k, cos, sin = make(2, 8, 2, 200, 64, 64, torch.float16)
+    apply_rope(q, k, cos, sin)
+    apply_rope(q, k, cos, sin)
+    assert R._rope.searches == 1
+
+
+def test_hf_functional_form(fresh):
+    q, k, cos, sin = make(2, 8, 2, 64, 64, 64, torch.bfloat16)
+    qo, ko = apply_rotary_pos_emb(q, k, cos.expand(2, -1, -1), sin.expand(2, -1, -1))
+    rq, rk = reference(q, k, cos, sin, None, 64)
+    assert rel(qo, rq) < TOL[torch.bfloat16] and rel(ko, rk) < TOL[torch.bfloat16]
+
+
+def test_bad_input():
+    q, k, cos, sin = make(1, 8, 2, 16, 64, 64, torch.float32)
+    with pytest.raises(ValueError, match="head_dim"):
+        apply_rope(q, k[..., :32], cos, sin)
+    with pytest.raises(ValueError, match="multiple"):
+        apply_rope(q, torch.randn(1, 3, 16, 64, device="cuda"), cos, sin)
+    with pytest.raises(ValueError, match="fewer than S"):
+        apply_rope(q, k, cos[:, :8], sin[:, :8])
+    with pytest.raises(ValueError, match="outside"):
+        apply_rope(q, k, cos, sin, position_ids=torch.full((1, 16), 16, device="cuda"))
+    with pytest.raises(ValueError, match="even"):
+        apply_rope(q, k, cos, sin, rotary_dim=63)
+    with pytest.raises(ValueError, match="CUDA"):
+        apply_rope(q.cpu(), k, cos, sin)
+    with pytest.raises(TypeError, match="dtype"):
+        apply_rope(q.double(), k, cos, sin)
