@@ -8,6 +8,7 @@
 #
 # No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
 from types import SimpleNamespace
+from typing import Optional
 
 import cuda.tile as ct
 import torch
@@ -231,8 +232,9 @@ def _prepare(q, k, cos, sin, position_ids, rotary_dim):
         if position_ids.device != q.device:
             raise ValueError(f"apply_rope: position_ids is on {position_ids.device}, q on {q.device}")
         # Out-of-range rows would read outside cos/sin: checked here (one device sync), except
-        # during CUDA graph capture, where it is the caller's contract.
-        if not torch.cuda.is_current_stream_capturing() and position_ids.numel():
+        # under CUDA graph capture or torch.compile, where it is the caller's contract.
+        if position_ids.numel() and not torch.compiler.is_compiling() and \
+                not torch.cuda.is_current_stream_capturing():
             lo, hi = int(position_ids.min()), int(position_ids.max())
             if lo < 0 or hi >= cos.shape[1]:
                 raise ValueError(f"apply_rope: position_ids range [{lo}, {hi}] is outside the "
@@ -271,6 +273,32 @@ class RoPEFunction(torch.autograd.Function):
         return dq_in, dk_in, None, None, None, None, None
 
 
+@torch.library.custom_op("tiletune::rope", mutates_args=())
+def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             pos: Optional[torch.Tensor], rot: int, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rope_out(q, k, cos, sin, pos, rot, backward)
+
+
+@_rope_op.register_fake
+def _(q, k, cos, sin, pos, rot, backward):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+def _rope_op_setup(ctx, inputs, output):
+    _, _, cos, sin, pos, rot, backward = inputs
+    ctx.save_for_backward(cos, sin, pos)
+    ctx.rot, ctx.backward = rot, backward
+
+
+def _rope_op_backward(ctx, dq, dk):
+    cos, sin, pos = ctx.saved_tensors
+    dq_in, dk_in = _rope_op(dq, dk, cos, sin, pos, ctx.rot, not ctx.backward)
+    return dq_in, dk_in, None, None, None, None, None
+
+
+_rope_op.register_autograd(_rope_op_backward, setup_context=_rope_op_setup)
+
+
 def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=False):
     """Rotary position embedding, HF "rotate_half" convention, for q and k together.
 
@@ -284,6 +312,11 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     k in place (marked dirty for autograd) and returns them. Differentiable in q and k.
     """
     cos, sin, pos, rot = _prepare(q, k, cos, sin, position_ids, rotary_dim)
+    if torch.compiler.is_compiling():       # the custom op: no graph break (in place = copy back)
+        qo, ko = _rope_op(q, k, cos, sin, pos, rot, False)
+        if inplace:
+            return q.copy_(qo), k.copy_(ko)
+        return qo, ko
     if inplace and (q.requires_grad or k.requires_grad) and torch.is_grad_enabled() and \
             (q.is_leaf or k.is_leaf):
         raise ValueError("apply_rope: inplace=True on a leaf tensor that requires grad")

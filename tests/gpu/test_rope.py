@@ -126,3 +126,19 @@ def test_bad_input():
         apply_rope(q.cpu(), k, cos, sin)
     with pytest.raises(TypeError, match="dtype"):
         apply_rope(q.double(), k, cos, sin)
+
+
+def test_torch_compile_fullgraph(fresh):
+    q, k, cos, sin = make(2, 8, 2, 64, 64, 64, torch.bfloat16)
+    qg, kg = q.detach().requires_grad_(), k.detach().requires_grad_()
+
+    def f(q, k):
+        qo, ko = apply_rope(q * 1, k * 1, cos, sin)
+        return qo.float().square().sum() + ko.float().sum()
+    eager = f(qg, kg)
+    ge = torch.autograd.grad(eager, (qg, kg))
+    out = torch.compile(f, fullgraph=True)(qg, kg)
+    gc = torch.autograd.grad(out, (qg, kg))
+    torch.testing.assert_close(out, eager)
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b)
