@@ -7,7 +7,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune.autotune import Autotuner, Search, Work, next_pow2
-from tiletune.device import arch, current_stream, num_sms
+from tiletune.device import arch, current_stream, sm_count
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -219,12 +219,8 @@ TUNERS = (_fwd, _bwd, _bwd_coef, _bwd_cols, _column_sum)
 # ---------------------------------------------------------------------------------------------
 # Host launches (2-D, contiguous rows). Grids are persistent: each CTA strides over row tiles.
 
-_SMS = {}   # device index -> SM count (a plain dict: this is on the launch path)
-
-
 def _ctas(n_tiles, dev_index, occupancy):
-    sms = _SMS.get(dev_index) or _SMS.setdefault(dev_index, num_sms(dev_index))
-    return max(1, min(n_tiles, sms * occupancy))
+    return max(1, min(n_tiles, sm_count(dev_index) * occupancy))
 
 
 def _fwd_grid(cfg, M, dev):
@@ -301,7 +297,7 @@ def launch_bwd(dy, x, w, rstd, dx, dw):
 
     def cols_grid(c):
         col_blocks = -(-N // c.tile_n)
-        return (col_blocks, max(1, min(-(-M // c.tile_m), -(-num_sms(dev) * c.occupancy // col_blocks))))
+        return (col_blocks, max(1, min(-(-M // c.tile_m), -(-sm_count(dev) * c.occupancy // col_blocks))))
 
     def search_cols():
         rows = max(cols_grid(c)[1] for c in _bwd_cols.config_list(arch(x), dict(n_cols=N)))

@@ -14,7 +14,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune.autotune import Autotuner, Search, Work, next_pow2
-from tiletune.device import current_stream, num_sms
+from tiletune.device import current_stream, sm_count
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -124,14 +124,11 @@ TUNERS = (_rope, _rope_inplace)
 # ---------------------------------------------------------------------------------------------
 # Host launch.
 
-_SMS = {}
-
-
-def _grid(cfg, positions, dev):
+def ctas(cfg, positions, dev):
+    """One CTA per position, or a persistent grid of SMs x occupancy CTAs."""
     if not cfg.persistent:
-        return (max(positions, 1),)
-    sms = _SMS.get(dev) or _SMS.setdefault(dev, num_sms(dev))
-    return (max(1, min(positions, sms * cfg.occupancy)),)
+        return max(positions, 1)
+    return max(1, min(positions, sm_count(dev) * cfg.occupancy))
 
 
 def _launch(q, k, cos, sin, pos, q_out, k_out, rot, backward):
@@ -160,14 +157,14 @@ def _launch(q, k, cos, sin, pos, q_out, k_out, rot, backward):
         else:
             args_fn = lambda c: out_args(q_out, k_out)
         nbytes = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * cos.shape[1] * rot * cos.element_size()
-        return Search(shape=dict(heads=Hq + Hk, rot=rot), grid_fn=lambda c: _grid(c, B * S, dev),
+        return Search(shape=dict(heads=Hq + Hk, rot=rot), grid_fn=lambda c: (ctas(c, B * S, dev),),
                       args_fn=args_fn, work=Work(bytes=nbytes))
     cfg, kernel = tuner.cache.get(key) or tuner.tune(key, q, search())
     if inplace:
         args = (q, k, cos, sin, pos_arg, half, *tiles, has_pos, backward)
     else:
         args = out_args(q_out, k_out)
-    ct.launch(current_stream(dev), _grid(cfg, B * S, dev), kernel, args)
+    ct.launch(current_stream(dev), (ctas(cfg, B * S, dev),), kernel, args)
 
 
 # ---------------------------------------------------------------------------------------------

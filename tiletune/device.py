@@ -33,6 +33,18 @@ def num_sms(device):
     return _props(_index(device)).multi_processor_count
 
 
+_SM_COUNT = {}
+
+
+def sm_count(index):
+    """SM count of device `index` (an int): one dict lookup after the first call, for grids
+    computed on the launch path."""
+    n = _SM_COUNT.get(index)
+    if n is None:
+        n = _SM_COUNT[index] = _props(index).multi_processor_count
+    return n
+
+
 def gpu_name(device):
     return _props(_index(device)).name
 

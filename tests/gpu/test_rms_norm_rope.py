@@ -1,0 +1,35 @@
+"""Fused per-head RMSNorm + RoPE against a float64 reference (norm, then HF rotate_half)."""
+import pytest
+import torch
+
+from tiletune.ops.rms_norm_rope import rms_norm_rope
+
+from .test_rope import TOL, make, reference as rope_reference, rel
+
+
+def reference(q, k, wq, wk, cos, sin, pos, R_, eps):
+    def norm(x, w):
+        x = x.double()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    return rope_reference(norm(q, wq), norm(k, wk), cos, sin, pos, R_)
+
+
+@pytest.mark.parametrize("case", [(2, 32, 8, 123, 128, 128, False), (3, 7, 1, 51, 80, 40, True)],
+                         ids=str)
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=str)
+def test_forward_backward(fresh, case, dt):
+    B, Hq, Hk, S, D, R_, with_pos = case
+    q, k, cos, sin = make(B, Hq, Hk, S, D, R_, dt, rows=S + 3)
+    wq = torch.rand(D, device="cuda", dtype=dt) + 0.5
+    wk = torch.rand(D, device="cuda", dtype=dt) + 0.5
+    pos = torch.randint(0, S + 3, (B, S), device="cuda") if with_pos else None
+    leaves = [t.detach().requires_grad_() for t in (q, k, wq, wk)]
+    qo, ko = rms_norm_rope(*leaves, cos, sin, position_ids=pos)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, wq, wk)]
+    rq, rk = reference(*ref_leaves, cos, sin, pos, R_, 1e-6)
+    assert rel(qo, rq) < TOL[dt] and rel(ko, rk) < TOL[dt]
+    dq, dk = torch.randn_like(qo), torch.randn_like(ko)
+    got = torch.autograd.grad((qo, ko), leaves, (dq, dk))
+    want = torch.autograd.grad((rq, rk), ref_leaves, (dq.double(), dk.double()))
+    for g, w in zip(got, want):
+        assert rel(g, w) < 2 * TOL[dt]
