@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import cuda.tile as ct
 import torch
 
+from tiletune import validate
 from tiletune.autotune import Autotuner, Search, Work, next_pow2
 from tiletune.device import arch, current_stream, sm_count
 
@@ -316,7 +317,6 @@ def launch_bwd(dy, x, w, rstd, dx, dw):
 # ---------------------------------------------------------------------------------------------
 # Wrapper: validation, flattening to rows, int32-safe row chunks.
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_CHUNK_ELEMS = 2**31 - 1   # kernels index with int32: launch at most this many elements
 
 
@@ -328,28 +328,14 @@ def _row_chunks(M, N):
 
 
 def _check(x, weight, eps):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"rms_norm: x must be a torch.Tensor, got {type(x).__name__}")
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"rms_norm: weight must be a torch.Tensor, got {type(weight).__name__}")
-    if not x.is_cuda:
-        raise ValueError(f"rms_norm: x must be a CUDA tensor, got device {x.device}")
-    if weight.device != x.device:
-        raise ValueError(f"rms_norm: weight is on {weight.device} but x is on {x.device}")
-    if x.dtype not in DTYPES:
-        raise TypeError(f"rms_norm: x dtype {x.dtype} is not supported (float32, float16, bfloat16)")
-    if weight.dtype not in DTYPES:
-        raise TypeError(f"rms_norm: weight dtype {weight.dtype} is not supported "
-                        "(float32, float16, bfloat16)")
+    validate.tensor("rms_norm", "x", x)
+    validate.tensor("rms_norm", "weight", weight, device=x.device)
     if x.dim() < 1:
         raise ValueError("rms_norm: x must have at least one dimension (the hidden size)")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"rms_norm: weight must have shape ({x.shape[-1]},) to match the last "
                          f"dim of x, got {tuple(weight.shape)}")
-    if isinstance(eps, bool) or not isinstance(eps, (float, int)):
-        raise TypeError(f"rms_norm: eps must be a float, got {type(eps).__name__}")
-    if not eps >= 0.0 or eps == float("inf"):
-        raise ValueError(f"rms_norm: eps must be a finite number >= 0, got {eps}")
+    validate.eps("rms_norm", eps)
 
 
 def _forward(x, weight, eps):

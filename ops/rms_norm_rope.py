@@ -12,7 +12,8 @@ import torch
 from tiletune.autotune import Autotuner, Search, Work, next_pow2
 from tiletune.device import current_stream
 from tiletune.ops.rms_norm import launch_column_sum
-from tiletune.ops.rope import _cos_sin, _position, _prepare, ctas, rope_configs
+from tiletune import validate
+from tiletune.ops.rope import _at, _prepare, ctas, rope_configs
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -60,10 +61,7 @@ def rms_norm_rope_fwd(q, k, wq, wk, cos, sin, pos, q_out, k_out, rstd_q, rstd_k,
     rstd_q (B, Hq, S), rstd_k (B, Hk, S) float32 for the backward."""
     S = q.shape[2]
     for bs in range(ct.bid(0), q.shape[0] * S, ct.num_blocks(0)):
-        b = bs // S
-        s = bs - b * S
-        p = _position(pos, b, s, HAS_POS)
-        c1, c2, s1, s2 = _cos_sin(cos, sin, b, p, half, TILE_R, False)
+        b, s, c1, c2, s1, s2 = _at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS, False)
         _norm_rope(q, wq, q_out, rstd_q, b, s, half, inv_d, eps, c1, c2, s1, s2,
                    TILE_HQ, TILE_R, TILE_P, HAS_REST)
         _norm_rope(k, wk, k_out, rstd_k, b, s, half, inv_d, eps, c1, c2, s1, s2,
@@ -123,10 +121,7 @@ def rms_norm_rope_bwd(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in
     ak2 = ct.zeros((1, TILE_R), ct.float32)
     akp = ct.zeros((1, TILE_P), ct.float32)
     for bs in range(ct.bid(0), q.shape[0] * S, ct.num_blocks(0)):
-        b = bs // S
-        s = bs - b * S
-        p = _position(pos, b, s, HAS_POS)
-        c1, c2, s1, s2 = _cos_sin(cos, sin, b, p, half, TILE_R, False)
+        b, s, c1, c2, s1, s2 = _at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS, False)
         d1, d2, dp = _norm_rope_bwd(dq, q, wq, rstd_q, dq_in, b, s, half, inv_d, c1, c2, s1, s2,
                                     TILE_HQ, TILE_R, TILE_P, HAS_REST)
         aq1, aq2, aqp = aq1 + d1, aq2 + d2, aqp + dp
@@ -242,18 +237,12 @@ def rms_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps=1e-6, position_ids=
     cos, sin, pos, rot = _prepare(q, k, cos, sin, position_ids, rotary_dim)
     D = q.shape[3]
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if not isinstance(w, torch.Tensor):
-            raise TypeError(f"rms_norm_rope: {name} must be a torch.Tensor")
-        if w.device != q.device:
-            raise ValueError(f"rms_norm_rope: {name} is on {w.device} but q is on {q.device}")
+        validate.tensor("rms_norm_rope", name, w, device=q.device)
         if w.dim() != 1 or w.shape[0] != D:
             raise ValueError(f"rms_norm_rope: {name} must have shape ({D},), got {tuple(w.shape)}")
-        if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise TypeError(f"rms_norm_rope: {name} dtype {w.dtype} is not supported")
     if q_weight.dtype != k_weight.dtype:
         raise TypeError("rms_norm_rope: q_weight and k_weight must have the same dtype")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
-        raise ValueError(f"rms_norm_rope: eps must be a finite number >= 0, got {eps}")
+    eps = validate.eps("rms_norm_rope", eps)
     wq, wk = q_weight.contiguous(), k_weight.contiguous()
     return RMSNormRoPEFunction.apply(q, k, wq, wk, cos, sin, pos, rot, float(eps))
 

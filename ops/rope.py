@@ -13,6 +13,7 @@ from typing import Optional
 import cuda.tile as ct
 import torch
 
+from tiletune import validate
 from tiletune.autotune import Autotuner, Search, Work, next_pow2
 from tiletune.device import current_stream, sm_count
 
@@ -62,6 +63,14 @@ def _position(pos, b, s, HAS_POS):
     return s
 
 
+def _at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS, BACKWARD):
+    """Flat (batch, position) index -> b, s and the cos/sin halves for that position."""
+    b = bs // S
+    s = bs - b * S
+    c1, c2, s1, s2 = _cos_sin(cos, sin, b, _position(pos, b, s, HAS_POS), half, TILE_R, BACKWARD)
+    return b, s, c1, c2, s1, s2
+
+
 @ct.kernel
 def rope_kernel(q, k, cos, sin, pos, q_out, k_out, half,
                 TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int], TILE_R: ct.Constant[int],
@@ -71,10 +80,7 @@ def rope_kernel(q, k, cos, sin, pos, q_out, k_out, half,
     (a stride-0 batch dim when shared); pos (B, S) int32 rows of cos/sin when HAS_POS."""
     S = q.shape[2]
     for bs in range(ct.bid(0), q.shape[0] * S, ct.num_blocks(0)):
-        b = bs // S
-        s = bs - b * S
-        p = _position(pos, b, s, HAS_POS)
-        c1, c2, s1, s2 = _cos_sin(cos, sin, b, p, half, TILE_R, BACKWARD)
+        b, s, c1, c2, s1, s2 = _at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS, BACKWARD)
         _rotate(q, q_out, b, s, half, c1, c2, s1, s2, TILE_HQ, TILE_R, TILE_P, COPY_REST)
         _rotate(k, k_out, b, s, half, c1, c2, s1, s2, TILE_HK, TILE_R, TILE_P, COPY_REST)
 
@@ -88,10 +94,7 @@ def rope_inplace_kernel(q, k, cos, sin, pos, half,
     same CTA; pass-through dims are left alone)."""
     S = q.shape[2]
     for bs in range(ct.bid(0), q.shape[0] * S, ct.num_blocks(0)):
-        b = bs // S
-        s = bs - b * S
-        p = _position(pos, b, s, HAS_POS)
-        c1, c2, s1, s2 = _cos_sin(cos, sin, b, p, half, TILE_R, BACKWARD)
+        b, s, c1, c2, s1, s2 = _at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS, BACKWARD)
         _rotate(q, q, b, s, half, c1, c2, s1, s2, TILE_HQ, TILE_R, 1, False)
         _rotate(k, k, b, s, half, c1, c2, s1, s2, TILE_HK, TILE_R, 1, False)
 
@@ -170,22 +173,12 @@ def _launch(q, k, cos, sin, pos, q_out, k_out, rot, backward):
 # ---------------------------------------------------------------------------------------------
 # Wrapper: validation and normalization of cos/sin/position_ids.
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def _prepare(q, k, cos, sin, position_ids, rotary_dim):
     """Validate; return (cos3, sin3, pos, rot): cos/sin as (B, S', rot) views (stride-0 batch
     when shared), pos as (B, S) int32 or None."""
-    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"apply_rope: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_cuda:
-            raise ValueError(f"apply_rope: {name} must be a CUDA tensor, got device {t.device}")
-        if t.device != q.device:
-            raise ValueError(f"apply_rope: {name} is on {t.device} but q is on {q.device}")
-        if t.dtype not in DTYPES:
-            raise TypeError(f"apply_rope: {name} dtype {t.dtype} is not supported "
-                            "(float32, float16, bfloat16)")
+    validate.tensor("apply_rope", "q", q)
+    for name, t in (("k", k), ("cos", cos), ("sin", sin)):
+        validate.tensor("apply_rope", name, t, device=q.device)
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"apply_rope: q and k must be 4-D (B, H, S, D), got {tuple(q.shape)} "
                          f"and {tuple(k.shape)}")

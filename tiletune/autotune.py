@@ -20,7 +20,7 @@ import threading
 import time
 import warnings
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import cuda.tile as ct
 import torch

@@ -6,7 +6,6 @@ checks host-side launch costs and the AOT signature helper against the JIT's own
 """
 import json
 import os
-import sys
 import time
 
 import cuda.tile as ct

@@ -2,7 +2,6 @@
 RMSNorm forward? Same whole-row kernel, four memory-access variants, searched at the headline
 shapes. Also: host time of one fwd+bwd step through autograd for tiletune, Liger and torch."""
 import json
-import os
 import time
 
 import cuda.tile as ct

@@ -25,3 +25,19 @@ def poison_allocator(torch):
     n = min(free // 4, 1 << 26)          # up to 256 MiB of NaN, then released to the cache
     t = torch.full((n // 4,), float("nan"), device="cuda")
     del t
+
+
+def run_example_pair(folder):
+    """Run assets/examples/<folder>/{fixed,autotuned}_launch.py; return their key=value lines."""
+    import os
+    import subprocess
+    import sys
+    ex = os.path.join(os.path.dirname(__file__), "..", "..", "assets", "examples", folder)
+    res = {}
+    for name in ("fixed", "autotuned"):
+        o = subprocess.run([sys.executable, os.path.join(ex, f"{name}_launch.py")],
+                           capture_output=True, text=True, timeout=600,
+                           env=dict(os.environ, TILETUNE_CACHE_DIR="off"))
+        assert o.returncode == 0, o.stderr[-2000:]
+        res[name] = dict(line.split("=", 1) for line in o.stdout.splitlines() if "=" in line)
+    return res["fixed"], res["autotuned"]

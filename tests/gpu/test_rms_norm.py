@@ -9,11 +9,10 @@ import cuda.tile.tune
 import pytest
 import torch
 
-import tiletune
 from tiletune.ops import rms_norm as R
 from tiletune.ops.rms_norm import rms_norm
 
-from .conftest import poison_allocator
+from .conftest import poison_allocator, run_example_pair
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}   # relative norm error
 
@@ -249,18 +248,10 @@ def test_int32_overflow_rows_are_chunked():
 
 
 def test_examples_run_and_agree():
-    ex = os.path.join(os.path.dirname(__file__), "..", "..", "assets", "examples",
-                      "01_rmsnorm_occupancy_only")
-    res = {}
-    for name in ("fixed_launch.py", "autotuned_launch.py"):
-        o = subprocess.run([sys.executable, os.path.join(ex, name)], capture_output=True, text=True,
-                           timeout=600, env=dict(os.environ, TILETUNE_CACHE_DIR="off"))
-        assert o.returncode == 0, o.stderr[-2000:]
-        res[name] = dict(line.split("=", 1) for line in o.stdout.splitlines() if "=" in line)
-    a, b = float(res["fixed_launch.py"]["checksum"]), float(res["autotuned_launch.py"]["checksum"])
+    fixed, tuned = run_example_pair("01_rmsnorm_occupancy_only")
+    a, b = float(fixed["checksum"]), float(tuned["checksum"])
     assert abs(a - b) <= 1e-3 * abs(a)
-    fixed, tuned = float(res["fixed_launch.py"]["us"]), float(res["autotuned_launch.py"]["us"])
-    assert tuned <= fixed * 1.05, (fixed, tuned)
+    assert float(tuned["us"]) <= float(fixed["us"]) * 1.05, (fixed, tuned)
 
 
 def test_more_than_2_31_elements(fresh, monkeypatch):

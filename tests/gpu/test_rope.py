@@ -6,6 +6,8 @@ import torch
 from tiletune.ops import rope as R
 from tiletune.ops.rope import apply_rope, apply_rotary_pos_emb
 
+from .conftest import run_example_pair
+
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
@@ -145,17 +147,7 @@ def test_torch_compile_fullgraph(fresh):
 
 
 def test_example_pair_runs_and_agrees():
-    import os
-    import subprocess
-    import sys
-    ex = os.path.join(os.path.dirname(__file__), "..", "..", "assets", "examples",
-                      "03_rope_inplace_splitbuffer")
-    res = {}
-    for name in ("fixed_launch.py", "autotuned_launch.py"):
-        o = subprocess.run([sys.executable, os.path.join(ex, name)], capture_output=True, text=True,
-                           timeout=600, env=dict(os.environ, TILETUNE_CACHE_DIR="off"))
-        assert o.returncode == 0, o.stderr[-2000:]
-        res[name] = dict(line.split("=", 1) for line in o.stdout.splitlines() if "=" in line)
-    a, b = (float(res[n]["checksum"]) for n in ("fixed_launch.py", "autotuned_launch.py"))
+    fixed, tuned = run_example_pair("03_rope_inplace_splitbuffer")
+    a, b = float(fixed["checksum"]), float(tuned["checksum"])
     assert abs(a - b) <= 1e-3 * max(abs(a), 1.0)
-    assert float(res["autotuned_launch.py"]["us"]) <= 1.05 * float(res["fixed_launch.py"]["us"])
+    assert float(tuned["us"]) <= 1.05 * float(fixed["us"])
