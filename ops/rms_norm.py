@@ -224,9 +224,9 @@ def _ctas(n_tiles, dev_index, occupancy):
     return max(1, min(n_tiles, sm_count(dev_index) * occupancy))
 
 
-def _fwd_grid(cfg, M, dev):
+def _fwd_grid(cfg, M, dev):   # on the fast path: kept to one call level
     tiles = -(-M // cfg.tile_m)
-    return (_ctas(tiles, dev, cfg.occupancy) if cfg.persistent else max(tiles, 1),)
+    return (max(1, min(tiles, sm_count(dev) * cfg.occupancy)) if cfg.persistent else tiles,)
 
 
 def launch_fwd(x, w, y, rstd, eps):
