@@ -44,8 +44,17 @@ def cmd_cache(args):
         print(f"{op}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}")
         for key, e in entries.items():
             best = e.get("best_us")
+            timings, failures = e.get("timings") or [], e.get("failures") or []
             print(f"  {key}\n    -> {json.dumps(e.get('config'))}"
-                  + (f"  {best:.2f} us" if isinstance(best, (int, float)) else ""))
+                  + (f"  {best:.2f} us" if isinstance(best, (int, float)) else "")
+                  + f"  ({len(timings)} configs timed, {len(failures)} failed,"
+                    f" search {e.get('search_s', '?')} s)")
+            if args.verbose:
+                for t in timings:
+                    print(f"       {t['mean_us']:9.2f} us  {json.dumps(t['config'])}")
+                for f in failures:
+                    print(f"       FAILED {json.dumps(f['config'])}: {f['error']}: "
+                          f"{(f.get('message') or '').splitlines()[:1]}")
     return 0
 
 
@@ -68,6 +77,7 @@ def main(argv=None):
     b.add_argument("--plot", default=None, help="write a PNG (needs matplotlib)")
     c = sub.add_parser("cache", help="show or clear the persistent store")
     c.add_argument("action", choices=["show", "clear"])
+    c.add_argument("-v", "--verbose", action="store_true", help="every timing and failure")
     k = sub.add_parser("compile", help="AOT-compile every config of every kernel (no GPU needed)")
     k.add_argument("ops", nargs="*")
     k.add_argument("--arch", action="append", help="sm_90, sm_100, ... (repeatable; default sm_90)")

@@ -214,11 +214,15 @@ class Autotuner:
             cfg = self._find(cfgs, stored.get("config")) if isinstance(stored, dict) else None
             if cfg is not None:
                 record = TuningRecord(self.name, key, config_dict(cfg), "store",
-                                      best_us=stored.get("best_us"))
+                                      stored.get("timings") or [], stored.get("failures") or [],
+                                      stored.get("search_s") or 0.0, stored.get("best_us"),
+                                      stored.get("rates") or {})
                 return self._finish(key, cfg, record, search, dev)
             cfg, record = self._search(key, dev, cfgs, search)
             store.save(self.name, skey, {"config": record.config, "best_us": record.best_us,
                                          "search_s": round(record.search_s, 3),
+                                         "rates": record.rates, "timings": record.timings,
+                                         "failures": record.failures,
                                          "saved": time.strftime("%Y-%m-%dT%H:%M:%S")})
             return self._finish(key, cfg, record, search, dev)
 

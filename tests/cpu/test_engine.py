@@ -136,6 +136,7 @@ def test_store_round_trip_skips_search(env):
     t1.searches = 0
     cfg, _ = resolve(t1, ("k", 7))
     assert t1.searches == 0 and cfg.occupancy == 2 and t1.records[("k", 7)].source == "store"
+    assert len(t1.records[("k", 7)].timings) == 3     # the search's record survives the process
     entries = store.entries(t1.name)[t1.name]
     (skey,) = entries
     assert "Fake H200" in skey and "sm_90" in skey and f"cuda-tile {ct.__version__}" in skey
@@ -267,3 +268,13 @@ def test_in_place_kernel_searches_its_split_buffer_twin(env):
     assert env.fake.kernels == ["_k_twin"] * 3
     assert kern._pyfunc.__name__ == "_k" and kern._compiler_options.occupancy == 2
     assert env.launches == []      # no warm launch: its arguments belong to the twin
+
+
+def test_cli_cache_show_lists_timings(env, capsys):
+    from tiletune.__main__ import main
+    t = env.make()
+    resolve(t, ("k", 3))
+    assert main(["cache", "show", "-v"]) == 0
+    out = capsys.readouterr().out
+    assert t.name in out and "3 configs timed, 0 failed" in out and out.count(" us  {") == 3
+    assert main(["cache", "clear"]) == 0 and store.entries() == {}
