@@ -269,22 +269,19 @@ def launch_bwd(dy, x, w, rstd, dx, dw):
         def grid(c):
             return (_ctas(-(-M // c.tile_m), dev, c.occupancy),)
 
-        def partial_for(c, scratch=None):
-            g = grid(c)[0]
-            return scratch[:g] if scratch is not None else torch.empty((g, N), device=x.device,
-                                                                       dtype=torch.float32)
+        def args(c, partial):
+            return (dy, x, w, rstd, dx, partial, 1.0 / N, c.tile_m, c.tile_n)
 
-        def search():
-            scratch = torch.empty((max(grid(c)[0] for c in _bwd.config_list(arch(x), dict(n_cols=N))), N),
-                                  device=x.device, dtype=torch.float32)
+        def search():   # one scratch partial buffer per miss, sized for the largest grid
+            cfgs = _bwd.config_list(arch(x), dict(n_cols=N))
+            scratch = torch.empty((max(grid(c)[0] for c in cfgs), N), device=x.device,
+                                  dtype=torch.float32)
             return Search(shape=dict(n_cols=N), grid_fn=grid,
-                          args_fn=lambda c: (dy, x, w, rstd, dx, partial_for(c, scratch), 1.0 / N,
-                                             c.tile_m, c.tile_n),
-                          work=_bwd_work(dy, w))
+                          args_fn=lambda c: args(c, scratch[:grid(c)[0]]), work=_bwd_work(dy, w))
         cfg, kernel = _bwd.cache.get(key) or _bwd.tune(key, x, search())
-        partial = partial_for(cfg)
-        ct.launch(current_stream(dev), grid(cfg), kernel,
-                  (dy, x, w, rstd, dx, partial, 1.0 / N, cfg.tile_m, cfg.tile_n))
+        g = grid(cfg)
+        partial = torch.empty((g[0], N), device=x.device, dtype=torch.float32)
+        ct.launch(current_stream(dev), g, kernel, args(cfg, partial))
         launch_column_sum(partial, dw)
         return
 
