@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tiletune.autotune import MAX_CONFIGS, default_hints
+from tiletune.ops import matmul as MM
 from tiletune.ops import rms_norm as RN
 from tiletune.ops import rope as RP
 
@@ -22,12 +23,15 @@ def spaces():
         yield f"rms_norm_bwd_coef {arch}", list(RN.bwd_coef_configs(arch, 65536))
         yield f"rms_norm_bwd_cols {arch}", list(RN.bwd_cols_configs(arch, 65536))
         yield f"rms_norm_dw_sum {arch}", list(RN.column_sum_configs(arch, 4096))
+        for m, n, k in ((1, 4096, 4096), (256, 4096, 4096), (4096, 14336, 4096), (1000, 1999, 777)):
+            yield f"matmul {arch} {m}x{n}x{k}", list(MM.matmul_configs(arch, m, n, k))
         for heads, rot in itertools.product((2, 40, 160), (32, 64, 128)):
             yield f"rope {arch} H={heads} R={rot}", list(RP.rope_configs(arch, heads, rot))
 
 
 @pytest.mark.parametrize("label,cfgs", list(spaces()), ids=lambda v: v if isinstance(v, str) else "")
 def test_space(label, cfgs):
+    arch = label.split()[1] if label.split()[1].startswith("sm_") else ""
     assert 1 <= len(cfgs) <= MAX_CONFIGS
     assert all(isinstance(c, SimpleNamespace) for c in cfgs)
     assert len({tuple(sorted(vars(c).items())) for c in cfgs}) == len(cfgs), "repeated config"
@@ -35,7 +39,11 @@ def test_space(label, cfgs):
         h = default_hints(c)
         assert 1 <= h.get("occupancy", 1) <= 32
         assert h.get("num_worker_warps", 4) in (4, 8)       # tileiras 13.4 takes only these
-        for name in ("tile_m", "tile_n", "tile_g"):
+        if arch in ("sm_90", "sm_100"):
+            assert h.get("num_ctas", 1) in (1, 2, 4, 8)     # portable cluster sizes
+        if hasattr(c, "tm"):
+            assert c.tm * c.tn <= 128 * 256, "fp32 accumulator would not fit the registers"
+        for name in ("tile_m", "tile_n", "tile_g", "tm", "tn", "tk"):
             v = getattr(c, name, 1)
             assert v >= 1 and v & (v - 1) == 0, f"{name}={v} is not a power of two"
 

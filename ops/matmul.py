@@ -1,0 +1,251 @@
+# Matmul C = A @ B for bf16/fp16 with float32 accumulation, 2-D or batched 3-D; A and B may be
+# row- or column-major (transposed views): the kernel reads any strides and the JIT specializes
+# on which dim has unit stride, so each layout gets its own TMA/wgmma code without copies.
+#
+# First cut, compile-checked only: the sm_90 space below is seeded from the planning notes'
+# H200 measurements (128x128x64 at occupancy 1-2 best on 4096^3-16384x4096x14336; 256x128x64
+# with 2-CTA clusters within 1-2%; 128x256 5-10% slower) and must be re-derived from our own
+# searches before it is trusted.
+#
+# No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
+from types import SimpleNamespace
+
+import cuda.tile as ct
+import torch
+
+from tiletune import validate
+from tiletune.autotune import Autotuner, Search, Work
+from tiletune.device import current_stream
+
+ZERO = ct.PaddingMode.ZERO
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel: one CTA per (TM, TN) output tile, grouped tile order (GROUP_M row tiles share the B
+# columns they read while those are in L2), K loop with zero padding for ragged K.
+
+def tile_coords(tile, num_m, num_n, GROUP_M):
+    """Grouped ("swizzled") order of output tiles: walk GROUP_M row tiles down a column band."""
+    per_group = GROUP_M * num_n
+    group = tile // per_group
+    first_m = group * GROUP_M
+    rows = min(num_m - first_m, GROUP_M)
+    within = tile - group * per_group
+    return first_m + within % rows, within // rows
+
+
+@ct.kernel
+def matmul_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Constant[int],
+                  GROUP_M: ct.Constant[int]):
+    """a (Z, M, K), b (Z, K, N), c (Z, M, N) with any strides; grid (tiles, Z)."""
+    z = ct.bid(1)
+    num_m = ct.cdiv(a.shape[1], TM)
+    num_n = ct.cdiv(b.shape[2], TN)
+    m, n = tile_coords(ct.bid(0), num_m, num_n, GROUP_M)
+    acc = ct.zeros((TM, TN), ct.float32)
+    for kk in range(ct.cdiv(a.shape[2], TK)):
+        at = ct.reshape(ct.load(a, (z, m, kk), (1, TM, TK), padding_mode=ZERO), (TM, TK))
+        bt = ct.reshape(ct.load(b, (z, kk, n), (1, TK, TN), padding_mode=ZERO), (TK, TN))
+        acc = ct.mma(at, bt, acc)
+    ct.store(c, (z, m, n), ct.reshape(acc.astype(c.dtype), (1, TM, TN)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs. sm_90 keeps the fp32 accumulator in registers: TM x TN <= 128 x 256 (256 x 256 is the
+# whole register file). num_ctas 2 only where clusters exist (sm_90+). Default first.
+
+def matmul_configs(arch, m, n, k):
+    def cfg(tm, tn, tk, occ=1, nc=1, group=8):
+        return SimpleNamespace(tm=tm, tn=tn, tk=tk, occupancy=occ, num_ctas=nc, group_m=group)
+    major = int(arch[3:]) // 10 if arch.startswith("sm_") else 0
+    if major < 9:        # conservative default elsewhere (compile-checked only)
+        yield cfg(128, 128, 32)
+        yield cfg(64, 128, 32, occ=2)
+        return
+    yield cfg(128, 128, 64, occ=2)
+    tiles = [(128, 128, 64), (128, 256, 64), (256, 128, 64), (64, 128, 64), (128, 64, 64),
+             (64, 256, 64), (128, 128, 128), (64, 64, 64)]
+    seen = [cfg(128, 128, 64, occ=2)]
+    for tm, tn, tk in tiles:
+        for occ in (1, 2):
+            for nc in (1, 2):
+                if nc == 2 and tm * tn < 128 * 128:
+                    continue          # clusters only for the large tiles
+                c = cfg(tm, tn, tk, occ, nc)
+                if c not in seen:
+                    seen.append(c)
+                    yield c
+    if m <= 256:                      # skinny M: small row tiles keep more CTAs busy
+        for tn in (128, 256):
+            c = cfg(64, tn, 64, occ=2, group=1)
+            if c not in seen:
+                seen.append(c)
+                yield c
+
+
+_matmul = Autotuner("matmul", matmul_kernel, matmul_configs,
+                    default=SimpleNamespace(tm=128, tn=128, tk=64, occupancy=1, num_ctas=1,
+                                            group_m=8))
+TUNERS = (_matmul,)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host launch.
+
+def _grid(cfg, M, N, Z):
+    return (-(-M // cfg.tm) * -(-N // cfg.tn), Z)
+
+
+def _layout(t):
+    """'row' if the last dim has unit stride, 'col' if the middle one has, else 'strided'."""
+    if t.stride(-1) == 1:
+        return "row"
+    if t.stride(-2) == 1:
+        return "col"
+    return "strided"
+
+
+def launch(a3, b3, c3):
+    Z, M, K = a3.shape
+    N = b3.shape[2]
+    dev = a3.get_device()
+    key = (1 << (M - 1).bit_length(), N, K, Z > 1, a3.dtype, _layout(a3), _layout(b3), dev)
+    cfg, kernel = _matmul.cache.get(key) or _matmul.tune(key, a3, Search(
+        shape=dict(m=M, n=N, k=K), grid_fn=lambda c: _grid(c, M, N, Z),
+        args_fn=lambda c: (a3, b3, c3, c.tm, c.tn, c.tk, c.group_m),
+        work=Work(flops=2.0 * Z * M * N * K)))
+    ct.launch(current_stream(dev), _grid(cfg, M, N, Z), kernel,
+              (a3, b3, c3, cfg.tm, cfg.tn, cfg.tk, cfg.group_m))
+
+
+def _mm(a, b):
+    """a (..., M, K) @ b (..., K, N) for 2-D or equal-batch 3-D inputs."""
+    batched = a.dim() == 3
+    a3, b3 = (a, b) if batched else (a[None], b[None])
+    Z, M, K = a3.shape
+    N = b3.shape[2]
+    c3 = torch.empty((Z, M, N), device=a.device, dtype=a.dtype)
+    if c3.numel():
+        if K == 0:
+            c3.zero_()
+        else:
+            launch(a3, b3, c3)
+    return c3 if batched else c3[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd: dA = dC @ B^T, dB = A^T @ dC, through the same kernel on transposed views.
+
+class MatmulFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return _mm(a, b)
+
+    @staticmethod
+    def backward(ctx, dc):
+        a, b = ctx.saved_tensors
+        da = _mm(dc, b.transpose(-1, -2)) if ctx.needs_input_grad[0] else None
+        db = _mm(a.transpose(-1, -2), dc) if ctx.needs_input_grad[1] else None
+        return da, db
+
+
+@torch.library.custom_op("tiletune::matmul", mutates_args=())
+def _matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _mm(a, b)
+
+
+@_matmul_op.register_fake
+def _(a, b):
+    return a.new_empty((*a.shape[:-1], b.shape[-1]))
+
+
+def _op_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _op_backward(ctx, dc):
+    a, b = ctx.saved_tensors
+    return _matmul_op(dc, b.transpose(-1, -2)), _matmul_op(a.transpose(-1, -2), dc)
+
+
+_matmul_op.register_autograd(_op_backward, setup_context=_op_setup)
+
+
+def matmul(a, b, *, out=None):
+    """C = A @ B. a (M, K) and b (K, N), or batched (Z, M, K) and (Z, K, N); bf16 or fp16 (both
+    alike), float32 accumulation, output in the input dtype. Either operand may be a transposed
+    (column-major) view: no copies. Any M, N, K. `out`, if given, receives the result (copied;
+    it is not differentiable). Differentiable in a and b."""
+    validate.tensor("matmul", "a", a, dtypes=(torch.bfloat16, torch.float16))
+    validate.tensor("matmul", "b", b, device=a.device, dtypes=(torch.bfloat16, torch.float16))
+    if a.dtype != b.dtype:
+        raise TypeError(f"matmul: a is {a.dtype} but b is {b.dtype}")
+    if a.dim() not in (2, 3) or b.dim() != a.dim():
+        raise ValueError(f"matmul: a and b must both be 2-D or both 3-D, got {a.dim()}-D and "
+                         f"{b.dim()}-D")
+    if a.dim() == 3 and a.shape[0] != b.shape[0]:
+        raise ValueError(f"matmul: batch sizes differ ({a.shape[0]} vs {b.shape[0]})")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"matmul: inner dims differ: a {tuple(a.shape)} @ b {tuple(b.shape)}")
+    if torch.compiler.is_compiling():
+        c = _matmul_op(a, b)
+    elif torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        c = MatmulFunction.apply(a, b)
+    else:
+        c = _mm(a, b)
+    if out is not None:
+        return out.copy_(c)
+    return c
+
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time compile cases: every sm_90 config for 4096^3 row-major bf16; the default config
+# for the other three layouts, fp16, ragged sizes, batched and decode (M = 1).
+
+def aot_cases():
+    from tiletune.aot import CompileCase, jit_array
+
+    def params(cfg, dt, Z, M, N, K, ta=False, tb=False):
+        a = jit_array(dt, (Z, M, K), (M * K, 1, M) if ta else None)
+        b = jit_array(dt, (Z, K, N), (K * N, 1, K) if tb else None)
+        return [a, b, jit_array(dt, (Z, M, N)), cfg.tm, cfg.tn, cfg.tk, cfg.group_m]
+
+    bf, f16 = torch.bfloat16, torch.float16
+    for a_ in ("sm_90", "sm_100"):
+        for cfg in matmul_configs(a_, 4096, 4096, 4096):
+            yield CompileCase("matmul", _matmul.build(cfg), params(cfg, bf, 1, 4096, 4096, 4096),
+                              f"matmul {a_} space 4096^3 bf16 {vars(cfg)}")
+    cfg = next(matmul_configs("sm_90", 4096, 4096, 4096))
+    for label, args in [("A^T", (bf, 1, 4096, 4096, 4096, True, False)),
+                        ("B^T", (bf, 1, 4096, 4096, 4096, False, True)),
+                        ("A^T B^T", (bf, 1, 4096, 4096, 4096, True, True)),
+                        ("fp16 ragged 1000x1999x777", (f16, 1, 1000, 1999, 777)),
+                        ("batched 8x512x1024x4096", (bf, 8, 512, 1024, 4096)),
+                        ("decode 1x4096x4096", (bf, 1, 1, 4096, 4096))]:
+        yield CompileCase("matmul", _matmul.build(cfg), params(cfg, *args), f"matmul {label}")
+    for cfg in matmul_configs("sm_80", 4096, 4096, 4096):
+        yield CompileCase("matmul", _matmul.build(cfg), params(cfg, bf, 1, 4096, 4096, 4096),
+                          f"matmul pre-Hopper default space {vars(cfg)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmarks (python -m tiletune bench matmul): against cuBLAS (torch.matmul) in the same run.
+
+BENCH_SHAPES = ((4096, 4096, 4096, False), (8192, 8192, 8192, False), (16384, 4096, 14336, False),
+                (4096, 14336, 4096, False), (4096, 4096, 4096, True), (4096, 14336, 4096, True),
+                (16, 4096, 4096, False), (128, 4096, 4096, False), (512, 4096, 4096, False))
+
+
+def bench_cases():
+    from tiletune.bench import BenchCase
+    cases = []
+    for M, N, K, b_t in BENCH_SHAPES:
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16).t() if b_t
+             else torch.randn(K, N, device="cuda", dtype=torch.bfloat16))
+        cases.append(BenchCase("matmul", f"{M}x{N}x{K}{' B^T' if b_t else ''} bf16", "fwd",
+                               lambda a=a, b=b: matmul(a, b),
+                               {"cublas": lambda a=a, b=b: torch.matmul(a, b)},
+                               flops=2.0 * M * N * K))
+    return cases

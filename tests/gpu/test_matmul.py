@@ -1,0 +1,78 @@
+"""matmul on the GPU against a float32 reference on random data (written before its first GPU
+run: expect to adjust tolerances only with a measured reason)."""
+import cuda.tile.tune
+import pytest
+import torch
+
+from tiletune.ops import matmul as MM
+from tiletune.ops.matmul import matmul
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}     # relative Frobenius error
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def operand(rows, cols, dt, transposed):
+    """A (rows, cols) operand, row-major or as the transposed view of a (cols, rows) tensor."""
+    if transposed:
+        return torch.randn(cols, rows, device="cuda", dtype=dt).t()
+    return torch.randn(rows, cols, device="cuda", dtype=dt)
+
+
+SHAPES = [(1000, 1999, 777), (1, 4096, 4096), (4097, 33, 4095), (256, 256, 256), (64, 80, 48)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["NN", "TN", "NT", "TT"])
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("disable", [False, True], ids=["tuned", "DISABLE_AUTOTUNE"])
+def test_layouts_and_odd_sizes(fresh, monkeypatch, shape, ta, tb, dt, disable):
+    if disable:
+        monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+        monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", lambda *a, **k: pytest.fail("search"))
+    elif shape != (1000, 1999, 777) or dt != torch.bfloat16:
+        monkeypatch.setenv("DISABLE_AUTOTUNE", "1")   # one tuned case per layout keeps this quick
+    M, N, K = shape
+    a, b = operand(M, K, dt, ta), operand(K, N, dt, tb)
+    c = matmul(a, b)
+    assert c.shape == (M, N) and c.dtype == dt
+    assert rel(c, a.float() @ b.float()) < TOL[dt]
+
+
+def test_batched_and_gradients(fresh):
+    a = torch.randn(3, 130, 70, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(3, 70, 90, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    c = matmul(a, b)
+    ref_a, ref_b = a.detach().float().requires_grad_(), b.detach().float().requires_grad_()
+    ref = ref_a @ ref_b
+    assert rel(c, ref) < TOL[torch.bfloat16]
+    dc = torch.randn_like(c)
+    ga, gb = torch.autograd.grad(c, (a, b), dc)
+    ea, eb = torch.autograd.grad(ref, (ref_a, ref_b), dc.float())
+    assert rel(ga, ea) < TOL[torch.bfloat16] and rel(gb, eb) < TOL[torch.bfloat16]
+
+
+def test_new_m_in_same_bucket_does_not_search(fresh):
+    b = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    matmul(torch.randn(300, 512, device="cuda", dtype=torch.bfloat16), b)
+    matmul(torch.randn(400, 512, device="cuda", dtype=torch.bfloat16), b)
+    assert MM._matmul.searches == 1
+
+
+def test_bad_input():
+    a = torch.randn(8, 16, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="inner dims"):
+        matmul(a, torch.randn(15, 4, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="differ|is torch"):
+        matmul(a, torch.randn(16, 4, device="cuda", dtype=torch.float16))
+    with pytest.raises(TypeError, match="dtype"):
+        matmul(a.float(), a.float().t())
+    with pytest.raises(TypeError, match="dtype"):
+        matmul(a.to(torch.int32), a.t().to(torch.int32))
+    with pytest.raises(ValueError, match="CUDA"):
+        matmul(a.cpu(), a.t())
