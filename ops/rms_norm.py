@@ -120,7 +120,7 @@ def column_sum(partial, out, TILE_G: ct.Constant[int], TILE_N: ct.Constant[int])
 # ---------------------------------------------------------------------------------------------
 # Configs. A config names the kernel variant, its tiles, and the hints (occupancy, worker warps).
 # Grids are persistent: min(row tiles, SMs x occupancy) CTAs, each striding over row tiles.
-# Measured on H200 (BENCHMARKS.md): occupancy >= 8 and tiles over 16K elements lose 2-6x
+# Measured on H200 (BENCHMARKS.md): occupancy >= 8 and tiles over 16K elements lose 3-6x
 # (register spills); occupancy 1 never won a forward search; plain (non-TMA) loads and stores
 # were 5-16% slower than TMA. So: 4K-16K-element tiles, occupancy 2-4 (1-4 backward), 4 or 8
 # worker warps, persistent or one-CTA-per-tile grids.
