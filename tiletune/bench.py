@@ -178,8 +178,17 @@ def main(ops, json_path=None, plot_path=None):
     rows, host = [], {}
     for op in ops:
         mod = importlib.import_module(f"tiletune.ops.{op}")
-        for case in mod.bench_cases():
-            row = run_case(case)
+        try:
+            cases = mod.bench_cases()
+        except Exception as e:       # one op that cannot set up must not stop the others
+            print(f"{op}: bench setup failed: {type(e).__name__}: {e}", flush=True)
+            continue
+        for case in cases:
+            try:
+                row = run_case(case)
+            except Exception as e:
+                print(f"{op} {case.name} {case.mode}: FAILED {type(e).__name__}: {e}", flush=True)
+                continue
             rows.append(row)
             print(json.dumps(row), flush=True)
             if json_path:
@@ -188,7 +197,8 @@ def main(ops, json_path=None, plot_path=None):
             host[op] = mod.bench_host()
             print(f"host overhead {op}: {json.dumps(host[op])}", flush=True)
     print()
-    print_table(rows)
+    if rows:
+        print_table(rows)
     for op, h in host.items():
         print(f"{op} host us: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                                             for k, v in h.items()))
