@@ -133,7 +133,7 @@ def _fmt(v):
 def print_table(rows):
     cols = ["case", "mode", "tuned_us", "fixed_us", "speedup_over_fixed"]
     extra = sorted({k for r in rows for k in r if k.startswith(("vs_", "frac_"))})
-    cols += extra + ["tuned_GBps"]
+    cols += extra + ["tuned_GBps", "tuned_TFLOPs"]
     widths = [max(len(c), *(len(_fmt(r.get(c, "-"))) for r in rows)) for c in cols]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for r in rows:
