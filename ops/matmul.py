@@ -14,7 +14,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune import validate
-from tiletune.autotune import Autotuner, Search, Work
+from tiletune.autotune import Autotuner, Search, Work, bucket
 from tiletune.device import current_stream
 
 ZERO = ct.PaddingMode.ZERO
@@ -109,7 +109,7 @@ def launch(a3, b3, c3):
     Z, M, K = a3.shape
     N = b3.shape[2]
     dev = a3.get_device()
-    key = (1 << (M - 1).bit_length(), N, K, Z > 1, a3.dtype, _layout(a3), _layout(b3), dev)
+    key = (bucket(M), N, K, Z > 1, a3.dtype, _layout(a3), _layout(b3), dev)
     cfg, kernel = _matmul.cache.get(key) or _matmul.tune(key, a3, Search(
         shape=dict(m=M, n=N, k=K), grid_fn=lambda c: _grid(c, M, N, Z),
         args_fn=lambda c: (a3, b3, c3, c.tm, c.tn, c.tk, c.group_m),

@@ -7,7 +7,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune import validate
-from tiletune.autotune import Autotuner, Search, Work, next_pow2
+from tiletune.autotune import Autotuner, Search, Work, bucket, next_pow2
 from tiletune.device import arch, current_stream, sm_count
 
 ZERO = ct.PaddingMode.ZERO
@@ -233,7 +233,7 @@ def launch_fwd(x, w, y, rstd, eps):
     """The fast path: key, one dict lookup, grid, launch (nothing else runs on a cache hit)."""
     M, N = x.shape
     dev = x.get_device()
-    key = (N, 1 << (M - 1).bit_length(), x.dtype, w.dtype, dev)   # M bucketed: next power of 2
+    key = (N, 1 << (M - 1).bit_length(), x.dtype, w.dtype, dev)   # bucket(M), inlined: fast path
     cfg, kernel = _fwd.cache.get(key) or _fwd.tune(key, x, Search(
         shape=dict(n_cols=N), grid_fn=lambda c: _fwd_grid(c, M, dev),
         args_fn=lambda c: (x, w, y, rstd, 1.0 / N, eps, c.tile_m, c.tile_n),
@@ -250,7 +250,7 @@ def launch_column_sum(partial, out):
     """out (N,) = partial (G, N) summed over G, in out's dtype."""
     G, N = partial.shape
     dev = partial.get_device()
-    key = (N, 1 << (G - 1).bit_length(), out.dtype, dev)
+    key = (N, bucket(G), out.dtype, dev)
 
     def grid(c):
         return (-(-N // c.tile_n),)
@@ -264,7 +264,7 @@ def launch_bwd(dy, x, w, rstd, dx, dw):
     """dx (M, N) and dw (N,) written in place (dw in its own dtype)."""
     M, N = x.shape
     dev = x.get_device()
-    key = (N, 1 << (M - 1).bit_length(), x.dtype, dy.dtype, w.dtype, dev)
+    key = (N, bucket(M), x.dtype, dy.dtype, w.dtype, dev)
     if next_pow2(N) <= MAX_ROW_TILE:
         def grid(c):
             return (_ctas(-(-M // c.tile_m), dev, c.occupancy),)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import cuda.tile as ct
 import torch
 
-from tiletune.autotune import Autotuner, Search, Work, next_pow2
+from tiletune.autotune import Autotuner, Search, Work, bucket, next_pow2
 from tiletune.device import current_stream
 from tiletune.ops.rms_norm import launch_column_sum
 from tiletune import validate
@@ -163,7 +163,7 @@ def _forward(q, k, wq, wk, cos, sin, pos, rot, eps):
     flags = [has_pos, rot < D]
     args = (q, k, wq, wk, cos, sin, pos if has_pos else cos, q_out, k_out, rstd_q, rstd_k,
             rot // 2, 1.0 / D, float(eps), *_tiles(q, k, rot), *flags)
-    key = (q.shape[1], k.shape[1], D, rot, 1 << (B * S - 1).bit_length(), q.dtype, wq.dtype,
+    key = (q.shape[1], k.shape[1], D, rot, bucket(B * S), q.dtype, wq.dtype,
            cos.dtype, has_pos, dev)
     cfg, kernel = _fwd.cache.get(key) or _fwd.tune(key, q, Search(
         shape=dict(heads=Hq + k.shape[1], rot=rot), grid_fn=lambda c: (ctas(c, B * S, dev),),
@@ -181,7 +181,7 @@ def _backward(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, rot):
         return dq_in, dk_in, dwq.zero_(), dwk.zero_()
     dev = q.get_device()
     has_pos = pos is not None
-    key = (Hq, k.shape[1], D, rot, 1 << (B * S - 1).bit_length(), q.dtype, dq.dtype, wq.dtype,
+    key = (Hq, k.shape[1], D, rot, bucket(B * S), q.dtype, dq.dtype, wq.dtype,
            cos.dtype, has_pos, dev)
 
     def args(c, partial_q, partial_k):

@@ -14,7 +14,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune import validate
-from tiletune.autotune import Autotuner, Search, Work, next_pow2
+from tiletune.autotune import Autotuner, Search, Work, bucket, next_pow2
 from tiletune.device import current_stream, sm_count
 
 ZERO = ct.PaddingMode.ZERO
@@ -146,7 +146,7 @@ def _launch(q, k, cos, sin, pos, q_out, k_out, rot, backward):
     copy_rest = (not inplace) and rot < D
     has_pos = pos is not None
     pos_arg = pos if has_pos else cos      # unused when HAS_POS is False
-    key = (Hq, Hk, D, rot, 1 << (B * S - 1).bit_length(), q.dtype, cos.dtype, has_pos, backward,
+    key = (Hq, Hk, D, rot, bucket(B * S), q.dtype, cos.dtype, has_pos, backward,
            dev)
     tuner = _rope_inplace if inplace else _rope
 

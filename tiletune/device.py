@@ -29,10 +29,6 @@ def arch(device=None):
     return _arch_of_index(_index(device if device is not None else torch.cuda.current_device()))
 
 
-def num_sms(device):
-    return _props(_index(device)).multi_processor_count
-
-
 _SM_COUNT = {}
 
 
