@@ -218,7 +218,7 @@ def test_bad_input():
     w = torch.rand(64, device="cuda")
     with pytest.raises(ValueError, match="x must be a CUDA tensor"):
         rms_norm(x.cpu(), w)
-    with pytest.raises(ValueError, match="weight is on"):
+    with pytest.raises(ValueError, match="weight must be a CUDA tensor"):
         rms_norm(x, w.cpu())
     with pytest.raises(ValueError, match="weight must have shape"):
         rms_norm(x, torch.rand(63, device="cuda"))
