@@ -26,6 +26,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune import device as _device
+from tiletune import precompile
 from tiletune import store
 
 log = logging.getLogger("tiletune")
@@ -231,24 +232,38 @@ class Autotuner:
         self.searches += 1
         stream = torch.cuda.current_stream(dev)
         t0 = time.perf_counter()
-        try:
-            with ct.compiler_timeout(COMPILE_TIMEOUT_SEC):
-                result = exhaustive_search(cfgs, stream, search.grid_fn, self.search_kernel,
-                                           search.args_fn, self.hints, quiet=True)
-        except ValueError as e:
-            if "No valid config" not in str(e):
-                raise
-            result = None
+        rejected = {}
+        if len(cfgs) > 1 and precompile.enabled():
+            # compile every config at once in worker processes; the search then hits the disk
+            # cache. Configs the compiler rejects are failures already: the search skips them.
+            rejected = precompile.precompile(
+                [(self.search_kernel(c), self.hints(c), search.args_fn(c)) for c in cfgs],
+                _device.arch(dev), COMPILE_TIMEOUT_SEC)
+        pre_failed = [(cfgs[i], *rejected[i]) for i in sorted(rejected)]
+        candidates = [c for i, c in enumerate(cfgs) if i not in rejected]
+        result = None
+        if candidates:
+            try:
+                with ct.compiler_timeout(COMPILE_TIMEOUT_SEC):
+                    result = exhaustive_search(candidates, stream, search.grid_fn,
+                                               self.search_kernel, search.args_fn, self.hints,
+                                               quiet=True)
+            except ValueError as e:
+                if "No valid config" not in str(e):
+                    raise
         elapsed = time.perf_counter() - t0
         if result is None:
             # exhaustive_search keeps only the first error when all fail: find each one's error.
-            failures = [(config_dict(c), *self._probe(c, search)) for c in cfgs]
+            failures = [(config_dict(c), etype, msg) for c, etype, msg in pre_failed]
+            failures += [(config_dict(c), *self._probe(c, search)) for c in candidates]
             raise TuningFailedError(self.name, key, failures)
         timings = sorted(({"config": config_dict(m.config), "mean_us": m.mean_us,
                            "error_us": m.error_margin_us, "samples": m.num_samples}
                           for m in result.successes), key=lambda t: t["mean_us"])
-        failures = [{"config": config_dict(c), "error": t.__name__, "message": msg}
-                    for c, t, msg in result.failures]
+        failures = [{"config": config_dict(c), "error": etype, "message": msg}
+                    for c, etype, msg in pre_failed]
+        failures += [{"config": config_dict(c), "error": t.__name__, "message": msg}
+                     for c, t, msg in result.failures]
         best = result.best
         rates = search.work.rates(best.mean_us) if search.work else {}
         record = TuningRecord(self.name, key, config_dict(best.config), "search", timings,
