@@ -21,4 +21,4 @@ __version__ = "0.1.0"
 __all__ = ["Autotuner", "Search", "TuningFailedError", "TuningRecord", "Work", "arch", "bucket",
            "clear_cache", "disabled", "next_pow2", "records", "tuners"]
 
-OPS = ("rms_norm", "rope", "rms_norm_rope", "matmul")   # op modules under tiletune.ops, in the order the CLI runs them
+OPS = ("rms_norm", "rope", "rms_norm_rope", "matmul", "fmha")   # op modules under tiletune.ops, in the order the CLI runs them

@@ -1,0 +1,240 @@
+"""FMHA forward and backward on the GPU against a float64 reference of masked softmax attention on
+random data (written before its first GPU run: expect to adjust tolerances only with a measured
+reason; a CPU emulation of the kernels' tile loops with the same casts gave relative errors of
+~2.5e-3 (bf16) and ~3e-4 (fp16) on such cases)."""
+import math
+
+import cuda.tile.tune
+import pytest
+import torch
+
+from tiletune.ops import fmha as FM
+from tiletune.ops.fmha import fmha, scaled_dot_product_attention
+
+from .conftest import poison_allocator
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}     # relative Frobenius error
+
+
+def rel(a, b):
+    """Relative Frobenius error; the floor keeps exactly-zero references (e.g. the gradient of a
+    row that sees one key) from turning rounding noise into a huge ratio."""
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all(), "non-finite values"
+    return ((a - b).norm() / max(b.norm().item(), 1e-3 * math.sqrt(b.numel()))).item()
+
+
+def make(B, hq, hkv, sq, sk, d, dt, hf_layout=True, seed=0):
+    """Random q, k, v; hf_layout: (B, S, H, D) storage seen as (B, H, S, D), as HF passes them."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def t(h, s):
+        if hf_layout:
+            return torch.randn(B, s, h, d, device="cuda", dtype=dt, generator=g).transpose(1, 2)
+        return torch.randn(B, h, s, d, device="cuda", dtype=dt, generator=g)
+    return t(hq, sq), t(hkv, sk), t(hkv, sk)
+
+
+def reference(q, k, v, causal, offset, scale):
+    """float64 softmax attention with explicit masking; rows with no visible key give 0."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        i = torch.arange(q.shape[2], device=q.device)[:, None]
+        j = torch.arange(k.shape[2], device=q.device)[None, :]
+        s = s.masked_fill(j > i + offset, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)
+    return (p / torch.where(l > 0, l, torch.ones_like(l))) @ v
+
+
+def check(q, k, v, causal, offset=None, scale=None, fn=None, **kw):
+    """Forward and dq/dk/dv of fn (default fmha) against the reference; outputs are allocated
+    from an allocator filled with NaN, so anything left unwritten fails."""
+    dt = q.dtype
+    offset = (k.shape[2] - q.shape[2] if causal else 0) if offset is None else offset
+    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    poison_allocator(torch)
+    o = (fn or (lambda a, b, c: fmha(a, b, c, causal=causal, scale=scale, **kw)))(qg, kg, vg)
+    assert o.shape == q.shape and o.dtype == dt
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference(q64, k64, v64, causal, offset, sc)
+    assert rel(o, ref) < TOL[dt]
+    do = torch.randn_like(o)
+    poison_allocator(torch)
+    grads = torch.autograd.grad(o, (qg, kg, vg), do)
+    expect = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+    for name, got, exp in zip("qkv", grads, expect):
+        assert got.shape == exp.shape, name
+        assert rel(got, exp) < TOL[dt], f"d{name}"
+    return o, grads
+
+
+CASES = [  # B, Hq, Hkv, Sq, Sk, D, causal, dtype
+    (1, 2, 2, 1, 1, 64, False, torch.bfloat16),
+    (2, 4, 4, 17, 17, 128, True, torch.float16),
+    (1, 16, 2, 1000, 4097, 128, True, torch.bfloat16),    # GQA 8:1, Sq < Sk, bottom-right
+    (1, 4, 1, 4097, 1000, 64, True, torch.float16),       # MQA, Sq > Sk: 3097 rows see no key
+    (1, 4, 1, 1000, 17, 128, False, torch.bfloat16),      # MQA, Sq != Sk, not causal
+    (1, 2, 2, 4097, 4097, 128, False, torch.bfloat16),
+    (2, 4, 4, 1, 4097, 128, True, torch.bfloat16),        # decode: the one row sees every key
+    (2, 8, 1, 17, 1, 64, True, torch.float16),            # rows 0..15 see no key
+    (1, 4, 4, 100, 77, 80, True, torch.bfloat16),         # D 80 (zero-padded to 128)
+    (1, 2, 2, 300, 300, 256, True, torch.bfloat16),       # D 256
+    (1, 2, 2, 64, 130, 32, False, torch.float16),         # D 32
+]
+TUNED = {(1, 16, 2, 1000, 4097, 128, True, torch.bfloat16),
+         (1, 4, 1, 1000, 17, 128, False, torch.bfloat16)}   # each search compiles every config
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("disable", [False, True], ids=["tuned", "DISABLE_AUTOTUNE"])
+def test_forward_backward(fresh, monkeypatch, case, disable):
+    if disable:
+        monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+        monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", lambda *a, **k: pytest.fail("search"))
+    elif case not in TUNED:
+        pytest.skip("tuned only for the TUNED cases (every search compiles the whole space)")
+    B, hq, hkv, sq, sk, d, causal, dt = case
+    q, k, v = make(B, hq, hkv, sq, sk, d, dt, hf_layout=(sq + sk) % 2 == 0)
+    o, (dq, dk, dv) = check(q, k, v, causal)
+    if sq > 1:
+        assert o.stride() == q.stride()         # laid out like q (HF views stay views)
+    dead = min(max(sq - sk, 0), sq) if causal else 0
+    if dead:                                    # rows that see no key: exactly 0, no NaN
+        assert (o[:, :, :dead] == 0).all() and (dq[:, :, :dead] == 0).all()
+    if disable:
+        assert all(t.searches == 0 for t in FM.TUNERS)
+    else:
+        assert all(t.searches == 1 for t in FM.TUNERS)
+        assert all(r.source == "search" for t in FM.TUNERS for r in t.records.values())
+
+
+def test_second_call_does_not_search(fresh):
+    q, k, v = make(2, 8, 2, 300, 300, 64, torch.bfloat16)
+    check(q, k, v, True)
+    assert [t.searches for t in FM.TUNERS] == [1, 1, 1]
+    check(q, k, v, True)                          # same shape
+    q2, k2, v2 = make(2, 8, 2, 260, 290, 64, torch.bfloat16, seed=1)
+    check(q2, k2, v2, True)                       # same buckets (512, 512)
+    assert [t.searches for t in FM.TUNERS] == [1, 1, 1]
+
+
+def test_scale_and_contiguous_layout(monkeypatch, fresh):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    q, k, v = make(2, 6, 3, 129, 257, 64, torch.float16, hf_layout=False)
+    check(q, k, v, False, scale=0.3)
+
+
+def test_sdpa_wrapper_matches_torch_semantics(monkeypatch, fresh):
+    """is_causal aligns top-left like torch; CausalBias lower-right aligns bottom-right."""
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    q, k, v = make(1, 8, 2, 200, 77, 64, torch.bfloat16)
+    check(q, k, v, True, offset=0,
+          fn=lambda a, b, c: scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True))
+    check(q, k, v, True, offset=0, fn=lambda a, b, c: scaled_dot_product_attention(
+        a, b, c, attn_mask=causal_upper_left(200, 77), enable_gqa=True))
+    check(q, k, v, True, offset=77 - 200, fn=lambda a, b, c: scaled_dot_product_attention(
+        a, b, c, attn_mask=causal_lower_right(200, 77), enable_gqa=True))
+    q, k, v = make(2, 4, 4, 90, 90, 128, torch.float16)
+    ours = scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.1)
+    theirs = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                               is_causal=True, scale=0.1)
+    assert rel(ours, theirs) < TOL[torch.float16]
+
+
+def test_bad_input():
+    q, k, v = make(1, 4, 2, 16, 16, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple"):
+        fmha(q, k[:, :1].expand(1, 3, 16, 64), v[:, :1].expand(1, 3, 16, 64))
+    with pytest.raises(ValueError, match="k batch"):
+        fmha(q, torch.cat((k, k)), torch.cat((v, v)))
+    with pytest.raises(ValueError, match="head_dim"):
+        fmha(q, k[..., :32], v[..., :32])
+    with pytest.raises(ValueError, match="v shape"):
+        fmha(q, k, v[:, :, :8])
+    with pytest.raises(ValueError, match="q must be 4-D"):
+        fmha(q[0], k, v)
+    with pytest.raises(ValueError, match="head_dim 512"):
+        big = torch.randn(1, 2, 4, 512, device="cuda", dtype=torch.bfloat16)
+        fmha(big, big, big)
+    with pytest.raises(TypeError, match="k dtype"):
+        fmha(q, k.half(), v)
+    with pytest.raises(TypeError, match="v dtype"):
+        fmha(q, k, v.half())
+    with pytest.raises(TypeError, match="q dtype"):
+        fmha(q.float(), k.float(), v.float())
+    with pytest.raises(ValueError, match="k must be a CUDA tensor"):
+        fmha(q, k.cpu(), v)
+    with pytest.raises(ValueError, match="scale"):
+        fmha(q, k, v, scale=-1.0)
+    with pytest.raises(TypeError, match="scale"):
+        fmha(q, k, v, scale="0.1")
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(ValueError, match="v is on"):
+            fmha(q, k, v.to("cuda:1"))
+    with pytest.raises(ValueError, match="enable_gqa"):
+        scaled_dot_product_attention(q, k, v)
+    with pytest.raises(ValueError, match="dropout_p"):
+        scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="attn_mask"):
+        scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(16, 16, device="cuda",
+                                                                   dtype=torch.bool))
+
+
+def test_empty_and_no_keys(monkeypatch, fresh):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    q, k, v = make(1, 2, 2, 5, 0, 64, torch.bfloat16)
+    qg = q.detach().requires_grad_()
+    o = fmha(qg, k, v)
+    assert o.shape == q.shape and (o == 0).all()
+    (dq,) = torch.autograd.grad(o, (qg,), torch.randn_like(o))
+    assert (dq == 0).all()
+    q, k, v = make(1, 2, 2, 0, 7, 64, torch.bfloat16)
+    assert fmha(q, k, v, causal=True).shape == q.shape
+
+
+def test_torch_compile_fullgraph(monkeypatch, fresh):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    q, k, v = make(2, 8, 2, 100, 100, 64, torch.bfloat16)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def f(q, k, v):
+        return fmha(q * 1, k, v, causal=True).float().square().sum()
+    eager = f(qg, kg, vg)
+    ge = torch.autograd.grad(eager, (qg, kg, vg))
+    out = torch.compile(f, fullgraph=True)(qg, kg, vg)
+    gc = torch.autograd.grad(out, (qg, kg, vg))
+    torch.testing.assert_close(out, eager)
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b)
+
+
+def test_aot_signature_matches_jit():
+    """The CI compile's signatures (ops.fmha.aot_params) equal what the JIT infers on the GPU."""
+    from cuda.tile.compilation import CallingConvention, KernelSignature
+    from tiletune.aot import signature
+    for B, hq, hkv, sq, sk, d, dt in [(2, 8, 2, 4096, 4096, 128, torch.bfloat16),
+                                      (1, 4, 4, 1000, 4097, 64, torch.float16),
+                                      (2, 4, 1, 1, 333, 80, torch.bfloat16)]:
+        q, k, v = make(B, hq, hkv, sq, sk, d, dt)
+        o, do, dq = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        lse = torch.empty(B * hq, sq, device="cuda")
+        delta = torch.empty_like(lse)
+        td = FM.head_tile(d)
+        args = {"fwd": (q, k, v, o, lse, 0.1, 0, 64, 64, td, True),
+                "dq": (q, k, v, o, do, lse, delta, dq, 0.1, 0.1, 0, 64, 64, td, True),
+                "dkdv": (q, k, v, do, lse, delta, dk, dv, 0.1, 0.1, 0, 64, 64, td, True)}
+        kernels = {"fwd": FM.fmha_fwd_kernel, "dq": FM.fmha_bwd_dq_kernel,
+                   "dkdv": FM.fmha_bwd_dkdv_kernel}
+        for kind, a in args.items():
+            jit = KernelSignature.from_kernel_args(kernels[kind], a,
+                                                   CallingConvention.cutile_python_v2())
+            mine = signature(FM.aot_params(kind, 64, 64, dt, B, hq, hkv, sq, sk, d, True))
+            assert jit.parameters == mine.parameters, (kind, B, hq, hkv, sq, sk, d)
