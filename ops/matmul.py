@@ -2,11 +2,6 @@
 # row- or column-major (transposed views): the kernel reads any strides and the JIT specializes
 # on which dim has unit stride, so each layout gets its own TMA/wgmma code without copies.
 #
-# First cut, compile-checked only: the sm_90 space below is seeded from the planning notes'
-# H200 measurements (128x128x64 at occupancy 1-2 best on 4096^3-16384x4096x14336; 256x128x64
-# with 2-CTA clusters within 1-2%; 128x256 5-10% slower) and must be re-derived from our own
-# searches before it is trusted.
-#
 # No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
 from types import SimpleNamespace
 
@@ -51,8 +46,20 @@ def matmul_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Co
 
 
 # ---------------------------------------------------------------------------------------------
-# Configs. sm_90 keeps the fp32 accumulator in registers: TM x TN <= 128 x 256 (256 x 256 is the
-# whole register file). num_ctas 2 only where clusters exist (sm_90+). Default first.
+# Configs. The sm_90 space is what survived our own searches (H200, 2026-11-26, 9 bench keys:
+# 4096^3 .. 16384x4096x14336, both B layouts, M = 16/128/512; per-config times relative to each
+# key's winner in references/parameter-space-design.md):
+#   - 128x128x64 at occupancy 2 won 5 of the 6 large keys; 256x128x64 in 2-CTA clusters was
+#     0.7-2.2% behind there and won 4096^3 with B^T by 0.4%. Both stay, with their occupancy 1
+#     variants (+1.6-5.2% and +6-12%).
+#   - 256x128 / 128x256 without clusters ran 9.3-35x slower (a 128 KB fp32 accumulator in one
+#     CTA's registers spills): out. With num_ctas=2 each CTA holds half: in.
+#   - 128x128 in clusters lost 11-51% on every key: out. 64x256 in clusters never won (best:
+#     2.3% behind at M=16): out. group_m 1 never beat 8 (0.1-6.5% behind): out.
+#   - small tiles (64x64, 64x128, 128x64) lose 1.5-2.2x on large keys but win M <= 128 (19-20 us
+#     vs 34-35 us for the default): in. 128x128x128 lost 8-29% on large keys: kept as the one
+#     deep-K variant until a key prefers it.
+# Hopper keeps the fp32 accumulator in registers: TM x TN <= 128 x 128 per CTA. Default first.
 
 def matmul_configs(arch, m, n, k):
     def cfg(tm, tn, tk, occ=1, nc=1, group=8):
@@ -62,25 +69,13 @@ def matmul_configs(arch, m, n, k):
         yield cfg(128, 128, 32)
         yield cfg(64, 128, 32, occ=2)
         return
-    yield cfg(128, 128, 64, occ=2)
-    tiles = [(128, 128, 64), (128, 256, 64), (256, 128, 64), (64, 128, 64), (128, 64, 64),
-             (64, 256, 64), (128, 128, 128), (64, 64, 64)]
-    seen = [cfg(128, 128, 64, occ=2)]
-    for tm, tn, tk in tiles:
-        for occ in (1, 2):
-            for nc in (1, 2):
-                if nc == 2 and tm * tn < 128 * 128:
-                    continue          # clusters only for the large tiles
-                c = cfg(tm, tn, tk, occ, nc)
-                if c not in seen:
-                    seen.append(c)
-                    yield c
-    if m <= 256:                      # skinny M: small row tiles keep more CTAs busy
-        for tn in (128, 256):
-            c = cfg(64, tn, 64, occ=2, group=1)
-            if c not in seen:
-                seen.append(c)
-                yield c
+    for occ in (2, 1):
+        yield cfg(128, 128, 64, occ)
+        yield cfg(256, 128, 64, occ, nc=2)
+        yield cfg(128, 256, 64, occ, nc=2)
+        yield cfg(128, 128, 128, occ)
+        for tm, tn in ((64, 256), (64, 128), (128, 64), (64, 64)):
+            yield cfg(tm, tn, 64, occ)
 
 
 _matmul = Autotuner("matmul", matmul_kernel, matmul_configs,
