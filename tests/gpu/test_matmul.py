@@ -76,3 +76,12 @@ def test_bad_input():
         matmul(a.to(torch.int32), a.t().to(torch.int32))
     with pytest.raises(ValueError, match="CUDA"):
         matmul(a.cpu(), a.t())
+
+
+def test_example_pair_runs_and_agrees():
+    """assets/examples/02: same result; the autotuned launch is not slower (5% timing slack)."""
+    from .conftest import run_example_pair
+    fixed, tuned = run_example_pair("02_matmul_full_search")
+    a, b = float(fixed["checksum"]), float(tuned["checksum"])
+    assert abs(a - b) <= 1e-3 * abs(a)
+    assert float(tuned["us"]) <= float(fixed["us"]) * 1.05, (fixed, tuned)
