@@ -232,15 +232,26 @@ BENCH_SHAPES = ((4096, 4096, 4096, False), (8192, 8192, 8192, False), (16384, 40
                 (16, 4096, 4096, False), (128, 4096, 4096, False), (512, 4096, 4096, False))
 
 
+def _tilegym_matmul():
+    try:
+        from tilegym.ops.cutile.matmul import matmul as tg_matmul
+        return tg_matmul
+    except Exception:
+        return None
+
+
 def bench_cases():
     from tiletune.bench import BenchCase
+    tg = _tilegym_matmul()
     cases = []
     for M, N, K, b_t in BENCH_SHAPES:
         a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         b = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16).t() if b_t
              else torch.randn(K, N, device="cuda", dtype=torch.bfloat16))
+        peers = {"cublas": lambda a=a, b=b: torch.matmul(a, b)}
+        if tg is not None:     # TileGym takes B^T as the (N, K) tensor plus trans_b
+            peers["tilegym"] = (lambda a=a, b=b: tg(a, b.t(), trans_b=True)) if b_t else \
+                (lambda a=a, b=b: tg(a, b))
         cases.append(BenchCase("matmul", f"{M}x{N}x{K}{' B^T' if b_t else ''} bf16", "fwd",
-                               lambda a=a, b=b: matmul(a, b),
-                               {"cublas": lambda a=a, b=b: torch.matmul(a, b)},
-                               flops=2.0 * M * N * K))
+                               lambda a=a, b=b: matmul(a, b), peers, flops=2.0 * M * N * K))
     return cases

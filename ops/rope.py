@@ -391,6 +391,11 @@ def bench_cases():
             base["liger"] = liger_rotary_pos_emb
         except Exception:
             pass
+        try:    # TileGym's cuTile RoPE (rotates q and k in place: timing only)
+            from tilegym.ops.cutile.rope import apply_rope_base
+            base["tilegym"] = apply_rope_base
+        except Exception:
+            pass
         qc, kc = q.contiguous(), k.contiguous()
         q_out, k_out = torch.empty_like(qc), torch.empty_like(kc)
         cases.append(BenchCase(
