@@ -373,16 +373,18 @@ def launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale):
     lse2 = _flat(lse)
     key = _key(q, k, causal, offset)
     dev = q.get_device()
-    pairs = B * hq * d * visible_pairs(sq, sk, causal, offset)
-    shape = dict(td=td, sq=bucket(sq), sk=bucket(sk))
+
+    def search(grid_fn, args_fn, pair_flops):   # built only on a cache miss
+        return Search(shape=dict(td=td, sq=bucket(sq), sk=bucket(sk)), grid_fn=grid_fn,
+                      args_fn=args_fn, work=Work(flops=pair_flops * B * hq * d *
+                                                 visible_pairs(sq, sk, causal, offset)))
 
     def dq_grid(c):
         return (_cdiv(sq, c.tm), B * hq)
 
     def dq_args(c):
         return (q, k, v, o, do, lse2, delta, dq, qk_scale, scale, offset, c.tm, c.tn, td, causal)
-    cfg, kernel = _dq.cache.get(key) or _dq.tune(key, q, Search(
-        shape=shape, grid_fn=dq_grid, args_fn=dq_args, work=Work(flops=6.0 * pairs)))
+    cfg, kernel = _dq.cache.get(key) or _dq.tune(key, q, search(dq_grid, dq_args, 6.0))
     ct.launch(current_stream(dev), dq_grid(cfg), kernel, dq_args(cfg))   # also writes delta
 
     def kv_grid(c):
@@ -390,8 +392,7 @@ def launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale):
 
     def kv_args(c):
         return (q, k, v, do, lse2, delta, dk, dv, qk_scale, scale, offset, c.tm, c.tn, td, causal)
-    cfg, kernel = _dkdv.cache.get(key) or _dkdv.tune(key, q, Search(
-        shape=shape, grid_fn=kv_grid, args_fn=kv_args, work=Work(flops=8.0 * pairs)))
+    cfg, kernel = _dkdv.cache.get(key) or _dkdv.tune(key, q, search(kv_grid, kv_args, 8.0))
     ct.launch(current_stream(dev), kv_grid(cfg), kernel, kv_args(cfg))
 
 
