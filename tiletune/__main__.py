@@ -65,7 +65,8 @@ def cmd_bench(args):
               "kernel config for sm_90 instead.", flush=True)
         return cmd_compile(argparse.Namespace(ops=args.ops, arch=["sm_90"], jobs=None))
     from tiletune import bench
-    return bench.main(args.ops or list(OPS), json_path=args.json, plot_path=args.plot)
+    return bench.main(args.ops or list(OPS), json_path=args.json, plot_path=args.plot,
+                      match=args.match or (), skip_peers=args.skip_peer or ())
 
 
 def main(argv=None):
@@ -75,6 +76,10 @@ def main(argv=None):
     b.add_argument("ops", nargs="*")
     b.add_argument("--json", default="bench-results/bench.json")
     b.add_argument("--plot", default=None, help="write a PNG (needs matplotlib)")
+    b.add_argument("--match", action="append", help="only cases whose 'name mode' contains this "
+                   "(repeatable: any of them; case-insensitive), e.g. --match H32/8 --match Sq")
+    b.add_argument("--skip-peer", action="append", help="a baseline not to time (repeatable), "
+                   "e.g. tilegym")
     c = sub.add_parser("cache", help="show or clear the persistent store")
     c.add_argument("action", choices=["show", "clear"])
     c.add_argument("-v", "--verbose", action="store_true", help="every timing and failure")

@@ -8,7 +8,8 @@ An op owns one `Autotuner` per kernel family. Its wrapper does:
 
 The first line is the whole fast path: one dict lookup (`or` only evaluates the miss branch when
 the lookup fails). `tune` is the miss path: DISABLE_AUTOTUNE=1 -> first config; else the persistent
-store; else `exhaustive_search` over the op's configs; then `replace_hints` once and cache.
+store; else `exhaustive_search` over the op's configs (compiled in parallel first, see
+tiletune/precompile.py); then `replace_hints` once and cache.
 """
 import dataclasses
 import hashlib

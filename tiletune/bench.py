@@ -171,7 +171,10 @@ def _write(path, dev, rows, host):
                               for op, recs in autotune.records().items()}}, f, indent=1)
 
 
-def main(ops, json_path=None, plot_path=None):
+def main(ops, json_path=None, plot_path=None, match=(), skip_peers=()):
+    """match: keep only cases whose "name mode" contains one of these (case-insensitive);
+    skip_peers: baseline labels not to time (e.g. "tilegym", whose own first-call tuning is
+    slow)."""
     import importlib
     dev = torch.cuda.get_device_name(0)
     print(f"device: {dev}, torch {torch.__version__}", flush=True)
@@ -184,6 +187,11 @@ def main(ops, json_path=None, plot_path=None):
             print(f"{op}: bench setup failed: {type(e).__name__}: {e}", flush=True)
             continue
         for case in cases:
+            label = f"{case.name} {case.mode}".lower()
+            if match and not any(m.lower() in label for m in match):
+                continue
+            for peer in skip_peers:
+                case.baselines.pop(peer, None)
             try:
                 row = run_case(case)
             except Exception as e:

@@ -12,6 +12,11 @@ no multiprocessing, so nothing re-imports the user's main script, and no fork of
 holds a CUDA context. They import only the kernels' own modules and never touch the GPU.
 `TILETUNE_COMPILE_JOBS` sets how many run at once (default: CPU count, at most 16); 0 or 1, or a
 disabled cuTile disk cache, turns this off and the search compiles serially.
+
+A config cuTile rejects here (a TileError: bad tile shape, compiler error, compile timeout) is
+reported as that config's failure and not searched. Parallel compiles run slower each, so a
+config near the compile timeout may time out here that would just pass serially; such tiles
+are too slow to compile to belong in a space anyway.
 """
 import io
 import logging

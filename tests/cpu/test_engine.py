@@ -12,7 +12,7 @@ import cuda.tile.tune
 import pytest
 import torch
 
-from tiletune import autotune, device, store
+from tiletune import autotune, device, precompile, store
 from tiletune.autotune import Autotuner, Search, TuningFailedError, bucket
 
 
@@ -63,6 +63,7 @@ def env(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     launches = []
     monkeypatch.setattr(ct, "launch", lambda *a, **k: launches.append(a))   # the GPU stand-in
+    monkeypatch.setattr(precompile, "enabled", lambda: False)   # tests below opt in
     fake = FakeSearch()
     monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", fake)
     made = []
@@ -278,3 +279,17 @@ def test_cli_cache_show_lists_timings(env, capsys):
     out = capsys.readouterr().out
     assert t.name in out and "3 configs timed, 0 failed" in out and out.count(" us  {") == 3
     assert main(["cache", "clear"]) == 0 and store.entries() == {}
+
+
+def test_configs_the_precompile_rejects_are_failures_not_searched(env, monkeypatch):
+    sent = []
+    monkeypatch.setattr(precompile, "enabled", lambda: True)
+    monkeypatch.setattr(precompile, "precompile",
+                        lambda items, arch, timeout: sent.append(items) or
+                        {1: ("TileTypeError", "tile too large")})     # occupancy 2 rejected
+    t = env.make()
+    cfg, _ = t.tune(("k",), FakeTensor(), search())
+    assert len(sent[0]) == 3 and env.fake.calls == 1
+    rec = t.records[("k",)]
+    assert [(f["config"]["occupancy"], f["error"]) for f in rec.failures] == [(2, "TileTypeError")]
+    assert cfg.occupancy != 2 and len(rec.timings) == 2

@@ -44,7 +44,10 @@ def test_layouts_and_odd_sizes(fresh, monkeypatch, shape, ta, tb, dt, disable):
     assert rel(c, a.float() @ b.float()) < TOL[dt]
 
 
-def test_batched_and_gradients(fresh):
+def test_batched_and_gradients(fresh, monkeypatch):
+    # default configs: the three searches this needs (forward, dA, dB layouts) took 236 s on
+    # the H200 machine and tuning is covered above; this test is about batching and gradients
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
     a = torch.randn(3, 130, 70, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     b = torch.randn(3, 70, 90, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     c = matmul(a, b)
