@@ -53,7 +53,8 @@ def _norm_rope(x, w, out, rstd, b, s, half, inv_d, eps, c1, c2, s1, s2,
 
 
 @ct.kernel
-def rms_norm_rope_fwd(q, k, wq, wk, cos, sin, pos, q_out, k_out, rstd_q, rstd_k, half, inv_d, eps,
+def rms_norm_rope_fwd(q, k, wq, wk, cos, sin, pos, q_out, k_out, rstd_q, rstd_k,
+                      half: ct.Constant[int], inv_d, eps,
                       TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int], TILE_R: ct.Constant[int],
                       TILE_P: ct.Constant[int], HAS_POS: ct.Constant[bool],
                       HAS_REST: ct.Constant[bool]):
@@ -107,7 +108,7 @@ def _store_dw(partial, row, half, D, d1, d2, dp, TILE_R, TILE_P, HAS_REST):
 
 @ct.kernel
 def rms_norm_rope_bwd(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in, dk_in,
-                      dwq_partial, dwk_partial, half, inv_d,
+                      dwq_partial, dwk_partial, half: ct.Constant[int], inv_d,
                       TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int], TILE_R: ct.Constant[int],
                       TILE_P: ct.Constant[int], HAS_POS: ct.Constant[bool],
                       HAS_REST: ct.Constant[bool]):
@@ -252,9 +253,7 @@ def rms_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps=1e-6, position_ids=
 # (GQA 32/8, D 128, bf16, HF views); the default config for partial rotary + position_ids.
 
 def aot_cases():
-    from cuda.tile.compilation import ScalarConstraint
     from tiletune.aot import F32, CompileCase, jit_array
-    i32 = ScalarConstraint(ct.int32)
     f32 = torch.float32
 
     def params(dt, B, Hq, Hk, S, D, R, has_pos):
@@ -267,8 +266,8 @@ def aot_cases():
         tiles = [next_pow2(Hq), next_pow2(Hk), next_pow2(R // 2), next_pow2(max(D - R, 1)),
                  has_pos, R < D]
         part = jit_array(f32, (264, D))
-        fwd = [q, k, w, w, c, c, pos, qo, ko, rq, rk, i32, F32, F32] + tiles
-        bwd = [qo, ko, q, k, w, w, c, c, pos, rq, rk, qo, ko, part, part, i32, F32] + tiles
+        fwd = [q, k, w, w, c, c, pos, qo, ko, rq, rk, R // 2, F32, F32] + tiles
+        bwd = [qo, ko, q, k, w, w, c, c, pos, rq, rk, qo, ko, part, part, R // 2, F32] + tiles
         return fwd, bwd
 
     fwd, bwd = params(torch.bfloat16, 4, 32, 8, 4096, 128, 128, False)

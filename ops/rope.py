@@ -105,7 +105,7 @@ def _rows_at(t, S, cos, sin, pos, half, TILE_S, TILE_R, HAS_POS, BACKWARD, HALF_
 
 
 @ct.kernel
-def rope_kernel(q, k, cos, sin, pos, q_out, k_out, half,
+def rope_kernel(q, k, cos, sin, pos, q_out, k_out, half: ct.Constant[int],
                 TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int], TILE_S: ct.Constant[int],
                 TILE_R: ct.Constant[int], TILE_P: ct.Constant[int], HAS_POS: ct.Constant[bool],
                 COPY_REST: ct.Constant[bool], BACKWARD: ct.Constant[bool],
@@ -123,7 +123,7 @@ def rope_kernel(q, k, cos, sin, pos, q_out, k_out, half,
 
 
 @ct.kernel
-def rope_inplace_kernel(q, k, cos, sin, pos, half,
+def rope_inplace_kernel(q, k, cos, sin, pos, half: ct.Constant[int],
                         TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int],
                         TILE_S: ct.Constant[int], TILE_R: ct.Constant[int],
                         HAS_POS: ct.Constant[bool], BACKWARD: ct.Constant[bool],
@@ -398,9 +398,7 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
 # D 80), MQA float32, and the backward.
 
 def aot_cases():
-    from cuda.tile.compilation import ScalarConstraint
     from tiletune.aot import CompileCase, jit_array
-    i32 = ScalarConstraint(ct.int32)
 
     def hf_view(dt, B, H, S, D):     # (B, S, H, D) storage seen as (B, H, S, D)
         return jit_array(dt, (B, H, S, D), (S * H * D, D, H * D, 1))
@@ -412,7 +410,7 @@ def aot_cases():
         q, k = hf_view(dt, B, Hq, S, D), hf_view(dt, B, Hk, S, D)
         c = shared(cdt, B, S, R)
         pos = jit_array(torch.int32, (B, S), (0, 1)) if has_pos else c
-        return [q, k, c, c, pos, hf_view(dt, B, Hq, S, D), hf_view(dt, B, Hk, S, D), i32,
+        return [q, k, c, c, pos, hf_view(dt, B, Hq, S, D), hf_view(dt, B, Hk, S, D), R // 2,
                 next_pow2(Hq), next_pow2(Hk), tile_s, next_pow2(R // 2), next_pow2(max(D - R, 1)),
                 has_pos, R < D, backward, next_pow2(R // 2) == R // 2]
 
