@@ -26,34 +26,13 @@ ZERO = ct.PaddingMode.ZERO
 # With position_ids (HAS_POS) the cos/sin rows are gathered one position at a time: TILE_S = 1.
 
 
-def _halves(x, index, shape, half, HALF_TILE):
-    """The two rotary halves of x at `index` (tile units; the last dim is the split one).
-    HALF_TILE (half == the tile width): they are tiles 0 and 1 of x itself; otherwise they come
-    from sliced views. Measured: the sliced form costs a fixed ~37 us per CTA on H200 whatever
-    the tile size, so the common power-of-two halves avoid it."""
-    last = len(shape) - 1
-    if HALF_TILE:
-        return (ct.load(x, index, shape, padding_mode=ZERO),
-                ct.load(x, index[:last] + (1,), shape, padding_mode=ZERO))
-    return (ct.load(x.slice(last, 0, half), index, shape, padding_mode=ZERO),
-            ct.load(x.slice(last, half, 2 * half), index, shape, padding_mode=ZERO))
-
-
-def _put_halves(out, index, t1, t2, half, HALF_TILE):
-    last = len(index) - 1
-    if HALF_TILE:
-        ct.store(out, index, t1)
-        ct.store(out, index[:last] + (1,), t2)
-    else:
-        ct.store(out.slice(last, 0, half), index, t1)
-        ct.store(out.slice(last, half, 2 * half), index, t2)
-
-
-def _cos_sin_rows(cos, sin, b, p, half, TILE_S, TILE_R, BACKWARD, HALF_TILE):
+def _cos_sin_rows(cos, sin, b, p, half, TILE_S, TILE_R, BACKWARD):
     """cos1, cos2, sin1, sin2 as [1, TILE_S, TILE_R] f32 tiles: rows p*TILE_S.. of batch b."""
-    c1, c2 = _halves(cos, (b, p, 0), (1, TILE_S, TILE_R), half, HALF_TILE)
-    s1, s2 = _halves(sin, (b, p, 0), (1, TILE_S, TILE_R), half, HALF_TILE)
-    c1, c2, s1, s2 = c1.astype(ct.float32), c2.astype(ct.float32), s1.astype(ct.float32), s2.astype(ct.float32)
+    shape = (1, TILE_S, TILE_R)
+    c1 = ct.load(cos.slice(2, 0, half), (b, p, 0), shape, padding_mode=ZERO).astype(ct.float32)
+    c2 = ct.load(cos.slice(2, half, 2 * half), (b, p, 0), shape, padding_mode=ZERO).astype(ct.float32)
+    s1 = ct.load(sin.slice(2, 0, half), (b, p, 0), shape, padding_mode=ZERO).astype(ct.float32)
+    s2 = ct.load(sin.slice(2, half, 2 * half), (b, p, 0), shape, padding_mode=ZERO).astype(ct.float32)
     if BACKWARD:
         return c1, c2, 0.0 - s2, 0.0 - s1
     return c1, c2, s1, s2
@@ -61,19 +40,20 @@ def _cos_sin_rows(cos, sin, b, p, half, TILE_S, TILE_R, BACKWARD, HALF_TILE):
 
 def _cos_sin(cos, sin, b, p, half, TILE_R, BACKWARD):
     """One position's cos1, cos2, sin1, sin2 as [1, TILE_R] f32 tiles."""
-    c1, c2, s1, s2 = _cos_sin_rows(cos, sin, b, p, half, 1, TILE_R, BACKWARD, False)
+    c1, c2, s1, s2 = _cos_sin_rows(cos, sin, b, p, half, 1, TILE_R, BACKWARD)
     return (ct.reshape(c1, (1, TILE_R)), ct.reshape(c2, (1, TILE_R)),
             ct.reshape(s1, (1, TILE_R)), ct.reshape(s2, (1, TILE_R)))
 
 
-def _rotate(x, out, b, st, half, c1, c2, s1, s2, TILE_H, TILE_S, TILE_R, TILE_P, COPY_REST,
-            HALF_TILE):
+def _rotate(x, out, b, st, half, c1, c2, s1, s2, TILE_H, TILE_S, TILE_R, TILE_P, COPY_REST):
     """Rotate the first 2*half dims of x[b, :, st*TILE_S : (st+1)*TILE_S, :] into out; copy the
     rest. Positions past S load as zeros and their stores are dropped."""
-    x1, x2 = _halves(x, (b, 0, st, 0), (1, TILE_H, TILE_S, TILE_R), half, HALF_TILE)
-    x1, x2 = x1.astype(ct.float32), x2.astype(ct.float32)
-    _put_halves(out, (b, 0, st, 0), (x1 * c1 - x2 * s1).astype(out.dtype),
-                (x2 * c2 + x1 * s2).astype(out.dtype), half, HALF_TILE)
+    shape = (1, TILE_H, TILE_S, TILE_R)
+    x1 = ct.load(x.slice(3, 0, half), (b, 0, st, 0), shape, padding_mode=ZERO).astype(ct.float32)
+    x2 = ct.load(x.slice(3, half, 2 * half), (b, 0, st, 0), shape,
+                 padding_mode=ZERO).astype(ct.float32)
+    ct.store(out.slice(3, 0, half), (b, 0, st, 0), (x1 * c1 - x2 * s1).astype(out.dtype))
+    ct.store(out.slice(3, half, 2 * half), (b, 0, st, 0), (x2 * c2 + x1 * s2).astype(out.dtype))
     if COPY_REST:
         rest = ct.load(x.slice(3, 2 * half, x.shape[3]), (b, 0, st, 0), (1, TILE_H, TILE_S, TILE_P),
                        padding_mode=ZERO)
@@ -94,13 +74,13 @@ def _at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS, BACKWARD):
     return b, s, c1, c2, s1, s2
 
 
-def _rows_at(t, S, cos, sin, pos, half, TILE_S, TILE_R, HAS_POS, BACKWARD, HALF_TILE):
+def _rows_at(t, S, cos, sin, pos, half, TILE_S, TILE_R, HAS_POS, BACKWARD):
     """Flat (batch, position tile) index -> b, st and the [1, TILE_S, TILE_R] cos/sin halves."""
     tiles = ct.cdiv(S, TILE_S)
     b = t // tiles
     st = t - b * tiles
     c1, c2, s1, s2 = _cos_sin_rows(cos, sin, b, _position(pos, b, st, HAS_POS), half, TILE_S,
-                                   TILE_R, BACKWARD, HALF_TILE)
+                                   TILE_R, BACKWARD)
     return b, st, c1, c2, s1, s2
 
 
@@ -108,34 +88,30 @@ def _rows_at(t, S, cos, sin, pos, half, TILE_S, TILE_R, HAS_POS, BACKWARD, HALF_
 def rope_kernel(q, k, cos, sin, pos, q_out, k_out, half: ct.Constant[int],
                 TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int], TILE_S: ct.Constant[int],
                 TILE_R: ct.Constant[int], TILE_P: ct.Constant[int], HAS_POS: ct.Constant[bool],
-                COPY_REST: ct.Constant[bool], BACKWARD: ct.Constant[bool],
-                HALF_TILE: ct.Constant[bool]):
+                COPY_REST: ct.Constant[bool], BACKWARD: ct.Constant[bool]):
     """Out of place: q_out, k_out = rope(q), rope(k). cos/sin (Bc, S', R) with Bc in {1, B}
     (a stride-0 batch dim when shared); pos (B, S) int32 rows of cos/sin when HAS_POS."""
     S = q.shape[2]
     for t in range(ct.bid(0), q.shape[0] * ct.cdiv(S, TILE_S), ct.num_blocks(0)):
         b, st, c1, c2, s1, s2 = _rows_at(t, S, cos, sin, pos, half, TILE_S, TILE_R, HAS_POS,
-                                         BACKWARD, HALF_TILE)
-        _rotate(q, q_out, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, TILE_P, COPY_REST,
-                HALF_TILE)
-        _rotate(k, k_out, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, TILE_P, COPY_REST,
-                HALF_TILE)
+                                         BACKWARD)
+        _rotate(q, q_out, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, TILE_P, COPY_REST)
+        _rotate(k, k_out, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, TILE_P, COPY_REST)
 
 
 @ct.kernel
 def rope_inplace_kernel(q, k, cos, sin, pos, half: ct.Constant[int],
                         TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int],
                         TILE_S: ct.Constant[int], TILE_R: ct.Constant[int],
-                        HAS_POS: ct.Constant[bool], BACKWARD: ct.Constant[bool],
-                        HALF_TILE: ct.Constant[bool]):
+                        HAS_POS: ct.Constant[bool], BACKWARD: ct.Constant[bool]):
     """In place: q, k = rope(q), rope(k) (each element is read before it is written, by the
     same CTA; pass-through dims are left alone)."""
     S = q.shape[2]
     for t in range(ct.bid(0), q.shape[0] * ct.cdiv(S, TILE_S), ct.num_blocks(0)):
         b, st, c1, c2, s1, s2 = _rows_at(t, S, cos, sin, pos, half, TILE_S, TILE_R, HAS_POS,
-                                         BACKWARD, HALF_TILE)
-        _rotate(q, q, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, 1, False, HALF_TILE)
-        _rotate(k, k, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, 1, False, HALF_TILE)
+                                         BACKWARD)
+        _rotate(q, q, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, 1, False)
+        _rotate(k, k, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, 1, False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +196,7 @@ def _launch(q, k, cos, sin, pos, q_out, k_out, rot, backward):
 
     def out_args(c, qo, ko):
         return (q, k, cos, sin, pos_arg, qo, ko, half, th, tk, c.tile_s, tr, tile_p, has_pos,
-                copy_rest, backward, half == tr)
+                copy_rest, backward)
 
     def search():
         if inplace:   # split buffers: one scratch allocation per miss, reused by every sample
@@ -233,8 +209,7 @@ def _launch(q, k, cos, sin, pos, q_out, k_out, rot, backward):
                       args_fn=args_fn, work=Work(bytes=nbytes))
     cfg, kernel = tuner.cache.get(key) or tuner.tune(key, q, search())
     if inplace:
-        args = (q, k, cos, sin, pos_arg, half, th, tk, cfg.tile_s, tr, has_pos, backward,
-                half == tr)
+        args = (q, k, cos, sin, pos_arg, half, th, tk, cfg.tile_s, tr, has_pos, backward)
     else:
         args = out_args(cfg, q_out, k_out)
     ct.launch(current_stream(dev), grid(cfg), kernel, args)
@@ -412,13 +387,13 @@ def aot_cases():
         pos = jit_array(torch.int32, (B, S), (0, 1)) if has_pos else c
         return [q, k, c, c, pos, hf_view(dt, B, Hq, S, D), hf_view(dt, B, Hk, S, D), R // 2,
                 next_pow2(Hq), next_pow2(Hk), tile_s, next_pow2(R // 2), next_pow2(max(D - R, 1)),
-                has_pos, R < D, backward, next_pow2(R // 2) == R // 2]
+                has_pos, R < D, backward]
 
     B, S = 4, 4096
     for cfg in rope_tile_configs("sm_90", 32, 128):
         p = out_params(torch.bfloat16, torch.bfloat16, B, 32, 8, S, 128, 128, False, False, cfg.tile_s)
         yield CompileCase("rope", _rope.build(cfg), p, f"rope 32/8 D128 bf16 {vars(cfg)}")
-        yield CompileCase("rope", _rope_inplace.build(cfg), p[:5] + p[7:12] + [p[13], p[15], p[16]],
+        yield CompileCase("rope", _rope_inplace.build(cfg), p[:5] + p[7:12] + [p[13], p[15]],
                           f"rope_inplace 32/8 D128 bf16 {vars(cfg)}")
     cfg = next(rope_tile_configs("sm_90", 32, 128))
     wide = list(rope_tile_configs("sm_90", 8, 64))[-1]       # largest TILE_S, ragged S
