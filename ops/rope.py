@@ -20,41 +20,44 @@ from tiletune.device import current_stream, sm_count
 ZERO = ct.PaddingMode.ZERO
 
 # ---------------------------------------------------------------------------------------------
-# Kernels. One CTA handles one (batch, position) at a time: all q heads and all k heads, so the
-# cos/sin row is read once per position. Arrays are 4-D views (B, H, S, D) with any strides;
-# tiles are [1, TILE_H, 1, TILE_R] over the heads and one rotary half.
+# Kernels. One CTA handles TILE_S consecutive positions of one batch row at a time: all q heads
+# and all k heads, so each cos/sin row is read once. Arrays are 4-D views (B, H, S, D) with any
+# strides; tiles are [1, TILE_H, TILE_S, TILE_R] over heads, positions and one rotary half.
+# With position_ids (HAS_POS) the cos/sin rows are gathered one position at a time: TILE_S = 1.
 
 
-def _cos_sin(cos, sin, b, p, half, TILE_R, BACKWARD):
-    """cos1, cos2, sin1, sin2 as [1, TILE_R] f32 tiles for batch row b, position p."""
-    c1 = ct.load(cos.slice(2, 0, half), (b, p, 0), (1, 1, TILE_R), padding_mode=ZERO)
-    c2 = ct.load(cos.slice(2, half, 2 * half), (b, p, 0), (1, 1, TILE_R), padding_mode=ZERO)
-    s1 = ct.load(sin.slice(2, 0, half), (b, p, 0), (1, 1, TILE_R), padding_mode=ZERO)
-    s2 = ct.load(sin.slice(2, half, 2 * half), (b, p, 0), (1, 1, TILE_R), padding_mode=ZERO)
-    c1 = ct.reshape(c1, (1, TILE_R)).astype(ct.float32)
-    c2 = ct.reshape(c2, (1, TILE_R)).astype(ct.float32)
-    s1 = ct.reshape(s1, (1, TILE_R)).astype(ct.float32)
-    s2 = ct.reshape(s2, (1, TILE_R)).astype(ct.float32)
+def _cos_sin_rows(cos, sin, b, p, half, TILE_S, TILE_R, BACKWARD):
+    """cos1, cos2, sin1, sin2 as [1, TILE_S, TILE_R] f32 tiles: rows p*TILE_S.. of batch b."""
+    shape = (1, TILE_S, TILE_R)
+    c1 = ct.load(cos.slice(2, 0, half), (b, p, 0), shape, padding_mode=ZERO).astype(ct.float32)
+    c2 = ct.load(cos.slice(2, half, 2 * half), (b, p, 0), shape, padding_mode=ZERO).astype(ct.float32)
+    s1 = ct.load(sin.slice(2, 0, half), (b, p, 0), shape, padding_mode=ZERO).astype(ct.float32)
+    s2 = ct.load(sin.slice(2, half, 2 * half), (b, p, 0), shape, padding_mode=ZERO).astype(ct.float32)
     if BACKWARD:
         return c1, c2, 0.0 - s2, 0.0 - s1
     return c1, c2, s1, s2
 
 
-def _rotate(x, out, b, s, half, c1, c2, s1, s2, TILE_H, TILE_R, TILE_P, COPY_REST):
-    """Rotate the first 2*half dims of x[b, :, s, :] into out[b, :, s, :]; copy the rest."""
-    x1 = ct.load(x.slice(3, 0, half), (b, 0, s, 0), (1, TILE_H, 1, TILE_R), padding_mode=ZERO)
-    x2 = ct.load(x.slice(3, half, 2 * half), (b, 0, s, 0), (1, TILE_H, 1, TILE_R),
-                 padding_mode=ZERO)
-    x1 = ct.reshape(x1, (TILE_H, TILE_R)).astype(ct.float32)
-    x2 = ct.reshape(x2, (TILE_H, TILE_R)).astype(ct.float32)
-    o1 = ct.reshape(x1 * c1 - x2 * s1, (1, TILE_H, 1, TILE_R)).astype(out.dtype)
-    o2 = ct.reshape(x2 * c2 + x1 * s2, (1, TILE_H, 1, TILE_R)).astype(out.dtype)
-    ct.store(out.slice(3, 0, half), (b, 0, s, 0), o1)
-    ct.store(out.slice(3, half, 2 * half), (b, 0, s, 0), o2)
+def _cos_sin(cos, sin, b, p, half, TILE_R, BACKWARD):
+    """One position's cos1, cos2, sin1, sin2 as [1, TILE_R] f32 tiles."""
+    c1, c2, s1, s2 = _cos_sin_rows(cos, sin, b, p, half, 1, TILE_R, BACKWARD)
+    return (ct.reshape(c1, (1, TILE_R)), ct.reshape(c2, (1, TILE_R)),
+            ct.reshape(s1, (1, TILE_R)), ct.reshape(s2, (1, TILE_R)))
+
+
+def _rotate(x, out, b, st, half, c1, c2, s1, s2, TILE_H, TILE_S, TILE_R, TILE_P, COPY_REST):
+    """Rotate the first 2*half dims of x[b, :, st*TILE_S : (st+1)*TILE_S, :] into out; copy the
+    rest. Positions past S load as zeros and their stores are dropped."""
+    shape = (1, TILE_H, TILE_S, TILE_R)
+    x1 = ct.load(x.slice(3, 0, half), (b, 0, st, 0), shape, padding_mode=ZERO).astype(ct.float32)
+    x2 = ct.load(x.slice(3, half, 2 * half), (b, 0, st, 0), shape,
+                 padding_mode=ZERO).astype(ct.float32)
+    ct.store(out.slice(3, 0, half), (b, 0, st, 0), (x1 * c1 - x2 * s1).astype(out.dtype))
+    ct.store(out.slice(3, half, 2 * half), (b, 0, st, 0), (x2 * c2 + x1 * s2).astype(out.dtype))
     if COPY_REST:
-        rest = ct.load(x.slice(3, 2 * half, x.shape[3]), (b, 0, s, 0), (1, TILE_H, 1, TILE_P),
+        rest = ct.load(x.slice(3, 2 * half, x.shape[3]), (b, 0, st, 0), (1, TILE_H, TILE_S, TILE_P),
                        padding_mode=ZERO)
-        ct.store(out.slice(3, 2 * half, x.shape[3]), (b, 0, s, 0), rest)
+        ct.store(out.slice(3, 2 * half, x.shape[3]), (b, 0, st, 0), rest)
 
 
 def _position(pos, b, s, HAS_POS):
@@ -64,45 +67,62 @@ def _position(pos, b, s, HAS_POS):
 
 
 def _at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS, BACKWARD):
-    """Flat (batch, position) index -> b, s and the cos/sin halves for that position."""
+    """Flat (batch, position) index -> b, s and the [1, TILE_R] cos/sin halves there."""
     b = bs // S
     s = bs - b * S
     c1, c2, s1, s2 = _cos_sin(cos, sin, b, _position(pos, b, s, HAS_POS), half, TILE_R, BACKWARD)
     return b, s, c1, c2, s1, s2
 
 
+def _rows_at(t, S, cos, sin, pos, half, TILE_S, TILE_R, HAS_POS, BACKWARD):
+    """Flat (batch, position tile) index -> b, st and the [1, TILE_S, TILE_R] cos/sin halves."""
+    tiles = ct.cdiv(S, TILE_S)
+    b = t // tiles
+    st = t - b * tiles
+    c1, c2, s1, s2 = _cos_sin_rows(cos, sin, b, _position(pos, b, st, HAS_POS), half, TILE_S,
+                                   TILE_R, BACKWARD)
+    return b, st, c1, c2, s1, s2
+
+
 @ct.kernel
 def rope_kernel(q, k, cos, sin, pos, q_out, k_out, half: ct.Constant[int],
-                TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int], TILE_R: ct.Constant[int],
-                TILE_P: ct.Constant[int], HAS_POS: ct.Constant[bool], COPY_REST: ct.Constant[bool],
-                BACKWARD: ct.Constant[bool]):
+                TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int], TILE_S: ct.Constant[int],
+                TILE_R: ct.Constant[int], TILE_P: ct.Constant[int], HAS_POS: ct.Constant[bool],
+                COPY_REST: ct.Constant[bool], BACKWARD: ct.Constant[bool]):
     """Out of place: q_out, k_out = rope(q), rope(k). cos/sin (Bc, S', R) with Bc in {1, B}
     (a stride-0 batch dim when shared); pos (B, S) int32 rows of cos/sin when HAS_POS."""
     S = q.shape[2]
-    for bs in range(ct.bid(0), q.shape[0] * S, ct.num_blocks(0)):
-        b, s, c1, c2, s1, s2 = _at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS, BACKWARD)
-        _rotate(q, q_out, b, s, half, c1, c2, s1, s2, TILE_HQ, TILE_R, TILE_P, COPY_REST)
-        _rotate(k, k_out, b, s, half, c1, c2, s1, s2, TILE_HK, TILE_R, TILE_P, COPY_REST)
+    for t in range(ct.bid(0), q.shape[0] * ct.cdiv(S, TILE_S), ct.num_blocks(0)):
+        b, st, c1, c2, s1, s2 = _rows_at(t, S, cos, sin, pos, half, TILE_S, TILE_R, HAS_POS,
+                                         BACKWARD)
+        _rotate(q, q_out, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, TILE_P, COPY_REST)
+        _rotate(k, k_out, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, TILE_P, COPY_REST)
 
 
 @ct.kernel
 def rope_inplace_kernel(q, k, cos, sin, pos, half: ct.Constant[int],
                         TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int],
-                        TILE_R: ct.Constant[int], HAS_POS: ct.Constant[bool],
-                        BACKWARD: ct.Constant[bool]):
+                        TILE_S: ct.Constant[int], TILE_R: ct.Constant[int],
+                        HAS_POS: ct.Constant[bool], BACKWARD: ct.Constant[bool]):
     """In place: q, k = rope(q), rope(k) (each element is read before it is written, by the
     same CTA; pass-through dims are left alone)."""
     S = q.shape[2]
-    for bs in range(ct.bid(0), q.shape[0] * S, ct.num_blocks(0)):
-        b, s, c1, c2, s1, s2 = _at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS, BACKWARD)
-        _rotate(q, q, b, s, half, c1, c2, s1, s2, TILE_HQ, TILE_R, 1, False)
-        _rotate(k, k, b, s, half, c1, c2, s1, s2, TILE_HK, TILE_R, 1, False)
+    for t in range(ct.bid(0), q.shape[0] * ct.cdiv(S, TILE_S), ct.num_blocks(0)):
+        b, st, c1, c2, s1, s2 = _rows_at(t, S, cos, sin, pos, half, TILE_S, TILE_R, HAS_POS,
+                                         BACKWARD)
+        _rotate(q, q, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, 1, False)
+        _rotate(k, k, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, 1, False)
 
 
 # ---------------------------------------------------------------------------------------------
-# Configs: occupancy-only plus grid shape (one CTA per position, or a persistent grid of
-# SMs x occupancy CTAs striding over positions). Not yet measured on a GPU: the space is
-# deliberately small (10) until a search says which dimension matters.
+# Configs. rope_configs is the grid space (occupancy x one-CTA-per-tile or persistent), shared
+# with the fused RMSNorm+RoPE kernel. The RoPE kernels add positions per tile (TILE_S): one
+# position moves only Hq x D elements (8 KB at 32 x 128 bf16), which left the first GPU run at
+# 0.31x copy bandwidth (H200); several positions per tile put more bytes in flight per CTA.
+# Register limits from `cuobjdump -res-usage` of the sm_90 cubins (32 q heads, D 128): 1
+# position x occupancy 4 uses 125 registers; 2 positions x occupancy 4, 127; 4 positions
+# spill 152 B at occupancy 1-2 and 360 B at 4; occupancy 8 spills 56 B even at 1 position
+# (kept: it won the first search).
 
 def rope_configs(arch, heads, rot):
     default = SimpleNamespace(occupancy=4, persistent=False)
@@ -114,12 +134,33 @@ def rope_configs(arch, heads, rot):
                 yield cfg
 
 
-_rope = Autotuner("rope", rope_kernel, rope_configs,
-                  default=SimpleNamespace(occupancy=4, persistent=False))
+MAX_TILE_ELEMS = 16384     # fp32 elements of one q tile (both halves)
+MAX_RESIDENT_ELEMS = 32768  # tile elements x occupancy: beyond this, sm_90 cubins spill 150+ B
+
+
+def rope_tile_configs(arch, heads, rot, has_pos=False):
+    """heads: q heads; rot: rotary width. Default first: one position per tile."""
+    yield SimpleNamespace(occupancy=4, persistent=False, tile_s=1)
+    for occ in (2, 8, 16):
+        yield SimpleNamespace(occupancy=occ, persistent=False, tile_s=1)
+    yield SimpleNamespace(occupancy=4, persistent=True, tile_s=1)
+    per_position = next_pow2(heads) * 2 * next_pow2(max(rot // 2, 1))
+    for tile_s in (2, 4, 8, 16):
+        elems = tile_s * per_position
+        if has_pos or elems > MAX_TILE_ELEMS:
+            break
+        occs = [o for o in (1, 2, 4) if elems * o <= MAX_RESIDENT_ELEMS]
+        for occ in occs:
+            yield SimpleNamespace(occupancy=occ, persistent=False, tile_s=tile_s)
+        yield SimpleNamespace(occupancy=occs[-1], persistent=True, tile_s=tile_s)
+
+
+_rope = Autotuner("rope", rope_kernel, rope_tile_configs,
+                  default=SimpleNamespace(occupancy=4, persistent=False, tile_s=1))
 # In place: the search times the out-of-place twin with a scratch output (split buffers), so
 # q and k keep their values until the one in-place launch with the winning config.
-_rope_inplace = Autotuner("rope_inplace", rope_inplace_kernel, rope_configs,
-                          default=SimpleNamespace(occupancy=4, persistent=False),
+_rope_inplace = Autotuner("rope_inplace", rope_inplace_kernel, rope_tile_configs,
+                          default=SimpleNamespace(occupancy=4, persistent=False, tile_s=1),
                           search_kernel=rope_kernel)
 TUNERS = (_rope, _rope_inplace)
 
@@ -141,7 +182,7 @@ def _launch(q, k, cos, sin, pos, q_out, k_out, rot, backward):
     dev = q.get_device()
     half = rot // 2
     inplace = q_out is None
-    tiles = (next_pow2(Hq), next_pow2(Hk), next_pow2(half))
+    th, tk, tr = next_pow2(Hq), next_pow2(Hk), next_pow2(half)
     tile_p = next_pow2(max(D - rot, 1))
     copy_rest = (not inplace) and rot < D
     has_pos = pos is not None
@@ -150,24 +191,28 @@ def _launch(q, k, cos, sin, pos, q_out, k_out, rot, backward):
            dev)
     tuner = _rope_inplace if inplace else _rope
 
-    def out_args(qo, ko):
-        return (q, k, cos, sin, pos_arg, qo, ko, half, *tiles, tile_p, has_pos, copy_rest, backward)
+    def grid(c):
+        return (ctas(c, B * -(-S // c.tile_s), dev),)
+
+    def out_args(c, qo, ko):
+        return (q, k, cos, sin, pos_arg, qo, ko, half, th, tk, c.tile_s, tr, tile_p, has_pos,
+                copy_rest, backward)
 
     def search():
         if inplace:   # split buffers: one scratch allocation per miss, reused by every sample
             scratch_q, scratch_k = torch.empty_like(q), torch.empty_like(k)
-            args_fn = lambda c: out_args(scratch_q, scratch_k)
+            args_fn = lambda c: out_args(c, scratch_q, scratch_k)
         else:
-            args_fn = lambda c: out_args(q_out, k_out)
-        nbytes = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * cos.shape[1] * rot * cos.element_size()
-        return Search(shape=dict(heads=Hq + Hk, rot=rot), grid_fn=lambda c: (ctas(c, B * S, dev),),
+            args_fn = lambda c: out_args(c, q_out, k_out)
+        nbytes = 2 * (q.numel() + k.numel()) * q.element_size() + 2 * S * rot * cos.element_size()
+        return Search(shape=dict(heads=Hq, rot=rot, has_pos=has_pos), grid_fn=grid,
                       args_fn=args_fn, work=Work(bytes=nbytes))
     cfg, kernel = tuner.cache.get(key) or tuner.tune(key, q, search())
     if inplace:
-        args = (q, k, cos, sin, pos_arg, half, *tiles, has_pos, backward)
+        args = (q, k, cos, sin, pos_arg, half, th, tk, cfg.tile_s, tr, has_pos, backward)
     else:
-        args = out_args(q_out, k_out)
-    ct.launch(current_stream(dev), (ctas(cfg, B * S, dev),), kernel, args)
+        args = out_args(cfg, q_out, k_out)
+    ct.launch(current_stream(dev), grid(cfg), kernel, args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,26 +381,29 @@ def aot_cases():
     def shared(dt, B, S, R):         # cos/sin expanded over the batch (stride 0)
         return jit_array(dt, (B, S, R), (0, R, 1))
 
-    def out_params(dt, cdt, B, Hq, Hk, S, D, R, has_pos, backward):
+    def out_params(dt, cdt, B, Hq, Hk, S, D, R, has_pos, backward, tile_s=1):
         q, k = hf_view(dt, B, Hq, S, D), hf_view(dt, B, Hk, S, D)
         c = shared(cdt, B, S, R)
         pos = jit_array(torch.int32, (B, S), (0, 1)) if has_pos else c
         return [q, k, c, c, pos, hf_view(dt, B, Hq, S, D), hf_view(dt, B, Hk, S, D), R // 2,
-                next_pow2(Hq), next_pow2(Hk), next_pow2(R // 2), next_pow2(max(D - R, 1)),
+                next_pow2(Hq), next_pow2(Hk), tile_s, next_pow2(R // 2), next_pow2(max(D - R, 1)),
                 has_pos, R < D, backward]
 
     B, S = 4, 4096
-    for cfg in rope_configs("sm_90", 40, 128):
-        p = out_params(torch.bfloat16, torch.bfloat16, B, 32, 8, S, 128, 128, False, False)
+    for cfg in rope_tile_configs("sm_90", 32, 128):
+        p = out_params(torch.bfloat16, torch.bfloat16, B, 32, 8, S, 128, 128, False, False, cfg.tile_s)
         yield CompileCase("rope", _rope.build(cfg), p, f"rope 32/8 D128 bf16 {vars(cfg)}")
-        yield CompileCase("rope", _rope_inplace.build(cfg), p[:5] + p[7:11] + [p[12], p[14]],
+        yield CompileCase("rope", _rope_inplace.build(cfg), p[:5] + p[7:12] + [p[13], p[15]],
                           f"rope_inplace 32/8 D128 bf16 {vars(cfg)}")
-    cfg = next(rope_configs("sm_90", 40, 128))
-    variants = [("fp16 7/1 D80 R40 pos", (torch.float16, torch.float32, 2, 7, 1, 423, 80, 40, True, False)),
-                ("f32 8/1 D64 backward", (torch.float32, torch.float32, 1, 8, 1, 17, 64, 64, False, True)),
-                ("bf16 32/8 D128 pos backward", (torch.bfloat16, torch.bfloat16, B, 32, 8, S, 128, 128, True, True))]
-    for label, args in variants:
-        yield CompileCase("rope", _rope.build(cfg), out_params(*args), f"rope {label} {vars(cfg)}")
+    cfg = next(rope_tile_configs("sm_90", 32, 128))
+    wide = list(rope_tile_configs("sm_90", 8, 64))[-1]       # largest TILE_S, ragged S
+    variants = [("fp16 7/1 D80 R40 pos", cfg, (torch.float16, torch.float32, 2, 7, 1, 423, 80, 40, True, False)),
+                ("f32 8/1 D64 backward", cfg, (torch.float32, torch.float32, 1, 8, 1, 17, 64, 64, False, True)),
+                ("bf16 32/8 D128 pos backward", cfg, (torch.bfloat16, torch.bfloat16, B, 32, 8, S, 128, 128, True, True)),
+                ("bf16 8/1 D80 R40 S423 widest tile", wide,
+                 (torch.bfloat16, torch.bfloat16, 2, 8, 1, 423, 80, 40, False, False, wide.tile_s))]
+    for label, c, args in variants:
+        yield CompileCase("rope", _rope.build(c), out_params(*args), f"rope {label} {vars(c)}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ def spaces():
             yield f"matmul {arch} {m}x{n}x{k}", list(MM.matmul_configs(arch, m, n, k))
         for heads, rot in itertools.product((2, 40, 160), (32, 64, 128)):
             yield f"rope {arch} H={heads} R={rot}", list(RP.rope_configs(arch, heads, rot))
+        for heads, rot, pos in itertools.product((1, 8, 32, 64), (32, 128, 256), (False, True)):
+            yield (f"rope_tiles {arch} H={heads} R={rot} pos={pos}",
+                   list(RP.rope_tile_configs(arch, heads, rot, pos)))
 
 
 @pytest.mark.parametrize("label,cfgs", list(spaces()), ids=lambda v: v if isinstance(v, str) else "")
