@@ -3,6 +3,8 @@ import cuda.tile.tune
 import pytest
 import torch
 
+import tiletune
+
 from tiletune.ops import rope as R
 from tiletune.ops.rope import apply_rope, apply_rotary_pos_emb
 
@@ -75,6 +77,26 @@ def test_forward_backward(fresh, monkeypatch, case, dt, disable):
     rq, rk = reference(q64, k64, cos, sin, pos, R_)
     eq, ek = torch.autograd.grad((rq, rk), (q64, k64), (dq.double(), dk.double()))
     assert rel(gq, eq) < TOL[dt] and rel(gk, ek) < TOL[dt]
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 423, 80, 40), (1, 32, 8, 77, 128, 128)], ids=str)
+def test_every_config_is_correct(fresh, monkeypatch, shape, inplace):
+    """Not only the winner: each config of the space (positions per tile over a ragged S,
+    persistent grids) rotates correctly."""
+    B, Hq, Hk, S, D, R_ = shape
+    q, k, cos, sin = make(B, Hq, Hk, S, D, R_, torch.bfloat16)
+    rq, rk = reference(q, k, cos, sin, None, R_)
+    tuner = R._rope_inplace if inplace else R._rope
+    space = list(R.rope_tile_configs("sm_90", Hq, R_))
+    assert len({c.tile_s for c in space}) > 1
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")      # the "default" below is each config in turn
+    for cfg in space:
+        monkeypatch.setattr(tuner, "configs", lambda arch, _c=cfg, **shape: iter([_c]))
+        tiletune.clear_cache()
+        qi, ki = q.clone(), k.clone()           # HF-layout strides kept by clone
+        qo, ko = apply_rope(qi, ki, cos, sin, inplace=inplace)
+        assert rel(qo, rq) < TOL[torch.bfloat16] and rel(ko, rk) < TOL[torch.bfloat16], vars(cfg)
 
 
 def test_inplace_search_leaves_inputs_intact(fresh, monkeypatch):
