@@ -13,14 +13,16 @@ from tiletune.autotune import Autotuner, Search, Work, bucket, next_pow2
 from tiletune.device import current_stream
 from tiletune.ops.rms_norm import launch_column_sum
 from tiletune import validate
-from tiletune.ops.rope import _at, _prepare, ctas, rope_configs
+from tiletune.ops.rope import _at, _prepare, ctas
 
 ZERO = ct.PaddingMode.ZERO
 
 
-def _heads(x, b, s, lo, hi, TILE_H, TILE):
-    """x[b, :, s, lo:hi] as a [TILE_H, TILE] float32 tile (zero-padded)."""
-    t = ct.load(x.slice(3, lo, hi), (b, 0, s, 0), (1, TILE_H, 1, TILE), padding_mode=ZERO)
+def _heads(x, b, s, lo, hi, TILE_H, TILE, LATENCY):
+    """x[b, :, s, lo:hi] as a [TILE_H, TILE] float32 tile (zero-padded); LATENCY: ct.load's
+    DRAM-latency hint."""
+    t = ct.load(x.slice(3, lo, hi), (b, 0, s, 0), (1, TILE_H, 1, TILE), padding_mode=ZERO,
+                latency=LATENCY)
     return ct.reshape(t, (TILE_H, TILE)).astype(ct.float32)
 
 
@@ -34,13 +36,13 @@ def _vec(w, lo, hi, TILE):
 
 
 def _norm_rope(x, w, out, rstd, b, s, half, inv_d, eps, c1, c2, s1, s2,
-               TILE_H, TILE_R, TILE_P, HAS_REST):
+               TILE_H, TILE_R, TILE_P, HAS_REST, LATENCY):
     D = x.shape[3]
-    x1 = _heads(x, b, s, 0, half, TILE_H, TILE_R)
-    x2 = _heads(x, b, s, half, 2 * half, TILE_H, TILE_R)
+    x1 = _heads(x, b, s, 0, half, TILE_H, TILE_R, LATENCY)
+    x2 = _heads(x, b, s, half, 2 * half, TILE_H, TILE_R, LATENCY)
     ss = ct.sum(x1 * x1, axis=1, keepdims=True) + ct.sum(x2 * x2, axis=1, keepdims=True)
     if HAS_REST:
-        xp = _heads(x, b, s, 2 * half, D, TILE_H, TILE_P)
+        xp = _heads(x, b, s, 2 * half, D, TILE_H, TILE_P, LATENCY)
         ss = ss + ct.sum(xp * xp, axis=1, keepdims=True)
     r = ct.rsqrt(ss * inv_d + eps)                                    # [TILE_H, 1]
     n1 = x1 * r * _vec(w, 0, half, TILE_R)
@@ -57,36 +59,36 @@ def rms_norm_rope_fwd(q, k, wq, wk, cos, sin, pos, q_out, k_out, rstd_q, rstd_k,
                       half: ct.Constant[int], inv_d, eps,
                       TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int], TILE_R: ct.Constant[int],
                       TILE_P: ct.Constant[int], HAS_POS: ct.Constant[bool],
-                      HAS_REST: ct.Constant[bool]):
+                      HAS_REST: ct.Constant[bool], LATENCY: ct.Constant[int]):
     """q (B, Hq, S, D), k (B, Hk, S, D) any strides; wq, wk (D,); cos/sin (B, S', 2*half);
     rstd_q (B, Hq, S), rstd_k (B, Hk, S) float32 for the backward."""
     S = q.shape[2]
     for bs in range(ct.bid(0), q.shape[0] * S, ct.num_blocks(0)):
         b, s, c1, c2, s1, s2 = _at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS, False)
         _norm_rope(q, wq, q_out, rstd_q, b, s, half, inv_d, eps, c1, c2, s1, s2,
-                   TILE_HQ, TILE_R, TILE_P, HAS_REST)
+                   TILE_HQ, TILE_R, TILE_P, HAS_REST, LATENCY)
         _norm_rope(k, wk, k_out, rstd_k, b, s, half, inv_d, eps, c1, c2, s1, s2,
-                   TILE_HK, TILE_R, TILE_P, HAS_REST)
+                   TILE_HK, TILE_R, TILE_P, HAS_REST, LATENCY)
 
 
 def _norm_rope_bwd(dy, x, w, rstd, dx, b, s, half, inv_d, c1, c2, s1, s2,
-                   TILE_H, TILE_R, TILE_P, HAS_REST):
+                   TILE_H, TILE_R, TILE_P, HAS_REST, LATENCY):
     """Returns the three [1, TILE] dweight contributions (rotary halves, pass-through part)."""
     D = x.shape[3]
-    dy1 = _heads(dy, b, s, 0, half, TILE_H, TILE_R)
-    dy2 = _heads(dy, b, s, half, 2 * half, TILE_H, TILE_R)
+    dy1 = _heads(dy, b, s, 0, half, TILE_H, TILE_R, LATENCY)
+    dy2 = _heads(dy, b, s, half, 2 * half, TILE_H, TILE_R, LATENCY)
     dn1 = dy1 * c1 + dy2 * s2                  # rope transpose
     dn2 = dy2 * c2 - dy1 * s1
-    x1 = _heads(x, b, s, 0, half, TILE_H, TILE_R)
-    x2 = _heads(x, b, s, half, 2 * half, TILE_H, TILE_R)
+    x1 = _heads(x, b, s, 0, half, TILE_H, TILE_R, LATENCY)
+    x2 = _heads(x, b, s, half, 2 * half, TILE_H, TILE_R, LATENCY)
     r = ct.reshape(ct.load(rstd, (b, 0, s), (1, TILE_H, 1), padding_mode=ZERO), (TILE_H, 1))
     g1 = dn1 * _vec(w, 0, half, TILE_R)
     g2 = dn2 * _vec(w, half, 2 * half, TILE_R)
     gx = ct.sum(g1 * x1, axis=1, keepdims=True) + ct.sum(g2 * x2, axis=1, keepdims=True)
     dwp = ct.zeros((1, TILE_P), ct.float32)
     if HAS_REST:
-        dnp = _heads(dy, b, s, 2 * half, D, TILE_H, TILE_P)
-        xp = _heads(x, b, s, 2 * half, D, TILE_H, TILE_P)
+        dnp = _heads(dy, b, s, 2 * half, D, TILE_H, TILE_P, LATENCY)
+        xp = _heads(x, b, s, 2 * half, D, TILE_H, TILE_P, LATENCY)
         gp = dnp * _vec(w, 2 * half, D, TILE_P)
         gx = gx + ct.sum(gp * xp, axis=1, keepdims=True)
     c = gx * inv_d * (r * r * r)
@@ -111,7 +113,7 @@ def rms_norm_rope_bwd(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in
                       dwq_partial, dwk_partial, half: ct.Constant[int], inv_d,
                       TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int], TILE_R: ct.Constant[int],
                       TILE_P: ct.Constant[int], HAS_POS: ct.Constant[bool],
-                      HAS_REST: ct.Constant[bool]):
+                      HAS_REST: ct.Constant[bool], LATENCY: ct.Constant[int]):
     """dq_in, dk_in like q, k; dwq_partial/dwk_partial (G, D) float32, one row per CTA."""
     S = q.shape[2]
     D = q.shape[3]
@@ -124,22 +126,35 @@ def rms_norm_rope_bwd(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in
     for bs in range(ct.bid(0), q.shape[0] * S, ct.num_blocks(0)):
         b, s, c1, c2, s1, s2 = _at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS, False)
         d1, d2, dp = _norm_rope_bwd(dq, q, wq, rstd_q, dq_in, b, s, half, inv_d, c1, c2, s1, s2,
-                                    TILE_HQ, TILE_R, TILE_P, HAS_REST)
+                                    TILE_HQ, TILE_R, TILE_P, HAS_REST, LATENCY)
         aq1, aq2, aqp = aq1 + d1, aq2 + d2, aqp + dp
         d1, d2, dp = _norm_rope_bwd(dk, k, wk, rstd_k, dk_in, b, s, half, inv_d, c1, c2, s1, s2,
-                                    TILE_HK, TILE_R, TILE_P, HAS_REST)
+                                    TILE_HK, TILE_R, TILE_P, HAS_REST, LATENCY)
         ak1, ak2, akp = ak1 + d1, ak2 + d2, akp + dp
     _store_dw(dwq_partial, ct.bid(0), half, D, aq1, aq2, aqp, TILE_R, TILE_P, HAS_REST)
     _store_dw(dwk_partial, ct.bid(0), half, D, ak1, ak2, akp, TILE_R, TILE_P, HAS_REST)
 
 
 # ---------------------------------------------------------------------------------------------
-# Configs: the RoPE space (occupancy x grid shape); not yet measured on a GPU.
+# Configs: grid shape x occupancy x ct.load latency hint. H200, B4 Hq32 Hkv8 S4096 D128 bf16
+# forward: a persistent grid at occupancy 2 won (167.5 us; occupancy 4: 208.7, 1: 267.8; one CTA
+# per position at occupancy 2/4: 262.5/233.2; occupancy 8/16: 834-852, dropped). The latency
+# hint cut the plain RoPE kernel's time by 5-37% (assets/scripts/explore_rope.py); here it is
+# searched, default first without a strong hint (1), as measured.
 
-_fwd = Autotuner("rms_norm_rope_fwd", rms_norm_rope_fwd, rope_configs,
-                 default=SimpleNamespace(occupancy=4, persistent=False))
-_bwd = Autotuner("rms_norm_rope_bwd", rms_norm_rope_bwd, rope_configs,
-                 default=SimpleNamespace(occupancy=4, persistent=True))
+def fused_configs(arch, heads, rot):
+    cfg = lambda occ, persistent, lat: SimpleNamespace(occupancy=occ, persistent=persistent,
+                                                       latency=lat)
+    yield cfg(2, True, 1)
+    for occ, lat in ((2, 5), (2, 10), (4, 1), (4, 5), (4, 10), (1, 5), (1, 10)):
+        yield cfg(occ, True, lat)
+    for occ in (2, 4):
+        yield cfg(occ, False, 5)
+
+
+DEFAULT = next(fused_configs("sm_90", 40, 128))
+_fwd = Autotuner("rms_norm_rope_fwd", rms_norm_rope_fwd, fused_configs, default=DEFAULT)
+_bwd = Autotuner("rms_norm_rope_bwd", rms_norm_rope_bwd, fused_configs, default=DEFAULT)
 TUNERS = (_fwd, _bwd)
 
 
@@ -163,14 +178,14 @@ def _forward(q, k, wq, wk, cos, sin, pos, rot, eps):
     has_pos = pos is not None
     flags = [has_pos, rot < D]
     args = (q, k, wq, wk, cos, sin, pos if has_pos else cos, q_out, k_out, rstd_q, rstd_k,
-            rot // 2, 1.0 / D, float(eps), *_tiles(q, k, rot), *flags)
+            rot // 2, 1.0 / D, float(eps), *_tiles(q, k, rot), *flags)     # + the latency hint
     key = (q.shape[1], k.shape[1], D, rot, bucket(B * S), q.dtype, wq.dtype,
            cos.dtype, has_pos, dev)
     cfg, kernel = _fwd.cache.get(key) or _fwd.tune(key, q, Search(
         shape=dict(heads=Hq + k.shape[1], rot=rot), grid_fn=lambda c: (ctas(c, B * S, dev),),
-        args_fn=lambda c: args,
+        args_fn=lambda c: args + (c.latency,),
         work=Work(bytes=2 * (q.numel() + k.numel()) * q.element_size())))
-    ct.launch(current_stream(dev), (ctas(cfg, B * S, dev),), kernel, args)
+    ct.launch(current_stream(dev), (ctas(cfg, B * S, dev),), kernel, args + (cfg.latency,))
     return q_out, k_out, rstd_q, rstd_k
 
 
@@ -188,10 +203,10 @@ def _backward(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, rot):
     def args(c, partial_q, partial_k):
         return (dq, dk, q, k, wq, wk, cos, sin, pos if has_pos else cos, rstd_q, rstd_k, dq_in,
                 dk_in, partial_q, partial_k, rot // 2, 1.0 / D, *_tiles(q, k, rot), has_pos,
-                rot < D)
+                rot < D, c.latency)
 
     def search():
-        g = max(ctas(c, B * S, dev) for c in rope_configs("", 0, 0))
+        g = max(ctas(c, B * S, dev) for c in fused_configs("", 0, 0))
         pq = torch.empty((g, D), device=q.device, dtype=torch.float32)
         pk = torch.empty((g, D), device=q.device, dtype=torch.float32)
         return Search(shape=dict(heads=Hq + k.shape[1], rot=rot),
@@ -271,13 +286,17 @@ def aot_cases():
         return fwd, bwd
 
     fwd, bwd = params(torch.bfloat16, 4, 32, 8, 4096, 128, 128, False)
-    for cfg in rope_configs("sm_90", 40, 128):
-        yield CompileCase("rms_norm_rope", _fwd.build(cfg), fwd, f"rms_norm_rope_fwd {vars(cfg)}")
-        yield CompileCase("rms_norm_rope", _bwd.build(cfg), bwd, f"rms_norm_rope_bwd {vars(cfg)}")
+    for cfg in fused_configs("sm_90", 40, 128):
+        yield CompileCase("rms_norm_rope", _fwd.build(cfg), fwd + [cfg.latency],
+                          f"rms_norm_rope_fwd {vars(cfg)}")
+        yield CompileCase("rms_norm_rope", _bwd.build(cfg), bwd + [cfg.latency],
+                          f"rms_norm_rope_bwd {vars(cfg)}")
     fwd, bwd = params(torch.float16, 2, 7, 1, 423, 80, 40, True)
-    cfg = next(rope_configs("sm_90", 8, 40))
-    yield CompileCase("rms_norm_rope", _fwd.build(cfg), fwd, "rms_norm_rope_fwd fp16 D80 R40 pos")
-    yield CompileCase("rms_norm_rope", _bwd.build(cfg), bwd, "rms_norm_rope_bwd fp16 D80 R40 pos")
+    cfg = next(fused_configs("sm_90", 8, 40))
+    yield CompileCase("rms_norm_rope", _fwd.build(cfg), fwd + [cfg.latency],
+                      "rms_norm_rope_fwd fp16 D80 R40 pos")
+    yield CompileCase("rms_norm_rope", _bwd.build(cfg), bwd + [cfg.latency],
+                      "rms_norm_rope_bwd fp16 D80 R40 pos")
 
 
 def bench_cases():

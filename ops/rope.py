@@ -45,18 +45,21 @@ def _cos_sin(cos, sin, b, p, half, TILE_R, BACKWARD):
             ct.reshape(s1, (1, TILE_R)), ct.reshape(s2, (1, TILE_R)))
 
 
-def _rotate(x, out, b, st, half, c1, c2, s1, s2, TILE_H, TILE_S, TILE_R, TILE_P, COPY_REST):
+def _rotate(x, out, b, st, half, c1, c2, s1, s2, TILE_H, TILE_S, TILE_R, TILE_P, COPY_REST,
+            LATENCY):
     """Rotate the first 2*half dims of x[b, :, st*TILE_S : (st+1)*TILE_S, :] into out; copy the
-    rest. Positions past S load as zeros and their stores are dropped."""
+    rest. Positions past S load as zeros and their stores are dropped. LATENCY is ct.load's
+    DRAM-latency hint (1-10) for the q/k loads."""
     shape = (1, TILE_H, TILE_S, TILE_R)
-    x1 = ct.load(x.slice(3, 0, half), (b, 0, st, 0), shape, padding_mode=ZERO).astype(ct.float32)
-    x2 = ct.load(x.slice(3, half, 2 * half), (b, 0, st, 0), shape,
-                 padding_mode=ZERO).astype(ct.float32)
+    x1 = ct.load(x.slice(3, 0, half), (b, 0, st, 0), shape, padding_mode=ZERO,
+                 latency=LATENCY).astype(ct.float32)
+    x2 = ct.load(x.slice(3, half, 2 * half), (b, 0, st, 0), shape, padding_mode=ZERO,
+                 latency=LATENCY).astype(ct.float32)
     ct.store(out.slice(3, 0, half), (b, 0, st, 0), (x1 * c1 - x2 * s1).astype(out.dtype))
     ct.store(out.slice(3, half, 2 * half), (b, 0, st, 0), (x2 * c2 + x1 * s2).astype(out.dtype))
     if COPY_REST:
         rest = ct.load(x.slice(3, 2 * half, x.shape[3]), (b, 0, st, 0), (1, TILE_H, TILE_S, TILE_P),
-                       padding_mode=ZERO)
+                       padding_mode=ZERO, latency=LATENCY)
         ct.store(out.slice(3, 2 * half, x.shape[3]), (b, 0, st, 0), rest)
 
 
@@ -88,80 +91,76 @@ def _rows_at(t, S, cos, sin, pos, half, TILE_S, TILE_R, HAS_POS, BACKWARD):
 def rope_kernel(q, k, cos, sin, pos, q_out, k_out, half: ct.Constant[int],
                 TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int], TILE_S: ct.Constant[int],
                 TILE_R: ct.Constant[int], TILE_P: ct.Constant[int], HAS_POS: ct.Constant[bool],
-                COPY_REST: ct.Constant[bool], BACKWARD: ct.Constant[bool]):
+                COPY_REST: ct.Constant[bool], BACKWARD: ct.Constant[bool],
+                LATENCY: ct.Constant[int]):
     """Out of place: q_out, k_out = rope(q), rope(k). cos/sin (Bc, S', R) with Bc in {1, B}
     (a stride-0 batch dim when shared); pos (B, S) int32 rows of cos/sin when HAS_POS."""
     S = q.shape[2]
     for t in range(ct.bid(0), q.shape[0] * ct.cdiv(S, TILE_S), ct.num_blocks(0)):
         b, st, c1, c2, s1, s2 = _rows_at(t, S, cos, sin, pos, half, TILE_S, TILE_R, HAS_POS,
                                          BACKWARD)
-        _rotate(q, q_out, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, TILE_P, COPY_REST)
-        _rotate(k, k_out, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, TILE_P, COPY_REST)
+        _rotate(q, q_out, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, TILE_P, COPY_REST,
+                LATENCY)
+        _rotate(k, k_out, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, TILE_P, COPY_REST,
+                LATENCY)
 
 
 @ct.kernel
 def rope_inplace_kernel(q, k, cos, sin, pos, half: ct.Constant[int],
                         TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int],
                         TILE_S: ct.Constant[int], TILE_R: ct.Constant[int],
-                        HAS_POS: ct.Constant[bool], BACKWARD: ct.Constant[bool]):
+                        HAS_POS: ct.Constant[bool], BACKWARD: ct.Constant[bool],
+                        LATENCY: ct.Constant[int]):
     """In place: q, k = rope(q), rope(k) (each element is read before it is written, by the
     same CTA; pass-through dims are left alone)."""
     S = q.shape[2]
     for t in range(ct.bid(0), q.shape[0] * ct.cdiv(S, TILE_S), ct.num_blocks(0)):
         b, st, c1, c2, s1, s2 = _rows_at(t, S, cos, sin, pos, half, TILE_S, TILE_R, HAS_POS,
                                          BACKWARD)
-        _rotate(q, q, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, 1, False)
-        _rotate(k, k, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, 1, False)
+        _rotate(q, q, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, 1, False, LATENCY)
+        _rotate(k, k, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, 1, False, LATENCY)
 
 
 # ---------------------------------------------------------------------------------------------
-# Configs. rope_configs is the grid space (occupancy x one-CTA-per-tile or persistent), shared
-# with the fused RMSNorm+RoPE kernel. The RoPE kernels add positions per tile (TILE_S): one
-# position moves only Hq x D elements (8 KB at 32 x 128 bf16), which left the first GPU run at
-# 0.31x copy bandwidth (H200); several positions per tile put more bytes in flight per CTA.
-# Register limits from `cuobjdump -res-usage` of the sm_90 cubins (32 q heads, D 128): 1
-# position x occupancy 4 uses 125 registers; 2 positions x occupancy 4, 127; 4 positions
-# spill 152 B at occupancy 1-2 and 360 B at 4; occupancy 8 spills 56 B even at 1 position
-# (kept: it won the first search).
-
-def rope_configs(arch, heads, rot):
-    default = SimpleNamespace(occupancy=4, persistent=False)
-    yield default
-    for persistent in (False, True):
-        for occ in (1, 2, 4, 8, 16):
-            cfg = SimpleNamespace(occupancy=occ, persistent=persistent)
-            if cfg != default:
-                yield cfg
-
-
-MAX_TILE_ELEMS = 16384     # fp32 elements of one q tile (both halves)
-MAX_RESIDENT_ELEMS = 32768  # tile elements x occupancy: beyond this, sm_90 cubins spill 150+ B
-
+# Configs, from H200 measurements at B4 Hq32 Hkv8 S4096 D128 bf16 (copy ceiling 86.9 us;
+# assets/scripts/explore_rope.py; references/parameter-space-design.md):
+# - grid: a persistent grid (SMs x occupancy CTAs looping over positions) beat one CTA per
+#   position: 109.6 vs 184.7 us at occupancy 4; occupancy 2/8 persistent 165/130 us.
+# - ct.load's latency hint on the q/k loads: 104.0 us (latency 5) vs 109.6 (none) at occupancy
+#   4; 119.4 vs 165.2 at occupancy 2; 173.5 vs 276.8 at occupancy 1.
+# - positions per tile (TILE_S) never won at 32 x 128 (TILE_S 2: 141.7-144.8 us, 4: 182 us) but
+#   one position of few narrow heads (8 x 64 bf16 = 1 KB) is too little work per iteration: kept
+#   for those, bounded by registers (`cuobjdump -res-usage`, sm_90: 4 positions of 32 x 128
+#   spill 152-360 B).
 
 def rope_tile_configs(arch, heads, rot, has_pos=False):
-    """heads: q heads; rot: rotary width. Default first: one position per tile."""
-    yield SimpleNamespace(occupancy=4, persistent=False, tile_s=1)
-    for occ in (2, 8, 16):
-        yield SimpleNamespace(occupancy=occ, persistent=False, tile_s=1)
-    yield SimpleNamespace(occupancy=4, persistent=True, tile_s=1)
+    """heads: q heads; rot: rotary width. Default first: the best measured config."""
+    cfg = lambda occ, persistent, tile_s, lat: SimpleNamespace(
+        occupancy=occ, persistent=persistent, tile_s=tile_s, latency=lat)
+    yield cfg(4, True, 1, 5)
+    for occ, lat in ((4, 10), (4, 1), (2, 5), (2, 10), (8, 5), (8, 1)):
+        yield cfg(occ, True, 1, lat)
+    yield cfg(16, False, 1, 5)
     per_position = next_pow2(heads) * 2 * next_pow2(max(rot // 2, 1))
     for tile_s in (2, 4, 8, 16):
         elems = tile_s * per_position
         if has_pos or elems > MAX_TILE_ELEMS:
             break
         occs = [o for o in (1, 2, 4) if elems * o <= MAX_RESIDENT_ELEMS]
-        for occ in occs:
-            yield SimpleNamespace(occupancy=occ, persistent=False, tile_s=tile_s)
-        yield SimpleNamespace(occupancy=occs[-1], persistent=True, tile_s=tile_s)
+        for occ in occs[-2:]:
+            yield cfg(occ, True, tile_s, 5)
+        yield cfg(occs[-1], False, tile_s, 5)
 
 
-_rope = Autotuner("rope", rope_kernel, rope_tile_configs,
-                  default=SimpleNamespace(occupancy=4, persistent=False, tile_s=1))
+MAX_TILE_ELEMS = 16384     # fp32 elements of one q tile (both halves)
+MAX_RESIDENT_ELEMS = 32768  # tile elements x occupancy: beyond this, sm_90 cubins spill 150+ B
+DEFAULT = next(rope_tile_configs("sm_90", 32, 128))
+
+_rope = Autotuner("rope", rope_kernel, rope_tile_configs, default=DEFAULT)
 # In place: the search times the out-of-place twin with a scratch output (split buffers), so
 # q and k keep their values until the one in-place launch with the winning config.
 _rope_inplace = Autotuner("rope_inplace", rope_inplace_kernel, rope_tile_configs,
-                          default=SimpleNamespace(occupancy=4, persistent=False, tile_s=1),
-                          search_kernel=rope_kernel)
+                          default=DEFAULT, search_kernel=rope_kernel)
 TUNERS = (_rope, _rope_inplace)
 
 
@@ -196,7 +195,7 @@ def _launch(q, k, cos, sin, pos, q_out, k_out, rot, backward):
 
     def out_args(c, qo, ko):
         return (q, k, cos, sin, pos_arg, qo, ko, half, th, tk, c.tile_s, tr, tile_p, has_pos,
-                copy_rest, backward)
+                copy_rest, backward, c.latency)
 
     def search():
         if inplace:   # split buffers: one scratch allocation per miss, reused by every sample
@@ -209,7 +208,8 @@ def _launch(q, k, cos, sin, pos, q_out, k_out, rot, backward):
                       args_fn=args_fn, work=Work(bytes=nbytes))
     cfg, kernel = tuner.cache.get(key) or tuner.tune(key, q, search())
     if inplace:
-        args = (q, k, cos, sin, pos_arg, half, th, tk, cfg.tile_s, tr, has_pos, backward)
+        args = (q, k, cos, sin, pos_arg, half, th, tk, cfg.tile_s, tr, has_pos, backward,
+                cfg.latency)
     else:
         args = out_args(cfg, q_out, k_out)
     ct.launch(current_stream(dev), grid(cfg), kernel, args)
@@ -381,19 +381,19 @@ def aot_cases():
     def shared(dt, B, S, R):         # cos/sin expanded over the batch (stride 0)
         return jit_array(dt, (B, S, R), (0, R, 1))
 
-    def out_params(dt, cdt, B, Hq, Hk, S, D, R, has_pos, backward, tile_s=1):
+    def out_params(dt, cdt, B, Hq, Hk, S, D, R, has_pos, backward, cfg):
         q, k = hf_view(dt, B, Hq, S, D), hf_view(dt, B, Hk, S, D)
         c = shared(cdt, B, S, R)
         pos = jit_array(torch.int32, (B, S), (0, 1)) if has_pos else c
         return [q, k, c, c, pos, hf_view(dt, B, Hq, S, D), hf_view(dt, B, Hk, S, D), R // 2,
-                next_pow2(Hq), next_pow2(Hk), tile_s, next_pow2(R // 2), next_pow2(max(D - R, 1)),
-                has_pos, R < D, backward]
+                next_pow2(Hq), next_pow2(Hk), cfg.tile_s, next_pow2(R // 2),
+                next_pow2(max(D - R, 1)), has_pos, R < D, backward, cfg.latency]
 
     B, S = 4, 4096
     for cfg in rope_tile_configs("sm_90", 32, 128):
-        p = out_params(torch.bfloat16, torch.bfloat16, B, 32, 8, S, 128, 128, False, False, cfg.tile_s)
+        p = out_params(torch.bfloat16, torch.bfloat16, B, 32, 8, S, 128, 128, False, False, cfg)
         yield CompileCase("rope", _rope.build(cfg), p, f"rope 32/8 D128 bf16 {vars(cfg)}")
-        yield CompileCase("rope", _rope_inplace.build(cfg), p[:5] + p[7:12] + [p[13], p[15]],
+        yield CompileCase("rope", _rope_inplace.build(cfg), p[:5] + p[7:12] + [p[13], p[15], p[16]],
                           f"rope_inplace 32/8 D128 bf16 {vars(cfg)}")
     cfg = next(rope_tile_configs("sm_90", 32, 128))
     wide = list(rope_tile_configs("sm_90", 8, 64))[-1]       # largest TILE_S, ragged S
@@ -401,9 +401,9 @@ def aot_cases():
                 ("f32 8/1 D64 backward", cfg, (torch.float32, torch.float32, 1, 8, 1, 17, 64, 64, False, True)),
                 ("bf16 32/8 D128 pos backward", cfg, (torch.bfloat16, torch.bfloat16, B, 32, 8, S, 128, 128, True, True)),
                 ("bf16 8/1 D80 R40 S423 widest tile", wide,
-                 (torch.bfloat16, torch.bfloat16, 2, 8, 1, 423, 80, 40, False, False, wide.tile_s))]
+                 (torch.bfloat16, torch.bfloat16, 2, 8, 1, 423, 80, 40, False, False))]
     for label, c, args in variants:
-        yield CompileCase("rope", _rope.build(c), out_params(*args), f"rope {label} {vars(c)}")
+        yield CompileCase("rope", _rope.build(c), out_params(*args, c), f"rope {label} {vars(c)}")
 
 
 # ---------------------------------------------------------------------------------------------

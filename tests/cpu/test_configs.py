@@ -9,6 +9,7 @@ import torch
 from tiletune.autotune import MAX_CONFIGS, default_hints
 from tiletune.ops import matmul as MM
 from tiletune.ops import rms_norm as RN
+from tiletune.ops import rms_norm_rope as RNR
 from tiletune.ops import rope as RP
 
 ARCHS = ("sm_90", "sm_100", "sm_120", "sm_80")
@@ -26,7 +27,7 @@ def spaces():
         for m, n, k in ((1, 4096, 4096), (256, 4096, 4096), (4096, 14336, 4096), (1000, 1999, 777)):
             yield f"matmul {arch} {m}x{n}x{k}", list(MM.matmul_configs(arch, m, n, k))
         for heads, rot in itertools.product((2, 40, 160), (32, 64, 128)):
-            yield f"rope {arch} H={heads} R={rot}", list(RP.rope_configs(arch, heads, rot))
+            yield f"rms_norm_rope {arch} H={heads} R={rot}", list(RNR.fused_configs(arch, heads, rot))
         for heads, rot, pos in itertools.product((1, 8, 32, 64), (32, 128, 256), (False, True)):
             yield (f"rope_tiles {arch} H={heads} R={rot} pos={pos}",
                    list(RP.rope_tile_configs(arch, heads, rot, pos)))

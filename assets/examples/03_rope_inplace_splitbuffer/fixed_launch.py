@@ -1,4 +1,5 @@
-"""Before: the in-place RoPE kernel launched with a hard-coded occupancy (no tuning)."""
+"""Before: the in-place RoPE kernel launched with hard-coded choices (no tuning): one CTA per
+position, occupancy 4, no latency hint to speak of (1)."""
 import cuda.tile as ct
 import torch
 
@@ -14,7 +15,9 @@ cos = torch.cat((ang.cos(), ang.cos()), -1).to(torch.bfloat16)[None].expand(B, S
 sin = torch.cat((ang.sin(), ang.sin()), -1).to(torch.bfloat16)[None].expand(B, S, D)
 
 kernel = rope_inplace_kernel.replace_hints(occupancy=4)      # fixed choice
-args = (q, k, cos, sin, cos, D // 2, HQ, HK, D // 2, False, False)
+# q, k, cos, sin, (unused) position ids, half, TILE_HQ, TILE_HK, TILE_S, TILE_R, HAS_POS, BACKWARD,
+# LATENCY
+args = (q, k, cos, sin, cos, D // 2, HQ, HK, 1, D // 2, False, False, 1)
 
 
 def run():
