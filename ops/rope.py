@@ -126,8 +126,10 @@ def rope_inplace_kernel(q, k, cos, sin, pos, half: ct.Constant[int],
 # assets/scripts/explore_rope.py; references/parameter-space-design.md):
 # - grid: a persistent grid (SMs x occupancy CTAs looping over positions) beat one CTA per
 #   position: 109.6 vs 184.7 us at occupancy 4; occupancy 2/8 persistent 165/130 us.
-# - ct.load's latency hint on the q/k loads: 104.0 us (latency 5) vs 109.6 (none) at occupancy
-#   4; 119.4 vs 165.2 at occupancy 2; 173.5 vs 276.8 at occupancy 1.
+# - ct.load's latency hint on the q/k loads (in this kernel, which loads q, stores q, then loads
+#   k): at occupancy 4, 104.8 us with latency 1, 115.3 with 5, 116.0 with 10 (the search in the
+#   bench); at occupancy 2, 118.8 with latency 5 vs 165.2 without, 167.4 with 10. (A variant that
+#   loads q and k before any store measured 104.0 with latency 5 or 10, 109.2 without: no better.)
 # - positions per tile (TILE_S) never won at 32 x 128 (TILE_S 2: 141.7-144.8 us, 4: 182 us) but
 #   one position of few narrow heads (8 x 64 bf16 = 1 KB) is too little work per iteration: kept
 #   for those, bounded by registers (`cuobjdump -res-usage`, sm_90: 4 positions of 32 x 128
@@ -137,8 +139,8 @@ def rope_tile_configs(arch, heads, rot, has_pos=False):
     """heads: q heads; rot: rotary width. Default first: the best measured config."""
     cfg = lambda occ, persistent, tile_s, lat: SimpleNamespace(
         occupancy=occ, persistent=persistent, tile_s=tile_s, latency=lat)
-    yield cfg(4, True, 1, 5)
-    for occ, lat in ((4, 10), (4, 1), (2, 5), (2, 10), (8, 5), (8, 1)):
+    yield cfg(4, True, 1, 1)
+    for occ, lat in ((4, 5), (4, 10), (2, 5), (8, 1), (8, 5)):
         yield cfg(occ, True, 1, lat)
     yield cfg(16, False, 1, 5)
     per_position = next_pow2(heads) * 2 * next_pow2(max(rot // 2, 1))

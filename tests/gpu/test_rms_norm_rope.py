@@ -1,4 +1,5 @@
 """Fused per-head RMSNorm + RoPE against a float64 reference (norm, then HF rotate_half)."""
+import cuda.tile.tune
 import pytest
 import torch
 
@@ -14,10 +15,19 @@ def reference(q, k, wq, wk, cos, sin, pos, R_, eps):
     return rope_reference(norm(q, wq), norm(k, wk), cos, sin, pos, R_)
 
 
-@pytest.mark.parametrize("case", [(2, 32, 8, 123, 128, 128, False), (3, 7, 1, 51, 80, 40, True)],
-                         ids=str)
-@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16], ids=str)
-def test_forward_backward(fresh, case, dt):
+CASES = [(2, 32, 8, 123, 128, 128, False), (3, 7, 1, 51, 80, 40, True)]
+# Each case x dtype with the default config; tuned (forward and backward searches of 10 configs,
+# 40-100 s of compiling on the GPU machine) on the small case.
+RUNS = ([(c, dt, True) for c in CASES for dt in (torch.float32, torch.bfloat16)] +
+        [(CASES[1], torch.float32, False)])
+
+
+@pytest.mark.parametrize("case,dt,disable", RUNS,
+                         ids=[f"{c}-{dt}-{'DISABLE_AUTOTUNE' if d else 'tuned'}" for c, dt, d in RUNS])
+def test_forward_backward(fresh, monkeypatch, case, dt, disable):
+    if disable:
+        monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+        monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", lambda *a, **k: pytest.fail("search"))
     B, Hq, Hk, S, D, R_, with_pos = case
     q, k, cos, sin = make(B, Hq, Hk, S, D, R_, dt, rows=S + 3)
     wq = torch.rand(D, device="cuda", dtype=dt) + 0.5
