@@ -297,6 +297,8 @@ class Autotuner:
             log.info("tuned %s %s in %.2fs: %s %.2f us %s (%d configs, %d failed)", self.name,
                      key, record.search_s, record.config, record.best_us or 0.0, rate,
                      len(record.timings), len(record.failures))
+            for f in record.failures:      # why a config failed matters as much as the winner
+                log.info("  %s failed: %s: %s", f["config"], f["error"], str(f["message"])[:300])
         else:
             log.info("%s %s: %s config %s", self.name, key, record.source, record.config)
         return entry

@@ -1,5 +1,6 @@
 """The engine's own logic, driven through its real code; a stand-in replaces only the GPU search."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -190,12 +191,14 @@ def test_all_configs_failing_raises_with_every_error(env, monkeypatch):
     assert all(f"boom {o}" in str(e.value) for o in (1, 2, 4))
 
 
-def test_partial_failures_are_recorded(env):
+def test_partial_failures_are_recorded_and_logged(env, caplog):
     env.fake.fail = {4}
     t = env.make()
-    resolve(t, ("k",))
+    with caplog.at_level(logging.INFO, logger="tiletune"):
+        resolve(t, ("k",))
     rec = t.records[("k",)]
     assert [f["config"]["occupancy"] for f in rec.failures] == [4] and len(rec.timings) == 2
+    assert any("failed" in r.getMessage() and "boom 4" in r.getMessage() for r in caplog.records)
 
 
 def test_eight_threads_on_a_cold_key_search_once(env):
