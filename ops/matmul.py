@@ -249,9 +249,8 @@ def bench_cases():
         b = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16).t() if b_t
              else torch.randn(K, N, device="cuda", dtype=torch.bfloat16))
         peers = {"cublas": lambda a=a, b=b: torch.matmul(a, b)}
-        if tg is not None:     # TileGym takes B^T as the (N, K) tensor plus trans_b
-            peers["tilegym"] = (lambda a=a, b=b: tg(a, b.t(), trans_b=True)) if b_t else \
-                (lambda a=a, b=b: tg(a, b))
+        if tg is not None:     # TileGym refuses trans_b: it gets B copied to row-major, untimed
+            peers["tilegym"] = lambda a=a, b=b.contiguous(): tg(a, b)
         cases.append(BenchCase("matmul", f"{M}x{N}x{K}{' B^T' if b_t else ''} bf16", "fwd",
                                lambda a=a, b=b: matmul(a, b), peers, flops=2.0 * M * N * K))
     return cases
