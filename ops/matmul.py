@@ -17,7 +17,8 @@ ZERO = ct.PaddingMode.ZERO
 
 # ---------------------------------------------------------------------------------------------
 # Kernel: one CTA per (TM, TN) output tile, grouped tile order (GROUP_M row tiles share the B
-# columns they read while those are in L2), K loop with zero padding for ragged K.
+# columns they read while those are in L2), K loop with zero padding for ragged K. The two
+# helpers (tile order, mainloop) are what grouped and FP8 GEMM kernels reuse.
 
 def tile_coords(tile, num_m, num_n, GROUP_M):
     """Grouped ("swizzled") order of output tiles: walk GROUP_M row tiles down a column band."""
@@ -29,6 +30,16 @@ def tile_coords(tile, num_m, num_n, GROUP_M):
     return first_m + within % rows, within // rows
 
 
+def mainloop(a, b, z, m, n, acc, TM, TN, TK):
+    """acc + a[z, m-tile, :] @ b[z, :, n-tile] in float32 (ct.mma: wgmma on sm_90). a (Z, M, K),
+    b (Z, K, N), any strides; K need not be a multiple of TK (zero padding)."""
+    for kk in range(ct.cdiv(a.shape[2], TK)):
+        at = ct.reshape(ct.load(a, (z, m, kk), (1, TM, TK), padding_mode=ZERO), (TM, TK))
+        bt = ct.reshape(ct.load(b, (z, kk, n), (1, TK, TN), padding_mode=ZERO), (TK, TN))
+        acc = ct.mma(at, bt, acc)
+    return acc
+
+
 @ct.kernel
 def matmul_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Constant[int],
                   GROUP_M: ct.Constant[int]):
@@ -37,11 +48,7 @@ def matmul_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Co
     num_m = ct.cdiv(a.shape[1], TM)
     num_n = ct.cdiv(b.shape[2], TN)
     m, n = tile_coords(ct.bid(0), num_m, num_n, GROUP_M)
-    acc = ct.zeros((TM, TN), ct.float32)
-    for kk in range(ct.cdiv(a.shape[2], TK)):
-        at = ct.reshape(ct.load(a, (z, m, kk), (1, TM, TK), padding_mode=ZERO), (TM, TK))
-        bt = ct.reshape(ct.load(b, (z, kk, n), (1, TK, TN), padding_mode=ZERO), (TK, TN))
-        acc = ct.mma(at, bt, acc)
+    acc = mainloop(a, b, z, m, n, ct.zeros((TM, TN), ct.float32), TM, TN, TK)
     ct.store(c, (z, m, n), ct.reshape(acc.astype(c.dtype), (1, TM, TN)))
 
 
