@@ -9,8 +9,6 @@ Variants timed against the production winner and a contiguous copy of the same b
   - the production in-place kernel (Liger and TileGym rotate in place).
 Usage: python assets/scripts/explore_rope2.py
 """
-from types import SimpleNamespace
-
 import cuda.tile as ct
 import torch
 
