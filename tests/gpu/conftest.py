@@ -19,6 +19,13 @@ def fresh(monkeypatch, tmp_path):
     tiletune.clear_cache()
 
 
+def disable_autotune(monkeypatch):
+    """DISABLE_AUTOTUNE=1 for one test, and any search at all fails it."""
+    import cuda.tile.tune
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", lambda *a, **k: pytest.fail("search"))
+
+
 def poison_allocator(torch):
     """Fill freed blocks of the caching allocator with NaN so unwritten outputs show up."""
     free = torch.cuda.mem_get_info()[0]

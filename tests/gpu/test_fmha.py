@@ -4,14 +4,13 @@ reason; a CPU emulation of the kernels' tile loops with the same casts gave rela
 ~2.5e-3 (bf16) and ~3e-4 (fp16) on such cases)."""
 import math
 
-import cuda.tile.tune
 import pytest
 import torch
 
 from tiletune.ops import fmha as FM
 from tiletune.ops.fmha import fmha, scaled_dot_product_attention
 
-from .conftest import poison_allocator
+from .conftest import disable_autotune, poison_allocator
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}     # relative Frobenius error
 
@@ -95,8 +94,7 @@ TUNED = {(1, 16, 2, 1000, 4097, 128, True, torch.bfloat16),
 @pytest.mark.parametrize("disable", [False, True], ids=["tuned", "DISABLE_AUTOTUNE"])
 def test_forward_backward(fresh, monkeypatch, case, disable):
     if disable:
-        monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
-        monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", lambda *a, **k: pytest.fail("search"))
+        disable_autotune(monkeypatch)
     elif case not in TUNED:
         pytest.skip("tuned only for the TUNED cases (every search compiles the whole space)")
     B, hq, hkv, sq, sk, d, causal, dt = case

@@ -1,11 +1,11 @@
-"""matmul on the GPU against a float32 reference on random data (written before its first GPU
-run: expect to adjust tolerances only with a measured reason)."""
-import cuda.tile.tune
+"""matmul on the GPU against a float32 reference on random data."""
 import pytest
 import torch
 
 from tiletune.ops import matmul as MM
 from tiletune.ops.matmul import matmul
+
+from .conftest import disable_autotune
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}     # relative Frobenius error
 
@@ -33,8 +33,7 @@ SHAPES = [(1000, 1999, 777), (1, 4096, 4096), (4097, 33, 4095), (256, 256, 256),
 @pytest.mark.parametrize("disable", [False, True], ids=["tuned", "DISABLE_AUTOTUNE"])
 def test_layouts_and_odd_sizes(fresh, monkeypatch, shape, ta, tb, dt, disable):
     if disable:
-        monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
-        monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", lambda *a, **k: pytest.fail("search"))
+        disable_autotune(monkeypatch)
     elif shape != (1000, 1999, 777) or dt != torch.bfloat16:
         monkeypatch.setenv("DISABLE_AUTOTUNE", "1")   # one tuned case per layout keeps this quick
     M, N, K = shape

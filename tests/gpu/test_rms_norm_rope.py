@@ -1,10 +1,10 @@
 """Fused per-head RMSNorm + RoPE against a float64 reference (norm, then HF rotate_half)."""
-import cuda.tile.tune
 import pytest
 import torch
 
 from tiletune.ops.rms_norm_rope import rms_norm_rope
 
+from .conftest import disable_autotune
 from .test_rope import TOL, make, reference as rope_reference, rel
 
 
@@ -26,8 +26,7 @@ RUNS = ([(c, dt, True) for c in CASES for dt in (torch.float32, torch.bfloat16)]
                          ids=[f"{c}-{dt}-{'DISABLE_AUTOTUNE' if d else 'tuned'}" for c, dt, d in RUNS])
 def test_forward_backward(fresh, monkeypatch, case, dt, disable):
     if disable:
-        monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
-        monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", lambda *a, **k: pytest.fail("search"))
+        disable_autotune(monkeypatch)
     B, Hq, Hk, S, D, R_, with_pos = case
     q, k, cos, sin = make(B, Hq, Hk, S, D, R_, dt, rows=S + 3)
     wq = torch.rand(D, device="cuda", dtype=dt) + 0.5

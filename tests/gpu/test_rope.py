@@ -8,7 +8,7 @@ import tiletune
 from tiletune.ops import rope as R
 from tiletune.ops.rope import apply_rope, apply_rotary_pos_emb
 
-from .conftest import run_example_pair
+from .conftest import disable_autotune, run_example_pair
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -67,8 +67,7 @@ RUNS = ([(c, dt, True) for c in CASES for dt in DTYPES] +
                          ids=[f"{c}-{dt}-{'DISABLE_AUTOTUNE' if d else 'tuned'}" for c, dt, d in RUNS])
 def test_forward_backward(fresh, monkeypatch, case, dt, disable):
     if disable:
-        monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
-        monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", lambda *a, **k: pytest.fail("search"))
+        disable_autotune(monkeypatch)
     B, Hq, Hk, S, D, R_, with_pos, batched = case
     q, k, cos, sin = make(B, Hq, Hk, S, D, R_, dt, batched, rows=S + 5)
     pos = torch.randint(0, S + 5, (1, S), device="cuda") if with_pos else None
