@@ -104,6 +104,11 @@ def matmul_configs(arch, m, n, k):
     # three do not). Single CTAs only: a cluster grid must be a cluster multiple.
     for tm, tn, occ in ((128, 128, 1), (128, 64, 2), (64, 64, 2)):
         yield cfg(tm, tn, 64, occ, persistent=True)
+    # Skinny M: the 64x64 winner at M <= 128 runs N/64 CTAs (64 at N = 4096) on 132 SMs;
+    # 64x32 tiles fill them (not measured yet). M is bucketed to powers of two: same list per key.
+    if m <= 128:
+        for tk, occ in ((64, 2), (64, 4), (128, 2)):
+            yield cfg(64, 32, tk, occ)
 
 
 def kernel_for(cfg):
@@ -248,6 +253,10 @@ def aot_cases():
         for cfg in matmul_configs(a_, 4096, 4096, 4096):
             yield CompileCase("matmul", _matmul.build(cfg), params(cfg, bf, 1, 4096, 4096, 4096),
                               f"matmul {a_} space 4096^3 bf16 {vars(cfg)}")
+        for cfg in matmul_configs(a_, 16, 4096, 4096):
+            if cfg.tn == 32:           # the skinny-only configs
+                yield CompileCase("matmul", _matmul.build(cfg), params(cfg, bf, 1, 16, 4096, 4096),
+                                  f"matmul {a_} skinny 16x4096x4096 bf16 {vars(cfg)}")
     cfg = next(matmul_configs("sm_90", 4096, 4096, 4096))
     for label, args in [("A^T", (bf, 1, 4096, 4096, 4096, True, False)),
                         ("B^T", (bf, 1, 4096, 4096, 4096, False, True)),
