@@ -15,6 +15,8 @@ grep "^{" "$OUT/bench_rope_inplace.log" | cut -c1-600
 # 2. tests not yet run on the GPU: every matmul config on a ragged batched problem
 timeout -s INT 150 python3 -m pytest -q -rf tests/gpu/test_matmul.py -k "every_config" \
    -p no:cacheprovider >"$OUT/t_mm_every.log" 2>&1; tail -3 "$OUT/t_mm_every.log"
+timeout -s INT 240 python3 -m pytest -q -rf tests/gpu/test_fmha.py -k "every_config" \
+   -p no:cacheprovider --durations=3 >"$OUT/t_fmha_every.log" 2>&1; tail -5 "$OUT/t_fmha_every.log"
 # 3. the missing FMHA row (Sq != Sk fwd+bwd), failure messages now logged
 TILETUNE_LOG=1 timeout -s INT 150 python3 -m tiletune bench fmha --skip-peer tilegym \
    --match "Sq1024 Sk4096 D128 bf16 causal fwd+bwd" --json "$OUT/bench_fmha.json" \
