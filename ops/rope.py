@@ -452,4 +452,12 @@ def bench_cases():
             {name: (lambda f=f: f(q, k, cos, sin)) for name, f in base.items()},
             bytes=2 * (q.numel() + k.numel()) * 2 + 2 * S * D * 2,
             ceiling=("copy", lambda: (q_out.copy_(qc), k_out.copy_(kc)))))
+        # In place, as Liger and TileGym rotate: the same peers, the same bytes.
+        qi, ki = q.clone(), k.clone()
+        cases.append(BenchCase(
+            "rope", f"B{B} Hq{Hq} Hkv{Hk} S{S} D{D} bf16", "fwd inplace",
+            lambda: apply_rope(qi, ki, cos, sin, inplace=True),
+            {name: (lambda f=f: f(q, k, cos, sin)) for name, f in base.items()},
+            bytes=2 * (q.numel() + k.numel()) * 2 + 2 * S * D * 2,
+            ceiling=("copy", lambda: (q_out.copy_(qc), k_out.copy_(kc)))))
     return cases

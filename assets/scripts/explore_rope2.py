@@ -7,6 +7,11 @@ Variants timed against the production winner and a contiguous copy of the same b
     fits occupancy 8 without the 56 B spill of 32-head tiles;
   - software prefetch: the next position's q/k loaded before this position's stores;
   - the production in-place kernel (Liger and TileGym rotate in place).
+Registers / spill (sm_90 `cuobjdump -res-usage`, this shape, latency 1): production kernel at
+occupancy 4: 128 regs, no spill (the whole register file); 8 warps at occupancy 2: 90, none;
+8 warps at occupancy 4: 64 + 40 B spill; occupancy 8: 64 + 144 B. Head-split 16 at occupancy 4:
+106, none; at 8: 64 + 104 B; head-split 8 at occupancy 8: 64, none. Prefetch at occupancy 2: 160,
+none; at 4: 128 + 128 B. The spilling ones stay in as controls.
 Usage: python assets/scripts/explore_rope2.py
 """
 import cuda.tile as ct
@@ -115,14 +120,14 @@ def main():
             return (q, k, cos, sin, cos, qo, ko, D // 2, Hq, Hk, 1, D // 2, 1, False, False, False, lat)
         return (q2, k2, cos, sin, cos, D // 2, Hq, Hk, 1, D // 2, False, False, lat)
 
-    for occ, warps, lat in ((4, None, 1), (4, 8, 1), (4, 8, 5), (2, 8, 1), (2, 8, 5), (8, 8, 1)):
+    for occ, warps, lat in ((4, None, 1), (2, 8, 1), (2, 8, 5), (4, 8, 1)):
         hints = dict(occupancy=occ) | ({} if warps is None else dict(num_worker_warps=warps))
         run(f"prod occ{occ} warps{warps} lat{lat}", R.rope_kernel, prod_args(lat),
             min(B * S, sms * occ), **hints)
-    for th, occ, lat in ((16, 4, 1), (16, 8, 1), (16, 8, 5), (8, 8, 1)):
+    for th, occ, lat in ((16, 4, 1), (8, 8, 1), (8, 8, 5), (16, 8, 1)):
         run(f"head-split {th} occ{occ} lat{lat}", rope_head_split,
             (q, k, cos, sin, qo, ko, D // 2, th, Hk, D // 2, lat), min(B * S, sms * occ), occupancy=occ)
-    for occ, lat in ((2, 1), (4, 1), (4, 5)):
+    for occ, lat in ((2, 1), (2, 5), (4, 1)):
         run(f"prefetch occ{occ} lat{lat}", rope_prefetch,
             (q, k, cos, sin, qo, ko, D // 2, Hq, Hk, D // 2, lat), min(B * S, sms * occ), occupancy=occ)
     run("prod in-place occ4 lat1", R.rope_inplace_kernel, prod_args(1, out=False), min(B * S, sms * 4),

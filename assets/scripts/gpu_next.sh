@@ -8,9 +8,15 @@ export TILETUNE_CACHE_DIR=/tmp/store PYTHONFAULTHANDLER=1 CUDA_TILE_COMPILER_TIM
 # 1. timing-sensitive first, alone on the GPU
 timeout -s INT 120 python3 assets/scripts/explore_rope2.py >"$OUT/explore_rope2.log" 2>&1
 tail -8 "$OUT/explore_rope2.log"
+# 1b. RoPE in place against the same peers (TileGym and Liger rotate in place)
+TILETUNE_LOG=1 timeout -s INT 100 python3 -m tiletune bench rope --match inplace \
+   --json "$OUT/bench_rope_inplace.json" >"$OUT/bench_rope_inplace.log" 2>&1
+grep "^{" "$OUT/bench_rope_inplace.log" | cut -c1-600
 # 2. tests not yet run on the GPU: every matmul config on a ragged batched problem
 timeout -s INT 150 python3 -m pytest -q -rf tests/gpu/test_matmul.py -k "every_config" \
    -p no:cacheprovider >"$OUT/t_mm_every.log" 2>&1; tail -3 "$OUT/t_mm_every.log"
+timeout -s INT 240 python3 -m pytest -q -rf tests/gpu/test_fmha.py -k "every_config" \
+   -p no:cacheprovider --durations=3 >"$OUT/t_fmha_every.log" 2>&1; tail -5 "$OUT/t_fmha_every.log"
 # 3. the missing FMHA row (Sq != Sk fwd+bwd), failure messages now logged
 TILETUNE_LOG=1 timeout -s INT 150 python3 -m tiletune bench fmha --skip-peer tilegym \
    --match "Sq1024 Sk4096 D128 bf16 causal fwd+bwd" --json "$OUT/bench_fmha.json" \

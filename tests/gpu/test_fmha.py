@@ -1,7 +1,6 @@
 """FMHA forward and backward on the GPU against a float64 reference of masked softmax attention on
-random data (written before its first GPU run: expect to adjust tolerances only with a measured
-reason; a CPU emulation of the kernels' tile loops with the same casts gave relative errors of
-~2.5e-3 (bf16) and ~3e-4 (fp16) on such cases)."""
+random data (tolerances: a CPU emulation of the kernels' tile loops with the same casts gave
+relative errors of ~2.5e-3 (bf16) and ~3e-4 (fp16) on such cases)."""
 import math
 
 import pytest
@@ -110,6 +109,22 @@ def test_forward_backward(fresh, monkeypatch, case, disable):
     else:
         assert all(t.searches == 1 for t in FM.TUNERS)
         assert all(r.source == "search" for t in FM.TUNERS for r in t.records.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tuner", ["fmha_fwd", "fmha_bwd_dq", "fmha_bwd_dkdv"])
+def test_every_config_is_correct(fresh, monkeypatch, tuner):
+    """Each sm_90 config of one kernel (the other two on their defaults), not only the ones
+    searches picked: GQA 2:1, causal bottom-right with Sq < Sk, ragged lengths, D 128."""
+    import tiletune
+    t = next(x for x in FM.TUNERS if x.name == tuner)
+    space = list(t.configs("sm_90", 128, 200, 333))
+    disable_autotune(monkeypatch)             # the "default" below is each config in turn
+    q, k, v = make(1, 4, 2, 200, 333, 128, torch.bfloat16)
+    for cfg in space:
+        monkeypatch.setattr(t, "configs", lambda *a, _c=cfg, **kw: iter([_c]))
+        tiletune.clear_cache()
+        check(q, k, v, True)
 
 
 def test_second_call_does_not_search(fresh):
