@@ -98,9 +98,13 @@ def variant_runner(stream, outputs, refs, copy_us, results):
     return run
 
 
-def main():
-    B, Hq, Hk, S, D = 4, 32, 8, 4096, 128
-    q, k, cos, sin = R.bench_inputs(B, Hq, Hk, S, D, torch.bfloat16)
+B, HQ, HK, S, D = 4, 32, 8, 4096, 128    # the headline shape
+
+
+def headline_setup():
+    """Inputs, HF-layout outputs, the reference result, the copy ceiling and a variant runner
+    for the headline shape. Returns (q, k, cos, sin, qo, ko, run, results)."""
+    q, k, cos, sin = R.bench_inputs(B, HQ, HK, S, D, torch.bfloat16)
     qo, ko = torch.empty_like(q), torch.empty_like(k)          # HF-layout outputs, like apply_rope
     qc, kc = q.contiguous(), k.contiguous()
     qd, kd = torch.empty_like(qc), torch.empty_like(kc)
@@ -108,11 +112,16 @@ def main():
     nbytes = 2 * (q.numel() + k.numel()) * 2 + 2 * S * D * 2
     copy = time_us(lambda: (qd.copy_(qc), kd.copy_(kc)))       # contiguous copy: the ceiling
     print(f"copy {copy:.1f} us  ({nbytes / copy / 1e3:.0f} GB/s)", flush=True)
-    sms = sm_count(0)
     results = []
     run = variant_runner(torch.cuda.current_stream().cuda_stream, (qo, ko), (ref_q, ref_k), copy,
                          results)
+    return q, k, cos, sin, qo, ko, run, results
 
+
+def main():
+    q, k, cos, sin, qo, ko, run, results = headline_setup()
+    Hq, Hk = HQ, HK
+    sms = sm_count(0)
     grids = [(occ, True) for occ in (1, 2, 4, 8)] + [(occ, False) for occ in (4, 8, 16)]
     for (occ, persistent), ts in itertools.product(grids, (1, 2)):
         positions = B * -(-S // ts)

@@ -15,10 +15,8 @@ none; at 4: 128 + 128 B. The spilling ones stay in as controls.
 Usage: python assets/scripts/explore_rope2.py
 """
 import cuda.tile as ct
-import torch
 
-from explore_rope import variant_runner    # this folder is on sys.path when run as a script
-from tiletune.bench import time_us
+from explore_rope import B as BATCH, D as HEAD_DIM, HQ, HK, S as SEQ, headline_setup  # same folder
 from tiletune.device import sm_count
 from tiletune.ops import rope as R
 
@@ -81,19 +79,10 @@ def rope_prefetch(q, k, cos, sin, q_out, k_out, half: ct.Constant[int], TH: ct.C
 
 
 def main():
-    B, Hq, Hk, S, D = 4, 32, 8, 4096, 128
-    q, k, cos, sin = R.bench_inputs(B, Hq, Hk, S, D, torch.bfloat16)
-    qo, ko = torch.empty_like(q), torch.empty_like(k)          # HF-layout outputs, like apply_rope
-    qc, kc = q.contiguous(), k.contiguous()
-    qd, kd = torch.empty_like(qc), torch.empty_like(kc)
+    q, k, cos, sin, qo, ko, run, results = headline_setup()
+    B, Hq, Hk, S, D = BATCH, HQ, HK, SEQ, HEAD_DIM
     q2, k2 = q.clone(), k.clone()                              # in-place target (HF strides kept)
-    ref_q, ref_k = R.apply_rope(q, k, cos, sin)
-    copy = time_us(lambda: (qd.copy_(qc), kd.copy_(kc)))       # contiguous copy: the ceiling
-    print(f"copy {copy:.1f} us", flush=True)
     sms = sm_count(0)
-    results = []
-    run = variant_runner(torch.cuda.current_stream().cuda_stream, (qo, ko), (ref_q, ref_k), copy,
-                         results)
 
     def prod_args(lat, out=True):
         if out:
