@@ -422,16 +422,23 @@ def hf_apply_rotary_pos_emb(q, k, cos, sin):
     return q * cos + _hf_rotate_half(q) * sin, k * cos + _hf_rotate_half(k) * sin
 
 
+def bench_inputs(B, Hq, Hk, S, D, dt):
+    """Random q, k as HF passes them ((B, S, H, D) storage seen as (B, H, S, D)) and cos/sin
+    (B, S, D) shared over the batch (stride 0), on the GPU: the bench's and the exploration
+    scripts' inputs."""
+    q = torch.randn(B, S, Hq, D, device="cuda", dtype=dt).transpose(1, 2)
+    k = torch.randn(B, S, Hk, D, device="cuda", dtype=dt).transpose(1, 2)
+    ang = torch.rand(S, D // 2, device="cuda") * 6.28
+    cos = torch.cat((ang.cos(), ang.cos()), -1)[None].expand(B, S, D).to(dt)
+    sin = torch.cat((ang.sin(), ang.sin()), -1)[None].expand(B, S, D).to(dt)
+    return q, k, cos, sin
+
+
 def bench_cases():
     from tiletune.bench import BenchCase
     cases = []
     for B, Hq, Hk, S, D in ((4, 32, 8, 4096, 128),):
-        dt = torch.bfloat16
-        q = torch.randn(B, S, Hq, D, device="cuda", dtype=dt).transpose(1, 2)
-        k = torch.randn(B, S, Hk, D, device="cuda", dtype=dt).transpose(1, 2)
-        ang = torch.rand(S, D // 2, device="cuda") * 6.28
-        cos = torch.cat((ang.cos(), ang.cos()), -1)[None].expand(B, S, D).to(dt)
-        sin = torch.cat((ang.sin(), ang.sin()), -1)[None].expand(B, S, D).to(dt)
+        q, k, cos, sin = bench_inputs(B, Hq, Hk, S, D, torch.bfloat16)
         base = {"torch": hf_apply_rotary_pos_emb,
                 "torch_compile": torch.compile(hf_apply_rotary_pos_emb)}
         try:

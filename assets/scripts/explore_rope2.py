@@ -15,9 +15,8 @@ none; at 4: 128 + 128 B. The spilling ones stay in as controls.
 Usage: python assets/scripts/explore_rope2.py
 """
 import cuda.tile as ct
-import torch
 
-from tiletune.bench import time_us
+from explore_rope import B as BATCH, D as HEAD_DIM, HQ, HK, S as SEQ, headline_setup  # same folder
 from tiletune.device import sm_count
 from tiletune.ops import rope as R
 
@@ -80,40 +79,10 @@ def rope_prefetch(q, k, cos, sin, q_out, k_out, half: ct.Constant[int], TH: ct.C
 
 
 def main():
-    B, Hq, Hk, S, D = 4, 32, 8, 4096, 128
-    dt = torch.bfloat16
-    q = torch.randn(B, S, Hq, D, device="cuda", dtype=dt).transpose(1, 2)
-    k = torch.randn(B, S, Hk, D, device="cuda", dtype=dt).transpose(1, 2)
-    ang = torch.rand(S, D // 2, device="cuda") * 6.28
-    cos = torch.cat((ang.cos(), ang.cos()), -1)[None].expand(B, S, D).to(dt)
-    sin = torch.cat((ang.sin(), ang.sin()), -1)[None].expand(B, S, D).to(dt)
-    qo, ko = torch.empty_like(q), torch.empty_like(k)          # HF-layout outputs, like apply_rope
-    qc, kc = q.contiguous(), k.contiguous()
-    qd, kd = torch.empty_like(qc), torch.empty_like(kc)
+    q, k, cos, sin, qo, ko, run, results = headline_setup()
+    B, Hq, Hk, S, D = BATCH, HQ, HK, SEQ, HEAD_DIM
     q2, k2 = q.clone(), k.clone()                              # in-place target (HF strides kept)
-    ref_q, ref_k = R.apply_rope(q, k, cos, sin)
-    copy = time_us(lambda: (qd.copy_(qc), kd.copy_(kc)))       # contiguous copy: the ceiling
-    print(f"copy {copy:.1f} us", flush=True)
-    stream = torch.cuda.current_stream().cuda_stream
     sms = sm_count(0)
-    results = []
-
-    def run(label, kernel, args, grid, check=True, **hints):
-        kern = kernel.replace_hints(**hints)
-        fn = lambda: ct.launch(stream, (grid,), kern, args)
-        try:
-            if check:
-                qo.fill_(float("nan")); ko.fill_(float("nan"))
-                fn(); torch.cuda.synchronize()
-                ok = torch.equal(qo, ref_q) and torch.equal(ko, ref_k)
-            else:
-                ok = "n/a"
-            us = time_us(fn)
-        except Exception as e:     # noqa: BLE001 - report and go on
-            print(f"{label}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
-            return
-        results.append((us, label))
-        print(f"{label}: {us:.1f} us  {copy / us:.3f}x copy  exact={ok}", flush=True)
 
     def prod_args(lat, out=True):
         if out:
