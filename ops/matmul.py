@@ -10,7 +10,7 @@ import torch
 
 from tiletune import validate
 from tiletune.autotune import Autotuner, Search, Work, bucket
-from tiletune.device import current_stream
+from tiletune.device import current_stream, sm_count
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -52,6 +52,21 @@ def matmul_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Co
     ct.store(c, (z, m, n), ct.reshape(acc.astype(c.dtype), (1, TM, TN)))
 
 
+@ct.kernel
+def matmul_persistent_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int],
+                             TK: ct.Constant[int], GROUP_M: ct.Constant[int]):
+    """The same product on a grid of SMs x occupancy CTAs, each looping over output tiles of all
+    batches in grouped order: no CTA launch or tail wave per tile."""
+    num_m = ct.cdiv(a.shape[1], TM)
+    num_n = ct.cdiv(b.shape[2], TN)
+    tiles = num_m * num_n
+    for t in range(ct.bid(0), tiles * a.shape[0], ct.num_blocks(0)):
+        z = t // tiles
+        m, n = tile_coords(t - z * tiles, num_m, num_n, GROUP_M)
+        acc = mainloop(a, b, z, m, n, ct.zeros((TM, TN), ct.float32), TM, TN, TK)
+        ct.store(c, (z, m, n), ct.reshape(acc.astype(c.dtype), (1, TM, TN)))
+
+
 # ---------------------------------------------------------------------------------------------
 # Configs. The sm_90 space is what survived our own searches (H200, 2026-11-26, 9 bench keys:
 # 4096^3 .. 16384x4096x14336, both B layouts, M = 16/128/512; per-config times relative to each
@@ -69,8 +84,9 @@ def matmul_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Co
 # Hopper keeps the fp32 accumulator in registers: TM x TN <= 128 x 128 per CTA. Default first.
 
 def matmul_configs(arch, m, n, k):
-    def cfg(tm, tn, tk, occ=1, nc=1, group=8):
-        return SimpleNamespace(tm=tm, tn=tn, tk=tk, occupancy=occ, num_ctas=nc, group_m=group)
+    def cfg(tm, tn, tk, occ=1, nc=1, group=8, persistent=False):
+        return SimpleNamespace(tm=tm, tn=tn, tk=tk, occupancy=occ, num_ctas=nc, group_m=group,
+                               persistent=persistent)
     major = int(arch[3:]) // 10 if arch.startswith("sm_") else 0
     if major < 9:        # conservative default elsewhere (compile-checked only)
         yield cfg(128, 128, 32)
@@ -83,19 +99,38 @@ def matmul_configs(arch, m, n, k):
         yield cfg(128, 128, 128, occ)
         for tm, tn in ((64, 256), (64, 128), (128, 64), (64, 64)):
             yield cfg(tm, tn, 64, occ)
+    # Persistent variants (not measured yet: the search decides), spill-free only (sm_90
+    # `cuobjdump -res-usage`: 128x128 persistent at occupancy 2 spills 152 B, 64x128 48 B; these
+    # three do not). Single CTAs only: a cluster grid must be a cluster multiple.
+    for tm, tn, occ in ((128, 128, 1), (128, 64, 2), (64, 64, 2)):
+        yield cfg(tm, tn, 64, occ, persistent=True)
+    # Skinny M: the 64x64 winner at M <= 128 runs N/64 CTAs (64 at N = 4096) on 132 SMs;
+    # 64x32 tiles fill them (not measured yet). M is bucketed to powers of two: same list per key.
+    if m <= 128:
+        for tk, occ in ((64, 2), (64, 4), (128, 2)):
+            yield cfg(64, 32, tk, occ)
 
 
-_matmul = Autotuner("matmul", matmul_kernel, matmul_configs,
+def kernel_for(cfg):
+    """The bare kernel a config runs (the engine applies its hints)."""
+    return matmul_persistent_kernel if cfg.persistent else matmul_kernel
+
+
+_matmul = Autotuner("matmul", kernel_for, matmul_configs,
                     default=SimpleNamespace(tm=128, tn=128, tk=64, occupancy=1, num_ctas=1,
-                                            group_m=8))
+                                            group_m=8, persistent=False))
 TUNERS = (_matmul,)
 
 
 # ---------------------------------------------------------------------------------------------
 # Host launch.
 
-def _grid(cfg, M, N, Z):
-    return (-(-M // cfg.tm) * -(-N // cfg.tn), Z)
+def grid(cfg, M, N, Z, dev):
+    """Launch grid for (Z, M, K) @ (Z, K, N) under cfg on device index dev."""
+    tiles = -(-M // cfg.tm) * -(-N // cfg.tn)
+    if cfg.persistent:
+        return (max(1, min(tiles * Z, sm_count(dev) * cfg.occupancy)), 1)
+    return (tiles, Z)
 
 
 def _layout(t):
@@ -113,10 +148,10 @@ def launch(a3, b3, c3):
     dev = a3.get_device()
     key = (bucket(M), N, K, Z > 1, a3.dtype, _layout(a3), _layout(b3), dev)
     cfg, kernel = _matmul.cache.get(key) or _matmul.tune(key, a3, Search(
-        shape=dict(m=M, n=N, k=K), grid_fn=lambda c: _grid(c, M, N, Z),
+        shape=dict(m=M, n=N, k=K), grid_fn=lambda c: grid(c, M, N, Z, dev),
         args_fn=lambda c: (a3, b3, c3, c.tm, c.tn, c.tk, c.group_m),
         work=Work(flops=2.0 * Z * M * N * K)))
-    ct.launch(current_stream(dev), _grid(cfg, M, N, Z), kernel,
+    ct.launch(current_stream(dev), grid(cfg, M, N, Z, dev), kernel,
               (a3, b3, c3, cfg.tm, cfg.tn, cfg.tk, cfg.group_m))
 
 
@@ -218,6 +253,10 @@ def aot_cases():
         for cfg in matmul_configs(a_, 4096, 4096, 4096):
             yield CompileCase("matmul", _matmul.build(cfg), params(cfg, bf, 1, 4096, 4096, 4096),
                               f"matmul {a_} space 4096^3 bf16 {vars(cfg)}")
+        for cfg in matmul_configs(a_, 16, 4096, 4096):
+            if cfg.tn == 32:           # the skinny-only configs
+                yield CompileCase("matmul", _matmul.build(cfg), params(cfg, bf, 1, 16, 4096, 4096),
+                                  f"matmul {a_} skinny 16x4096x4096 bf16 {vars(cfg)}")
     cfg = next(matmul_configs("sm_90", 4096, 4096, 4096))
     for label, args in [("A^T", (bf, 1, 4096, 4096, 4096, True, False)),
                         ("B^T", (bf, 1, 4096, 4096, 4096, False, True)),
@@ -226,6 +265,10 @@ def aot_cases():
                         ("batched 8x512x1024x4096", (bf, 8, 512, 1024, 4096)),
                         ("decode 1x4096x4096", (bf, 1, 1, 4096, 4096))]:
         yield CompileCase("matmul", _matmul.build(cfg), params(cfg, *args), f"matmul {label}")
+    persistent = next(c for c in matmul_configs("sm_90", 512, 1024, 4096) if c.persistent)
+    yield CompileCase("matmul", _matmul.build(persistent),
+                      params(persistent, f16, 8, 1000, 1999, 777, True, False),
+                      f"matmul persistent batched fp16 ragged A^T {vars(persistent)}")
     for cfg in matmul_configs("sm_80", 4096, 4096, 4096):
         yield CompileCase("matmul", _matmul.build(cfg), params(cfg, bf, 1, 4096, 4096, 4096),
                           f"matmul pre-Hopper default space {vars(cfg)}")

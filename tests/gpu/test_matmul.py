@@ -43,16 +43,18 @@ def test_layouts_and_odd_sizes(fresh, monkeypatch, shape, ta, tb, dt, disable):
     assert rel(c, a.float() @ b.float()) < TOL[dt]
 
 
-def test_every_config_is_correct(fresh, monkeypatch):
+@pytest.mark.parametrize("M", [200, 100], ids=["M200", "M100-skinny-space"])
+def test_every_config_is_correct(fresh, monkeypatch, M):
     """Each config of the sm_90 space (not only the ones searches picked), on a ragged batched
-    problem: tiles that overhang M, N and K, clusters, every batch index written."""
+    problem: tiles that overhang M, N and K, clusters, persistent grids, every batch index
+    written."""
     import tiletune
-    a = torch.randn(3, 200, 333, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(3, M, 333, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(3, 333, 270, device="cuda", dtype=torch.bfloat16).transpose(1, 2).contiguous() \
         .transpose(1, 2)                               # column-major B
     ref = a.float() @ b.float()
     monkeypatch.setenv("DISABLE_AUTOTUNE", "1")        # the "default" below is each config in turn
-    for cfg in MM.matmul_configs("sm_90", 200, 270, 333):
+    for cfg in MM.matmul_configs("sm_90", M, 270, 333):
         monkeypatch.setattr(MM._matmul, "configs", lambda arch, _c=cfg, **shape: iter([_c]))
         tiletune.clear_cache()
         assert rel(matmul(a, b), ref) < TOL[torch.bfloat16], vars(cfg)

@@ -1,12 +1,12 @@
 """After: the same kernel through tune-once/cache/launch with the full sm_90 space (tile M/N/K,
-occupancy, 2-CTA clusters): the first call searches, every later call is a dict lookup and a
+occupancy, 2-CTA clusters, persistent grids): the first call searches, every later call is a dict lookup and a
 ct.launch of the cached, already-hinted kernel."""
 import cuda.tile as ct
 import torch
 
 from tiletune import Autotuner, Search, Work, bucket
 from tiletune.bench import time_us
-from tiletune.ops.matmul import matmul_configs, matmul_kernel
+from tiletune.ops.matmul import grid as matmul_grid, kernel_for, matmul_configs
 
 M, N, K = 128, 4096, 4096
 torch.manual_seed(0)
@@ -14,11 +14,11 @@ a = torch.randn(1, M, K, device="cuda", dtype=torch.bfloat16)
 b = torch.randn(1, K, N, device="cuda", dtype=torch.bfloat16)
 c = torch.empty(1, M, N, device="cuda", dtype=torch.bfloat16)
 
-tuner = Autotuner("example_matmul", matmul_kernel, matmul_configs, default=None)
+tuner = Autotuner("example_matmul", kernel_for, matmul_configs, default=None)
 
 
 def grid(cfg):
-    return (-(-M // cfg.tm) * -(-N // cfg.tn), 1)
+    return matmul_grid(cfg, M, N, 1, a.get_device())
 
 
 def args(cfg):
