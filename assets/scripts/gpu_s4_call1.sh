@@ -14,7 +14,7 @@ tail -12 "$OUT/t_mm.log" | cut -c1-300; tail -6 "$OUT/t_fmha_every.log" | cut -c
 TILETUNE_LOG=1 timeout -s INT 190 python3 -m tiletune bench matmul \
    --json "$OUT/bench_mm.json" >"$OUT/bench_mm.log" 2>&1
 grep -v -i warn "$OUT/bench_mm.log" | grep -v "^INFO" | tail -16 | cut -c1-300
-grep -E "best|winner" "$OUT/bench_mm.log" | cut -c1-200 | head -12
+grep -E "tuned matmul|failed" "$OUT/bench_mm.log" | cut -c1-260 | head -14
 TILETUNE_LOG=1 timeout -s INT 130 python3 -m tiletune bench fmha --skip-peer tilegym \
    --match "Sq1024 Sk4096 D128 bf16 causal fwd+bwd" --json "$OUT/bench_fmha.json" \
    >"$OUT/bench_fmha.log" 2>&1
