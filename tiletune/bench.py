@@ -2,7 +2,8 @@
 
 Each op contributes `bench_cases()` -> list of BenchCase. Times are medians of CUDA-event timings
 with L2 flushed before every run (as exhaustive_search does), after warm-up; every number in a row
-comes from the same process and card.
+comes from the same process and card, and the row's candidates (tuned, fixed, baselines, ceiling)
+are timed in turns, so that clock drift during the row does not favour one of them.
 """
 import contextlib
 import json
@@ -39,21 +40,47 @@ def _flush_l2():
     _flush_buf.zero_()
 
 
+def time_interleaved(candidates, rounds=5, reps=10, warmup=5):
+    """Median device time in microseconds of each (label, fn, context) candidate, L2 flushed
+    before each run. The candidates take turns in blocks of `reps` runs (`rounds` times), so
+    clock and power drift during a row falls on all of them alike instead of on whichever ran
+    last. `context` (a context-manager factory, or None) is entered around each block, outside
+    the timed events. A candidate whose warm-up raises is left out: its label maps to the
+    exception instead of a time."""
+    result, live = {}, []
+    for label, fn, ctx in candidates:
+        try:
+            with (ctx or contextlib.nullcontext)():
+                for _ in range(warmup):
+                    fn()
+            live.append((label, fn, ctx))
+        except Exception as e:
+            result[label] = e
+    torch.cuda.synchronize()
+    events = {label: [] for label, _, _ in live}
+    for _ in range(rounds):
+        for label, fn, ctx in live:
+            with (ctx or contextlib.nullcontext)():
+                for _ in range(reps):
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    _flush_l2()
+                    s.record()
+                    fn()
+                    e.record()
+                    events[label].append((s, e))
+    torch.cuda.synchronize()
+    for label, pairs in events.items():
+        ts = sorted(s.elapsed_time(e) * 1e3 for s, e in pairs)
+        result[label] = ts[len(ts) // 2]
+    return result
+
+
 def time_us(fn, reps=50, warmup=10):
     """Median device time of fn() in microseconds (L2 flushed before each run)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        _flush_l2()
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
-    return ts[len(ts) // 2]
+    us = time_interleaved([("fn", fn, None)], rounds=1, reps=reps, warmup=warmup)["fn"]
+    if isinstance(us, Exception):
+        raise us
+    return us
 
 
 def host_us(fn, n=2000, reps=5):
@@ -71,28 +98,36 @@ def host_us(fn, n=2000, reps=5):
     return best
 
 
+def _caches():
+    return {name: (dict(t.cache), dict(t.records)) for name, t in autotune.tuners().items()}
+
+
+def _install(caches):
+    for name, t in autotune.tuners().items():
+        cache, recs = caches.get(name, ({}, {}))
+        t.cache.clear()
+        t.cache.update(cache)
+        t.records.clear()
+        t.records.update(recs)
+
+
 @contextlib.contextmanager
-def fixed_configs():
+def fixed_configs(caches=None):
     """Run the block with every op on its default config (as DISABLE_AUTOTUNE=1 would), then put
-    the tuned cache back."""
-    saved = {name: (dict(t.cache), dict(t.records)) for name, t in autotune.tuners().items()}
+    the tuned cache back. `caches` (from `_caches()` inside an earlier block) reinstalls the
+    default kernels already built there instead of starting from empty caches."""
+    saved = _caches()
     old = os.environ.get("DISABLE_AUTOTUNE")
     os.environ["DISABLE_AUTOTUNE"] = "1"
     try:
-        for t in autotune.tuners().values():
-            t.cache.clear()
+        _install(caches or {})
         yield
     finally:
         if old is None:
             os.environ.pop("DISABLE_AUTOTUNE", None)
         else:
             os.environ["DISABLE_AUTOTUNE"] = old
-        for name, t in autotune.tuners().items():
-            cache, recs = saved.get(name, ({}, {}))
-            t.cache.clear()
-            t.cache.update(cache)
-            t.records.clear()
-            t.records.update(recs)
+        _install(saved)
 
 
 def run_case(case):
@@ -101,23 +136,33 @@ def run_case(case):
     case.ours()                       # first call tunes (or loads the store)
     torch.cuda.synchronize()
     row["first_call_s"] = round(time.perf_counter() - t0, 3)
-    row["tuned_us"] = time_us(case.ours)
     with fixed_configs():
-        case.ours()
-        row["fixed_us"] = time_us(case.ours)
-    row["speedup_over_fixed"] = row["fixed_us"] / row["tuned_us"]
-    for label, fn in case.baselines.items():
-        try:
-            us = time_us(fn)
-        except Exception as e:  # a baseline that cannot run is reported, not fatal
-            row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
-            continue
-        row[f"{label}_us"] = us
-        row[f"vs_{label}"] = us / row["tuned_us"]      # > 1: we are faster
+        case.ours()                   # builds the default kernels once
+        fixed = _caches()
+    candidates = [("tuned", case.ours, None),
+                  ("fixed", case.ours, lambda: fixed_configs(fixed))]
+    candidates += [(label, fn, None) for label, fn in case.baselines.items()]
     if case.ceiling:
-        label, fn = case.ceiling
-        row[f"{label}_us"] = time_us(fn) * case.ceiling_scale
-        row[f"frac_{label}"] = row[f"{label}_us"] / row["tuned_us"]
+        candidates.append((case.ceiling[0], case.ceiling[1], None))
+    us = time_interleaved(candidates)
+    if isinstance(us["tuned"], Exception):
+        raise us["tuned"]
+    row["tuned_us"] = us["tuned"]
+    row["fixed_us"] = us["fixed"]
+    row["speedup_over_fixed"] = row["fixed_us"] / row["tuned_us"]
+    for label in case.baselines:
+        if isinstance(us[label], Exception):   # a baseline that cannot run is reported, not fatal
+            row[f"{label}_error"] = f"{type(us[label]).__name__}: {str(us[label])[:120]}"
+            continue
+        row[f"{label}_us"] = us[label]
+        row[f"vs_{label}"] = us[label] / row["tuned_us"]      # > 1: we are faster
+    if case.ceiling:
+        label = case.ceiling[0]
+        if isinstance(us[label], Exception):
+            row[f"{label}_error"] = f"{type(us[label]).__name__}: {str(us[label])[:120]}"
+        else:
+            row[f"{label}_us"] = us[label] * case.ceiling_scale
+            row[f"frac_{label}"] = row[f"{label}_us"] / row["tuned_us"]
     if case.bytes:
         row["tuned_GBps"] = case.bytes / row["tuned_us"] / 1e3
     if case.flops:
