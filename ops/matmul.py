@@ -68,47 +68,57 @@ def matmul_persistent_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int]
 
 
 # ---------------------------------------------------------------------------------------------
-# Configs. The sm_90 space is what survived our own searches (H200, 2026-11-26, 9 bench keys:
-# 4096^3 .. 16384x4096x14336, both B layouts, M = 16/128/512; per-config times relative to each
-# key's winner in references/parameter-space-design.md):
-#   - 128x128x64 at occupancy 2 won 5 of the 6 large keys; 256x128x64 in 2-CTA clusters was
-#     0.7-2.2% behind there and won 4096^3 with B^T by 0.4%. Both stay, with their occupancy 1
-#     variants (+1.6-5.2% and +6-12%).
-#   - 256x128 / 128x256 without clusters ran 9.3-35x slower (a 128 KB fp32 accumulator in one
-#     CTA's registers spills): out. With num_ctas=2 each CTA holds half: in.
-#   - 128x128 in clusters lost 11-51% on every key: out. 64x256 in clusters never won (best:
-#     2.3% behind at M=16): out. group_m 1 never beat 8 (0.1-6.5% behind): out.
-#   - small tiles (64x64, 64x128, 128x64) lose 1.5-2.2x on large keys but win M <= 128 (19-20 us
-#     vs 34-35 us for the default): in. 128x128x128 lost 8-29% on large keys: kept as the one
-#     deep-K variant until a key prefers it.
-# Hopper keeps the fp32 accumulator in registers: TM x TN <= 128 x 128 per CTA. Default first.
+# Configs. Built from our own searches on an H200 (2026-11-26, 9 bench keys: 4096^3 ..
+# 16384x4096x14336, both B layouts, M = 16/128/512; per-config times relative to each key's
+# winner in references/parameter-space-design.md). Hopper keeps the fp32 accumulator in the
+# registers of the warps that issue the MMA, so what fits is tile size per worker warp:
+#   - 4 worker warps (the compiler's default) hold 128x128 at 255 registers; 128x256 spills
+#     (1.8 KB stack) and ran 9-35x slower. With `num_worker_warps=8` two warpgroups split the
+#     tile: 128x128, 128x256 and 256x128 all compile to 168 registers, no stack (sm_90
+#     `cuobjdump -res-usage`), 128x256 as HGMMA 64x256x16: the shape cuBLAS-class kernels use.
+#   - session 3 (4 warps): 128x128x64 won the 6 large keys (persistent at occupancy 1: 5 of 6,
+#     non-persistent occupancy 2: 16384x4096x14336); 256x128 in 2-CTA clusters 2-7% behind;
+#     64x128 / 64x64 won M = 16 / 128 (1.39-1.43x faster than 128x128 there). Never within 5% of
+#     a winner, dropped: 128x128x128 (8-29% behind), 128x64 (10%+), 128x256 / 256x128 clusters of
+#     4-warp CTAs, 64x32 (14%+ at M <= 128), group_m 1 (0.1-6.5%).
+# Single CTAs only for the persistent kernel (a cluster grid must be a cluster multiple).
+# Entries: (tm, tn, tk, occupancy, num_ctas, num_worker_warps or None, persistent). Default first.
+
+SM90_SPACE = [
+    (128, 128, 64, 2, 1, None, False),        # the known-good default
+    (128, 128, 64, 1, 1, None, True),
+    (128, 128, 64, 1, 1, None, False),
+    (256, 128, 64, 2, 2, None, False),
+    (128, 256, 64, 1, 1, 8, False),
+    (128, 256, 64, 1, 1, 8, True),
+    (256, 128, 64, 1, 1, 8, False),
+    (256, 128, 64, 1, 1, 8, True),
+    (128, 128, 64, 1, 1, 8, False),
+    (128, 128, 64, 1, 1, 8, True),
+    (256, 256, 64, 1, 2, 8, False),           # 128x256 per CTA, pairs in a cluster
+    (64, 256, 64, 1, 1, None, False),
+    (64, 128, 64, 1, 1, None, False),
+    (64, 128, 64, 2, 1, None, False),
+    (64, 64, 64, 1, 1, None, False),
+    (64, 64, 64, 2, 1, None, True),
+]
+# sm_100 (compile-checked only): accumulators live in tensor memory, not registers; the 4-warp
+# entries and clusters are what is plausible there.
+SM100_SPACE = [e for e in SM90_SPACE if e[5] is None] + [(256, 256, 64, 1, 2, None, False)]
+# Anything else (sm_80, sm_12x: no wgmma, smaller shared memory): a conservative pair, never
+# measured here.
+OTHER_SPACE = [(128, 128, 32, 1, 1, None, False), (64, 128, 32, 2, 1, None, False)]
+
 
 def matmul_configs(arch, m, n, k):
-    def cfg(tm, tn, tk, occ=1, nc=1, group=8, persistent=False):
-        return SimpleNamespace(tm=tm, tn=tn, tk=tk, occupancy=occ, num_ctas=nc, group_m=group,
-                               persistent=persistent)
-    major = int(arch[3:]) // 10 if arch.startswith("sm_") else 0
-    if major < 9:        # conservative default elsewhere (compile-checked only)
-        yield cfg(128, 128, 32)
-        yield cfg(64, 128, 32, occ=2)
-        return
-    for occ in (2, 1):
-        yield cfg(128, 128, 64, occ)
-        yield cfg(256, 128, 64, occ, nc=2)
-        yield cfg(128, 256, 64, occ, nc=2)
-        yield cfg(128, 128, 128, occ)
-        for tm, tn in ((64, 256), (64, 128), (128, 64), (64, 64)):
-            yield cfg(tm, tn, 64, occ)
-    # Persistent variants (not measured yet: the search decides), spill-free only (sm_90
-    # `cuobjdump -res-usage`: 128x128 persistent at occupancy 2 spills 152 B, 64x128 48 B; these
-    # three do not). Single CTAs only: a cluster grid must be a cluster multiple.
-    for tm, tn, occ in ((128, 128, 1), (128, 64, 2), (64, 64, 2)):
-        yield cfg(tm, tn, 64, occ, persistent=True)
-    # Skinny M: the 64x64 winner at M <= 128 runs N/64 CTAs (64 at N = 4096) on 132 SMs;
-    # 64x32 tiles fill them (not measured yet). M is bucketed to powers of two: same list per key.
-    if m <= 128:
-        for tk, occ in ((64, 2), (64, 4), (128, 2)):
-            yield cfg(64, 32, tk, occ)
+    major = int(arch[3:]) // 10 if arch.startswith("sm_") and arch[3:].isdigit() else 0
+    space = SM90_SPACE if major == 9 else SM100_SPACE if major == 10 else OTHER_SPACE
+    for tm, tn, tk, occ, nc, warps, persistent in space:
+        cfg = SimpleNamespace(tm=tm, tn=tn, tk=tk, occupancy=occ, num_ctas=nc, group_m=8,
+                              persistent=persistent)
+        if warps is not None:
+            cfg.num_worker_warps = warps
+        yield cfg
 
 
 def kernel_for(cfg):
@@ -253,10 +263,6 @@ def aot_cases():
         for cfg in matmul_configs(a_, 4096, 4096, 4096):
             yield CompileCase("matmul", _matmul.build(cfg), params(cfg, bf, 1, 4096, 4096, 4096),
                               f"matmul {a_} space 4096^3 bf16 {vars(cfg)}")
-        for cfg in matmul_configs(a_, 16, 4096, 4096):
-            if cfg.tn == 32:           # the skinny-only configs
-                yield CompileCase("matmul", _matmul.build(cfg), params(cfg, bf, 1, 16, 4096, 4096),
-                                  f"matmul {a_} skinny 16x4096x4096 bf16 {vars(cfg)}")
     cfg = next(matmul_configs("sm_90", 4096, 4096, 4096))
     for label, args in [("A^T", (bf, 1, 4096, 4096, 4096, True, False)),
                         ("B^T", (bf, 1, 4096, 4096, 4096, False, True)),

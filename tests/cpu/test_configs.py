@@ -46,7 +46,8 @@ def test_space(label, cfgs):
         if arch in ("sm_90", "sm_100"):
             assert h.get("num_ctas", 1) in (1, 2, 4, 8)     # portable cluster sizes
         if hasattr(c, "tm"):
-            assert c.tm * c.tn <= 128 * 256, "fp32 accumulator would not fit the registers"
+            per_cta = c.tm * c.tn // h.get("num_ctas", 1)
+            assert per_cta <= 128 * 256, "fp32 accumulator would not fit the registers"
         for name in ("tile_m", "tile_n", "tile_g", "tm", "tn", "tk"):
             v = getattr(c, name, 1)
             assert v >= 1 and v & (v - 1) == 0, f"{name}={v} is not a power of two"
