@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tiletune import autotune
+from tiletune.timing import time_interleaved
 
 
 @dataclass
@@ -28,59 +29,6 @@ class BenchCase:
     ceiling: tuple = None  # (label, () -> None): the ceiling, e.g. a copy of the same tensor
     ceiling_scale: float = 1.0   # ceiling time = scale x time of that callable
     extra: dict = field(default_factory=dict)
-
-
-_flush_buf = None
-
-
-def _flush_l2():
-    global _flush_buf
-    if _flush_buf is None:
-        _flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
-    _flush_buf.zero_()
-
-
-def time_interleaved(candidates, rounds=5, reps=10, warmup=5):
-    """Median device time in microseconds of each (label, fn, context) candidate, L2 flushed
-    before each run. The candidates take turns in blocks of `reps` runs (`rounds` times), so
-    clock and power drift during a row falls on all of them alike instead of on whichever ran
-    last. `context` (a context-manager factory, or None) is entered around each block, outside
-    the timed events. A candidate whose warm-up raises is left out: its label maps to the
-    exception instead of a time."""
-    result, live = {}, []
-    for label, fn, ctx in candidates:
-        try:
-            with (ctx or contextlib.nullcontext)():
-                for _ in range(warmup):
-                    fn()
-            live.append((label, fn, ctx))
-        except Exception as e:
-            result[label] = e
-    torch.cuda.synchronize()
-    events = {label: [] for label, _, _ in live}
-    for _ in range(rounds):
-        for label, fn, ctx in live:
-            with (ctx or contextlib.nullcontext)():
-                for _ in range(reps):
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    _flush_l2()
-                    s.record()
-                    fn()
-                    e.record()
-                    events[label].append((s, e))
-    torch.cuda.synchronize()
-    for label, pairs in events.items():
-        ts = sorted(s.elapsed_time(e) * 1e3 for s, e in pairs)
-        result[label] = ts[len(ts) // 2]
-    return result
-
-
-def time_us(fn, reps=50, warmup=10):
-    """Median device time of fn() in microseconds (L2 flushed before each run)."""
-    us = time_interleaved([("fn", fn, None)], rounds=1, reps=reps, warmup=warmup)["fn"]
-    if isinstance(us, Exception):
-        raise us
-    return us
 
 
 def host_us(fn, n=2000, reps=5):
@@ -260,7 +208,9 @@ def main(ops, json_path=None, plot_path=None, match=(), skip_peers=()):
             if r.source == "search":
                 print(f"tuned {op} {[str(p) for p in k]}: {r.config} {r.best_us:.1f} us, "
                       f"{len(r.timings)} configs in {r.search_s:.1f}s, slowest "
-                      f"{r.timings[-1]['mean_us']:.1f} us")
+                      f"{r.timings[-1]['mean_us']:.1f} us; final round: "
+                      + (", ".join(f"{f['config']} {f['median_us']:.1f}" for f in r.final)
+                         or "none"))
     if json_path:
         _write(json_path, dev, rows, host)
         print(f"wrote {json_path}")

@@ -8,7 +8,8 @@ import cuda.tile as ct
 import torch
 from cuda.tile.tune import exhaustive_search
 
-from tiletune.bench import host_us, time_us
+from tiletune.bench import host_us
+from tiletune.timing import time_us
 from tiletune.ops.rms_norm import rms_norm
 
 Z = ct.PaddingMode.ZERO

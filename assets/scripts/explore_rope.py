@@ -14,7 +14,7 @@ import sys
 import cuda.tile as ct
 import torch
 
-from tiletune.bench import time_us
+from tiletune.timing import time_us
 from tiletune.device import sm_count
 from tiletune.ops import rope as R
 

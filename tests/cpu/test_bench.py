@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from tiletune import bench
+from tiletune import bench, timing
 
 
 class FakeClock:
@@ -34,7 +34,7 @@ def clock(monkeypatch):
     c = FakeClock()
     monkeypatch.setattr(torch.cuda, "Event", c.event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(bench, "_flush_l2", lambda: None)
+    monkeypatch.setattr(timing, "_flush_l2", lambda: None)
     return c
 
 

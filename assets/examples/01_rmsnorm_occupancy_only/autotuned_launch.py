@@ -5,7 +5,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune import Autotuner, Search, bucket
-from tiletune.bench import time_us
+from tiletune.timing import time_us
 from tiletune.ops.rms_norm import fwd_configs, rms_norm_fwd_rows
 
 M, N, EPS = 16384, 4096, 1e-6

@@ -5,7 +5,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune import Autotuner, Search, Work, bucket
-from tiletune.bench import time_us
+from tiletune.timing import time_us
 from tiletune.ops.matmul import grid as matmul_grid, kernel_for, matmul_configs
 
 M, N, K = 128, 4096, 4096

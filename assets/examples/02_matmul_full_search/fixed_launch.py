@@ -3,7 +3,7 @@ choice that is good for big square GEMMs, used here for a skinny one (M = 128)."
 import cuda.tile as ct
 import torch
 
-from tiletune.bench import time_us
+from tiletune.timing import time_us
 from tiletune.ops.matmul import matmul_kernel
 
 M, N, K = 128, 4096, 4096

@@ -4,7 +4,7 @@ allocation (split buffers, made once, no clones per sample); the winning config 
 to the in-place kernel, which runs once on the real data."""
 import torch
 
-from tiletune.bench import time_us
+from tiletune.timing import time_us
 from tiletune.ops import rope as R
 
 B, HQ, HK, S, D = 4, 32, 8, 4096, 128

@@ -3,7 +3,7 @@ position, occupancy 4, no latency hint to speak of (1)."""
 import cuda.tile as ct
 import torch
 
-from tiletune.bench import time_us
+from tiletune.timing import time_us
 from tiletune.ops.rope import rope_inplace_kernel
 
 B, HQ, HK, S, D = 4, 32, 8, 4096, 128
