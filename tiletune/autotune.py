@@ -334,6 +334,9 @@ class Autotuner:
             log.info("tuned %s %s in %.2fs: %s %.2f us %s (%d configs, %d failed)", self.name,
                      key, record.search_s, record.config, record.best_us or 0.0, rate,
                      len(record.timings), len(record.failures))
+            if record.final:
+                log.info("  final round (in turns): %s", ", ".join(
+                    f"{f['config']} {f['median_us']:.2f} us" for f in record.final))
             for f in record.failures:      # why a config failed matters as much as the winner
                 log.info("  %s failed: %s: %s", f["config"], f["error"], str(f["message"])[:300])
         else:
