@@ -69,18 +69,19 @@ def matmul_persistent_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int]
 
 # ---------------------------------------------------------------------------------------------
 # Configs. Built from our own searches on an H200 (2026-11-26, 9 bench keys: 4096^3 ..
-# 16384x4096x14336, both B layouts, M = 16/128/512; per-config times relative to each key's
-# winner in references/parameter-space-design.md). Hopper keeps the fp32 accumulator in the
+# 16384x4096x14336, both B layouts, M = 16/128/512; per-config times and what each dimension
+# bought in references/parameter-space-design.md). Hopper keeps the fp32 accumulator in the
 # registers of the warps that issue the MMA, so what fits is tile size per worker warp:
 #   - 4 worker warps (the compiler's default) hold 128x128 at 255 registers; 128x256 spills
 #     (1.8 KB stack) and ran 9-35x slower. With `num_worker_warps=8` two warpgroups split the
 #     tile: 128x128, 128x256 and 256x128 all compile to 168 registers, no stack (sm_90
-#     `cuobjdump -res-usage`), 128x256 as HGMMA 64x256x16: the shape cuBLAS-class kernels use.
-#   - session 3 (4 warps): 128x128x64 won the 6 large keys (persistent at occupancy 1: 5 of 6,
-#     non-persistent occupancy 2: 16384x4096x14336); 256x128 in 2-CTA clusters 2-7% behind;
-#     64x128 / 64x64 won M = 16 / 128 (1.39-1.43x faster than 128x128 there). Never within 5% of
-#     a winner, dropped: 128x128x128 (8-29% behind), 128x64 (10%+), 128x256 / 256x128 clusters of
-#     4-warp CTAs, 64x32 (14%+ at M <= 128), group_m 1 (0.1-6.5%).
+#     `cuobjdump -res-usage`), 128x256 as HGMMA 64x256x16.
+#   - Winners after the engine's final round: 128x128 persistent at occupancy 1 (4 of 6 large
+#     keys), 128x256 8-warp persistent (4096^3), the default (16384x4096x14336); 64x128 / 64x64
+#     at M = 16 / 128, 128x128 occupancy 1 at M = 512. Each other entry came within 1-5% of
+#     some key's winner in a search; kept while timings move that much between runs.
+#   - Never within 5% of a winner, dropped: 128x128x128, 128x64, 4-warp 128x256 / 256x128 in
+#     clusters, 64x32 at M <= 128, group_m 1, 64x256 (7%+), 128x128 8-warp persistent (20%+).
 # Single CTAs only for the persistent kernel (a cluster grid must be a cluster multiple).
 # Entries: (tm, tn, tk, occupancy, num_ctas, num_worker_warps or None, persistent). Default first.
 
@@ -94,9 +95,7 @@ SM90_SPACE = [
     (256, 128, 64, 1, 1, 8, False),
     (256, 128, 64, 1, 1, 8, True),
     (128, 128, 64, 1, 1, 8, False),
-    (128, 128, 64, 1, 1, 8, True),
     (256, 256, 64, 1, 2, 8, False),           # 128x256 per CTA, pairs in a cluster
-    (64, 256, 64, 1, 1, None, False),
     (64, 128, 64, 1, 1, None, False),
     (64, 128, 64, 2, 1, None, False),
     (64, 64, 64, 1, 1, None, False),
