@@ -1,6 +1,6 @@
 """After: the same kernel through tune-once/cache/launch with the full sm_90 space (tile M/N/K,
-occupancy, 2-CTA clusters, persistent grids): the first call searches, every later call is a dict lookup and a
-ct.launch of the cached, already-hinted kernel."""
+occupancy, worker warps, 2-CTA clusters, persistent grids): the first call searches, every later
+call is a dict lookup and a ct.launch of the cached, already-hinted kernel."""
 import cuda.tile as ct
 import torch
 
