@@ -63,6 +63,8 @@ class FakeFinalRound:
 
     def __call__(self, candidates, **kw):
         self.calls.append([label for label, _, _ in candidates])
+        for _, fn, _ in candidates:      # one run each, so tests see what the round launches
+            fn()
         return {label: (self.times or {}).get(label, 10.0 * (1 + label))
                 for label, _, _ in candidates}
 
@@ -117,7 +119,10 @@ def test_miss_searches_once_then_hits(env, monkeypatch):
     monkeypatch.setattr(ct.kernel, "replace_hints", lambda *a, **k: pytest.fail("replace_hints on a hit"))
     assert resolve(t, ("k", 1)) == (cfg, kern)
     assert env.fake.calls == 1
-    assert len(env.launches) == 1    # the tuned kernel was launched (compiled) once, on the miss
+    # launched on the miss: the final round's two finalists (winner occ 2, default occ 1), then
+    # the tuned kernel once (compiled under the lock)
+    assert [k._compiler_options.occupancy for _, _, k, _ in env.launches] == [2, 1, 2]
+    assert env.launches[-1][2] is kern
 
 
 def test_tuned_kernel_carries_exactly_the_winning_hints(env):
@@ -287,7 +292,10 @@ def test_in_place_kernel_searches_its_split_buffer_twin(env):
         autotune._registry.pop(t.name, None)
     assert env.fake.kernels == ["_k_twin"] * 3
     assert kern._pyfunc.__name__ == "_k" and kern._compiler_options.occupancy == 2
-    assert env.launches == []      # no warm launch: its arguments belong to the twin
+    # the final round (winner occ 2, default occ 1) times the twin on the search's arguments;
+    # no warm launch of the in-place kernel: its arguments belong to the twin
+    assert [k._pyfunc.__name__ for _, _, k, _ in env.launches] == ["_k_twin"] * 2
+    assert [k._compiler_options.occupancy for _, _, k, _ in env.launches] == [2, 1]
 
 
 def test_cli_cache_show_lists_timings(env, capsys):
