@@ -4,14 +4,21 @@ import contextlib
 
 import torch
 
-_flush_buf = None
+_flush_bufs = {}                 # device index -> 256 MiB scratch (several times any L2)
 
 
 def _flush_l2():
-    global _flush_buf
-    if _flush_buf is None:
-        _flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
-    _flush_buf.zero_()
+    dev = torch.cuda.current_device()
+    buf = _flush_bufs.get(dev)
+    if buf is None:
+        buf = _flush_bufs[dev] = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=dev)
+    buf.zero_()
+
+
+def release():
+    """Drop the flush buffers (the engine does after each final round: a user's process should
+    not keep 256 MiB per GPU for tuning)."""
+    _flush_bufs.clear()
 
 
 def time_interleaved(candidates, rounds=5, reps=10, warmup=5):

@@ -1,4 +1,5 @@
 """The engine's own logic, driven through its real code; a stand-in replaces only the GPU search."""
+import contextlib
 import json
 import logging
 import os
@@ -63,6 +64,8 @@ class FakeFinalRound:
 
     def __call__(self, candidates, **kw):
         self.calls.append([label for label, _, _ in candidates])
+        if isinstance(self.times, Exception):
+            raise self.times
         for _, fn, _ in candidates:      # one run each, so tests see what the round launches
             fn()
         return {label: (self.times or {}).get(label, 10.0 * (1 + label))
@@ -84,6 +87,7 @@ def env(monkeypatch, tmp_path):
     monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", fake)
     final = FakeFinalRound()
     monkeypatch.setattr(timing, "time_interleaved", final)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     made = []
 
     def make(name="op", configs=_space):
@@ -347,3 +351,16 @@ def test_no_final_round_when_the_default_wins_alone(env):
     t = env.make()
     cfg, _ = resolve(t, ("k", 8))
     assert cfg.occupancy == 1 and env.final.calls == [] and t.records[("k", 8)].final == []
+
+
+def test_a_failing_final_round_keeps_the_search_pick(env, monkeypatch, caplog):
+    released = []
+    monkeypatch.setattr(timing, "release", lambda: released.append(1))
+    env.final.times = RuntimeError("CUDA out of memory")
+    t = env.make()
+    with caplog.at_level(logging.INFO, logger="tiletune"):
+        cfg, _ = resolve(t, ("k", 9))
+    assert cfg.occupancy == 2 and t.records[("k", 9)].final == []
+    assert t.records[("k", 9)].best_us == 10.0
+    assert "final round skipped: RuntimeError: CUDA out of memory" in caplog.text
+    assert released == [1]          # the flush buffer is dropped either way
