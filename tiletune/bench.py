@@ -78,6 +78,10 @@ def fixed_configs(caches=None):
         _install(saved)
 
 
+def _error(e):
+    return f"{type(e).__name__}: {str(e)[:120]}"
+
+
 def run_case(case):
     row = {"op": case.op, "case": case.name, "mode": case.mode}
     t0 = time.perf_counter()
@@ -100,14 +104,14 @@ def run_case(case):
     row["speedup_over_fixed"] = row["fixed_us"] / row["tuned_us"]
     for label in case.baselines:
         if isinstance(us[label], Exception):   # a baseline that cannot run is reported, not fatal
-            row[f"{label}_error"] = f"{type(us[label]).__name__}: {str(us[label])[:120]}"
+            row[f"{label}_error"] = _error(us[label])
             continue
         row[f"{label}_us"] = us[label]
         row[f"vs_{label}"] = us[label] / row["tuned_us"]      # > 1: we are faster
     if case.ceiling:
         label = case.ceiling[0]
         if isinstance(us[label], Exception):
-            row[f"{label}_error"] = f"{type(us[label]).__name__}: {str(us[label])[:120]}"
+            row[f"{label}_error"] = _error(us[label])
         else:
             row[f"{label}_us"] = us[label] * case.ceiling_scale
             row[f"frac_{label}"] = row[f"{label}_us"] / row["tuned_us"]
