@@ -77,7 +77,8 @@ def main(argv=None):
     b.add_argument("--json", default="bench-results/bench.json")
     b.add_argument("--plot", default=None, help="write a PNG (needs matplotlib)")
     b.add_argument("--match", action="append", help="only cases whose 'name mode' contains this "
-                   "(repeatable: any of them; case-insensitive), e.g. --match H32/8 --match Sq")
+                   "(repeatable: any of them; case-insensitive; a trailing $ anchors at the end), e.g. "
+                   "--match H32/8 --match 'D64 bf16 fwd$'")
     b.add_argument("--skip-peer", action="append", help="a baseline not to time (repeatable), "
                    "e.g. tilegym")
     c = sub.add_parser("cache", help="show or clear the persistent store")

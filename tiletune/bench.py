@@ -168,8 +168,14 @@ def _write(path, dev, rows, host):
                               for op, recs in autotune.records().items()}}, f, indent=1)
 
 
+def _matches(label, pattern):
+    """pattern in label; a trailing "$" anchors it at the end ("d128 bf16 fwd$": not fwd+bwd)."""
+    return label.endswith(pattern[:-1]) if pattern.endswith("$") else pattern in label
+
+
 def main(ops, json_path=None, plot_path=None, match=(), skip_peers=()):
-    """match: keep only cases whose "name mode" contains one of these (case-insensitive);
+    """match: keep only cases whose "name mode" contains one of these (case-insensitive; a
+    trailing "$" anchors at the end);
     skip_peers: baseline labels not to time (e.g. "tilegym", whose own first-call tuning is
     slow)."""
     import importlib
@@ -185,7 +191,7 @@ def main(ops, json_path=None, plot_path=None, match=(), skip_peers=()):
             continue
         for case in cases:
             label = f"{case.name} {case.mode}".lower()
-            if match and not any(m.lower() in label for m in match):
+            if match and not any(_matches(label, m.lower()) for m in match):
                 continue
             for peer in skip_peers:
                 case.baselines.pop(peer, None)

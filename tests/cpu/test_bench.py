@@ -62,3 +62,10 @@ def test_run_case_times_every_candidate_in_turns(clock):
     # after warm-up, the candidates take turns in blocks of 10 runs, 5 rounds
     blocks = clock.trace[-200::10]
     assert blocks == ["tuned", "fixed", "peer", "copy"] * 5
+
+
+def test_match_patterns():
+    label = "b4 h32 s4096 d128 bf16 causal fwd+bwd"
+    assert bench._matches(label, "d128 bf16 causal fwd")
+    assert not bench._matches(label, "d128 bf16 causal fwd$")
+    assert bench._matches("b4 h32 s4096 d128 bf16 fwd", "d128 bf16 fwd$")
