@@ -33,7 +33,12 @@ def tile_coords(tile, num_m, num_n, GROUP_M):
 def mainloop(a, b, z, m, n, acc, TM, TN, TK):
     """acc + a[z, m-tile, :] @ b[z, :, n-tile] in float32 (ct.mma: wgmma on sm_90). a (Z, M, K),
     b (Z, K, N), any strides; K need not be a multiple of TK (zero padding)."""
-    for kk in range(ct.cdiv(a.shape[2], TK)):
+    return mainloop_range(a, b, z, m, n, acc, TM, TN, TK, 0, ct.cdiv(a.shape[2], TK))
+
+
+def mainloop_range(a, b, z, m, n, acc, TM, TN, TK, k_first, k_end):
+    """mainloop over the K tiles [k_first, k_end) only (split-K)."""
+    for kk in range(k_first, k_end):
         at = ct.reshape(ct.load(a, (z, m, kk), (1, TM, TK), padding_mode=ZERO), (TM, TK))
         bt = ct.reshape(ct.load(b, (z, kk, n), (1, TK, TN), padding_mode=ZERO), (TK, TN))
         acc = ct.mma(at, bt, acc)
@@ -67,6 +72,40 @@ def matmul_persistent_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int]
         ct.store(c, (z, m, n), ct.reshape(acc.astype(c.dtype), (1, TM, TN)))
 
 
+@ct.kernel
+def matmul_splitk_kernel(a, b, w, TM: ct.Constant[int], TN: ct.Constant[int],
+                         TK: ct.Constant[int], GROUP_M: ct.Constant[int],
+                         SPLIT: ct.Constant[int]):
+    """Split-K partials for skinny products (few output tiles, long K): grid (tiles, Z, SPLIT);
+    CTA s sums its share of the K tiles into w[s * Z + z] (float32, (SPLIT * Z, M, N)).
+    splitk_reduce_kernel adds the SPLIT partials in a fixed order: deterministic."""
+    z = ct.bid(1)
+    s = ct.bid(2)
+    num_m = ct.cdiv(a.shape[1], TM)
+    num_n = ct.cdiv(b.shape[2], TN)
+    m, n = tile_coords(ct.bid(0), num_m, num_n, GROUP_M)
+    k_tiles = ct.cdiv(a.shape[2], TK)
+    per = ct.cdiv(k_tiles, SPLIT)
+    k_first = s * per
+    acc = mainloop_range(a, b, z, m, n, ct.zeros((TM, TN), ct.float32), TM, TN, TK, k_first,
+                         min(k_first + per, k_tiles))
+    ct.store(w, (s * a.shape[0] + z, m, n), ct.reshape(acc, (1, TM, TN)))
+
+
+@ct.kernel
+def splitk_reduce_kernel(w, c, TM: ct.Constant[int], TN: ct.Constant[int],
+                         SPLIT: ct.Constant[int]):
+    """c[z] = sum over s of w[s * Z + z], in the output dtype; grid (tiles, Z)."""
+    z = ct.bid(1)
+    num_n = ct.cdiv(c.shape[2], TN)
+    m = ct.bid(0) // num_n
+    n = ct.bid(0) - m * num_n
+    acc = ct.zeros((1, TM, TN), ct.float32)
+    for s in range(SPLIT):
+        acc = acc + ct.load(w, (s * c.shape[0] + z, m, n), (1, TM, TN), padding_mode=ZERO)
+    ct.store(c, (z, m, n), acc.astype(c.dtype))
+
+
 # ---------------------------------------------------------------------------------------------
 # Configs. Built from our own searches on an H200 (2026-11-26, 9 bench keys: 4096^3 ..
 # 16384x4096x14336, both B layouts, M = 16/128/512; per-config times and what each dimension
@@ -82,6 +121,8 @@ def matmul_persistent_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int]
 #     some key's winner in a search; kept while timings move that much between runs.
 #   - Never within 5% of a winner, dropped: 128x128x128, 128x64, 4-warp 128x256 / 256x128 in
 #     clusters, 64x32 at M <= 128, group_m 1, 64x256 (7%+), 128x128 8-warp persistent (20%+).
+#   - Split-K (below; branch matmul-splitk, not yet GPU-run) for M <= 128: the 64x128 winner
+#     at M = 16, N = 4096 runs 32 CTAs on 132 SMs and reaches 0.90x cuBLAS.
 # Single CTAs only for the persistent kernel (a cluster grid must be a cluster multiple).
 # Entries: (tm, tn, tk, occupancy, num_ctas, num_worker_warps or None, persistent). Default first.
 
@@ -107,6 +148,17 @@ SM100_SPACE = [e for e in SM90_SPACE if e[5] is None] + [(256, 256, 64, 1, 2, No
 # Anything else (sm_80, sm_12x: no wgmma, smaller shared memory): a conservative pair, never
 # measured here.
 OTHER_SPACE = [(128, 128, 32, 1, 1, None, False), (64, 128, 32, 2, 1, None, False)]
+# Split-K (sm_90, not yet measured): for keys with at most a wave of output tiles (M = 16,
+# N = 4096 has 32 tiles of 64x128 for 132 SMs) each tile's K range is shared by SPLIT CTAs that
+# write float32 partials, summed by a second kernel. Only where every split keeps >= 2 K tiles
+# and the partials stay <= 64 MiB. Entries: (tm, tn, tk, split).
+SM90_SPLITK = [(64, 128, 64, 2), (64, 128, 64, 4), (64, 128, 64, 8), (64, 64, 64, 2),
+               (64, 64, 64, 4), (128, 128, 64, 2)]
+SPLITK_MAX_TILES = 128
+SPLITK_MAX_BYTES = 64 << 20
+# The partials' sum is memory-bound: small tiles, many CTAs (M = 16, N = 4096: 128 CTAs).
+# 128x128 sum tiles spilled (184 B, sm_90).
+SUM_TILE = (8, 64)
 
 
 def matmul_configs(arch, m, n, k):
@@ -118,10 +170,20 @@ def matmul_configs(arch, m, n, k):
         if warps is not None:
             cfg.num_worker_warps = warps
         yield cfg
+    if major != 9:
+        return
+    for tm, tn, tk, split in SM90_SPLITK:
+        if (-(-m // tm) * -(-n // tn) <= SPLITK_MAX_TILES and -(-k // tk) >= 2 * split
+                and split * m * n * 4 <= SPLITK_MAX_BYTES):
+            yield SimpleNamespace(tm=tm, tn=tn, tk=tk, occupancy=1, num_ctas=1, group_m=8,
+                                  persistent=False, split=split)
 
 
 def kernel_for(cfg):
-    """The bare kernel a config runs (the engine applies its hints)."""
+    """The bare kernel a config runs (the engine applies its hints); a split-K config also runs
+    splitk_reduce_kernel after it."""
+    if getattr(cfg, "split", 1) > 1:
+        return matmul_splitk_kernel
     return matmul_persistent_kernel if cfg.persistent else matmul_kernel
 
 
@@ -139,7 +201,27 @@ def grid(cfg, M, N, Z, dev):
     tiles = -(-M // cfg.tm) * -(-N // cfg.tn)
     if cfg.persistent:
         return (max(1, min(tiles * Z, sm_count(dev) * cfg.occupancy)), 1)
-    return (tiles, Z)
+    split = getattr(cfg, "split", 1)
+    return (tiles, Z, split) if split > 1 else (tiles, Z)
+
+
+def run(cfg, kernel, a3, b3, c3, dev, w=None):
+    """Launch cfg's kernel(s) for c3 = a3 @ b3: one launch, or for split-K the partials into w
+    (float32 (split * Z, M, N); allocated here if not given) and their sum into c3."""
+    Z, M, _ = a3.shape
+    N = b3.shape[2]
+    split = getattr(cfg, "split", 1)
+    stream = current_stream(dev)
+    if split == 1:
+        ct.launch(stream, grid(cfg, M, N, Z, dev), kernel,
+                  (a3, b3, c3, cfg.tm, cfg.tn, cfg.tk, cfg.group_m))
+        return
+    if w is None:
+        w = torch.empty((split * Z, M, N), device=c3.device, dtype=torch.float32)
+    ct.launch(stream, grid(cfg, M, N, Z, dev), kernel,
+              (a3, b3, w, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, split))
+    ct.launch(stream, (-(-M // SUM_TILE[0]) * -(-N // SUM_TILE[1]), Z), splitk_reduce_kernel,
+              (w, c3, *SUM_TILE, split))
 
 
 def _layout(t):
@@ -156,12 +238,33 @@ def launch(a3, b3, c3):
     N = b3.shape[2]
     dev = a3.get_device()
     key = (bucket(M), N, K, Z > 1, a3.dtype, _layout(a3), _layout(b3), dev)
-    cfg, kernel = _matmul.cache.get(key) or _matmul.tune(key, a3, Search(
-        shape=dict(m=M, n=N, k=K), grid_fn=lambda c: grid(c, M, N, Z, dev),
-        args_fn=lambda c: (a3, b3, c3, c.tm, c.tn, c.tk, c.group_m),
-        work=Work(flops=2.0 * Z * M * N * K)))
-    ct.launch(current_stream(dev), grid(cfg, M, N, Z, dev), kernel,
-              (a3, b3, c3, cfg.tm, cfg.tn, cfg.tk, cfg.group_m))
+    cfg, kernel = _matmul.cache.get(key) or _matmul.tune(key, a3, _search(a3, b3, c3, dev))
+    run(cfg, kernel, a3, b3, c3, dev)
+
+
+def _search(a3, b3, c3, dev):
+    """The miss path's Search: split-K configs time their partials into scratch buffers (one per
+    split count, made when first needed); the final round runs each config's whole launch
+    sequence, the partials' sum included."""
+    Z, M, K = a3.shape
+    N = b3.shape[2]
+    scratch = {}
+
+    def partials(split):
+        if split not in scratch:
+            scratch[split] = torch.empty((split * Z, M, N), device=c3.device, dtype=torch.float32)
+        return scratch[split]
+
+    def args(c):
+        split = getattr(c, "split", 1)
+        if split == 1:
+            return (a3, b3, c3, c.tm, c.tn, c.tk, c.group_m)
+        return (a3, b3, partials(split), c.tm, c.tn, c.tk, c.group_m, split)
+    return Search(shape=dict(m=bucket(M), n=N, k=K), grid_fn=lambda c: grid(c, M, N, Z, dev),
+                  args_fn=args, work=Work(flops=2.0 * Z * M * N * K),
+                  run_fn=lambda c, kernel: run(c, kernel, a3, b3, c3, dev,
+                                               partials(c.split) if getattr(c, "split", 1) > 1
+                                               else None))
 
 
 def _mm(a, b):
@@ -274,6 +377,30 @@ def aot_cases():
     yield CompileCase("matmul", _matmul.build(persistent),
                       params(persistent, f16, 8, 1000, 1999, 777, True, False),
                       f"matmul persistent batched fp16 ragged A^T {vars(persistent)}")
+    def split_params(cfg, dt, Z, M, N, K, tb=False):
+        return [jit_array(dt, (Z, M, K)), jit_array(dt, (Z, K, N), (K * N, 1, K) if tb else None),
+                jit_array(torch.float32, (cfg.split * Z, M, N)), cfg.tm, cfg.tn, cfg.tk,
+                cfg.group_m, cfg.split]
+
+    def reduce_params(cfg, dt, Z, M, N):
+        return [jit_array(torch.float32, (cfg.split * Z, M, N)), jit_array(dt, (Z, M, N)),
+                *SUM_TILE, cfg.split]
+
+    sums = set()
+    for cfg in matmul_configs("sm_90", 16, 4096, 4096):
+        if getattr(cfg, "split", 1) > 1:
+            yield CompileCase("matmul", _matmul.build(cfg), split_params(cfg, bf, 1, 16, 4096, 4096),
+                              f"matmul split-K partials 16x4096x4096 bf16 {vars(cfg)}")
+            if cfg.split not in sums:
+                sums.add(cfg.split)
+                yield CompileCase("matmul", splitk_reduce_kernel,
+                                  reduce_params(cfg, bf, 1, 16, 4096),
+                                  f"matmul split-K sum of {cfg.split} 16x4096 bf16")
+    cfg = next(c for c in matmul_configs("sm_90", 128, 270, 2000) if getattr(c, "split", 1) > 1)
+    yield CompileCase("matmul", _matmul.build(cfg), split_params(cfg, f16, 3, 100, 270, 2000, True),
+                      f"matmul split-K partials batched fp16 ragged B^T {vars(cfg)}")
+    yield CompileCase("matmul", splitk_reduce_kernel, reduce_params(cfg, f16, 3, 100, 270),
+                      f"matmul split-K sum of {cfg.split} batched fp16 ragged")
     for cfg in matmul_configs("sm_80", 4096, 4096, 4096):
         yield CompileCase("matmul", _matmul.build(cfg), params(cfg, bf, 1, 4096, 4096, 4096),
                           f"matmul pre-Hopper default space {vars(cfg)}")

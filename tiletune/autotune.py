@@ -103,11 +103,14 @@ class Search:
     grid_fn: cfg -> grid.  args_fn: cfg -> kernel args (cheap: called for every sample;
              search with scratch outputs, split buffers for in-place kernels, never clones).
     work:    bytes/FLOPs of one launch, for the record's achieved rate.
+    run_fn:  (cfg, kernel) -> None, for configs that launch more than their kernel (split-K's
+             reduction): the final round times it instead of one launch of the kernel.
     """
     shape: dict
     grid_fn: Callable
     args_fn: Callable
     work: Optional[Work] = None
+    run_fn: Optional[Callable] = None
 
 
 @dataclasses.dataclass
@@ -309,6 +312,9 @@ class Autotuner:
         runs = []
         for i, c in enumerate(finalists):
             kernel = self.search_kernel(c).replace_hints(**self.hints(c))
+            if search.run_fn is not None:
+                runs.append((i, lambda c=c, k=kernel: search.run_fn(c, k), None))
+                continue
             grid, args = search.grid_fn(c), search.args_fn(c)
             runs.append((i, lambda k=kernel, g=grid, a=args: ct.launch(stream, g, k, a), None))
         reps = max(3, min(20, int(10000 / max(best_us, 1.0))))

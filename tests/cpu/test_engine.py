@@ -364,3 +364,14 @@ def test_a_failing_final_round_keeps_the_search_pick(env, monkeypatch, caplog):
     assert t.records[("k", 9)].best_us == 10.0
     assert "final round skipped: RuntimeError: CUDA out of memory" in caplog.text
     assert released == [1]          # the flush buffer is dropped either way
+
+
+def test_final_round_runs_the_ops_runner_when_given(env):
+    """Configs that launch more than their kernel (split-K's sum) are timed whole."""
+    ran = []
+    t = env.make()
+    s = Search(shape=dict(n=16), grid_fn=lambda c: (1,), args_fn=lambda c: (),
+               run_fn=lambda c, kernel: ran.append((c.occupancy, kernel._compiler_options.occupancy)))
+    cfg, _ = t.cache.get(("k", 10)) or t.tune(("k", 10), FakeTensor(), s)
+    assert ran == [(2, 2), (1, 1)]          # winner and default, each with its hinted kernel
+    assert [k._compiler_options.occupancy for _, _, k, _ in env.launches] == [2]   # warm launch

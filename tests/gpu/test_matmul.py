@@ -5,7 +5,7 @@ import torch
 from tiletune.ops import matmul as MM
 from tiletune.ops.matmul import matmul
 
-from .conftest import disable_autotune
+from .conftest import disable_autotune, poison_allocator
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}     # relative Frobenius error
 
@@ -38,25 +38,28 @@ def test_layouts_and_odd_sizes(fresh, monkeypatch, shape, ta, tb, dt, disable):
         monkeypatch.setenv("DISABLE_AUTOTUNE", "1")   # one tuned case per layout keeps this quick
     M, N, K = shape
     a, b = operand(M, K, dt, ta), operand(K, N, dt, tb)
+    poison_allocator(torch)
     c = matmul(a, b)
     assert c.shape == (M, N) and c.dtype == dt
     assert rel(c, a.float() @ b.float()) < TOL[dt]
 
 
-@pytest.mark.parametrize("M", [200, 100], ids=["M200", "M100"])
-def test_every_config_is_correct(fresh, monkeypatch, M):
+@pytest.mark.parametrize("M,K", [(200, 333), (100, 333), (16, 2000)],
+                         ids=["M200", "M100", "M16-K2000"])
+def test_every_config_is_correct(fresh, monkeypatch, M, K):
     """Each config of the sm_90 space (not only the ones searches picked), on a ragged batched
-    problem: tiles that overhang M, N and K, clusters, persistent grids, every batch index
-    written."""
+    problem: tiles that overhang M, N and K, clusters, persistent grids, split-K (2, 4 and 8
+    ways at K = 2000), every batch index written."""
     import tiletune
-    a = torch.randn(3, M, 333, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(3, 333, 270, device="cuda", dtype=torch.bfloat16).transpose(1, 2).contiguous() \
+    a = torch.randn(3, M, K, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(3, K, 270, device="cuda", dtype=torch.bfloat16).transpose(1, 2).contiguous() \
         .transpose(1, 2)                               # column-major B
     ref = a.float() @ b.float()
     monkeypatch.setenv("DISABLE_AUTOTUNE", "1")        # the "default" below is each config in turn
-    for cfg in MM.matmul_configs("sm_90", M, 270, 333):
+    for cfg in MM.matmul_configs("sm_90", M, 270, K):
         monkeypatch.setattr(MM._matmul, "configs", lambda arch, _c=cfg, **shape: iter([_c]))
         tiletune.clear_cache()
+        poison_allocator(torch)                        # unwritten outputs / partials show as NaN
         assert rel(matmul(a, b), ref) < TOL[torch.bfloat16], vars(cfg)
 
 
