@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Branch matmul-splitk (not yet run on a GPU): split-K configs for keys with at most a wave of
 # output tiles (decode/skinny M). First correctness (every config, split-K 2/4/8 at K = 2000,
-# ragged, batched; poisoned outputs), then the bench's skinny rows and two large ones (where
-# split-K configs are not in the space: a check that nothing else moved).
+# ragged, batched; poisoned outputs), then the bench's skinny rows and 4096^3 (where
+# split-K configs are not in the space at 4096^3: a check that nothing else moved).
 # Usage on the device: source .device/setup.sh; bash assets/scripts/gpu_splitk.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export TILETUNE_CACHE_DIR=/tmp/store PYTHONFAULTHANDLER=1 CUDA_TILE_COMPILER_TIMEOUT_SEC=60
