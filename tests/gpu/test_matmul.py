@@ -5,7 +5,7 @@ import torch
 from tiletune.ops import matmul as MM
 from tiletune.ops.matmul import matmul
 
-from .conftest import disable_autotune
+from .conftest import disable_autotune, poison_allocator
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}     # relative Frobenius error
 
@@ -38,6 +38,7 @@ def test_layouts_and_odd_sizes(fresh, monkeypatch, shape, ta, tb, dt, disable):
         monkeypatch.setenv("DISABLE_AUTOTUNE", "1")   # one tuned case per layout keeps this quick
     M, N, K = shape
     a, b = operand(M, K, dt, ta), operand(K, N, dt, tb)
+    poison_allocator(torch)
     c = matmul(a, b)
     assert c.shape == (M, N) and c.dtype == dt
     assert rel(c, a.float() @ b.float()) < TOL[dt]
@@ -57,6 +58,7 @@ def test_every_config_is_correct(fresh, monkeypatch, M):
     for cfg in MM.matmul_configs("sm_90", M, 270, 333):
         monkeypatch.setattr(MM._matmul, "configs", lambda arch, _c=cfg, **shape: iter([_c]))
         tiletune.clear_cache()
+        poison_allocator(torch)                        # unwritten outputs show as NaN
         assert rel(matmul(a, b), ref) < TOL[torch.bfloat16], vars(cfg)
 
 
