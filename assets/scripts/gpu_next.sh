@@ -5,7 +5,8 @@
 #    kept out of the op) under every op's tuned tests, alone on the GPU;
 # 3. RoPE leftovers from session 3: explore_rope2 and the in-place bench row.
 # Then, on branch fmha-pipelined (merge main first): assets/scripts/gpu_pipelined.sh (the
-# software-pipelined FMHA forward: correctness of every config, then the forward rows).
+# software-pipelined FMHA forward: correctness of every config, then the forward rows); on
+# branch matmul-splitk (merge main first): assets/scripts/gpu_splitk.sh (split-K for skinny M).
 # Usage on the device: source .device/setup.sh; bash assets/scripts/gpu_next.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export TILETUNE_CACHE_DIR=/tmp/store PYTHONFAULTHANDLER=1 CUDA_TILE_COMPILER_TIMEOUT_SEC=60
