@@ -123,7 +123,9 @@ def splitk_reduce_kernel(w, c, TM: ct.Constant[int], TN: ct.Constant[int],
 #     clusters, 64x32 at M <= 128, group_m 1, 64x256 (7%+), 128x128 8-warp persistent (20%+).
 #   - Split-K (below; branch matmul-splitk, not yet GPU-run) for M <= 128: the 64x128 winner
 #     at M = 16, N = 4096 runs 32 CTAs on 132 SMs and reaches 0.90x cuBLAS.
-# Single CTAs only for the persistent kernel (a cluster grid must be a cluster multiple).
+#   - Persistent 2-CTA clusters (branch, not yet GPU-run): 256x256 (8 warps) and 256x128 compile
+#     spill-free with multicast TMA loads (UTMALDG.MULTICAST) for sm_90; the grid is SMs / 2
+#     clusters.
 # Entries: (tm, tn, tk, occupancy, num_ctas, num_worker_warps or None, persistent). Default first.
 
 SM90_SPACE = [
@@ -137,6 +139,8 @@ SM90_SPACE = [
     (256, 128, 64, 1, 1, 8, True),
     (128, 128, 64, 1, 1, 8, False),
     (256, 256, 64, 1, 2, 8, False),           # 128x256 per CTA, pairs in a cluster
+    (256, 256, 64, 1, 2, 8, True),            # (not yet measured: persistent clusters, below)
+    (256, 128, 64, 1, 2, None, True),
     (64, 128, 64, 1, 1, None, False),
     (64, 128, 64, 2, 1, None, False),
     (64, 64, 64, 1, 1, None, False),
@@ -199,8 +203,8 @@ TUNERS = (_matmul,)
 def grid(cfg, M, N, Z, dev):
     """Launch grid for (Z, M, K) @ (Z, K, N) under cfg on device index dev."""
     tiles = -(-M // cfg.tm) * -(-N // cfg.tn)
-    if cfg.persistent:
-        return (max(1, min(tiles * Z, sm_count(dev) * cfg.occupancy)), 1)
+    if cfg.persistent:     # the grid counts clusters of num_ctas CTAs (one per logical tile)
+        return (max(1, min(tiles * Z, sm_count(dev) * cfg.occupancy // cfg.num_ctas)), 1)
     split = getattr(cfg, "split", 1)
     return (tiles, Z, split) if split > 1 else (tiles, Z)
 

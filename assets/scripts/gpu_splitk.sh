@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Branch matmul-splitk (not yet run on a GPU): split-K configs for keys with at most a wave of
+# Branch matmul-splitk (not yet run on a GPU): persistent 2-CTA-cluster configs, and split-K
+# configs for keys with at most a wave of
 # output tiles (decode/skinny M). First correctness (every config, split-K 2/4/8 at K = 2000,
 # ragged, batched; poisoned outputs), then the bench's skinny rows and 4096^3 (where
 # split-K configs are not in the space at 4096^3: a check that nothing else moved).
