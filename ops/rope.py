@@ -453,18 +453,13 @@ def bench_cases():
             pass
         qc, kc = q.contiguous(), k.contiguous()
         q_out, k_out = torch.empty_like(qc), torch.empty_like(kc)
-        cases.append(BenchCase(
-            "rope", f"B{B} Hq{Hq} Hkv{Hk} S{S} D{D} bf16", "fwd",
-            lambda: apply_rope(q, k, cos, sin),
-            {name: (lambda f=f: f(q, k, cos, sin)) for name, f in base.items()},
-            bytes=2 * (q.numel() + k.numel()) * 2 + 2 * S * D * 2,
-            ceiling=("copy", lambda: (q_out.copy_(qc), k_out.copy_(kc)))))
-        # In place, as Liger and TileGym rotate: the same peers, the same bytes.
         qi, ki = q.clone(), k.clone()
-        cases.append(BenchCase(
-            "rope", f"B{B} Hq{Hq} Hkv{Hk} S{S} D{D} bf16", "fwd inplace",
-            lambda: apply_rope(qi, ki, cos, sin, inplace=True),
-            {name: (lambda f=f: f(q, k, cos, sin)) for name, f in base.items()},
-            bytes=2 * (q.numel() + k.numel()) * 2 + 2 * S * D * 2,
-            ceiling=("copy", lambda: (q_out.copy_(qc), k_out.copy_(kc)))))
+        # out of place, and in place as Liger and TileGym rotate: the same peers and bytes
+        for mode, ours in (("fwd", lambda: apply_rope(q, k, cos, sin)),
+                           ("fwd inplace", lambda: apply_rope(qi, ki, cos, sin, inplace=True))):
+            cases.append(BenchCase(
+                "rope", f"B{B} Hq{Hq} Hkv{Hk} S{S} D{D} bf16", mode, ours,
+                {name: (lambda f=f: f(q, k, cos, sin)) for name, f in base.items()},
+                bytes=2 * (q.numel() + k.numel()) * 2 + 2 * S * D * 2,
+                ceiling=("copy", lambda: (q_out.copy_(qc), k_out.copy_(kc)))))
     return cases

@@ -26,6 +26,17 @@ def disable_autotune(monkeypatch):
     monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", lambda *a, **k: pytest.fail("search"))
 
 
+def each_config(monkeypatch, tuner, space):
+    """Yield each config of `space` with it installed as `tuner`'s only (default) config and the
+    caches cleared, under DISABLE_AUTOTUNE (any search fails the test): the every-config tests'
+    loop."""
+    disable_autotune(monkeypatch)
+    for cfg in space:
+        monkeypatch.setattr(tuner, "configs", lambda *a, _c=cfg, **kw: iter([_c]))
+        tiletune.clear_cache()
+        yield cfg
+
+
 def poison_allocator(torch):
     """Fill freed blocks of the caching allocator with NaN so unwritten outputs show up."""
     free = torch.cuda.mem_get_info()[0]

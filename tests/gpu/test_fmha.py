@@ -9,7 +9,7 @@ import torch
 from tiletune.ops import fmha as FM
 from tiletune.ops.fmha import fmha, scaled_dot_product_attention
 
-from .conftest import disable_autotune, poison_allocator
+from .conftest import disable_autotune, each_config, poison_allocator
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}     # relative Frobenius error
 
@@ -116,14 +116,9 @@ def test_forward_backward(fresh, monkeypatch, case, disable):
 def test_every_config_is_correct(fresh, monkeypatch, tuner):
     """Each sm_90 config of one kernel (the other two on their defaults), not only the ones
     searches picked: GQA 2:1, causal bottom-right with Sq < Sk, ragged lengths, D 128."""
-    import tiletune
     t = next(x for x in FM.TUNERS if x.name == tuner)
-    space = list(t.configs("sm_90", 128, 200, 333))
-    disable_autotune(monkeypatch)             # the "default" below is each config in turn
     q, k, v = make(1, 4, 2, 200, 333, 128, torch.bfloat16)
-    for cfg in space:
-        monkeypatch.setattr(t, "configs", lambda *a, _c=cfg, **kw: iter([_c]))
-        tiletune.clear_cache()
+    for _ in each_config(monkeypatch, t, list(t.configs("sm_90", 128, 200, 333))):
         check(q, k, v, True)
 
 

@@ -5,7 +5,7 @@ import torch
 from tiletune.ops import matmul as MM
 from tiletune.ops.matmul import matmul
 
-from .conftest import disable_autotune, poison_allocator
+from .conftest import disable_autotune, each_config, poison_allocator
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}     # relative Frobenius error
 
@@ -50,15 +50,11 @@ def test_every_config_is_correct(fresh, monkeypatch, M, K):
     """Each config of the sm_90 space (not only the ones searches picked), on a ragged batched
     problem: tiles that overhang M, N and K, clusters, persistent grids, split-K (2, 4 and 8
     ways at K = 2000), every batch index written."""
-    import tiletune
     a = torch.randn(3, M, K, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(3, K, 270, device="cuda", dtype=torch.bfloat16).transpose(1, 2).contiguous() \
         .transpose(1, 2)                               # column-major B
     ref = a.float() @ b.float()
-    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")        # the "default" below is each config in turn
-    for cfg in MM.matmul_configs("sm_90", M, 270, K):
-        monkeypatch.setattr(MM._matmul, "configs", lambda arch, _c=cfg, **shape: iter([_c]))
-        tiletune.clear_cache()
+    for cfg in each_config(monkeypatch, MM._matmul, list(MM.matmul_configs("sm_90", M, 270, K))):
         poison_allocator(torch)                        # unwritten outputs / partials show as NaN
         assert rel(matmul(a, b), ref) < TOL[torch.bfloat16], vars(cfg)
 

@@ -3,12 +3,10 @@ import cuda.tile.tune
 import pytest
 import torch
 
-import tiletune
-
 from tiletune.ops import rope as R
 from tiletune.ops.rope import apply_rope, apply_rotary_pos_emb
 
-from .conftest import disable_autotune, run_example_pair
+from .conftest import disable_autotune, each_config, run_example_pair
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -95,10 +93,7 @@ def test_every_config_is_correct(fresh, monkeypatch, shape, inplace):
     tuner = R._rope_inplace if inplace else R._rope
     space = list(R.rope_tile_configs("sm_90", Hq, R_))
     assert len({c.tile_s for c in space}) > 1
-    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")      # the "default" below is each config in turn
-    for cfg in space:
-        monkeypatch.setattr(tuner, "configs", lambda arch, _c=cfg, **shape: iter([_c]))
-        tiletune.clear_cache()
+    for cfg in each_config(monkeypatch, tuner, space):
         qi, ki = q.clone(), k.clone()           # HF-layout strides kept by clone
         qo, ko = apply_rope(qi, ki, cos, sin, inplace=inplace)
         assert rel(qo, rq) < TOL[torch.bfloat16] and rel(ko, rk) < TOL[torch.bfloat16], vars(cfg)
