@@ -105,12 +105,16 @@ class Search:
     work:    bytes/FLOPs of one launch, for the record's achieved rate.
     run_fn:  (cfg, kernel) -> None, for configs that launch more than their kernel (split-K's
              reduction): the final round times it instead of one launch of the kernel.
+    partly_timed: cfg -> bool, True where the search's time leaves out part of the config's
+             launch sequence (split-K's sum kernel). Such times are lower bounds, so the final
+             round's margin counts from the fastest fully timed config, which always joins it.
     """
     shape: dict
     grid_fn: Callable
     args_fn: Callable
     work: Optional[Work] = None
     run_fn: Optional[Callable] = None
+    partly_timed: Optional[Callable] = None
 
 
 @dataclasses.dataclass
@@ -278,7 +282,7 @@ class Autotuner:
         failures += [{"config": config_dict(c), "error": t.__name__, "message": msg}
                      for c, t, msg in result.failures]
         best, best_us, final = result.best.config, result.best.mean_us, []
-        finalists = self._finalists(result, cfgs[0])
+        finalists = self._finalists(result, cfgs[0], search.partly_timed)
         if len(finalists) > 1:
             try:
                 with torch.cuda.device(dev):
@@ -299,10 +303,14 @@ class Autotuner:
         return best, record
 
     @staticmethod
-    def _finalists(result, default):
+    def _finalists(result, default, partly_timed=None):
         ranked = sorted(result.successes, key=lambda m: m.mean_us)
-        cut = ranked[0].mean_us * (1 + FINAL_MARGIN)
+        whole = [m for m in ranked if not (partly_timed and partly_timed(m.config))]
+        anchor = (whole or ranked)[0]
+        cut = anchor.mean_us * (1 + FINAL_MARGIN)
         finalists = [m.config for m in ranked[:FINALISTS] if m.mean_us <= cut]
+        if anchor.config not in finalists:
+            finalists.append(anchor.config)
         if default not in finalists and any(m.config is default for m in ranked):
             finalists.append(default)
         return finalists

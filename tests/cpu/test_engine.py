@@ -375,3 +375,15 @@ def test_final_round_runs_the_ops_runner_when_given(env):
     cfg, _ = t.cache.get(("k", 10)) or t.tune(("k", 10), FakeTensor(), s)
     assert ran == [(2, 2), (1, 1)]          # winner and default, each with its hinted kernel
     assert [k._compiler_options.occupancy for _, _, k, _ in env.launches] == [2]   # warm launch
+
+
+def test_partly_timed_configs_count_the_margin_from_the_fastest_whole_one(env):
+    """A split-K config's search time leaves out its sum kernel, so it is a lower bound: the
+    margin counts from the fastest fully timed config, which joins the final round."""
+    env.fake.best_occ = 4          # search: occ 4 10 us (partly timed), occ 2 12 us, occ 1 13 us
+    t = env.make()
+    s = Search(shape=dict(n=16), grid_fn=lambda c: (1,), args_fn=lambda c: (),
+               run_fn=lambda c, kernel: None, partly_timed=lambda c: c.occupancy == 4)
+    t.cache.get(("k", 11)) or t.tune(("k", 11), FakeTensor(), s)
+    # without partly_timed only occ 4 and the default would be timed again (occ 2 is 20% behind)
+    assert sorted(f["config"]["occupancy"] for f in t.records[("k", 11)].final) == [1, 2, 4]
