@@ -112,13 +112,16 @@ def test_forward_backward(fresh, monkeypatch, case, disable):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tuner", ["fmha_fwd", "fmha_bwd_dq", "fmha_bwd_dkdv"])
-def test_every_config_is_correct(fresh, monkeypatch, tuner):
+@pytest.mark.parametrize("tuner,d,sq,sk", [("fmha_fwd", 128, 200, 333), ("fmha_fwd", 64, 333, 200),
+                                          ("fmha_bwd_dq", 128, 200, 333),
+                                          ("fmha_bwd_dkdv", 128, 200, 333)])
+def test_every_config_is_correct(fresh, monkeypatch, tuner, d, sq, sk):
     """Each sm_90 config of one kernel (the other two on their defaults), not only the ones
-    searches picked: GQA 2:1, causal bottom-right with Sq < Sk, ragged lengths, D 128."""
+    searches picked: GQA 2:1, causal bottom-right, ragged lengths; the forward also at D 64 with
+    Sq > Sk (its first 133 rows see no key)."""
     t = next(x for x in FM.TUNERS if x.name == tuner)
-    q, k, v = make(1, 4, 2, 200, 333, 128, torch.bfloat16)
-    for _ in each_config(monkeypatch, t, list(t.configs("sm_90", 128, 200, 333))):
+    q, k, v = make(1, 4, 2, sq, sk, d, torch.bfloat16)
+    for _ in each_config(monkeypatch, t, list(t.configs("sm_90", d, sq, sk))):
         check(q, k, v, True)
 
 
