@@ -9,6 +9,6 @@ TILETUNE_LOG=1 timeout -s INT 230 python3 -m tiletune bench matmul \
    --json "$OUT/bench_mm.json" >"$OUT/bench_mm.log" 2>&1
 grep -E "^\{|failed" "$OUT/bench_mm.log" | cut -c1-600
 TILETUNE_LOG=1 timeout -s INT 200 python3 -m tiletune bench fmha --skip-peer tilegym \
-   --match "S4096 D128 bf16 fwd+bwd" --match "S4096 D128 bf16 causal fwd+bwd" \
+   --match "H32 S4096 D128 bf16 fwd+bwd" --match "H32 S4096 D128 bf16 causal fwd+bwd" \
    --json "$OUT/bench_fmha.json" >"$OUT/bench_fmha.log" 2>&1
 grep -E "^\{|failed" "$OUT/bench_fmha.log" | cut -c1-700
