@@ -10,7 +10,7 @@ import torch
 
 from tiletune import validate
 from tiletune.autotune import Autotuner, Search, Work, bucket
-from tiletune.device import current_stream, sm_count
+from tiletune.device import current_stream, major, sm_count
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -168,15 +168,15 @@ SUM_TILE = (8, 64)
 
 
 def matmul_configs(arch, m, n, k):
-    major = int(arch[3:]) // 10 if arch.startswith("sm_") and arch[3:].isdigit() else 0
-    space = SM90_SPACE if major == 9 else SM100_SPACE if major == 10 else OTHER_SPACE
+    mj = major(arch)
+    space = SM90_SPACE if mj == 9 else SM100_SPACE if mj == 10 else OTHER_SPACE
     for tm, tn, tk, occ, nc, warps, persistent in space:
         cfg = SimpleNamespace(tm=tm, tn=tn, tk=tk, occupancy=occ, num_ctas=nc, group_m=8,
                               persistent=persistent)
         if warps is not None:
             cfg.num_worker_warps = warps
         yield cfg
-    if major != 9:
+    if mj != 9:
         return
     for tm, tn, tk, split in SM90_SPLITK:
         if (-(-m // tm) * -(-n // tn) <= SPLITK_MAX_TILES and -(-k // tk) >= 2 * split

@@ -29,6 +29,12 @@ def arch(device=None):
     return _arch_of_index(_index(device if device is not None else torch.cuda.current_device()))
 
 
+def major(arch_name):
+    """The compute capability's major number of an arch string ("sm_90" -> 9; 0 if unknown)."""
+    digits = arch_name[3:]
+    return int(digits) // 10 if arch_name.startswith("sm_") and digits.isdigit() else 0
+
+
 _SM_COUNT = {}
 
 

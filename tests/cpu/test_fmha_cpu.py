@@ -13,10 +13,12 @@ GENS = {"fwd": FM.fwd_configs, "dq": FM.dq_configs, "dkdv": FM.dkdv_configs}
 
 
 def spaces():
-    for arch, td, (sq, sk), (kind, gen) in itertools.product(
+    for arch, td, (sq, sk), (kind, gen), causal in itertools.product(
             ("sm_90", "sm_100", "sm_120", "sm_80"), (16, 32, 64, 128, 256),
-            ((4096, 4096), (1, 4096), (4096, 1), (64, 64), (128, 16384)), GENS.items()):
-        yield f"{kind} {arch} TD{td} Sq{sq} Sk{sk}", arch, sq, sk, list(gen(arch, td, sq, sk))
+            ((4096, 4096), (1, 4096), (4096, 1), (64, 64), (128, 16384)), GENS.items(),
+            (False, True)):
+        yield (f"{kind} {arch} TD{td} Sq{sq} Sk{sk}{' causal' if causal else ''}", arch, sq, sk,
+               list(gen(arch, td, sq, sk, causal=causal)))
 
 
 @pytest.mark.parametrize("label,arch,sq,sk,cfgs", list(spaces()),
@@ -48,10 +50,22 @@ def test_aot_covers_every_sm90_and_sm100_config_at_d128():
     labels = [c.label for c in FM.aot_cases()]
     for kind, gen in GENS.items():
         for arch in ("sm_90", "sm_100"):
-            for cfg in gen(arch, 128):
+            for cfg in gen(arch, 128, causal=True):
                 assert any(f"fmha {kind} " in lb and str(vars(cfg)) in lb for lb in labels), \
                     (kind, arch, vars(cfg))
-    assert len(labels) <= 60 + 2, "keep the CI's FMHA compiles near 120 (two archs)"
+    assert len(labels) <= 60 + 4, "keep the CI's FMHA compiles near 120 (two archs)"
+
+
+def test_heavy_first_only_for_causal_forward_on_sm90():
+    """The query-tile order is a forward, causal-only trial: non-causal tiles all cost the same."""
+    plain = list(FM.fwd_configs("sm_90", 128))
+    causal = list(FM.fwd_configs("sm_90", 128, causal=True))
+    assert causal[:len(plain)] == plain
+    heavy = causal[len(plain):]
+    assert [(c.tm, c.tn, c.occupancy) for c in heavy] == [(128, 128, 1), (64, 128, 2)]
+    assert all(c.heavy_first for c in heavy)
+    assert not any(hasattr(c, "heavy_first") for c in FM.fwd_configs("sm_100", 128, causal=True))
+    assert not any(hasattr(c, "heavy_first") for c in FM.dq_configs("sm_90", 128, causal=True))
 
 
 def brute_pairs(sq, sk, causal, offset):
