@@ -224,21 +224,24 @@ def fmha_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, qk_scale, scale, offse
 # not) for their head-dim tile TD (64 stands for every TD <= 64); tiles with spills were dropped
 # (e.g. D128 fwd 128x128 with 4 warps: 440 B stack; D256 fwd 128x128: 96 B with 8 warps, 4.6 KB
 # with 4; D64 fwd/dQ 128x64 at occupancy 2 with 8 warps: 8/128 B when causal). The
-# two 2-CTA-cluster forward configs compile to 128-row CTAs in pairs (the 256-row block is split
-# across the cluster): kept only until a search shows whether they ever win. Forward key tiles of
-# 256 (session 5): 64x256 compiles spill-free with 4 warps (255 registers) and 8 (168) at D128
-# and D64, 128x256 with 8 warps at D64 (at D128 it spills 232-320 B).
+# 2-CTA-cluster forward configs compile to 128-row CTAs in pairs (the 256-row block is split
+# across the cluster). 256x128 in a cluster never won but comes close in searches (H100: 1.003x
+# the winner at D128, 10.8% behind it in the final round); 128x128 in a cluster ran 2.2-2.4x the
+# winner's time on the H200 and the H100 and was dropped (session 5). Forward key tiles of
+# 256 compile spill-free (64x256 with 4 warps: 255 registers, 8 warps: 168, D128 and D64;
+# 128x256 with 8 warps at D64) and lost every H100 search (session 5): 1.31-1.59x (64x256, 4
+# warps), 1.81-2.20x (8 warps), 1.12-1.20x (128x256, D64) the winner's time. Not in the space.
 # Entries: (tm, tn, occupancy, num_worker_warps[, num_ctas]).
 
 SM90_SPACES = {
     ("fwd", 128): [(128, 128, 1, 8), (128, 64, 1, 8), (128, 64, 1, 4), (256, 64, 1, 8),
                    (64, 128, 1, 8), (64, 128, 2, 8), (64, 128, 1, 4), (64, 128, 2, 4),
                    (64, 64, 1, 8), (64, 64, 2, 8), (64, 64, 2, 4), (128, 32, 1, 8),
-                   (256, 128, 1, 8, 2), (128, 128, 1, 8, 2), (64, 256, 1, 4), (64, 256, 1, 8)],
+                   (256, 128, 1, 8, 2)],
     ("fwd", 64): [(128, 128, 1, 8), (128, 128, 1, 4), (128, 64, 1, 8), (128, 64, 1, 4),
                   (128, 64, 2, 4), (256, 64, 1, 8), (256, 32, 1, 8), (64, 128, 1, 8),
                   (64, 128, 2, 8), (64, 128, 2, 4), (64, 64, 2, 8), (64, 64, 2, 4),
-                  (256, 128, 1, 8, 2), (64, 256, 1, 4), (64, 256, 1, 8), (128, 256, 1, 8)],
+                  (256, 128, 1, 8, 2)],
     ("fwd", 256): [(128, 64, 1, 8), (128, 32, 1, 8), (64, 128, 1, 8), (64, 128, 1, 4),
                    (64, 64, 1, 8), (64, 64, 1, 4), (64, 32, 1, 8)],
     ("dq", 128): [(128, 64, 1, 8), (128, 128, 1, 8), (128, 32, 1, 8), (128, 32, 1, 4),
