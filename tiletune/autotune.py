@@ -281,13 +281,17 @@ class Autotuner:
                     for c, etype, msg in pre_failed]
         failures += [{"config": config_dict(c), "error": t.__name__, "message": msg}
                      for c, t, msg in result.failures]
-        best, best_us, final = result.best.config, result.best.mean_us, []
-        finalists = self._finalists(result, cfgs[0], search.partly_timed)
+        ranked = sorted(result.successes, key=lambda m: m.mean_us)
+        # A partly timed config (its search time is a lower bound) wins only in the final round.
+        anchor = next((m for m in ranked
+                       if not (search.partly_timed and search.partly_timed(m.config))), ranked[0])
+        best, best_us, final = anchor.config, anchor.mean_us, []
+        finalists = self._finalists(ranked, anchor, cfgs[0])
         if len(finalists) > 1:
             try:
                 with torch.cuda.device(dev):
                     final = self._final_round(finalists, search, stream, best_us)
-            except Exception as e:     # e.g. no memory left for the L2 flush: keep the search's pick
+            except Exception as e:     # e.g. no memory left for the L2 flush: keep the anchor
                 log.info("%s %s: final round skipped: %s: %s", self.name, key,
                          type(e).__name__, str(e)[:200])
                 final = []
@@ -303,10 +307,9 @@ class Autotuner:
         return best, record
 
     @staticmethod
-    def _finalists(result, default, partly_timed=None):
-        ranked = sorted(result.successes, key=lambda m: m.mean_us)
-        whole = [m for m in ranked if not (partly_timed and partly_timed(m.config))]
-        anchor = (whole or ranked)[0]
+    def _finalists(ranked, anchor, default):
+        """The anchor (the fastest fully timed config), the configs within FINAL_MARGIN of it (at
+        most FINALISTS, fastest first) and the default."""
         cut = anchor.mean_us * (1 + FINAL_MARGIN)
         finalists = [m.config for m in ranked[:FINALISTS] if m.mean_us <= cut]
         if anchor.config not in finalists:

@@ -387,3 +387,14 @@ def test_partly_timed_configs_count_the_margin_from_the_fastest_whole_one(env):
     t.cache.get(("k", 11)) or t.tune(("k", 11), FakeTensor(), s)
     # without partly_timed only occ 4 and the default would be timed again (occ 2 is 20% behind)
     assert sorted(f["config"]["occupancy"] for f in t.records[("k", 11)].final) == [1, 2, 4]
+
+
+def test_without_a_final_round_a_partly_timed_config_does_not_win(env):
+    """Its search time is a lower bound: if the final round fails, the fastest whole one wins."""
+    env.fake.best_occ = 4          # search: occ 4 10 us (partly timed), occ 2 12 us, occ 1 13 us
+    env.final.times = RuntimeError("CUDA out of memory")
+    t = env.make()
+    s = Search(shape=dict(n=16), grid_fn=lambda c: (1,), args_fn=lambda c: (),
+               run_fn=lambda c, kernel: None, partly_timed=lambda c: c.occupancy == 4)
+    cfg, _ = t.cache.get(("k", 12)) or t.tune(("k", 12), FakeTensor(), s)
+    assert cfg.occupancy == 2 and t.records[("k", 12)].best_us == 12.0
