@@ -185,10 +185,15 @@ def matmul_configs(arch, m, n, k):
                                   persistent=False, split=split)
 
 
+def split_of(cfg):
+    """How many CTAs share each output tile's K range (1: no split-K)."""
+    return getattr(cfg, "split", 1)
+
+
 def kernel_for(cfg):
     """The bare kernel a config runs (the engine applies its hints); a split-K config also runs
     splitk_reduce_kernel after it."""
-    if getattr(cfg, "split", 1) > 1:
+    if split_of(cfg) > 1:
         return matmul_splitk_kernel
     return matmul_persistent_kernel if cfg.persistent else matmul_kernel
 
@@ -207,8 +212,15 @@ def grid(cfg, M, N, Z, dev):
     tiles = -(-M // cfg.tm) * -(-N // cfg.tn)
     if cfg.persistent:     # the grid counts clusters of num_ctas CTAs (one per logical tile)
         return (max(1, min(tiles * Z, sm_count(dev) * cfg.occupancy // cfg.num_ctas)), 1)
-    split = getattr(cfg, "split", 1)
+    split = split_of(cfg)
     return (tiles, Z, split) if split > 1 else (tiles, Z)
+
+
+def kernel_args(cfg, a3, b3, c3, w):
+    """Arguments of cfg's kernel: it writes c3, or for split-K the float32 partials w."""
+    if split_of(cfg) == 1:
+        return (a3, b3, c3, cfg.tm, cfg.tn, cfg.tk, cfg.group_m)
+    return (a3, b3, w, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, split_of(cfg))
 
 
 def run(cfg, kernel, a3, b3, c3, dev, w=None):
@@ -216,18 +228,14 @@ def run(cfg, kernel, a3, b3, c3, dev, w=None):
     (float32 (split * Z, M, N); allocated here if not given) and their sum into c3."""
     Z, M, _ = a3.shape
     N = b3.shape[2]
-    split = getattr(cfg, "split", 1)
-    stream = current_stream(dev)
-    if split == 1:
-        ct.launch(stream, grid(cfg, M, N, Z, dev), kernel,
-                  (a3, b3, c3, cfg.tm, cfg.tn, cfg.tk, cfg.group_m))
-        return
-    if w is None:
+    split = split_of(cfg)
+    if split > 1 and w is None:
         w = torch.empty((split * Z, M, N), device=c3.device, dtype=torch.float32)
-    ct.launch(stream, grid(cfg, M, N, Z, dev), kernel,
-              (a3, b3, w, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, split))
-    ct.launch(stream, (-(-M // SUM_TILE[0]) * -(-N // SUM_TILE[1]), Z), splitk_reduce_kernel,
-              (w, c3, *SUM_TILE, split))
+    stream = current_stream(dev)
+    ct.launch(stream, grid(cfg, M, N, Z, dev), kernel, kernel_args(cfg, a3, b3, c3, w))
+    if split > 1:
+        ct.launch(stream, (-(-M // SUM_TILE[0]) * -(-N // SUM_TILE[1]), Z), splitk_reduce_kernel,
+                  (w, c3, *SUM_TILE, split))
 
 
 def _layout(t):
@@ -256,22 +264,16 @@ def _search(a3, b3, c3, dev):
     N = b3.shape[2]
     scratch = {}
 
-    def partials(split):
-        if split not in scratch:
+    def partials(c):
+        split = split_of(c)
+        if split > 1 and split not in scratch:
             scratch[split] = torch.empty((split * Z, M, N), device=c3.device, dtype=torch.float32)
-        return scratch[split]
-
-    def args(c):
-        split = getattr(c, "split", 1)
-        if split == 1:
-            return (a3, b3, c3, c.tm, c.tn, c.tk, c.group_m)
-        return (a3, b3, partials(split), c.tm, c.tn, c.tk, c.group_m, split)
+        return scratch.get(split)
     return Search(shape=dict(m=bucket(M), n=N, k=K), grid_fn=lambda c: grid(c, M, N, Z, dev),
-                  args_fn=args, work=Work(flops=2.0 * Z * M * N * K),
-                  run_fn=lambda c, kernel: run(c, kernel, a3, b3, c3, dev,
-                                               partials(c.split) if getattr(c, "split", 1) > 1
-                                               else None),
-                  partly_timed=lambda c: getattr(c, "split", 1) > 1)   # the search skips the sum
+                  args_fn=lambda c: kernel_args(c, a3, b3, c3, partials(c)),
+                  work=Work(flops=2.0 * Z * M * N * K),
+                  run_fn=lambda c, kernel: run(c, kernel, a3, b3, c3, dev, partials(c)),
+                  partly_timed=lambda c: split_of(c) > 1)      # the search skips the sum
 
 
 def _mm(a, b):
@@ -395,7 +397,7 @@ def aot_cases():
 
     sums = set()
     for cfg in matmul_configs("sm_90", 16, 4096, 4096):
-        if getattr(cfg, "split", 1) > 1:
+        if split_of(cfg) > 1:
             yield CompileCase("matmul", _matmul.build(cfg), split_params(cfg, bf, 1, 16, 4096, 4096),
                               f"matmul split-K partials 16x4096x4096 bf16 {vars(cfg)}")
             if cfg.split not in sums:
@@ -403,7 +405,7 @@ def aot_cases():
                 yield CompileCase("matmul", splitk_reduce_kernel,
                                   reduce_params(cfg, bf, 1, 16, 4096),
                                   f"matmul split-K sum of {cfg.split} 16x4096 bf16")
-    cfg = next(c for c in matmul_configs("sm_90", 128, 270, 2000) if getattr(c, "split", 1) > 1)
+    cfg = next(c for c in matmul_configs("sm_90", 128, 270, 2000) if split_of(c) > 1)
     yield CompileCase("matmul", _matmul.build(cfg), split_params(cfg, f16, 3, 100, 270, 2000, True),
                       f"matmul split-K partials batched fp16 ragged B^T {vars(cfg)}")
     yield CompileCase("matmul", splitk_reduce_kernel, reduce_params(cfg, f16, 3, 100, 270),
