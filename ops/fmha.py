@@ -19,9 +19,6 @@
 # B*Hkv) and loops over the query tiles of every q head of its group, so GQA needs no atomics or
 # reduction over heads. P is recomputed from LSE2 in both.
 #
-# Not yet measured on a GPU: the config spaces below are built from the register budget and
-# checked by compiling (spill-free on sm_90 per `cuobjdump -res-usage`); the searches decide.
-#
 # No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
 import math
 from types import SimpleNamespace
@@ -30,8 +27,10 @@ import cuda.tile as ct
 import torch
 
 from tiletune import validate
-from tiletune.autotune import Autotuner, Search, Work, bucket, next_pow2
-from tiletune.device import current_stream, major
+from tiletune.autotune import Autotuner, Work, bucket
+from tiletune.device import major
+from tiletune.space import cdiv, next_pow2, table
+from tiletune.torch_op import TrainableOp
 
 ZERO = ct.PaddingMode.ZERO
 LOG2E = 1.4426950408889634
@@ -215,24 +214,18 @@ def fmha_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, qk_scale, scale, offse
 # Configs: (tm, tn) = (query tile, key tile) in every kernel (the dK/dV kernel owns a key tile
 # and loops over query tiles), occupancy, num_worker_warps, num_ctas. Default first.
 #
-# sm_90 keeps every MMA accumulator in registers: the forward holds O (tm x D) and S (tm x tn)
-# in float32, the dQ kernel dQ (tm x D) plus S and dP (tm x tn), the dK/dV kernel dK and dV
-# (tn x D each) plus S^T and dP^T (tn x tm). tileiras 13.4 gives 4 worker warps 255 registers a
-# thread and 8 worker warps 168 (occupancy 1); occupancy 2 halves that or, when the tile cannot
-# fit, is ignored (same cubin as occupancy 1: left out here). The lists below are the candidates
-# that compiled spill-free (STACK 0 in `cuobjdump -res-usage`, B4 H32 S4096 bf16, causal and
-# not) for their head-dim tile TD (64 stands for every TD <= 64); tiles with spills were dropped
-# (e.g. D128 fwd 128x128 with 4 warps: 440 B stack; D256 fwd 128x128: 96 B with 8 warps, 4.6 KB
-# with 4; D64 fwd/dQ 128x64 at occupancy 2 with 8 warps: 8/128 B when causal). The
-# 2-CTA-cluster forward configs compile to 128-row CTAs in pairs (the 256-row block is split
-# across the cluster). 256x128 in a cluster never won but comes close in searches (H100: 1.003x
-# the winner at D128, 10.8% behind it in the final round); 128x128 in a cluster ran 2.2-2.4x the
-# winner's time on the H200 and the H100 and was dropped (session 5). Forward key tiles of
-# 256 compile spill-free (64x256 with 4 warps: 255 registers, 8 warps: 168, D128 and D64;
-# 128x256 with 8 warps at D64) and lost every H100 search (session 5): 1.31-1.59x (64x256, 4
-# warps), 1.81-2.20x (8 warps), 1.12-1.20x (128x256, D64) the winner's time. Not in the space.
-# Entries: (tm, tn, occupancy, num_worker_warps[, num_ctas]).
+# sm_90 keeps every MMA accumulator in registers (forward: O tm x D and S tm x tn in float32;
+# dQ: dQ, S and dP; dK/dV: dK and dV tn x D, S^T and dP^T). 4 worker warps get 255 registers a
+# thread, 8 get 168; occupancy 2 halves that, or is ignored when the tile cannot fit (same cubin
+# as occupancy 1: left out). Only spill-free entries are listed (STACK 0 in
+# `cuobjdump -res-usage`), per kernel and head-dim tile (64 stands for every TD <= 64). Spills
+# removed 128x128 with 4 warps (D128 forward) or any warps (D256 forward, dK/dV), 256-row tiles
+# at D256 and 128x64 at occupancy 2 with 8 warps (D64 forward/dQ, causal). Measured and dropped:
+# forward key tiles of 256 and 128x128 in a 2-CTA cluster; 256x128 in a cluster (128-row CTAs
+# in pairs) stays, close to the winner at D128. Numbers: references/parameter-space-design.md
+# (FMHA) and references/kernel-type-templates.md (Attention).
 
+FIELDS = ("tm", "tn", "occupancy", "num_worker_warps", "num_ctas")
 SM90_SPACES = {
     ("fwd", 128): [(128, 128, 1, 8), (128, 64, 1, 8), (128, 64, 1, 4), (256, 64, 1, 8),
                    (64, 128, 1, 8), (64, 128, 2, 8), (64, 128, 1, 4), (64, 128, 2, 4),
@@ -261,7 +254,7 @@ SM90_SPACES = {
     ("dkdv", 256): [(64, 64, 1, 8), (32, 64, 1, 8)],
 }
 # sm_100 (compile-checked only): accumulators live in tensor memory, not registers, so larger
-# tiles and 2-CTA clusters are plausible; worker warps are left to the compiler.
+# tiles and 2-CTA clusters are plausible; worker warps are left to the compiler (None).
 SM100_SPACES = {
     "fwd": [(128, 128, 1), (256, 128, 1), (256, 128, 1, None, 2)],
     "dq": [(128, 64, 1), (128, 128, 1), (64, 64, 2)],
@@ -271,13 +264,7 @@ SM100_SPACES = {
 OTHER_SPACES = {"fwd": [(64, 64, 2, 4), (128, 64, 1, 4)],
                 "dq": [(64, 64, 2, 4), (128, 64, 1, 4)],
                 "dkdv": [(64, 64, 2, 4), (64, 128, 1, 4)]}
-
-
-def _cfg(tm, tn, occ, warps=None, nc=1):
-    c = SimpleNamespace(tm=tm, tn=tn, occupancy=occ, num_ctas=nc)
-    if warps is not None:
-        c.num_worker_warps = warps
-    return c
+DEFAULT = SimpleNamespace(tm=64, tn=64, occupancy=2, num_worker_warps=4, num_ctas=1)
 
 
 def head_tile(d):
@@ -285,7 +272,7 @@ def head_tile(d):
     return max(16, next_pow2(d))
 
 
-def _space(kind, arch, td, sq, sk):
+def _entries(kind, arch, td, sq, sk):
     mj = major(arch)
     if mj == 9:
         entries = SM90_SPACES[(kind, 64 if td <= 64 else td)]
@@ -302,8 +289,7 @@ def _space(kind, arch, td, sq, sk):
     if not fits:
         e = entries[0]
         fits = [(min(e[0], cap_m), min(e[1], cap_n), *e[2:4])]
-    for e in fits:
-        yield _cfg(*e)
+    yield from table(FIELDS, fits, num_ctas=1)
 
 
 # Causal forward only: the query tiles' order (heaviest first) for the entries that won or came
@@ -312,7 +298,7 @@ HEAVY_FIRST_TRIALS = [(64, 128, 2, 4), (128, 128, 1, 8)]     # (tm, tn, occupanc
 
 
 def fwd_configs(arch, td, sq=4096, sk=4096, causal=False):
-    cfgs = list(_space("fwd", arch, td, sq, sk))
+    cfgs = list(_entries("fwd", arch, td, sq, sk))
     yield from cfgs
     if causal and major(arch) == 9:
         for c in cfgs:
@@ -322,26 +308,18 @@ def fwd_configs(arch, td, sq=4096, sk=4096, causal=False):
 
 
 def dq_configs(arch, td, sq=4096, sk=4096, causal=False):
-    yield from _space("dq", arch, td, sq, sk)
+    yield from _entries("dq", arch, td, sq, sk)
 
 
 def dkdv_configs(arch, td, sq=4096, sk=4096, causal=False):
-    yield from _space("dkdv", arch, td, sq, sk)
-
-
-_fwd = Autotuner("fmha_fwd", fmha_fwd_kernel, fwd_configs, default=_cfg(64, 64, 2, 4))
-_dq = Autotuner("fmha_bwd_dq", fmha_bwd_dq_kernel, dq_configs, default=_cfg(64, 64, 2, 4))
-_dkdv = Autotuner("fmha_bwd_dkdv", fmha_bwd_dkdv_kernel, dkdv_configs,
-                  default=_cfg(64, 64, 2, 4))
-TUNERS = (_fwd, _dq, _dkdv)
+    yield from _entries("dkdv", arch, td, sq, sk)
 
 
 # ---------------------------------------------------------------------------------------------
-# Host launch.
-
-def _cdiv(a, b):
-    return -(-a // b)
-
+# Launches. A tuner's inputs are its kernel's arguments without the tile sizes, in the kernel's
+# order (so offset is third from the end, then td and causal); its grid and arguments are
+# declared once, the engine looks the config up (or tunes it) and launches. The forward and dQ kernels own a query
+# tile of one q head, the dK/dV kernel a key tile of one kv head.
 
 def visible_pairs(sq, sk, causal, offset):
     """Number of (query, key) pairs that are not masked (for FLOP counts)."""
@@ -352,6 +330,51 @@ def visible_pairs(sq, sk, causal, offset):
     full = min(max(sk - offset - 1, lo), sq)       # first row that sees all sk keys
     n = full - lo                                  # rows lo..full-1 see i + offset + 1 keys
     return n * (lo + offset + 1) + n * (n - 1) // 2 + (sq - full) * sk
+
+
+def _shape(q, k, *rest):
+    """The config generators' arguments."""
+    td, causal = rest[-2:]
+    return dict(td=td, sq=bucket(q.shape[2]), sk=bucket(k.shape[2]), causal=causal)
+
+
+def _pair_work(flops):
+    """Work of a launch that does `flops` x D FLOPs per visible (query, key) pair and q head."""
+    def work(q, k, *rest):
+        B, hq, sq, d = q.shape
+        offset, causal = rest[-3], rest[-1]
+        return Work(flops=flops * B * hq * d * visible_pairs(sq, k.shape[2], causal, offset))
+    return work
+
+
+def _query_grid(c, dev, q, *rest):
+    return (cdiv(q.shape[2], c.tm), q.shape[0] * q.shape[1])
+
+
+def _key_grid(c, dev, q, k, *rest):
+    return (cdiv(k.shape[2], c.tn), k.shape[0] * k.shape[1])
+
+
+def _fwd_args(c, q, k, v, o, lse, qk_scale, offset, td, causal):
+    return (q, k, v, o, lse, qk_scale, offset, c.tm, c.tn, td, causal,
+            getattr(c, "heavy_first", False))
+
+
+def _dq_args(c, q, k, v, o, do, lse, delta, dq, qk_scale, scale, offset, td, causal):
+    return (q, k, v, o, do, lse, delta, dq, qk_scale, scale, offset, c.tm, c.tn, td, causal)
+
+
+def _dkdv_args(c, q, k, v, do, lse, delta, dk, dv, qk_scale, scale, offset, td, causal):
+    return (q, k, v, do, lse, delta, dk, dv, qk_scale, scale, offset, c.tm, c.tn, td, causal)
+
+
+_fwd = Autotuner("fmha_fwd", fmha_fwd_kernel, fwd_configs, default=DEFAULT, space=_shape,
+                 grid=_query_grid, args=_fwd_args, work=_pair_work(4.0))
+_dq = Autotuner("fmha_bwd_dq", fmha_bwd_dq_kernel, dq_configs, default=DEFAULT, space=_shape,
+                grid=_query_grid, args=_dq_args, work=_pair_work(6.0))
+_dkdv = Autotuner("fmha_bwd_dkdv", fmha_bwd_dkdv_kernel, dkdv_configs, default=DEFAULT,
+                  space=_shape, grid=_key_grid, args=_dkdv_args, work=_pair_work(8.0))
+TUNERS = (_fwd, _dq, _dkdv)
 
 
 def _key(q, k, causal, offset):
@@ -369,145 +392,22 @@ def _flat(t):
 
 
 def launch_fwd(q, k, v, o, lse, causal, offset, scale):
-    B, hq, sq, d = q.shape
-    sk = k.shape[2]
-    td = head_tile(d)
-    qk_scale = scale * LOG2E
-    lse2 = _flat(lse)
-    key = _key(q, k, causal, offset)
-
-    def grid(c):
-        return (_cdiv(sq, c.tm), B * hq)
-
-    def args(c):
-        return (q, k, v, o, lse2, qk_scale, offset, c.tm, c.tn, td, causal,
-                getattr(c, "heavy_first", False))
-    cfg, kernel = _fwd.cache.get(key) or _fwd.tune(key, q, Search(
-        shape=dict(td=td, sq=bucket(sq), sk=bucket(sk), causal=causal), grid_fn=grid,
-        args_fn=args,
-        work=Work(flops=4.0 * B * hq * d * visible_pairs(sq, sk, causal, offset))))
-    ct.launch(current_stream(q.get_device()), grid(cfg), kernel, args(cfg))
+    """o (like q) and lse (B, Hq, Sq) float32 written in place."""
+    _fwd.launch(_key(q, k, causal, offset), q.get_device(), q, k, v, o, _flat(lse),
+                scale * LOG2E, offset, head_tile(q.shape[3]), causal)
 
 
 def launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale):
-    B, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    td = head_tile(d)
-    qk_scale = scale * LOG2E
-    lse2 = _flat(lse)
-    key = _key(q, k, causal, offset)
-    dev = q.get_device()
-
-    def search(grid_fn, args_fn, pair_flops):   # built only on a cache miss
-        return Search(shape=dict(td=td, sq=bucket(sq), sk=bucket(sk), causal=causal),
-                      grid_fn=grid_fn, args_fn=args_fn,
-                      work=Work(flops=pair_flops * B * hq * d *
-                                visible_pairs(sq, sk, causal, offset)))
-
-    def dq_grid(c):
-        return (_cdiv(sq, c.tm), B * hq)
-
-    def dq_args(c):
-        return (q, k, v, o, do, lse2, delta, dq, qk_scale, scale, offset, c.tm, c.tn, td, causal)
-    cfg, kernel = _dq.cache.get(key) or _dq.tune(key, q, search(dq_grid, dq_args, 6.0))
-    ct.launch(current_stream(dev), dq_grid(cfg), kernel, dq_args(cfg))   # also writes delta
-
-    def kv_grid(c):
-        return (_cdiv(sk, c.tn), B * hkv)
-
-    def kv_args(c):
-        return (q, k, v, do, lse2, delta, dk, dv, qk_scale, scale, offset, c.tm, c.tn, td, causal)
-    cfg, kernel = _dkdv.cache.get(key) or _dkdv.tune(key, q, search(kv_grid, kv_args, 8.0))
-    ct.launch(current_stream(dev), kv_grid(cfg), kernel, kv_args(cfg))
-
-
-def _forward(q, k, v, causal, offset, scale):
-    """(o laid out like q, lse (B, Hq, Sq) float32 in base 2)."""
-    B, hq, sq, _ = q.shape
-    o = torch.empty_like(q)
-    lse = torch.empty((B, hq, sq), device=q.device, dtype=torch.float32)
-    if o.numel() == 0:
-        return o, lse
-    if k.shape[2] == 0:                  # no keys at all: every row is fully masked
-        o.zero_()
-        lse.fill_(POS_INF)
-        return o, lse
-    launch_fwd(q, k, v, o, lse, causal, offset, scale)
-    return o, lse
-
-
-def _backward(do, q, k, v, o, lse, causal, offset, scale):
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if 0 in do.stride() and do.numel():  # expanded gradients (e.g. of .sum()): one real copy
-        do = do.contiguous()
-    if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    B, hq, sq, _ = q.shape
-    delta = torch.empty((B * hq, sq), device=q.device, dtype=torch.float32)
-    launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale)
-    return dq, dk, dv
+    """dq, dk, dv and delta (B*Hq, Sq) float32 written in place. The dQ kernel runs (and on a
+    miss is tuned) first: it writes delta, which the dK/dV kernel reads."""
+    key, dev = _key(q, k, causal, offset), q.get_device()
+    lse2, qk_scale, td = _flat(lse), scale * LOG2E, head_tile(q.shape[3])
+    _dq.launch(key, dev, q, k, v, o, do, lse2, delta, dq, qk_scale, scale, offset, td, causal)
+    _dkdv.launch(key, dev, q, k, v, do, lse2, delta, dk, dv, qk_scale, scale, offset, td, causal)
 
 
 # ---------------------------------------------------------------------------------------------
-# Autograd (eager) and the custom op (torch.compile).
-
-class FMHAFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, offset, scale):
-        o, lse = _forward(q, k, v, causal, offset, scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (causal, offset, scale)
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(do, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, None, None, None
-
-
-@torch.library.custom_op("tiletune::fmha_fwd", mutates_args=())
-def _fmha_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, offset: int,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, causal, offset, scale)
-
-
-@_fmha_fwd_op.register_fake
-def _(q, k, v, causal, offset, scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-@torch.library.custom_op("tiletune::fmha_bwd", mutates_args=())
-def _fmha_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 o: torch.Tensor, lse: torch.Tensor, causal: bool, offset: int,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(do, q, k, v, o, lse, causal, offset, scale)
-
-
-@_fmha_bwd_op.register_fake
-def _(do, q, k, v, o, lse, causal, offset, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _op_setup(ctx, inputs, output):
-    q, k, v, causal, offset, scale = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.args = (causal, offset, scale)
-
-
-def _op_backward(ctx, do, dlse):
-    # lse is an auxiliary output for the backward: not differentiable (its gradient is ignored)
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _fmha_bwd_op(do, q, k, v, o, lse, *ctx.args)
-    return dq, dk, dv, None, None, None
-
-
-_fmha_fwd_op.register_autograd(_op_backward, setup_context=_op_setup)
-
-
-# ---------------------------------------------------------------------------------------------
-# Public functions.
+# Host side: validation, outputs, empty inputs.
 
 def _check(op, q, k, v, scale):
     dts = (torch.bfloat16, torch.float16)
@@ -541,12 +441,51 @@ def _check(op, q, k, v, scale):
     return float(scale)
 
 
-def _attention(q, k, v, causal, offset, scale):
-    if torch.compiler.is_compiling():
-        return _fmha_fwd_op(q, k, v, causal, offset, scale)[0]
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return FMHAFunction.apply(q, k, v, causal, offset, scale)
-    return _forward(q, k, v, causal, offset, scale)[0]
+def _forward(q, k, v, causal, offset, scale):
+    """(o laid out like q, lse (B, Hq, Sq) float32 in base 2)."""
+    B, hq, sq, _ = q.shape
+    o = torch.empty_like(q)
+    lse = torch.empty((B, hq, sq), device=q.device, dtype=torch.float32)
+    if o.numel() == 0:
+        return o, lse
+    if k.shape[2] == 0:                  # no keys at all: every row is fully masked
+        o.zero_()
+        lse.fill_(POS_INF)
+        return o, lse
+    launch_fwd(q, k, v, o, lse, causal, offset, scale)
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, causal, offset, scale):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if 0 in do.stride() and do.numel():  # expanded gradients (e.g. of .sum()): one real copy
+        do = do.contiguous()
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    B, hq, sq, _ = q.shape
+    delta = torch.empty((B * hq, sq), device=q.device, dtype=torch.float32)
+    launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd, custom op and the public functions. lse is only for the backward (not
+# differentiable).
+
+_fmha = TrainableOp(
+    "tiletune::fmha", forward=_forward,
+    forward_schema="(Tensor q, Tensor k, Tensor v, bool causal, SymInt offset, float scale) "
+                   "-> (Tensor, Tensor)",
+    forward_fake=lambda q, k, v, causal, offset, scale: (
+        torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)),
+    save=lambda args, results: ((*args[:3], *results), args[3:]),
+    backward=lambda needs, do, q, k, v, o, lse, causal, offset, scale: _backward(
+        do, q, k, v, o, lse, causal, offset, scale),
+    backward_schema="(bool[] needs, Tensor grad, Tensor q, Tensor k, Tensor v, Tensor o, "
+                    "Tensor lse, bool causal, SymInt offset, float scale) "
+                    "-> (Tensor, Tensor, Tensor)",
+    backward_fake=lambda needs, do, q, k, v, o, lse, causal, offset, scale: (
+        torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
 
 
 def fmha(q, k, v, *, causal=False, scale=None):
@@ -567,7 +506,7 @@ def fmha(q, k, v, *, causal=False, scale=None):
     scale = _check("fmha", q, k, v, scale)
     causal = bool(causal)
     offset = k.shape[2] - q.shape[2] if causal else 0
-    return _attention(q, k, v, causal, offset, scale)
+    return _fmha(q, k, v, causal, offset, scale)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -596,139 +535,4 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise ValueError(f"{op}: key heads ({key.shape[1]}) differ from query heads "
                          f"({query.shape[1]}); pass enable_gqa=True for GQA/MQA")
     offset = key.shape[2] - query.shape[2] if (causal and lower_right) else 0
-    return _attention(query, key, value, causal, offset, scale)
-
-
-# ---------------------------------------------------------------------------------------------
-# Ahead-of-time compile cases (CI compiles each for sm_90 and sm_100). Inputs in HF's layout
-# ((B, S, H, D) storage seen as (B, H, S, D)), outputs laid out like their input, LSE2/delta
-# (B*H, S) float32. Every sm_90 config of the three kernels at B4 H32 S4096 D128 bf16 causal;
-# the sm_100 and fallback configs not already in it; then each kernel's default for non-causal,
-# D64 fp16, a ragged Sq/Sk (1000/4097: no 16-divisible shapes, LSE rows without TMA), GQA 32/8,
-# D256, and the forward for decode (Sq = 1) and D80 (zero-padded to 128).
-
-def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, heavy_first=False):
-    """The signature the JIT specializes `kind`'s kernel on for inputs in HF's layout (outputs
-    laid out like their inputs, LSE2/delta (B*Hq, Sq) float32), constants in place."""
-    from cuda.tile.compilation import ScalarConstraint
-    from tiletune.aot import F32, jit_array
-    i32 = ScalarConstraint(ct.int32)
-
-    def hf(H, S):
-        return jit_array(dt, (B, H, S, d), (S * H * d, d, H * d, 1))
-    q, kv = hf(hq, sq), hf(hkv, sk)
-    rows = jit_array(torch.float32, (B * hq, sq))
-    tail = [tm, tn, head_tile(d), causal]
-    if kind == "fwd":
-        return [q, kv, kv, q, rows, F32, i32] + tail + [heavy_first]
-    if kind == "dq":
-        return [q, kv, kv, q, q, rows, rows, q, F32, F32, i32] + tail
-    return [q, kv, kv, q, rows, rows, kv, kv, F32, F32, i32] + tail
-
-
-def aot_cases():
-    from tiletune.aot import CompileCase
-
-    def params(kind, cfg, *shape):
-        return aot_params(kind, cfg.tm, cfg.tn, *shape, getattr(cfg, "heavy_first", False))
-
-    tuners = {"fwd": _fwd, "dq": _dq, "dkdv": _dkdv}
-    gens = {"fwd": fwd_configs, "dq": dq_configs, "dkdv": dkdv_configs}
-    bf, f16 = torch.bfloat16, torch.float16
-    head = (bf, 4, 32, 32, 4096, 4096, 128, True)
-    for kind, gen in gens.items():
-        seen = []
-        for arch in ("sm_90", "sm_100", "sm_80"):
-            for cfg in gen(arch, 128, causal=True):
-                if cfg in seen:
-                    continue
-                seen.append(cfg)
-                yield CompileCase("fmha", tuners[kind].build(cfg), params(kind, cfg, *head),
-                                  f"fmha {kind} {arch} space B4 H32 S4096 D128 bf16 causal "
-                                  f"{vars(cfg)}")
-    variants = [  # label, kinds, (dtype, B, Hq, Hkv, Sq, Sk, D, causal)
-        ("non-causal", ("fwd", "dkdv"), (bf, 4, 32, 32, 4096, 4096, 128, False)),
-        ("D64 fp16 causal", ("fwd", "dq", "dkdv"), (f16, 8, 16, 16, 2048, 2048, 64, True)),
-        ("ragged Sq1000 Sk4097 causal", ("fwd", "dq", "dkdv"),
-         (bf, 2, 8, 8, 1000, 4097, 128, True)),
-        ("GQA 32/8 causal", ("fwd", "dkdv"), (bf, 4, 32, 8, 4096, 4096, 128, True)),
-        ("D256 causal", ("fwd", "dq", "dkdv"), (bf, 2, 8, 8, 2048, 2048, 256, True)),
-        ("decode Sq1 Sk4097", ("fwd",), (bf, 4, 32, 8, 1, 4097, 128, False)),
-        ("D80 (padded to 128)", ("fwd",), (bf, 2, 32, 32, 2048, 2048, 80, True)),
-    ]
-    for label, kinds, shape in variants:
-        dt, B, hq, hkv, sq, sk, d, causal = shape
-        for kind in kinds:
-            cfg = next(gens[kind]("sm_90", head_tile(d), bucket(sq), bucket(sk)))
-            yield CompileCase("fmha", tuners[kind].build(cfg), params(kind, cfg, *shape),
-                              f"fmha {kind} {label} default {vars(cfg)}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Benchmarks (python -m tiletune bench fmha): torch SDPA per backend (flash, cuDNN, efficient)
-# and TileGym's cuTile attention when importable, forward and forward+backward. FLOPs count the
-# visible (unmasked) pairs: 4 * B * Hq * pairs * D forward (causal square ~ half of Sq * Sk),
-# backward 2.5x forward.
-
-BENCH_SHAPES = (  # B, Hq, Hkv, Sq, Sk, D, causal
-    (4, 32, 32, 4096, 4096, 128, False), (4, 32, 32, 4096, 4096, 128, True),
-    (8, 16, 16, 2048, 2048, 64, False), (8, 16, 16, 2048, 2048, 64, True),
-    (4, 32, 8, 4096, 4096, 128, True),          # GQA 4:1
-    (4, 32, 32, 1024, 4096, 128, True),         # Sq != Sk: chunked prefill, bottom-right
-)
-
-
-def _tilegym():
-    try:
-        from tilegym.ops.cutile.attention import tile_fmha, tile_fmha_with_backward
-        return tile_fmha, tile_fmha_with_backward
-    except Exception:
-        return None
-
-
-def bench_cases():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
-    from tiletune.bench import BenchCase
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    backends = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
-                "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
-    tg = _tilegym()
-    cases = []
-    for B, hq, hkv, sq, sk, d, causal in BENCH_SHAPES:
-        dt = torch.bfloat16
-        q = torch.randn(B, sq, hq, d, device="cuda", dtype=dt).transpose(1, 2)   # HF layout
-        k = torch.randn(B, sk, hkv, d, device="cuda", dtype=dt).transpose(1, 2)
-        v = torch.randn(B, sk, hkv, d, device="cuda", dtype=dt).transpose(1, 2)
-        do = torch.randn(B, hq, sq, d, device="cuda", dtype=dt)
-        name = (f"B{B} H{hq}" + (f"/{hkv}" if hkv != hq else "") +
-                (f" S{sq}" if sq == sk else f" Sq{sq} Sk{sk}") + f" D{d} bf16" +
-                (" causal" if causal else ""))
-        # torch's is_causal aligns top-left; for Sq != Sk the bottom-right mask is a CausalBias
-        mask = causal_lower_right(sq, sk) if causal and sq != sk else None
-        kw = dict(attn_mask=mask, is_causal=causal and mask is None, enable_gqa=hkv != hq)
-
-        def torch_fn(backend, kw=kw):
-            def f(q, k, v):
-                with sdpa_kernel(backend):
-                    return sdpa(q, k, v, **kw)
-            return f
-        fns = {label: torch_fn(b) for label, b in backends.items()}
-        ours = lambda q, k, v, c=causal: fmha(q, k, v, causal=c)
-        fwd_peers = dict(fns)
-        bwd_peers = dict(fns)
-        if tg is not None and sq == sk:        # TileGym's causal assumes Sq == Sk here
-            fwd_peers["tilegym"] = lambda q, k, v, c=causal: tg[0](q, k, v, is_causal=c)
-            bwd_peers["tilegym"] = lambda q, k, v, c=causal: tg[1](q, k, v, is_causal=c)
-        flops = 4.0 * B * hq * d * visible_pairs(sq, sk, causal, sk - sq)
-        cases.append(BenchCase("fmha", name, "fwd", lambda f=ours, q=q, k=k, v=v: f(q, k, v),
-                               {lb: (lambda f=f, q=q, k=k, v=v: f(q, k, v))
-                                for lb, f in fwd_peers.items()}, flops=flops))
-        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-
-        def step(f, qg=qg, kg=kg, vg=vg, do=do):   # grad(): no accumulation into .grad
-            return lambda: torch.autograd.grad(f(qg, kg, vg), (qg, kg, vg), do)
-        cases.append(BenchCase("fmha", name, "fwd+bwd", step(ours),
-                               {lb: step(f) for lb, f in bwd_peers.items()},
-                               flops=3.5 * flops))
-    return cases
+    return _fmha(query, key, value, causal, offset, scale)

@@ -4,18 +4,21 @@
 # Backward: dn = rope^T(dy); dx = r*g - x*r^3*mean(g*x) with g = dn*w; dw = sum over b,s,h of dn*x*r.
 #
 # No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
-from types import SimpleNamespace
-
 import cuda.tile as ct
 import torch
 
-from tiletune.autotune import Autotuner, Search, Work, bucket, next_pow2
-from tiletune.device import current_stream
-from tiletune.ops.rms_norm import launch_column_sum
 from tiletune import validate
-from tiletune.ops.rope import _at, _prepare, ctas
+from tiletune.autotune import Autotuner, Work, bucket
+from tiletune.ops.partials import sum_rows
+from tiletune.ops.rotary import ctas, position_at, prepare
+from tiletune.space import next_pow2, table
+from tiletune.torch_op import TrainableOp
 
 ZERO = ct.PaddingMode.ZERO
+
+# ---------------------------------------------------------------------------------------------
+# Kernels. One CTA handles one (batch, position) at a time: all q heads, then all k heads, with
+# the cos/sin row read once (ops/rotary.py gathers it). Persistent or one CTA per position.
 
 
 def _heads(x, b, s, lo, hi, TILE_H, TILE, LATENCY):
@@ -64,7 +67,8 @@ def rms_norm_rope_fwd(q, k, wq, wk, cos, sin, pos, q_out, k_out, rstd_q, rstd_k,
     rstd_q (B, Hq, S), rstd_k (B, Hk, S) float32 for the backward."""
     S = q.shape[2]
     for bs in range(ct.bid(0), q.shape[0] * S, ct.num_blocks(0)):
-        b, s, c1, c2, s1, s2 = _at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS, False)
+        b, s, c1, c2, s1, s2 = position_at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS,
+                                             False)
         _norm_rope(q, wq, q_out, rstd_q, b, s, half, inv_d, eps, c1, c2, s1, s2,
                    TILE_HQ, TILE_R, TILE_P, HAS_REST, LATENCY)
         _norm_rope(k, wk, k_out, rstd_k, b, s, half, inv_d, eps, c1, c2, s1, s2,
@@ -124,7 +128,8 @@ def rms_norm_rope_bwd(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in
     ak2 = ct.zeros((1, TILE_R), ct.float32)
     akp = ct.zeros((1, TILE_P), ct.float32)
     for bs in range(ct.bid(0), q.shape[0] * S, ct.num_blocks(0)):
-        b, s, c1, c2, s1, s2 = _at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS, False)
+        b, s, c1, c2, s1, s2 = position_at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS,
+                                             False)
         d1, d2, dp = _norm_rope_bwd(dq, q, wq, rstd_q, dq_in, b, s, half, inv_d, c1, c2, s1, s2,
                                     TILE_HQ, TILE_R, TILE_P, HAS_REST, LATENCY)
         aq1, aq2, aqp = aq1 + d1, aq2 + d2, aqp + dp
@@ -136,112 +141,118 @@ def rms_norm_rope_bwd(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in
 
 
 # ---------------------------------------------------------------------------------------------
-# Configs: grid shape x occupancy x ct.load latency hint. H200, B4 Hq32 Hkv8 S4096 D128 bf16
-# forward: a persistent grid at occupancy 2 won (167.5 us; occupancy 4: 208.7, 1: 267.8; one CTA
-# per position at occupancy 2/4: 262.5/233.2; occupancy 8/16: 834-852, dropped). The latency
-# hint cut the plain RoPE kernel's time by 5-37% (assets/scripts/explore_rope.py); here it is
-# searched, default first without a strong hint (1), as measured.
+# Configs: grid shape x occupancy x ct.load latency hint. Default: persistent grid at occupancy 2,
+# latency 1, the winner at B4 Hq32 Hkv8 S4096 D128 bf16; occupancy 8-16 lost 5x and is left out.
+# Measurements: references/parameter-space-design.md ("Fused RMSNorm+RoPE").
 
 def fused_configs(arch, heads, rot):
-    cfg = lambda occ, persistent, lat: SimpleNamespace(occupancy=occ, persistent=persistent,
-                                                       latency=lat)
-    yield cfg(2, True, 1)
-    for occ, lat in ((2, 5), (2, 10), (4, 1), (4, 5), (4, 10), (1, 5), (1, 10)):
-        yield cfg(occ, True, lat)
-    for occ in (2, 4):
-        yield cfg(occ, False, 5)
+    yield from table(("occupancy", "persistent", "latency"),
+                     ((2, True, 1), (2, True, 5), (2, True, 10), (4, True, 1), (4, True, 5),
+                      (4, True, 10), (1, True, 5), (1, True, 10), (2, False, 5), (4, False, 5)))
 
 
 DEFAULT = next(fused_configs("sm_90", 40, 128))
-_fwd = Autotuner("rms_norm_rope_fwd", rms_norm_rope_fwd, fused_configs, default=DEFAULT)
-_bwd = Autotuner("rms_norm_rope_bwd", rms_norm_rope_bwd, fused_configs, default=DEFAULT)
+
+# ---------------------------------------------------------------------------------------------
+# Launches. cos/sin (B, S', rot) views, pos (B, S) int32 or None (the kernels then get cos in
+# its place, unused). The backward's dweight partials (one row per CTA, q's then k's) are one
+# (2, CTAs, D) float32 scratch buffer, summed over the CTAs by partials.sum_rows.
+
+
+def _tiles(q, k, rot):
+    """TILE_HQ, TILE_HK, TILE_R, TILE_P."""
+    return (next_pow2(q.shape[1]), next_pow2(k.shape[1]), next_pow2(rot // 2),
+            next_pow2(max(q.shape[3] - rot, 1)))
+
+
+def _grid(c, dev, x, *rest):
+    return (ctas(c, x.shape[0] * x.shape[2], dev),)
+
+
+def _fwd_args(c, q, k, wq, wk, cos, sin, pos, q_out, k_out, rstd_q, rstd_k, rot, eps):
+    D = q.shape[3]
+    return (q, k, wq, wk, cos, sin, cos if pos is None else pos, q_out, k_out, rstd_q, rstd_k,
+            rot // 2, 1.0 / D, eps, *_tiles(q, k, rot), pos is not None, rot < D, c.latency)
+
+
+def _bwd_args(c, dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in, dk_in, rot, partial):
+    D = q.shape[3]
+    return (dq, dk, q, k, wq, wk, cos, sin, cos if pos is None else pos, rstd_q, rstd_k, dq_in,
+            dk_in, partial[0], partial[1], rot // 2, 1.0 / D, *_tiles(q, k, rot), pos is not None,
+            rot < D, c.latency)
+
+
+_fwd = Autotuner(
+    "rms_norm_rope_fwd", rms_norm_rope_fwd, fused_configs, default=DEFAULT,
+    space=lambda q, k, *rest: dict(heads=q.shape[1] + k.shape[1], rot=rest[-2]),
+    grid=_grid, args=_fwd_args,
+    work=lambda q, k, *rest: Work(bytes=2 * (q.numel() + k.numel()) * q.element_size()))
+_bwd = Autotuner(
+    "rms_norm_rope_bwd", rms_norm_rope_bwd, fused_configs, default=DEFAULT,
+    space=lambda dq, dk, *rest: dict(heads=dq.shape[1] + dk.shape[1], rot=rest[-1]),
+    scratch=lambda c, dev, dq, *rest: ((2, _grid(c, dev, dq)[0], dq.shape[3]), torch.float32),
+    grid=_grid, args=_bwd_args,
+    work=lambda dq, dk, *rest: Work(bytes=3 * (dq.numel() + dk.numel()) * dq.element_size()))
 TUNERS = (_fwd, _bwd)
 
 
 # ---------------------------------------------------------------------------------------------
-# Host launches.
-
-def _tiles(q, k, rot):
-    D = q.shape[3]
-    return [next_pow2(q.shape[1]), next_pow2(k.shape[1]), next_pow2(rot // 2),
-            next_pow2(max(D - rot, 1))]
-
+# Host side: outputs, empty inputs, the weight-gradient sums. Validation and cos/sin/position_ids
+# normalization are shared with rope (ops/rotary.py: prepare).
 
 def _forward(q, k, wq, wk, cos, sin, pos, rot, eps):
+    """(q_out, k_out, rstd_q (B, Hq, S), rstd_k (B, Hk, S) float32)."""
     B, Hq, S, D = q.shape
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    rstd_q = torch.empty((B, q.shape[1], S), device=q.device, dtype=torch.float32)
+    rstd_q = torch.empty((B, Hq, S), device=q.device, dtype=torch.float32)
     rstd_k = torch.empty((B, k.shape[1], S), device=q.device, dtype=torch.float32)
-    if B * S == 0:
-        return q_out, k_out, rstd_q, rstd_k
-    dev = q.get_device()
-    has_pos = pos is not None
-    flags = [has_pos, rot < D]
-    args = (q, k, wq, wk, cos, sin, pos if has_pos else cos, q_out, k_out, rstd_q, rstd_k,
-            rot // 2, 1.0 / D, float(eps), *_tiles(q, k, rot), *flags)     # + the latency hint
-    key = (q.shape[1], k.shape[1], D, rot, bucket(B * S), q.dtype, wq.dtype,
-           cos.dtype, has_pos, dev)
-    cfg, kernel = _fwd.cache.get(key) or _fwd.tune(key, q, Search(
-        shape=dict(heads=Hq + k.shape[1], rot=rot), grid_fn=lambda c: (ctas(c, B * S, dev),),
-        args_fn=lambda c: args + (c.latency,),
-        work=Work(bytes=2 * (q.numel() + k.numel()) * q.element_size())))
-    ct.launch(current_stream(dev), (ctas(cfg, B * S, dev),), kernel, args + (cfg.latency,))
+    if B * S:
+        dev = q.get_device()
+        key = (Hq, k.shape[1], D, rot, bucket(B * S), q.dtype, wq.dtype, cos.dtype,
+               pos is not None, dev)
+        _fwd.launch(key, dev, q, k, wq, wk, cos, sin, pos, q_out, k_out, rstd_q, rstd_k, rot, eps)
     return q_out, k_out, rstd_q, rstd_k
 
 
 def _backward(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, rot):
+    """(dq_in, dk_in, dwq, dwk): input gradients like q and k, weight gradients like wq, wk."""
     B, Hq, S, D = q.shape
     dq_in, dk_in = torch.empty_like(q), torch.empty_like(k)
     dwq, dwk = torch.empty_like(wq), torch.empty_like(wk)
     if B * S == 0:
         return dq_in, dk_in, dwq.zero_(), dwk.zero_()
     dev = q.get_device()
-    has_pos = pos is not None
-    key = (Hq, k.shape[1], D, rot, bucket(B * S), q.dtype, dq.dtype, wq.dtype,
-           cos.dtype, has_pos, dev)
-
-    def args(c, partial_q, partial_k):
-        return (dq, dk, q, k, wq, wk, cos, sin, pos if has_pos else cos, rstd_q, rstd_k, dq_in,
-                dk_in, partial_q, partial_k, rot // 2, 1.0 / D, *_tiles(q, k, rot), has_pos,
-                rot < D, c.latency)
-
-    def search():
-        g = max(ctas(c, B * S, dev) for c in fused_configs("", 0, 0))
-        pq = torch.empty((g, D), device=q.device, dtype=torch.float32)
-        pk = torch.empty((g, D), device=q.device, dtype=torch.float32)
-        return Search(shape=dict(heads=Hq + k.shape[1], rot=rot),
-                      grid_fn=lambda c: (ctas(c, B * S, dev),),
-                      args_fn=lambda c: args(c, pq[:ctas(c, B * S, dev)], pk[:ctas(c, B * S, dev)]),
-                      work=Work(bytes=3 * (q.numel() + k.numel()) * q.element_size()))
-    cfg, kernel = _bwd.cache.get(key) or _bwd.tune(key, q, search())
-    g = ctas(cfg, B * S, dev)
-    pq = torch.empty((g, D), device=q.device, dtype=torch.float32)
-    pk = torch.empty((g, D), device=q.device, dtype=torch.float32)
-    ct.launch(current_stream(dev), (g,), kernel, args(cfg, pq, pk))
-    launch_column_sum(pq, dwq)
-    launch_column_sum(pk, dwk)
+    key = (Hq, k.shape[1], D, rot, bucket(B * S), q.dtype, dq.dtype, wq.dtype, cos.dtype,
+           pos is not None, dev)
+    partial = _bwd.launch(key, dev, dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in,
+                          dk_in, rot)
+    sum_rows(partial[0], dwq)
+    sum_rows(partial[1], dwk)
     return dq_in, dk_in, dwq, dwk
 
 
 # ---------------------------------------------------------------------------------------------
-# Autograd and the public function.
+# Autograd, custom op and the public function.
 
-class RMSNormRoPEFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, wq, wk, cos, sin, pos, rot, eps):
-        q_out, k_out, rstd_q, rstd_k = _forward(q, k, wq, wk, cos, sin, pos, rot, eps)
-        ctx.save_for_backward(q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k)
-        ctx.rot = rot
-        return q_out, k_out
+def _rstd_like(x):
+    return x.new_empty(x.shape[:3], dtype=torch.float32)
 
-    @staticmethod
-    def backward(ctx, dq, dk):
-        q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k = ctx.saved_tensors
-        dq = torch.zeros_like(q) if dq is None else dq
-        dk = torch.zeros_like(k) if dk is None else dk
-        dq_in, dk_in, dwq, dwk = _backward(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k,
-                                           ctx.rot)
-        return dq_in, dk_in, dwq, dwk, None, None, None, None, None
+
+_rms_norm_rope = TrainableOp(
+    "tiletune::rms_norm_rope", forward=_forward,
+    forward_schema="(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor cos, "
+                   "Tensor sin, Tensor? pos, int rot, float eps) -> (Tensor, Tensor, Tensor, Tensor)",
+    forward_fake=lambda q, k, wq, wk, cos, sin, pos, rot, eps: (
+        torch.empty_like(q), torch.empty_like(k), _rstd_like(q), _rstd_like(k)),
+    save=lambda args, results: ((*args[:7], results[2], results[3]), (args[7],)),
+    backward=lambda needs, dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, rot: _backward(
+        dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, rot),
+    backward_schema="(bool[] needs, Tensor dq, Tensor dk, Tensor q, Tensor k, Tensor q_weight, "
+                    "Tensor k_weight, Tensor cos, Tensor sin, Tensor? pos, Tensor rstd_q, "
+                    "Tensor rstd_k, int rot) -> (Tensor, Tensor, Tensor, Tensor)",
+    backward_fake=lambda needs, dq, dk, q, k, wq, wk, *rest: (
+        torch.empty_like(q), torch.empty_like(k), torch.empty_like(wq), torch.empty_like(wk)),
+    outputs=2)
 
 
 def rms_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps=1e-6, position_ids=None,
@@ -249,8 +260,9 @@ def rms_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps=1e-6, position_ids=
     """Per-head RMSNorm of q and k (weights (D,), float32 statistics over the whole head_dim),
     then RoPE as `tiletune.ops.rope.apply_rope` (same q/k/cos/sin/position_ids/rotary_dim rules),
     in one kernel. Returns new (q_out, k_out) laid out like q and k. Differentiable in q, k and
-    both weights (weight grads in the weights' dtypes)."""
-    cos, sin, pos, rot = _prepare(q, k, cos, sin, position_ids, rotary_dim)
+    both weights (weight grads in the weights' dtypes). Works under torch.compile(fullgraph=True).
+    """
+    cos, sin, pos, rot = prepare("rms_norm_rope", q, k, cos, sin, position_ids, rotary_dim)
     D = q.shape[3]
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         validate.tensor("rms_norm_rope", name, w, device=q.device)
@@ -260,60 +272,4 @@ def rms_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps=1e-6, position_ids=
         raise TypeError("rms_norm_rope: q_weight and k_weight must have the same dtype")
     eps = validate.eps("rms_norm_rope", eps)
     wq, wk = q_weight.contiguous(), k_weight.contiguous()
-    return RMSNormRoPEFunction.apply(q, k, wq, wk, cos, sin, pos, rot, float(eps))
-
-
-# ---------------------------------------------------------------------------------------------
-# Ahead-of-time compile cases: every config, forward and backward, for the Qwen3-like layout
-# (GQA 32/8, D 128, bf16, HF views); the default config for partial rotary + position_ids.
-
-def aot_cases():
-    from tiletune.aot import F32, CompileCase, jit_array
-    f32 = torch.float32
-
-    def params(dt, B, Hq, Hk, S, D, R, has_pos):
-        q = jit_array(dt, (B, Hq, S, D), (S * Hq * D, D, Hq * D, 1))
-        k = jit_array(dt, (B, Hk, S, D), (S * Hk * D, D, Hk * D, 1))
-        w, c = jit_array(dt, (D,)), jit_array(dt, (B, S, R), (0, R, 1))
-        pos = jit_array(torch.int32, (B, S), (0, 1)) if has_pos else c
-        qo, ko = jit_array(dt, (B, Hq, S, D)), jit_array(dt, (B, Hk, S, D))
-        rq, rk = jit_array(f32, (B, Hq, S)), jit_array(f32, (B, Hk, S))
-        tiles = [next_pow2(Hq), next_pow2(Hk), next_pow2(R // 2), next_pow2(max(D - R, 1)),
-                 has_pos, R < D]
-        part = jit_array(f32, (264, D))
-        fwd = [q, k, w, w, c, c, pos, qo, ko, rq, rk, R // 2, F32, F32] + tiles
-        bwd = [qo, ko, q, k, w, w, c, c, pos, rq, rk, qo, ko, part, part, R // 2, F32] + tiles
-        return fwd, bwd
-
-    fwd, bwd = params(torch.bfloat16, 4, 32, 8, 4096, 128, 128, False)
-    for cfg in fused_configs("sm_90", 40, 128):
-        yield CompileCase("rms_norm_rope", _fwd.build(cfg), fwd + [cfg.latency],
-                          f"rms_norm_rope_fwd {vars(cfg)}")
-        yield CompileCase("rms_norm_rope", _bwd.build(cfg), bwd + [cfg.latency],
-                          f"rms_norm_rope_bwd {vars(cfg)}")
-    fwd, bwd = params(torch.float16, 2, 7, 1, 423, 80, 40, True)
-    cfg = next(fused_configs("sm_90", 8, 40))
-    yield CompileCase("rms_norm_rope", _fwd.build(cfg), fwd + [cfg.latency],
-                      "rms_norm_rope_fwd fp16 D80 R40 pos")
-    yield CompileCase("rms_norm_rope", _bwd.build(cfg), bwd + [cfg.latency],
-                      "rms_norm_rope_bwd fp16 D80 R40 pos")
-
-
-def bench_cases():
-    """Fused vs the two ops run separately (tiletune rms_norm per head, then apply_rope)."""
-    from tiletune.bench import BenchCase
-    from tiletune.ops.rms_norm import rms_norm
-    from tiletune.ops.rope import apply_rope
-    B, Hq, Hk, S, D, dt = 4, 32, 8, 4096, 128, torch.bfloat16
-    q = torch.randn(B, S, Hq, D, device="cuda", dtype=dt).transpose(1, 2)
-    k = torch.randn(B, S, Hk, D, device="cuda", dtype=dt).transpose(1, 2)
-    wq, wk = torch.rand(D, device="cuda", dtype=dt), torch.rand(D, device="cuda", dtype=dt)
-    ang = torch.rand(S, D // 2, device="cuda") * 6.28
-    cos = torch.cat((ang.cos(), ang.cos()), -1).to(dt)
-    sin = torch.cat((ang.sin(), ang.sin()), -1).to(dt)
-
-    def separate():
-        return apply_rope(rms_norm(q, wq), rms_norm(k, wk), cos, sin)
-    return [BenchCase("rms_norm_rope", f"B{B} Hq{Hq} Hkv{Hk} S{S} D{D} bf16", "fwd",
-                      lambda: rms_norm_rope(q, k, wq, wk, cos, sin), {"separate": separate},
-                      bytes=2 * (q.numel() + k.numel()) * 2)]
+    return _rms_norm_rope(q, k, wq, wk, cos, sin, pos, rot, eps)

@@ -3,22 +3,33 @@
 Ops live in `tiletune.ops` (e.g. `from tiletune.ops.rms_norm import rms_norm`); the engine that
 tunes them is public, for your own cuTile kernels too:
 
-    from tiletune import Autotuner, Search
-    tuner = Autotuner("my_op", my_kernel, my_configs, default=SimpleNamespace(occupancy=2))
-    cfg, kernel = tuner.cache.get(key) or tuner.tune(key, x, Search(shape=..., grid_fn=...,
-                                                                       args_fn=...))
-    ct.launch(stream, grid(cfg), kernel, args)
+    from tiletune import Autotuner
+    tuner = Autotuner("my_op", my_kernel, my_configs, default=SimpleNamespace(occupancy=2),
+                      space=lambda x, y: dict(n=x.shape[1]),
+                      grid=lambda cfg, dev, x, y: (cdiv(x.shape[0], cfg.tile),),
+                      args=lambda cfg, x, y: (x, y, cfg.tile))
+    tuner.launch(key, x.get_device(), x, y)      # tunes on the first call of a key
 
 Environment: DISABLE_AUTOTUNE=1 (no search: each op's first, default config),
-TILETUNE_CACHE_DIR (persistent store; `off` disables), TILETUNE_LOG=1 (log each tuning at INFO).
+TILETUNE_CACHE_DIR (persistent store; `off` disables), TILETUNE_LOG=1 (log each tuning at INFO;
+0: silent).
 """
-from tiletune.autotune import (Autotuner, Search, TuningFailedError, TuningRecord, Work, bucket,
-                               clear_cache, disabled, next_pow2, records, tuners)
+import os as _os
+
+from tiletune.autotune import (Autotuner, TuningFailedError, TuningRecord, Work, bucket,
+                               clear_cache, disabled, records, tuners)
 from tiletune.device import arch
+from tiletune.space import cdiv, next_pow2
 
 __version__ = "0.1.0"
 
-__all__ = ["Autotuner", "Search", "TuningFailedError", "TuningRecord", "Work", "arch", "bucket",
+__all__ = ["Autotuner", "TuningFailedError", "TuningRecord", "Work", "arch", "bucket", "cdiv",
            "clear_cache", "disabled", "next_pow2", "records", "tuners"]
 
-OPS = ("rms_norm", "rope", "rms_norm_rope", "matmul", "fmha")   # op modules under tiletune.ops, in the order the CLI runs them
+# In a source checkout, ops/, suites/ and cases/ sit beside this package and install as its
+# subpackages (pyproject's package-dir). When this folder is what Python imports (the repo root
+# is the working directory, whatever was installed), find them there too.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_root, "ops", "__init__.py")) and \
+        _os.path.isfile(_os.path.join(_root, "pyproject.toml")):
+    __path__.append(_root)

@@ -1,47 +1,123 @@
-"""python -m tiletune {bench [ops...] | cache show|clear | compile [--arch sm_90] [ops...]}"""
+"""python -m tiletune {bench [ops...] | compile [--arch sm_90] [ops...] | cache show|clear}
+
+The ops are those registered in tiletune.registry (`--help` lists them)."""
 import argparse
-import importlib
 import json
 import os
+import re
 import sys
 
-from tiletune import OPS, store
+import tiletune
+from tiletune import store
+
+KNOWN_MAJORS = (8, 9, 10, 11, 12)      # compute capability majors tileiras compiles for
 
 
-def _modules(names):
-    names = names or list(OPS)
-    bad = [n for n in names if n not in OPS]
-    if bad:
-        sys.exit(f"unknown op(s) {bad}; known: {list(OPS)}")
-    return [importlib.import_module(f"tiletune.ops.{n}") for n in names]
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose epilog may be a function, called only when help is printed (the
+    registry loads every case module: `cache show` need not pay for it)."""
+
+    def format_help(self):
+        epilog = self.epilog
+        if callable(epilog):
+            self.epilog = epilog()
+        try:
+            return super().format_help()
+        finally:
+            self.epilog = epilog
 
 
-def cmd_compile(args):
-    from tiletune.aot import compile_all
+def _registered():
+    """{op name: case module}, or raises what the registry raised."""
+    from tiletune import registry
+    return registry.ops()
+
+
+def _ops_epilog():
+    try:
+        names = list(_registered())
+    except Exception as e:
+        return (f"ops: cannot load the registered ops ({type(e).__name__}: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})")
+    return f"ops: {', '.join(names)}"
+
+
+def _arch(value):
+    """argparse type of --arch: sm_<major><minor> with a major tileiras knows."""
+    m = re.fullmatch(r"sm_(\d{2,3})", value)
+    if not m or int(m.group(1)) // 10 not in KNOWN_MAJORS:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not an arch of the form sm_<major><minor> with major in "
+            f"{', '.join(map(str, KNOWN_MAJORS))} (e.g. sm_80, sm_90, sm_100, sm_120)")
+    return value
+
+
+def _ops(parser, names):
+    """The named ops (default: all registered), checked against the registry: one error that
+    lists the known ops for unknown names."""
+    try:
+        known = _registered()
+    except Exception as e:
+        sys.exit(f"tiletune: cannot load the registered ops ({type(e).__name__}: {e})")
+    names = list(dict.fromkeys(names)) or list(known)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        parser.error(f"unknown op{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                     f"known: {', '.join(known)}")
+    return names
+
+
+def _compile(ops, archs, jobs):
+    from tiletune import aot
     os.environ.setdefault("CUDA_TILE_COMPILER_TIMEOUT_SEC", "120")
-    from tiletune.aot import op_cases
-    ops = [m.__name__.rsplit(".", 1)[1] for m in _modules(args.ops)]
-    n = sum(len(op_cases(op)) for op in ops)
-    archs = args.arch or ["sm_90"]
+    n = sum(len(aot.op_cases(op)) for op in ops)
+    compiles = n * len(archs)
+    if not compiles:
+        print(f"nothing to compile: no compile cases in {', '.join(ops)}")
+        return 0
+    procs = min(jobs or os.cpu_count() or 1, compiles)
     print(f"compiling {n} kernel configs of {', '.join(ops)} for {', '.join(archs)} "
-          f"({n * len(archs)} compiles, {args.jobs or os.cpu_count()} processes) ...", flush=True)
-    report = compile_all(ops, archs, jobs=args.jobs)
+          f"({compiles} compiles, {procs} process{'' if procs == 1 else 'es'}) ...", flush=True)
+    report = aot.compile_all(ops, archs, jobs=procs)
     for label, err in report.failed:
         print(f"FAILED {label}: {err}")
     secs = sorted(s for _, s in report.ok)
+    total = len(report.ok) + len(report.failed)
     if secs:
-        print(f"compiled {len(report.ok)}/{len(report.ok) + len(report.failed)}; "
+        print(f"compiled {len(report.ok)}/{total}; "
               f"median {secs[len(secs) // 2]:.2f}s, max {secs[-1]:.2f}s per compile")
+    else:
+        print(f"compiled 0/{total}")
     return 1 if report.failed else 0
 
 
+def cmd_compile(args):
+    return _compile(args.ops, list(dict.fromkeys(args.arch or ["sm_90"])), args.jobs)
+
+
 def cmd_cache(args):
+    d = store.cache_dir()
     if args.action == "clear":
-        print(f"removed {store.clear()} file(s) from {store.cache_dir()}")
+        if d is None:
+            print(f"store is off (TILETUNE_CACHE_DIR={os.environ.get('TILETUNE_CACHE_DIR', '')}):"
+                  " nothing to clear")
+        else:
+            print(f"removed {store.clear()} file(s) from {d}")
         return 0
-    print(f"store: {store.cache_dir()}")
-    for op, entries in store.entries().items():
-        print(f"{op}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}")
+    if d is None:
+        print(f"store is off (TILETUNE_CACHE_DIR={os.environ.get('TILETUNE_CACHE_DIR', '')})")
+        return 0
+    found = {op: entries for op, entries in store.entries().items() if entries}
+    if not found:
+        print(f"store at {d} is empty")
+        return 0
+    total = sum(len(e) for e in found.values())
+    print(f"store at {d}: {total} entr{'y' if total == 1 else 'ies'}")
+    width = max(len(op) for op in found)
+    for op, entries in found.items():
+        print(f"  {op.ljust(width)}  {len(entries)}")
+    for op, entries in found.items():
+        print(f"\n{op}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}")
         for key, e in entries.items():
             best = e.get("best_us")
             timings, failures = e.get("timings") or [], e.get("failures") or []
@@ -63,32 +139,63 @@ def cmd_bench(args):
     if not torch.cuda.is_available():
         print("No CUDA GPU here: benchmarks need one. Running the ahead-of-time compile of every "
               "kernel config for sm_90 instead.", flush=True)
-        return cmd_compile(argparse.Namespace(ops=args.ops, arch=["sm_90"], jobs=None))
+        given = [flag for flag, value in (("--full", args.full), ("--json", args.json),
+                                          ("--plot", args.plot), ("--match", args.match),
+                                          ("--skip-peer", args.skip_peer)) if value]
+        if given:
+            print(f"{', '.join(given)} ignored: no GPU to benchmark", flush=True)
+        return _compile(args.ops, ["sm_90"], None)
     from tiletune import bench
-    return bench.main(args.ops or list(OPS), json_path=args.json, plot_path=args.plot,
-                      match=args.match or (), skip_peers=args.skip_peer or ())
+    return bench.main(args.ops, full=args.full, json_path=args.json or bench.DEFAULT_JSON,
+                      plot_path=args.plot, match=args.match or (),
+                      skip_peers=args.skip_peer or ())
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tiletune")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("bench", help="A/B benchmarks on this GPU (tuned vs fixed vs baselines)")
-    b.add_argument("ops", nargs="*")
-    b.add_argument("--json", default="bench-results/bench.json")
-    b.add_argument("--plot", default=None, help="write a PNG (needs matplotlib)")
-    b.add_argument("--match", action="append", help="only cases whose 'name mode' contains this "
-                   "(repeatable: any of them; case-insensitive; a trailing $ anchors at the end), e.g. "
-                   "--match H32/8 --match 'D64 bf16 fwd$'")
-    b.add_argument("--skip-peer", action="append", help="a baseline not to time (repeatable), "
-                   "e.g. tilegym")
+def parser():
+    p = _Parser(prog="python -m tiletune", epilog=_ops_epilog,
+                description="cuTile kernels that tune once per shape: benchmarks, ahead-of-time "
+                            "compiles and the store of tuned configs.")
+    p.add_argument("--version", action="version", version=f"tiletune {tiletune.__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{bench,compile,cache}")
+    b = sub.add_parser("bench", epilog=_ops_epilog,
+                       help="A/B benchmarks on this GPU (tuned vs fixed default vs peers)",
+                       description="Time each op's rows on this GPU: tuned vs its fixed default "
+                                   "config vs the peers installed here. Ratios > 1: tuned is "
+                                   "faster. Without a GPU: the sm_90 compile instead.")
+    b.add_argument("ops", nargs="*", help="ops to run (default: all)")
+    b.add_argument("--full", action="store_true",
+                   help="every row of each op (default: its headline rows)")
+    b.add_argument("--json", metavar="PATH", default=None,
+                   help="rows as JSON, written after every row (default: bench-results/bench.json)")
+    b.add_argument("--plot", metavar="PNG", default=None,
+                   help="a bar chart of the ratios (needs matplotlib)")
+    b.add_argument("--match", action="append", metavar="TEXT",
+                   help="only rows whose 'case mode' contains this (repeatable: any of them; "
+                        "case-insensitive; a trailing $ anchors at the end), e.g. "
+                        "--match H32/8 --match 'D64 bf16 fwd$'")
+    b.add_argument("--skip-peer", action="append", metavar="LABEL",
+                   help="a baseline not to time (repeatable), e.g. tilegym")
+    k = sub.add_parser("compile", epilog=_ops_epilog,
+                       help="AOT-compile every config of every kernel (no GPU needed)")
+    k.add_argument("ops", nargs="*", help="ops to compile (default: all)")
+    k.add_argument("--arch", action="append", type=_arch, metavar="sm_XY",
+                   help="target arch, sm_<major><minor>: sm_80, sm_90, sm_100, sm_120, ... "
+                        "(repeatable; default sm_90)")
+    k.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="compile processes (default: one per CPU core, at most one per compile)")
     c = sub.add_parser("cache", help="show or clear the persistent store")
     c.add_argument("action", choices=["show", "clear"])
     c.add_argument("-v", "--verbose", action="store_true", help="every timing and failure")
-    k = sub.add_parser("compile", help="AOT-compile every config of every kernel (no GPU needed)")
-    k.add_argument("ops", nargs="*")
-    k.add_argument("--arch", action="append", help="sm_90, sm_100, ... (repeatable; default sm_90)")
-    k.add_argument("--jobs", type=int, default=None)
+    return p, {"bench": b, "compile": k, "cache": c}
+
+
+def main(argv=None):
+    p, subs = parser()
     args = p.parse_args(argv)
+    if args.cmd == "compile" and args.jobs is not None and args.jobs < 1:
+        subs["compile"].error(f"--jobs must be >= 1 (got {args.jobs})")
+    if args.cmd in ("bench", "compile"):
+        args.ops = _ops(subs[args.cmd], args.ops)
     return {"bench": cmd_bench, "cache": cmd_cache, "compile": cmd_compile}[args.cmd](args)
 
 

@@ -94,9 +94,10 @@ _CASES = {}   # per process: op name -> its list of cases (kernels cannot be pic
 
 
 def op_cases(op):
+    """The compile cases the op's registered case module yields (see tiletune.registry)."""
     if op not in _CASES:
-        import importlib
-        _CASES[op] = list(importlib.import_module(f"tiletune.ops.{op}").aot_cases())
+        from tiletune import registry
+        _CASES[op] = list(registry.ops()[op].compile_cases())
     return _CASES[op]
 
 

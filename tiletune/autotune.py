@@ -1,14 +1,14 @@
 """The tune-once / cache / launch engine.
 
-An op owns one `Autotuner` per kernel family. Its wrapper does:
+An op declares, per kernel family, one `Autotuner`: the kernel, its config space, and what a
+launch needs (grid, arguments, optionally scratch, a multi-launch run, the work done). Its
+wrapper then makes one call per launch:
 
-    entry = tuner.cache.get(key) or tuner.tune(key, tensor, Search(...))
-    cfg, kernel = entry
-    ct.launch(stream, grid(cfg), kernel, args)
+    tuner.launch(key, device_index, *inputs)
 
-The first line is the whole fast path: one dict lookup (`or` only evaluates the miss branch when
-the lookup fails). `tune` is the miss path: DISABLE_AUTOTUNE=1 -> first config; else the persistent
-store; else `exhaustive_search` over the op's configs (compiled in parallel first, see
+That call is the whole fast path: one dict lookup, the grid and the arguments from the cached
+config, `ct.launch`. A miss goes through `tune`: DISABLE_AUTOTUNE=1 -> the first config; else the
+persistent store; else `exhaustive_search` over the op's configs (compiled in parallel first, see
 tiletune/precompile.py), then a final round that times its close finishers and the default in
 turns; then `replace_hints` once and cache.
 """
@@ -31,11 +31,26 @@ from tiletune import device as _device
 from tiletune import precompile
 from tiletune import store
 from tiletune import timing
+from tiletune.space import next_pow2
 
 log = logging.getLogger("tiletune")
-if os.environ.get("TILETUNE_LOG", "").strip() not in ("", "0"):
-    logging.basicConfig()
-    log.setLevel(logging.INFO)
+
+
+def _configure_logging():
+    """TILETUNE_LOG=1: every tuning at INFO on a handler of the `tiletune` logger only;
+    TILETUNE_LOG=0: silent, even the one line a long search prints. The user's root logger is
+    never touched."""
+    level = os.environ.get("TILETUNE_LOG", "").strip().lower()
+    if level in ("0", "off", "false", "no"):
+        log.setLevel(logging.ERROR)
+    elif level:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
+_configure_logging()
 
 MAX_CONFIGS = 30
 # The final round: the search's configs within FINAL_MARGIN of its best (at most FINALISTS) and
@@ -46,6 +61,9 @@ MAX_CONFIGS = 30
 FINAL_MARGIN = 0.05
 FINALISTS = 4
 COMPILE_TIMEOUT_SEC = float(os.environ.get("TILETUNE_COMPILE_TIMEOUT_SEC", "60"))
+# A search that takes longer than this says so in one line (op, key, seconds, winner) even
+# without TILETUNE_LOG, so a slow first call does not look like a hang.
+LONG_SEARCH_SEC = 2.0
 
 # One lock for every search: searches time the GPU, so two at once would disturb each other.
 _search_lock = threading.RLock()
@@ -65,10 +83,6 @@ class TuningFailedError(RuntimeError):
 def disabled():
     """True when DISABLE_AUTOTUNE=1: misses take the op's first (default) config, no search."""
     return os.environ.get("DISABLE_AUTOTUNE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def next_pow2(n):
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def bucket(n):
@@ -153,15 +167,34 @@ class Autotuner:
 
     name:    unique op name (store file name, logs).
     kernel:  a bare `ct.kernel`, or a function cfg -> bare kernel when configs pick variants.
-    configs: generator(arch, **shape) yielding SimpleNamespace configs, default first, <= 30.
+    configs: generator(arch, **space(*inputs)) yielding SimpleNamespace configs, default first,
+             at most 30.
     default: the config to use if the generator yields nothing.
-    hints:   cfg -> hint dict for `replace_hints` (default: occupancy/num_ctas/opt_level).
-    search_kernel: for in-place kernels, the split-buffer twin that the search times instead
-             (same body and traffic, separate input and output arrays; kernel or cfg -> kernel).
-             The winning config is then applied to `kernel`, which runs in place.
+
+    What a launch needs, as functions of the config and the `inputs` the op passes to `launch`
+    (after the key and the device index):
+    space(*inputs) -> dict: the config generator's keyword arguments.
+    grid(cfg, dev, *inputs) -> grid.   args(cfg, *inputs) -> kernel arguments. Both run on every
+             call: keep them to arithmetic and a tuple.
+    scratch(cfg, dev, *inputs) -> (shape, dtype) or None: a temporary buffer a launch needs
+             (float32 partials); it is allocated per launch, appended to the inputs of `grid`,
+             `args` and `run` (None where the config needs none), and returned by `launch`. A
+             search shares one buffer among its configs.
+    run(cfg, kernel, stream, dev, *inputs): for configs that launch more than their kernel
+             (split-K's sum): runs instead of the one `ct.launch`; the final round times it.
+    partly_timed(cfg) -> bool: True where the search's time of the kernel leaves out part of
+             `run` (so it is a lower bound: the final round decides).
+    work(*inputs) -> Work: bytes/FLOPs of one launch, for the record's achieved rate.
+    search_inputs(*inputs) -> inputs: what the search launches instead (built once per miss):
+             in-place kernels search their split-buffer twin (`search_kernel`, same body and
+             traffic, separate input and output arrays) on scratch outputs, so the user's data
+             is untouched until the one in-place launch with the winner.
+    hints:   cfg -> hint dict for `replace_hints` (default: occupancy/num_ctas/warps/opt_level).
     """
 
-    def __init__(self, name, kernel, configs, *, default, hints=default_hints, search_kernel=None):
+    def __init__(self, name, kernel, configs, *, default, space=None, grid=None, args=None,
+                 scratch=None, run=None, partly_timed=None, work=None, search_kernel=None,
+                 search_inputs=None, hints=default_hints):
         if name in _registry:
             raise ValueError(f"an Autotuner named {name!r} already exists")
         self.name = name
@@ -170,12 +203,81 @@ class Autotuner:
         self.default = default
         self.hints = hints
         self._search_kernel = search_kernel
+        self._space, self._grid, self._args, self._scratch = space, grid, args, scratch
+        self._run, self._partly_timed, self._work = run, partly_timed, work
+        self._search_inputs = search_inputs
         self.cache = {}          # key -> (cfg, tuned kernel): the fast path reads only this
         self.records = {}        # key -> TuningRecord
         self.searches = 0        # number of exhaustive searches run (tests, stats)
         self._capture_cache = {}  # key -> (cfg, kernel) used while a CUDA graph is captured
         self._warned_capture = False
+        self.launch = self._fast_path()
         _registry[name] = self
+
+    # -- the fast path ------------------------------------------------------------------------
+    def _fast_path(self):
+        """`launch(key, dev, *inputs)`, built once with the op's functions bound as locals: a
+        hit costs a dict lookup, the grid, the arguments and `ct.launch`."""
+        cache_get, resolve = self.cache.get, self._resolve
+        grid, args, scratch, run = self._grid, self._args, self._scratch, self._run
+
+        if scratch is None and run is None:
+            def launch(key, dev, *inputs):
+                entry = cache_get(key)
+                if entry is None:
+                    entry = resolve(key, dev, inputs)
+                cfg, kernel = entry
+                ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
+                          args(cfg, *inputs))
+            return launch
+
+        def launch_with_scratch_or_run(key, dev, *inputs):
+            entry = cache_get(key)
+            if entry is None:
+                entry = resolve(key, dev, inputs)
+            cfg, kernel = entry
+            buf = None
+            if scratch is not None:
+                spec = scratch(cfg, dev, *inputs)
+                if spec is not None:
+                    buf = torch.empty(spec[0], dtype=spec[1], device=dev)
+                inputs = (*inputs, buf)
+            if run is not None:
+                run(cfg, kernel, _device.current_stream(dev), dev, *inputs)
+            else:
+                ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
+                          args(cfg, *inputs))
+            return buf
+        return launch_with_scratch_or_run
+
+    def _resolve(self, key, dev, inputs):
+        """A miss of `launch`: the Search over the op's declared functions, built lazily (a
+        store hit or DISABLE_AUTOTUNE allocates nothing)."""
+        if self._grid is None or self._args is None or self._space is None:
+            raise TypeError(f"{self.name}: launch() needs the tuner's space, grid and args")
+        if isinstance(dev, int) and (dev < 0 or not torch.cuda.is_available()):
+            raise ValueError(f"{self.name}: cuTile kernels run on a CUDA GPU; got device index "
+                             f"{dev} (a CPU tensor's get_device() is -1)"
+                             + ("" if torch.cuda.is_available() else " and no GPU is visible"))
+        return self.tune(key, dev, lambda: self._search_for(dev, inputs),
+                         shape=self._space(*inputs))
+
+    def _search_for(self, dev, inputs):
+        search_inputs = self._search_inputs(*inputs) if self._search_inputs else inputs
+        with_scratch = (lambda c: search_inputs)
+        if self._scratch is not None:
+            with_scratch = _shared_scratch(self._scratch, search_inputs, dev,
+                                           self.config_list(_device.arch(dev),
+                                                            self._space(*inputs)))
+        grid, args, run = self._grid, self._args, self._run
+        stream = _device.current_stream
+        return Search(
+            shape=self._space(*inputs),
+            grid_fn=lambda c: grid(c, dev, *with_scratch(c)),
+            args_fn=lambda c: args(c, *with_scratch(c)),
+            work=self._work(*inputs) if self._work else None,
+            run_fn=(lambda c, k: run(c, k, stream(dev), dev, *with_scratch(c))) if run else None,
+            partly_timed=self._partly_timed)
 
     # -- pieces -----------------------------------------------------------------------------
     def base_kernel(self, cfg):
@@ -215,19 +317,22 @@ class Autotuner:
         return None
 
     # -- the miss path ----------------------------------------------------------------------
-    def tune(self, key, tensor, search: Search):
-        """Resolve a key that missed the cache; returns (cfg, kernel) and caches it."""
-        dev = tensor.device
+    def tune(self, key, dev, search, shape=None):
+        """Resolve a key that missed the cache; returns (cfg, kernel) and caches it. `dev` is the
+        device (index); `search` a Search, or a function that builds one, called only if a
+        search runs (`shape` then gives the config generator's arguments)."""
+        if isinstance(search, Search):
+            shape = search.shape
         if torch.cuda.is_current_stream_capturing():
-            return self._resolve_during_capture(key, dev, search)
+            return self._resolve_during_capture(key, dev, shape)
         with _search_lock:
             hit = self.cache.get(key)
             if hit is not None:          # another thread resolved it while we waited
                 return hit
-            cfgs = self.config_list(_device.arch(dev), search.shape)
+            cfgs = self.config_list(_device.arch(dev), shape)
             if disabled():
                 record = TuningRecord(self.name, key, config_dict(cfgs[0]), "default")
-                return self._finish(key, cfgs[0], record, search, dev)
+                return self._finish(key, cfgs[0], record, None, dev)
             skey = self.store_key(key, dev, cfgs)
             stored = store.load(self.name, skey)
             cfg = self._find(cfgs, stored.get("config")) if isinstance(stored, dict) else None
@@ -236,7 +341,9 @@ class Autotuner:
                                       stored.get("timings") or [], stored.get("failures") or [],
                                       stored.get("search_s") or 0.0, stored.get("best_us"),
                                       stored.get("rates") or {}, stored.get("final") or [])
-                return self._finish(key, cfg, record, search, dev)
+                return self._finish(key, cfg, record, None, dev)
+            if not isinstance(search, Search):
+                search = search()
             cfg, record = self._search(key, dev, cfgs, search)
             store.save(self.name, skey, {"config": record.config, "best_us": record.best_us,
                                          "search_s": round(record.search_s, 3),
@@ -345,7 +452,7 @@ class Autotuner:
 
     def _finish(self, key, cfg, record, search, dev):
         kernel = self.build(cfg)
-        if self._search_kernel is None:
+        if search is not None and self._search_kernel is None:
             # One launch with the search's (scratch) arguments, still under the lock: the JIT
             # compiles the tuned kernel here, once, instead of in whichever threads launch it
             # first. (Not for in-place kernels: their search arguments belong to the twin.)
@@ -355,20 +462,25 @@ class Autotuner:
         self.records[key] = record
         self.cache[key] = entry
         if record.source == "search":
-            rate = " ".join(f"{k}={v:.1f}" for k, v in record.rates.items())
-            log.info("tuned %s %s in %.2fs: %s %.2f us %s (%d configs, %d failed)", self.name,
-                     key, record.search_s, record.config, record.best_us or 0.0, rate,
-                     len(record.timings), len(record.failures))
-            if record.final:
-                log.info("  final round (in turns): %s", ", ".join(
-                    f"{f['config']} {f['median_us']:.2f} us" for f in record.final))
-            for f in record.failures:      # why a config failed matters as much as the winner
-                log.info("  %s failed: %s: %s", f["config"], f["error"], str(f["message"])[:300])
+            self._log_search(record)
         else:
             log.info("%s %s: %s config %s", self.name, key, record.source, record.config)
         return entry
 
-    def _resolve_during_capture(self, key, dev, search):
+    def _log_search(self, record):
+        rate = " ".join(f"{k}={v:.1f}" for k, v in record.rates.items())
+        line = (f"tuned {self.name} {list(map(str, record.key))} in {record.search_s:.1f}s: "
+                f"{record.config} {record.best_us or 0.0:.2f} us {rate}".rstrip()
+                + f" ({len(record.timings)} configs, {len(record.failures)} failed)")
+        # a long search is said even without TILETUNE_LOG (a slow first call is not a hang)
+        log.log(logging.WARNING if record.search_s >= LONG_SEARCH_SEC else logging.INFO, line)
+        if record.final:
+            log.info("  final round (in turns): %s", ", ".join(
+                f"{f['config']} {f['median_us']:.2f} us" for f in record.final))
+        for f in record.failures:      # why a config failed matters as much as the winner
+            log.info("  %s failed: %s: %s", f["config"], f["error"], str(f["message"])[:300])
+
+    def _resolve_during_capture(self, key, dev, shape):
         """No search while a CUDA graph is captured: stored winner or the default, warn once."""
         hit = self._capture_cache.get(key)
         if hit is not None:
@@ -378,7 +490,7 @@ class Autotuner:
                           "capture; using the stored or default config without tuning. Run the "
                           "op once before capturing to tune it.")
             self._warned_capture = True
-        cfgs = self.config_list(_device.arch(dev), search.shape)
+        cfgs = self.config_list(_device.arch(dev), shape)
         cfg = None
         if not disabled():
             stored = store.load(self.name, self.store_key(key, dev, cfgs))
@@ -394,6 +506,35 @@ class Autotuner:
         self.cache.clear()
         self.records.clear()
         self._capture_cache.clear()
+
+
+def _shared_scratch(scratch, inputs, dev, cfgs):
+    """cfg -> inputs + (its scratch buffer,) for a search: one allocation per dtype, as large as
+    the largest config needs; each config gets a view of its own shape."""
+    specs = [s for s in (scratch(c, dev, *inputs) for c in cfgs) if s is not None]
+    sizes = {}
+    for shape, dtype in specs:
+        n = 1
+        for d in shape:
+            n *= d
+        sizes[dtype] = max(sizes.get(dtype, 0), n)
+    flat = {dt: torch.empty(n, dtype=dt, device=dev) for dt, n in sizes.items()}
+    views = {}
+
+    def with_scratch(cfg):
+        v = views.get(id(cfg))
+        if v is None:
+            spec = scratch(cfg, dev, *inputs)
+            if spec is None:
+                v = views[id(cfg)] = (*inputs, None)
+            else:
+                shape, dtype = spec
+                n = 1
+                for d in shape:
+                    n *= d
+                v = views[id(cfg)] = (*inputs, flat[dtype][:n].view(shape))
+        return v
+    return with_scratch
 
 
 def _pick(kernel, cfg):

@@ -1,9 +1,14 @@
 """A/B benchmarks on the current GPU: tuned vs fixed default vs the best baselines in this process.
 
-Each op contributes `bench_cases()` -> list of BenchCase. Times are medians of CUDA-event timings
-with L2 flushed before every run (as exhaustive_search does), after warm-up; every number in a row
-comes from the same process and card, and the row's candidates (tuned, fixed, baselines, ceiling)
-are timed in turns, so that clock drift during the row does not favour one of them.
+The ops come from tiletune.registry: each case module's `bench_cases(full=False)` -> list of
+BenchCase (its headline rows; `full=True`: every row it has) and optionally `bench_host()`.
+Times are medians of CUDA-event timings with L2 flushed before every run (as exhaustive_search
+does), after warm-up; every number in a row comes from the same process and card, and the row's
+candidates (tuned, fixed, baselines, ceiling) are timed in turns, so that clock drift during the
+row does not favour one of them.
+
+`main` prints one line per row as it finishes, then a table per op, the store and the number of
+searches this process ran, and the host overheads; it writes the rows to JSON after every row.
 """
 import contextlib
 import json
@@ -13,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiletune import autotune
+from tiletune import autotune, registry, store
 from tiletune.timing import time_interleaved
 
 
@@ -123,47 +128,159 @@ def run_case(case):
     return row
 
 
-def _fmt(v):
-    return f"{v:.3f}" if isinstance(v, float) else str(v)
+# ---------------------------------------------------------------------------------------------
+# Presentation: a line per row as it finishes, a table per op, the summary, the plot, the JSON.
+
+DEFAULT_JSON = "bench-results/bench.json"
+
+
+def _peers(row):
+    """The row's baseline labels in timing order: timed ones (vs_<label>) and those that could
+    not run (<label>_error)."""
+    return [k[3:] if k.startswith("vs_") else k[:-6] for k in row
+            if k.startswith("vs_") or k.endswith("_error")]
+
+
+def progress_line(row):
+    """One row in words: `op case mode: tuned us, Nx fixed, Nx <peer>..., N% of <ceiling>;
+    first call N s`. A ratio > 1 means the tuned op is faster; a baseline that could not run
+    reads `<peer> failed`."""
+    parts = [f"{row['tuned_us']:.2f} us", f"{row['speedup_over_fixed']:.2f}x fixed"]
+    for label in _peers(row):
+        v = row.get(f"vs_{label}")
+        parts.append(f"{v:.2f}x {label}" if v is not None else f"{label} failed")
+    parts += [f"{row[k]:.0%} of {k[5:]}" for k in row if k.startswith("frac_")]
+    return (f"{row['op']} {row['case']} {row['mode']}: " + ", ".join(parts)
+            + f"; first call {row['first_call_s']:.2f} s")
+
+
+def _columns(rows):
+    """(header, row -> text) per column of one op's table."""
+    def num(key, fmt):
+        return lambda r: fmt.format(r[key]) if isinstance(r.get(key), (int, float)) else "-"
+
+    def ratio(label):
+        key = f"vs_{label}"
+        return lambda r: (f"{r[key]:.2f}x" if key in r
+                          else "failed" if f"{label}_error" in r else "-")
+
+    cols = [("case", lambda r: str(r["case"])), ("mode", lambda r: str(r["mode"])),
+            ("tuned us", num("tuned_us", "{:.2f}")), ("fixed us", num("fixed_us", "{:.2f}")),
+            ("vs fixed", num("speedup_over_fixed", "{:.2f}x"))]
+    peers = list(dict.fromkeys(p for r in rows for p in _peers(r)))
+    cols += [(f"vs {p}", ratio(p)) for p in peers]
+    ceilings = list(dict.fromkeys(k[5:] for r in rows for k in r if k.startswith("frac_")))
+    cols += [(f"% of {c}", num(f"frac_{c}", "{:.0%}")) for c in ceilings]
+    if any("tuned_GBps" in r for r in rows):
+        cols.append(("GB/s", num("tuned_GBps", "{:.0f}")))
+    if any("tuned_TFLOPs" in r for r in rows):
+        cols.append(("TFLOP/s", num("tuned_TFLOPs", "{:.1f}")))
+    cols.append(("first call s", num("first_call_s", "{:.2f}")))
+    return cols
 
 
 def print_table(rows):
-    cols = ["case", "mode", "tuned_us", "fixed_us", "speedup_over_fixed"]
-    extra = sorted({k for r in rows for k in r if k.startswith(("vs_", "frac_"))})
-    cols += extra + ["tuned_GBps", "tuned_TFLOPs"]
-    widths = [max(len(c), *(len(_fmt(r.get(c, "-"))) for r in rows)) for c in cols]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(_fmt(r.get(c, "-")).ljust(w) for c, w in zip(cols, widths)))
+    """One table per op (ratios > 1: the tuned op is faster; % of the ceiling's time)."""
+    for i, op in enumerate(dict.fromkeys(r["op"] for r in rows)):
+        mine = [r for r in rows if r["op"] == op]
+        cols = _columns(mine)
+        cells = [[f(r) for _, f in cols] for r in mine]
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _) in enumerate(cols)]
+
+        def line(values):
+            return "  ".join(v.ljust(w) if i < 2 else v.rjust(w)
+                             for i, (v, w) in enumerate(zip(values, widths))).rstrip()
+        print(("\n" if i else "") + f"{op}:")
+        print("  " + line([h for h, _ in cols]))
+        for c in cells:
+            print("  " + line(c))
 
 
-def plot(rows, path):
+def plot(rows, path, title=None):
+    """A PNG with one panel per op: per case, bars of the tuned op's speedup over its fixed
+    default and over each baseline (time of the other / time of tuned; > 1: tuned is faster),
+    and a line at 1.0. Returns False (and says so) when matplotlib is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib not installed: no plot")
-        return
-    labels = [f"{r['case']} {r['mode']}" for r in rows]
-    keys = sorted({k for r in rows for k in r if k.startswith(("vs_", "frac_"))})
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 1.2), 4))
-    width = 0.8 / max(len(keys), 1)
-    for i, k in enumerate(keys):
-        ax.bar([j + i * width for j in range(len(rows))], [r.get(k, 0) for r in rows], width, label=k)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([j + 0.4 for j in range(len(rows))], labels, rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("ratio (>1: tiletune faster / share of ceiling)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        print("--plot ignored: matplotlib is not installed (pip install matplotlib)")
+        return False
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    series = ["speedup_over_fixed"] + list(dict.fromkeys(
+        f"vs_{p}" for r in rows for p in _peers(r)))
+    names = {k: "fixed default" if k == "speedup_over_fixed" else k[3:] for k in series}
+    palette = plt.get_cmap("tab10")
+    colors = {k: palette(i % 10) for i, k in enumerate(series)}
+    most = max(sum(r["op"] == op for r in rows) for op in ops)
+    fig, axes = plt.subplots(len(ops), 1, squeeze=False,
+                             figsize=(max(8.0, 1.6 * most + 3.0), 3.8 * len(ops)))
+    for ax, op in zip(axes[:, 0], ops):
+        mine = [r for r in rows if r["op"] == op]
+        keys = [k for k in series if any(k in r for r in mine)]
+        width = 0.8 / max(len(keys), 1)
+        for i, k in enumerate(keys):
+            xs = [j - 0.4 + width * (i + 0.5) for j in range(len(mine))]
+            vals = [r.get(k, float("nan")) for r in mine]
+            bars = ax.bar(xs, vals, width, label=names[k], color=colors[k])
+            ax.bar_label(bars, labels=[f"{v:.2f}" if v == v else "" for v in vals],
+                         fontsize=7, padding=1)
+        ax.axhline(1.0, color="black", lw=1.0, ls="--")
+        ax.set_xticks(range(len(mine)), [f"{r['case']}\n{r['mode']}" for r in mine], fontsize=8)
+        ax.set_xlim(-0.6, len(mine) - 0.4)
+        ax.margins(y=0.12)
+        ax.set_title(f"{op}: tuned speedup (> 1: tuned is faster)", fontsize=10)
+        ax.set_ylabel("time of other / time of tuned")
+        ax.set_xlabel("case")
+        ax.legend(title="vs", fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.985) if title else None)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return True
 
 
-def _write(path, dev, rows, host):
+def searches():
+    """Exhaustive searches run in this process, over every Autotuner."""
+    return sum(t.searches for t in autotune.tuners().values())
+
+
+def _store_line():
+    d = store.cache_dir()
+    if d is None:
+        return f"store: off (TILETUNE_CACHE_DIR={os.environ.get('TILETUNE_CACHE_DIR', '')})"
+    return f"store: {d}"
+
+
+def _host_line(op, h):
+    return f"host overhead {op} (us per call): " + ", ".join(
+        f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in h.items())
+
+
+def print_summary(host):
+    """Where the store is, the searches this process ran (one line per searched key), and the
+    host overheads."""
+    n = searches()
+    print(f"{_store_line()}; {n} search{'' if n == 1 else 'es'} ran in this process")
+    for op, recs in autotune.records().items():
+        for k, r in recs.items():
+            if r.source == "search":
+                print(f"  {op} {[str(p) for p in k]}: {r.config} {r.best_us:.1f} us, "
+                      f"{len(r.timings)} configs in {r.search_s:.1f}s, slowest "
+                      f"{r.timings[-1]['mean_us']:.1f} us; final round: "
+                      + (", ".join(f"{f['config']} {f['median_us']:.1f}" for f in r.final)
+                         or "none"))
+    for op, h in host.items():
+        print(_host_line(op, h))
+
+
+def _write(path, dev, rows, host, full=False):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump({"device": dev, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                   "rows": rows, "host_us": host,
+                   "full": full, "rows": rows, "host_us": host, "searches": searches(),
                    "tuning": {op: {str(k): r.to_json() for k, r in recs.items()}
                               for op, recs in autotune.records().items()}}, f, indent=1)
 
@@ -173,26 +290,38 @@ def _matches(label, pattern):
     return label.endswith(pattern[:-1]) if pattern.endswith("$") else pattern in label
 
 
-def main(ops, json_path=None, plot_path=None, match=(), skip_peers=()):
-    """match: keep only cases whose "name mode" contains one of these (case-insensitive; a
+def main(ops=None, *, full=False, json_path=DEFAULT_JSON, plot_path=None, match=(),
+         skip_peers=()):
+    """Benchmark the named ops (default: every registered op, in registration order).
+
+    full: every row of each op (`bench_cases(full=True)`), not only its headline rows;
+    match: keep only cases whose "name mode" contains one of these (case-insensitive; a
     trailing "$" anchors at the end);
     skip_peers: baseline labels not to time (e.g. "tilegym", whose own first-call tuning is
-    slow)."""
-    import importlib
+    slow);
+    json_path: written after every row and at the end (None: no JSON)."""
+    modules = registry.ops()
+    names = list(ops or modules)
+    unknown = [n for n in names if n not in modules]
+    if unknown:
+        raise ValueError(f"unknown op(s) {', '.join(unknown)}; known: {', '.join(modules)}")
     dev = torch.cuda.get_device_name(0)
-    print(f"device: {dev}, torch {torch.__version__}", flush=True)
-    rows, host = [], {}
-    for op in ops:
-        mod = importlib.import_module(f"tiletune.ops.{op}")
+    print(f"device: {dev}, torch {torch.__version__}; "
+          + ("every row (--full)" if full else "headline rows (--full: every row)"), flush=True)
+    rows, host, seen_peers, considered = [], {}, set(), 0
+    for op in names:
+        mod = modules[op]
         try:
-            cases = mod.bench_cases()
+            cases = mod.bench_cases(full=full)
         except Exception as e:       # one op that cannot set up must not stop the others
             print(f"{op}: bench setup failed: {type(e).__name__}: {e}", flush=True)
             continue
         for case in cases:
+            considered += 1
             label = f"{case.name} {case.mode}".lower()
             if match and not any(_matches(label, m.lower()) for m in match):
                 continue
+            seen_peers.update(case.baselines)
             for peer in skip_peers:
                 case.baselines.pop(peer, None)
             try:
@@ -201,29 +330,37 @@ def main(ops, json_path=None, plot_path=None, match=(), skip_peers=()):
                 print(f"{op} {case.name} {case.mode}: FAILED {type(e).__name__}: {e}", flush=True)
                 continue
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(progress_line(row), flush=True)
             if json_path:
-                _write(json_path, dev, rows, host)
+                _write(json_path, dev, rows, host, full)
         if hasattr(mod, "bench_host"):
-            host[op] = mod.bench_host()
-            print(f"host overhead {op}: {json.dumps(host[op])}", flush=True)
+            try:
+                with fixed_configs():      # host cost does not depend on the config: no search
+                    host[op] = mod.bench_host()
+            except Exception as e:
+                print(f"{op}: host overhead failed: {type(e).__name__}: {e}", flush=True)
+            else:
+                print(_host_line(op, host[op]), flush=True)
     print()
     if rows:
         print_table(rows)
-    for op, h in host.items():
-        print(f"{op} host us: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                                            for k, v in h.items()))
-    for op, recs in autotune.records().items():
-        for k, r in recs.items():
-            if r.source == "search":
-                print(f"tuned {op} {[str(p) for p in k]}: {r.config} {r.best_us:.1f} us, "
-                      f"{len(r.timings)} configs in {r.search_s:.1f}s, slowest "
-                      f"{r.timings[-1]['mean_us']:.1f} us; final round: "
-                      + (", ".join(f"{f['config']} {f['median_us']:.1f}" for f in r.final)
-                         or "none"))
+    elif match:
+        print(f"no row matched {' / '.join(match)} (of {considered}"
+              + ("" if full else " headline rows; --full has more") + ")")
+    else:
+        print("no rows")
+    for peer in skip_peers:
+        if peer not in seen_peers:
+            print(f"--skip-peer {peer}: no row has that baseline "
+                  f"(baselines: {', '.join(sorted(seen_peers)) or 'none'})")
+    print()
+    print_summary(host)
     if json_path:
-        _write(json_path, dev, rows, host)
+        _write(json_path, dev, rows, host, full)
         print(f"wrote {json_path}")
     if plot_path:
-        plot(rows, plot_path)
+        if not rows:
+            print("--plot ignored: no rows to plot")
+        elif plot(rows, plot_path, title=f"{dev}, torch {torch.__version__}"):
+            print(f"wrote {plot_path}")
     return 0

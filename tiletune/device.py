@@ -47,6 +47,17 @@ def sm_count(index):
     return n
 
 
+def persistent_ctas(tiles, index, occupancy, per_cluster=1):
+    """CTAs (or clusters of `per_cluster` CTAs) of a persistent grid on device `index`: one per
+    tile, at most as many as the SMs hold at `occupancy`; each strides over the tiles. (On the
+    launch path: comparisons instead of min/max calls.)"""
+    n = _SM_COUNT.get(index) or sm_count(index)
+    n = n * occupancy // per_cluster
+    if tiles < n:
+        n = tiles
+    return n if n > 0 else 1
+
+
 def gpu_name(device):
     return _props(_index(device)).name
 

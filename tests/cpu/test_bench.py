@@ -1,6 +1,8 @@
 """The bench's row logic on a fake clock: candidates timed in turns, fixed runs under
-DISABLE_AUTOTUNE with the default kernels kept, a failing baseline reported and not fatal."""
+DISABLE_AUTOTUNE with the default kernels kept, a failing baseline reported and not fatal; a
+row's progress line, the per-op tables and the plot."""
 import os
+import sys
 
 import pytest
 import torch
@@ -69,3 +71,42 @@ def test_match_patterns():
     assert bench._matches(label, "d128 bf16 causal fwd")
     assert not bench._matches(label, "d128 bf16 causal fwd$")
     assert bench._matches("b4 h32 s4096 d128 bf16 fwd", "d128 bf16 fwd$")
+
+
+ROWS = [{"op": "a", "case": "n1024 bf16", "mode": "fwd", "first_call_s": 1.5, "tuned_us": 20.0,
+         "fixed_us": 30.0, "speedup_over_fixed": 1.5, "peer_us": 25.0, "vs_peer": 1.25,
+         "broken_error": "RuntimeError: no kernel", "copy_us": 16.0, "frac_copy": 0.8},
+        {"op": "b", "case": "m8", "mode": "fwd+bwd", "first_call_s": 0.25, "tuned_us": 40.0,
+         "fixed_us": 40.0, "speedup_over_fixed": 1.0, "cublas_us": 38.0, "vs_cublas": 0.95,
+         "tuned_TFLOPs": 0.2}]
+
+
+def test_progress_line_and_tables(capsys):
+    assert bench.progress_line(ROWS[0]) == (
+        "a n1024 bf16 fwd: 20.00 us, 1.50x fixed, 1.25x peer, broken failed, 80% of copy; "
+        "first call 1.50 s")
+    assert bench.progress_line(ROWS[1]) == (
+        "b m8 fwd+bwd: 40.00 us, 1.00x fixed, 0.95x cublas; first call 0.25 s")
+    bench.print_table(ROWS)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "a:" and out[3] == "" and out[4] == "b:"
+    assert out[1] == ("  case        mode  tuned us  fixed us  vs fixed  vs peer  vs broken"
+                      "  % of copy  first call s")
+    assert out[2].split() == ["n1024", "bf16", "fwd", "20.00", "30.00", "1.50x", "1.25x",
+                              "failed", "80%", "1.50"]
+    assert out[6].split() == ["m8", "fwd+bwd", "40.00", "40.00", "1.00x", "0.95x", "0.2", "0.25"]
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    assert bench.plot(ROWS, str(path), title="Fake GPU")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert bench.plot(ROWS, str(tmp_path / "bench.png")) is False
+    assert capsys.readouterr().out == \
+        "--plot ignored: matplotlib is not installed (pip install matplotlib)\n"
+    assert not (tmp_path / "bench.png").exists()

@@ -8,6 +8,7 @@ import torch
 
 from tiletune.autotune import MAX_CONFIGS, default_hints
 from tiletune.ops import matmul as MM
+from tiletune.ops import partials
 from tiletune.ops import rms_norm as RN
 from tiletune.ops import rms_norm_rope as RNR
 from tiletune.ops import rope as RP
@@ -23,7 +24,7 @@ def spaces():
                 yield f"rms_norm_bwd {arch} N={n}", list(RN.bwd_configs(arch, n))
         yield f"rms_norm_bwd_coef {arch}", list(RN.bwd_coef_configs(arch, 65536))
         yield f"rms_norm_bwd_cols {arch}", list(RN.bwd_cols_configs(arch, 65536))
-        yield f"rms_norm_dw_sum {arch}", list(RN.column_sum_configs(arch, 4096))
+        yield f"column_sum {arch}", list(partials.column_sum_configs(arch, 4096))
         for m, n, k in ((1, 4096, 4096), (256, 4096, 4096), (4096, 14336, 4096), (1000, 1999, 777)):
             yield f"matmul {arch} {m}x{n}x{k}", list(MM.matmul_configs(arch, m, n, k))
         for heads, rot in itertools.product((2, 40, 160), (32, 64, 128)):
@@ -71,38 +72,3 @@ def test_rope_rejects_cpu_tensors():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="q must be a CUDA tensor"):
         RP.apply_rope(q, q, torch.randn(4, 8), torch.randn(4, 8))
-
-
-def test_matmul_launches_what_its_search_times(monkeypatch):
-    """Host side of matmul with the launch stubbed: a plain config is one launch into the output;
-    a split-K config launches its partials into the search's scratch buffer (the arguments the
-    search timed) and then the sum into the output; persistent grids count SMs."""
-    launches = []
-    monkeypatch.setattr(MM.ct, "launch", lambda stream, grid, kernel, args:
-                        launches.append((grid, kernel, args)))
-    monkeypatch.setattr(MM, "current_stream", lambda dev: None)
-    monkeypatch.setattr(MM, "sm_count", lambda dev: 132)
-    a3, b3, c3 = torch.randn(2, 16, 300), torch.randn(2, 300, 256), torch.empty(2, 16, 256)
-    cfgs = list(MM.matmul_configs("sm_90", 16, 256, 300))
-    plain, persistent = cfgs[0], cfgs[1]
-    split = next(c for c in cfgs if MM.split_of(c) > 1)
-    s = MM._search(a3, b3, c3, 0)
-    assert not s.partly_timed(plain) and s.partly_timed(split)
-
-    s.run_fn(plain, "kernel")
-    assert launches == [((2, 2), "kernel", s.args_fn(plain))] and s.args_fn(plain)[2] is c3
-    assert s.grid_fn(persistent) == (4, 1)           # min(4 tiles, 132 SMs x occupancy 1)
-
-    launches.clear()
-    s.run_fn(split, "kernel")
-    (g1, k1, args1), (g2, k2, args2) = launches
-    w = s.args_fn(split)[2]
-    assert w.shape == (split.split * 2, 16, 256) and w.dtype == torch.float32
-    assert g1 == (2, 2, split.split) and k1 == "kernel" and args1 == s.args_fn(split)
-    assert args1[2] is w and s.args_fn(split)[2] is w          # one scratch buffer per split
-    assert k2 is MM.splitk_reduce_kernel and g2 == (8, 2)
-    assert args2[0] is w and args2[1] is c3 and args2[-1] == split.split
-
-    launches.clear()
-    MM.run(split, "kernel", a3, b3, c3, 0)                   # outside a search: its own buffer
-    assert launches[0][2][2] is not w and launches[0][2][2].shape == w.shape

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tiletune import autotune, device, precompile, store, timing
-from tiletune.autotune import Autotuner, Search, TuningFailedError, bucket
+from tiletune.autotune import Autotuner, Search, TuningFailedError, Work, bucket
 
 
 @ct.kernel
@@ -26,10 +26,6 @@ def _k(x, T: ct.Constant[int]):
 def _space(arch, n):
     for occ in (1, 2, 4):
         yield SimpleNamespace(tile=n, occupancy=occ)
-
-
-class FakeTensor:
-    device = "cuda:0"
 
 
 class FakeSearch:
@@ -79,6 +75,7 @@ def env(monkeypatch, tmp_path):
     monkeypatch.setattr(device, "arch", lambda d=None: "sm_90")
     monkeypatch.setattr(device, "gpu_name", lambda d: "Fake H200")
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
+    monkeypatch.setattr(device, "current_stream", lambda dev: "stream")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     launches = []
     monkeypatch.setattr(ct, "launch", lambda *a, **k: launches.append(a))   # the GPU stand-in
@@ -105,7 +102,7 @@ def search(n=16):
 
 
 def resolve(t, key, n=16):
-    return t.cache.get(key) or t.tune(key, FakeTensor(), search(n))
+    return t.cache.get(key) or t.tune(key, 0, search(n))
 
 
 def test_bucket_is_next_power_of_two():
@@ -291,7 +288,7 @@ def test_in_place_kernel_searches_its_split_buffer_twin(env):
     t = Autotuner(f"inplace_{id(env)}", _k, _space, default=SimpleNamespace(tile=8, occupancy=1),
                   search_kernel=_k_twin)
     try:
-        cfg, kern = t.cache.get(("k",)) or t.tune(("k",), FakeTensor(), search())
+        cfg, kern = t.cache.get(("k",)) or t.tune(("k",), 0, search())
     finally:
         autotune._registry.pop(t.name, None)
     assert env.fake.kernels == ["_k_twin"] * 3
@@ -319,7 +316,7 @@ def test_configs_the_precompile_rejects_are_failures_not_searched(env, monkeypat
                         lambda items, arch, timeout: sent.append(items) or
                         {1: ("TileTypeError", "tile too large")})     # occupancy 2 rejected
     t = env.make()
-    cfg, _ = t.tune(("k",), FakeTensor(), search())
+    cfg, _ = t.tune(("k",), 0, search())
     assert len(sent[0]) == 3 and env.fake.calls == 1
     rec = t.records[("k",)]
     assert [(f["config"]["occupancy"], f["error"]) for f in rec.failures] == [(2, "TileTypeError")]
@@ -372,7 +369,7 @@ def test_final_round_runs_the_ops_runner_when_given(env):
     t = env.make()
     s = Search(shape=dict(n=16), grid_fn=lambda c: (1,), args_fn=lambda c: (),
                run_fn=lambda c, kernel: ran.append((c.occupancy, kernel._compiler_options.occupancy)))
-    cfg, _ = t.cache.get(("k", 10)) or t.tune(("k", 10), FakeTensor(), s)
+    cfg, _ = t.cache.get(("k", 10)) or t.tune(("k", 10), 0, s)
     assert ran == [(2, 2), (1, 1)]          # winner and default, each with its hinted kernel
     assert [k._compiler_options.occupancy for _, _, k, _ in env.launches] == [2]   # warm launch
 
@@ -384,7 +381,7 @@ def test_partly_timed_configs_count_the_margin_from_the_fastest_whole_one(env):
     t = env.make()
     s = Search(shape=dict(n=16), grid_fn=lambda c: (1,), args_fn=lambda c: (),
                run_fn=lambda c, kernel: None, partly_timed=lambda c: c.occupancy == 4)
-    t.cache.get(("k", 11)) or t.tune(("k", 11), FakeTensor(), s)
+    t.cache.get(("k", 11)) or t.tune(("k", 11), 0, s)
     # without partly_timed only occ 4 and the default would be timed again (occ 2 is 20% behind)
     assert sorted(f["config"]["occupancy"] for f in t.records[("k", 11)].final) == [1, 2, 4]
 
@@ -396,5 +393,107 @@ def test_without_a_final_round_a_partly_timed_config_does_not_win(env):
     t = env.make()
     s = Search(shape=dict(n=16), grid_fn=lambda c: (1,), args_fn=lambda c: (),
                run_fn=lambda c, kernel: None, partly_timed=lambda c: c.occupancy == 4)
-    cfg, _ = t.cache.get(("k", 12)) or t.tune(("k", 12), FakeTensor(), s)
+    cfg, _ = t.cache.get(("k", 12)) or t.tune(("k", 12), 0, s)
     assert cfg.occupancy == 2 and t.records[("k", 12)].best_us == 12.0
+
+
+# -- the launch idiom: an op declares grid, arguments, scratch and run once ---------------------
+
+def _declared(env, monkeypatch, name, **hooks):
+    t = Autotuner(f"{name}_{id(env)}", _k, _space, default=SimpleNamespace(tile=8, occupancy=1),
+                  space=lambda x, n, *rest: dict(n=n), **hooks)
+    monkeypatch.setitem(autotune._registry, t.name, t)
+    return t
+
+
+def test_launch_tunes_once_then_launches_the_cached_kernel(env, monkeypatch):
+    x = torch.zeros(4)
+    t = _declared(env, monkeypatch, "plain",
+                  grid=lambda c, dev, x, n: (n // c.tile, dev),
+                  args=lambda c, x, n: (x, c.tile),
+                  work=lambda x, n: Work(bytes=8 * n))
+    t.launch(("k",), "cpu", x, 32)
+    assert env.fake.calls == 1 and t.records[("k",)].rates["gb_per_s"] > 0
+    cfg, kernel = t.cache[("k",)]
+    env.launches.clear()
+    assert t.launch(("k",), "cpu", x, 32) is None
+    assert env.launches == [("stream", (1, "cpu"), kernel, (x, 32))]
+    assert env.fake.calls == 1
+
+
+def test_launch_scratch_is_allocated_per_launch_and_shared_in_the_search(env, monkeypatch):
+    seen = []
+    t = _declared(env, monkeypatch, "scratch",
+                  scratch=lambda c, dev, x, n: ((c.occupancy, n), torch.float32),
+                  grid=lambda c, dev, x, n, part: (part.shape[0],),
+                  args=lambda c, x, n, part: seen.append(part) or (x, part))
+    part = t.launch(("k",), "cpu", torch.zeros(4), 16)
+    # the search's views (final round, warm launch) share one buffer as large as the largest
+    # config's (occupancy 4)
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in seen[:-1]}
+    assert list(storages.values()) == [4 * 16 * 4]
+    assert {tuple(p.shape) for p in seen[:-1]} == {(1, 16), (2, 16)}
+    bases = set(storages)
+    assert part.shape == (2, 16) and part.dtype == torch.float32      # the winner's own buffer
+    assert part.untyped_storage().data_ptr() not in bases
+    assert env.launches[-1][1] == (2,)
+
+
+def test_launch_with_a_run_hook_and_no_scratch_for_some_configs(env, monkeypatch):
+    ran = []
+    t = _declared(env, monkeypatch, "run",
+                  scratch=lambda c, dev, x, n: None if c.occupancy == 1 else ((n,), torch.float32),
+                  grid=lambda c, dev, x, n, part: (1,), args=lambda c, x, n, part: (x,),
+                  run=lambda c, kernel, stream, dev, x, n, part: ran.append((c.occupancy, part)))
+    env.fake.best_occ = 1
+    assert t.launch(("k",), "cpu", torch.zeros(4), 16) is None
+    assert ran[-1] == (1, None)
+
+
+def test_in_place_launch_searches_the_twin_on_search_inputs(env, monkeypatch):
+    x = torch.zeros(4)
+    made = []
+    t = _declared(env, monkeypatch, "inplace", search_kernel=_k_twin,
+                  search_inputs=lambda x, n, out: made.append(1) or (x, n, torch.empty_like(x)),
+                  grid=lambda c, dev, x, n, out: (1,),
+                  args=lambda c, x, n, out: (x, c.tile) if out is None else (x, out, c.tile))
+    t.launch(("k",), "cpu", x, 16, None)
+    assert env.fake.kernels == ["_k_twin"] * 3 and made == [1]
+    name, args = env.launches[-1][2]._pyfunc.__name__, env.launches[-1][3]
+    assert name == "_k" and args[0] is x and len(args) == 2       # in place, with the winner
+
+
+def test_launch_miss_under_disable_autotune_builds_no_search(env, monkeypatch):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    t = _declared(env, monkeypatch, "disabled",
+                  search_inputs=lambda *a: pytest.fail("search inputs built"),
+                  grid=lambda c, dev, x, n: (1,), args=lambda c, x, n: (x,))
+    t.launch(("k",), "cpu", torch.zeros(4), 16)
+    assert t.cache[("k",)][0].occupancy == 1 and env.fake.calls == 0
+
+
+def test_a_long_search_says_so_without_tiletune_log(env, monkeypatch, caplog):
+    monkeypatch.setattr(autotune, "LONG_SEARCH_SEC", 0.0)
+    t = env.make()
+    with caplog.at_level(logging.WARNING, logger="tiletune"):
+        resolve(t, ("k", 5))
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert line.startswith(f"tuned {t.name} ['k', '5'] in ") and "'occupancy': 2" in line
+
+
+def test_import_leaves_the_root_logger_alone():
+    code = ("import logging; import tiletune; "
+            "print(len(logging.getLogger().handlers), len(logging.getLogger('tiletune').handlers))")
+    for env_value, expected in (("", "0 0"), ("1", "0 1")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=dict(os.environ, TILETUNE_LOG=env_value), timeout=120)
+        assert out.stdout.split() == expected.split(), out.stderr
+
+
+def test_launch_refuses_cpu_tensors_with_a_clear_message(env, monkeypatch):
+    t = _declared(env, monkeypatch, "cpu", grid=lambda c, dev, x, n: (1,),
+                  args=lambda c, x, n: (x,))
+    x = torch.zeros(4)
+    with pytest.raises(ValueError, match=r"runs? on a CUDA GPU; got device index -1"):
+        t.launch(("k",), x.get_device(), x, 16)
+    assert env.fake.calls == 0 and not env.launches

@@ -1,13 +1,20 @@
 """FMHA pieces that need no GPU: config spaces per arch and head-dim tile, the FLOP count of the
-causal mask, the cache key, and input checks that fail before any launch."""
+causal mask, the AOT cases, what the host side launches (ct.launch stubbed), and input checks
+that fail before any launch."""
+import inspect
 import itertools
 from types import SimpleNamespace
 
+import cuda.tile as ct
 import pytest
 import torch
 
+import tiletune
+from tiletune import device
 from tiletune.autotune import MAX_CONFIGS, default_hints
+from tiletune.cases import fmha as FC
 from tiletune.ops import fmha as FM
+from tiletune.space import next_pow2
 
 GENS = {"fwd": FM.fwd_configs, "dq": FM.dq_configs, "dkdv": FM.dkdv_configs}
 
@@ -33,7 +40,7 @@ def test_space(label, arch, sq, sk, cfgs):
         assert c.tm * c.tn <= 128 * 256
         for v in (c.tm, c.tn):
             assert v >= 16 and v & (v - 1) == 0
-        assert c.tm <= max(64, FM.next_pow2(sq)) and c.tn <= max(64, FM.next_pow2(sk))
+        assert c.tm <= max(64, next_pow2(sq)) and c.tn <= max(64, next_pow2(sk))
     if arch not in ("sm_90", "sm_100"):
         assert len(cfgs) <= 2 and all(c.num_ctas == 1 for c in cfgs)
 
@@ -47,7 +54,7 @@ def test_sm90_defaults():
 
 
 def test_aot_covers_every_sm90_and_sm100_config_at_d128():
-    labels = [c.label for c in FM.aot_cases()]
+    labels = [c.label for c in FC.compile_cases()]
     for kind, gen in GENS.items():
         for arch in ("sm_90", "sm_100"):
             for cfg in gen(arch, 128, causal=True):
@@ -91,3 +98,100 @@ def test_rejects_cpu_and_bad_types_without_a_gpu():
         FM.fmha([1.0], q, q)
     with pytest.raises(ValueError, match="dropout_p"):
         FM.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+
+
+@pytest.fixture
+def stubbed_launch(monkeypatch):
+    """DISABLE_AUTOTUNE on a pretend sm_90 with ct.launch recorded: (kernel name, grid, the
+    kernel's arguments by parameter name) per launch. CPU tensors pass for device 0."""
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(device, "arch", lambda d=None: "sm_90")
+    monkeypatch.setattr(device, "current_stream", lambda dev: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    launches = []
+
+    def launch(stream, grid, kernel, args):
+        names = list(inspect.signature(kernel._pyfunc).parameters)
+        assert len(args) == len(names), kernel._pyfunc.__name__
+        launches.append((kernel._pyfunc.__name__, grid, dict(zip(names, args))))
+    monkeypatch.setattr(ct, "launch", launch)
+    tiletune.clear_cache()
+    yield launches
+    tiletune.clear_cache()
+
+
+def _qkv(B=2, hq=4, hkv=2, sq=100, sk=300, d=80):
+    """bf16 CPU tensors in HF's layout ((B, S, H, D) storage seen as (B, H, S, D))."""
+    def t(h, s):
+        return torch.randn(B, s, h, d, dtype=torch.bfloat16).transpose(1, 2)
+    return t(hq, sq), t(hkv, sk), t(hkv, sk)
+
+
+def test_host_launches(stubbed_launch):
+    """Forward, then backward through autograd: each kernel's grid and arguments under the sm_90
+    defaults (D80 -> TD 128; GQA 2:1; causal bottom-right, offset Sk - Sq = 200); the backward
+    gets the forward's o and lse, and the dK/dV kernel reads the delta the dQ kernel wrote."""
+    q, k, v = _qkv()
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    o = FM._fmha(qg, kg, vg, True, 200, 0.5)
+    assert o.shape == q.shape and o.stride() == q.stride()
+    do = torch.randn_like(o)
+    dq, dk, dv = torch.autograd.grad(o, (qg, kg, vg), do)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    (fk, fgrid, f), (qk, qgrid, g), (kk, kgrid, h) = stubbed_launch
+    assert (fk, qk, kk) == ("fmha_fwd_kernel", "fmha_bwd_dq_kernel", "fmha_bwd_dkdv_kernel")
+    # defaults at TD 128: forward 128x128, dQ 128x64, dK/dV query tile 64 x key tile 128
+    assert fgrid == (1, 8) and qgrid == (1, 8) and kgrid == (3, 4)
+    assert (f["TM"], f["TN"], f["TD"], f["CAUSAL"], f["HEAVY_FIRST"]) == \
+        (128, 128, 128, True, False)
+    assert (g["TM"], g["TN"], h["TM"], h["TN"]) == (128, 64, 64, 128)
+    assert f["q"] is qg and f["k"] is kg and f["v"] is vg and f["o"] is o
+    assert f["lse"].shape == (8, 100) and f["offset"] == 200 == g["offset"] == h["offset"]
+    assert f["qk_scale"] == pytest.approx(0.5 * FM.LOG2E) == g["qk_scale"] == h["qk_scale"]
+    assert g["scale"] == 0.5 == h["scale"]
+    same = lambda a, b: a.data_ptr() == b.data_ptr() and a.shape == b.shape
+    assert same(g["o"], o) and same(g["q"], q) and same(h["k"], k) and same(h["v"], v)
+    assert g["do"] is do and h["do"] is do and h["delta"] is g["delta"]
+    assert same(g["dq"], dq) and same(h["dk"], dk) and same(h["dv"], dv)
+    assert g["lse"].data_ptr() == f["lse"].data_ptr() == h["lse"].data_ptr()
+    assert g["delta"].shape == (8, 100) and g["delta"].dtype == torch.float32
+    assert all(r.source == "default" for t in FM.TUNERS for r in t.records.values())
+
+
+def test_host_launches_plain_call_and_tuner_space(stubbed_launch):
+    """Without gradients one forward launch; the tuners' space is what the generators take
+    (bucketed lengths, TD, causal); the heavy-first trials reach the kernel's constant."""
+    q, k, v = _qkv(sq=1, sk=333, d=64)
+    o = FM._fmha(q, k, v, False, 0, 0.125)
+    assert o.shape == q.shape and len(stubbed_launch) == 1
+    name, grid, f = stubbed_launch[0]
+    assert grid == (1, 8) and (f["TM"], f["TD"], f["CAUSAL"]) == (64, 64, False)   # decode
+    lse2 = FM._flat(torch.empty(2, 4, 1))
+    inputs = (q, k, v, o, lse2, 0.125 * FM.LOG2E, 0, 64, False)
+    assert FM._shape(*inputs) == dict(td=64, sq=1, sk=512, causal=False)
+    heavy = SimpleNamespace(tm=64, tn=128, occupancy=2, num_worker_warps=4, num_ctas=1,
+                            heavy_first=True)
+    assert FM._fwd_args(heavy, *inputs)[-1] is True
+    assert FM._pair_work(4.0)(*inputs).flops == 4.0 * 2 * 4 * 64 * 333
+
+
+def test_host_launches_under_torch_compile(stubbed_launch, monkeypatch):
+    """The custom ops' schemas and fake functions: fullgraph forward and backward (aot_eager)
+    launch what the eager call resolved (tracing with no GPU visible)."""
+    q, k, v = _qkv(sq=64, sk=64, d=64)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def f(a, b, c):
+        return FM._fmha(a, b, c, True, 0, 0.125)
+    torch.autograd.grad(f(qg, kg, vg), (qg, kg, vg), torch.randn_like(q))   # resolves the keys
+    eager = list(stubbed_launch)
+    stubbed_launch.clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    o = torch.compile(f, backend="aot_eager", fullgraph=True)(qg, kg, vg)
+    grads = torch.autograd.grad(o, (qg, kg, vg), torch.randn_like(o))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert [(n, g) for n, g, _ in stubbed_launch] == [(n, g) for n, g, _ in eager]
+    assert [n for n, _, _ in eager] == ["fmha_fwd_kernel", "fmha_bwd_dq_kernel",
+                                        "fmha_bwd_dkdv_kernel"]

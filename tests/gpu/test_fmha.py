@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from tiletune.cases import fmha as FC
 from tiletune.ops import fmha as FM
 from tiletune.ops.fmha import fmha, scaled_dot_product_attention
 
@@ -228,7 +229,7 @@ def test_torch_compile_fullgraph(monkeypatch, fresh):
 
 
 def test_aot_signature_matches_jit():
-    """The CI compile's signatures (ops.fmha.aot_params) equal what the JIT infers on the GPU."""
+    """The CI compile's signatures (cases.fmha.aot_params) equal what the JIT infers on the GPU."""
     from cuda.tile.compilation import CallingConvention, KernelSignature
     from tiletune.aot import signature
     for B, hq, hkv, sq, sk, d, dt in [(2, 8, 2, 4096, 4096, 128, torch.bfloat16),
@@ -248,5 +249,5 @@ def test_aot_signature_matches_jit():
         for kind, a in args.items():
             jit = KernelSignature.from_kernel_args(kernels[kind], a,
                                                    CallingConvention.cutile_python_v2())
-            mine = signature(FM.aot_params(kind, 64, 64, dt, B, hq, hkv, sq, sk, d, True))
+            mine = signature(FC.aot_params(kind, 64, 64, dt, B, hq, hkv, sq, sk, d, True))
             assert jit.parameters == mine.parameters, (kind, B, hq, hkv, sq, sk, d)

@@ -75,6 +75,26 @@ def test_batched_and_gradients(fresh, monkeypatch):
     assert rel(ga, ea) < TOL[torch.bfloat16] and rel(gb, eb) < TOL[torch.bfloat16]
 
 
+def test_out_compile_and_one_sided_gradient(fresh, monkeypatch):
+    """`out=` receives a copy; torch.compile(fullgraph=True) runs the custom op forward and
+    backward; with only A requiring grad the backward runs dA alone (two keys: C and dA)."""
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    a = torch.randn(64, 80, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(80, 48, device="cuda", dtype=torch.bfloat16)
+    ref = a.float() @ b.float()
+    out = torch.empty(64, 48, device="cuda", dtype=torch.bfloat16)
+    assert matmul(a, b, out=out) is out and rel(out, ref) < TOL[torch.bfloat16]
+    a.requires_grad_()
+    dc = torch.randn(64, 48, device="cuda", dtype=torch.bfloat16)
+    (ga,) = torch.autograd.grad(matmul(a, b), (a,), dc)
+    assert rel(ga, dc.float() @ b.float().t()) < TOL[torch.bfloat16]
+    assert len(MM._matmul.records) == 2
+    compiled = torch.compile(lambda a, b: matmul(a, b), fullgraph=True)
+    c = compiled(a, b)
+    (cg,) = torch.autograd.grad(c, (a,), dc)
+    assert rel(c, ref) < TOL[torch.bfloat16] and rel(cg, ga) < 1e-6
+
+
 def test_new_m_in_same_bucket_does_not_search(fresh):
     b = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     matmul(torch.randn(300, 512, device="cuda", dtype=torch.bfloat16), b)

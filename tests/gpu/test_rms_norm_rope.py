@@ -42,3 +42,35 @@ def test_forward_backward(fresh, monkeypatch, case, dt, disable):
     want = torch.autograd.grad((rq, rk), ref_leaves, (dq.double(), dk.double()))
     for g, w in zip(got, want):
         assert rel(g, w) < 2 * TOL[dt]
+
+
+def test_torch_compile_fullgraph(fresh):
+    """The TrainableOp's custom ops: forward and backward (weights included) as in eager."""
+    q, k, cos, sin = make(2, 8, 2, 64, 128, 64, torch.bfloat16)
+    wq = torch.rand(128, device="cuda", dtype=torch.bfloat16) + 0.5
+    wk = torch.rand(128, device="cuda", dtype=torch.bfloat16) + 0.5
+    leaves = [t.detach().requires_grad_() for t in (q, k, wq, wk)]
+
+    def f(q, k, wq, wk):
+        qo, ko = rms_norm_rope(q * 1, k * 1, wq, wk, cos, sin)
+        return qo.float().square().sum() + ko.float().sum()
+    eager = f(*leaves)
+    ge = torch.autograd.grad(eager, leaves)
+    out = torch.compile(f, fullgraph=True)(*leaves)
+    gc = torch.autograd.grad(out, leaves)
+    torch.testing.assert_close(out, eager)
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b)
+
+
+def test_errors_name_the_function():
+    q, k, cos, sin = make(1, 8, 2, 16, 64, 64, torch.float32)
+    w = torch.ones(64, device="cuda")
+    with pytest.raises(ValueError, match="^rms_norm_rope: q must be a CUDA tensor"):
+        rms_norm_rope(q.cpu(), k.cpu(), w.cpu(), w.cpu(), cos.cpu(), sin.cpu())
+    with pytest.raises(ValueError, match="^rms_norm_rope: rotary width"):
+        rms_norm_rope(q, k, w, w, cos, sin, rotary_dim=63)
+    with pytest.raises(ValueError, match="^rms_norm_rope: position_ids range"):
+        rms_norm_rope(q, k, w, w, cos, sin, position_ids=torch.full((1, 16), 16, device="cuda"))
+    with pytest.raises(ValueError, match="^rms_norm_rope: q_weight must have shape"):
+        rms_norm_rope(q, k, w[:32], w, cos, sin)

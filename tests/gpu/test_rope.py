@@ -168,6 +168,35 @@ def test_torch_compile_fullgraph(fresh):
         torch.testing.assert_close(a, b)
 
 
+def test_inplace_autograd_and_compile(fresh):
+    """In place: the outputs are the inputs (marked dirty), gradients as out of place; under
+    torch.compile(fullgraph=True) the out-of-place op runs and is copied back."""
+    q, k, cos, sin = make(2, 8, 2, 64, 64, 64, torch.bfloat16)
+    qg, kg = q.detach().requires_grad_(), k.detach().requires_grad_()
+
+    def loss(qo, ko):
+        return qo.float().square().sum() + ko.float().sum()
+    qo, ko = apply_rope(qg, kg, cos, sin)
+    want = torch.autograd.grad(loss(qo, ko), (qg, kg))
+    qi, ki = qg * 1, kg * 1                     # not leaves: may be rotated in place
+    qo2, ko2 = apply_rope(qi, ki, cos, sin, inplace=True)
+    assert qo2 is qi and ko2 is ki
+    assert rel(qo2, qo) < TOL[torch.bfloat16] and rel(ko2, ko) < TOL[torch.bfloat16]
+    got = torch.autograd.grad(loss(qo2, ko2), (qg, kg))
+    for a, b in zip(got, want):
+        assert rel(a, b) < TOL[torch.bfloat16]
+
+    def f(q, k):
+        q, k = q.clone(), k.clone()
+        apply_rope(q, k, cos, sin, inplace=True)
+        return q, k
+    cq, ck = torch.compile(f, fullgraph=True)(q, k)
+    torch.testing.assert_close(cq, qo.detach())
+    torch.testing.assert_close(ck, ko.detach())
+    with pytest.raises(ValueError, match="leaf"):
+        apply_rope(qg, kg, cos, sin, inplace=True)
+
+
 def test_example_pair_runs_and_agrees():
     fixed, tuned = run_example_pair("03_rope_inplace_splitbuffer")
     a, b = float(fixed["checksum"]), float(tuned["checksum"])

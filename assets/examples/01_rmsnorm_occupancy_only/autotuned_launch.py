@@ -1,12 +1,13 @@
-"""After: the same kernel through tune-once/cache/launch. The first call searches the config space
-(default first, so tuning cannot lose to the fixed launch); every later call is a dict lookup and
-a ct.launch of the cached, already-hinted kernel."""
-import cuda.tile as ct
+"""After: the same kernel through tune-once/cache/launch. The tuner declares once what a launch
+needs (config space, grid, arguments); the first call searches the space (default first, so
+tuning cannot lose to the fixed launch); every later call is a dict lookup and a ct.launch of the
+cached, already-hinted kernel."""
 import torch
 
-from tiletune import Autotuner, Search, bucket
-from tiletune.timing import time_us
+from tiletune import Autotuner, bucket, cdiv
+from tiletune.device import persistent_ctas
 from tiletune.ops.rms_norm import fwd_configs, rms_norm_fwd_rows
+from tiletune.timing import time_us
 
 M, N, EPS = 16384, 4096, 1e-6
 torch.manual_seed(0)
@@ -14,24 +15,26 @@ x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
 w = torch.rand(N, device="cuda", dtype=torch.bfloat16) + 0.5
 y = torch.empty_like(x)
 rstd = torch.empty(M, device="cuda", dtype=torch.float32)
-num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-
-tuner = Autotuner("example_rms_norm", rms_norm_fwd_rows, fwd_configs, default=None)
 
 
-def grid(cfg):
-    return (min(-(-M // cfg.tile_m), num_sms * cfg.occupancy),)
+
+def grid(cfg, dev, x, w, y, rstd):
+    """A persistent grid (SMs x occupancy CTAs striding over row tiles) or one CTA per tile."""
+    tiles = cdiv(x.shape[0], cfg.tile_m)
+    return (persistent_ctas(tiles, dev, cfg.occupancy) if cfg.persistent else tiles,)
 
 
-def args(cfg):
-    return (x, w, y, rstd, 1.0 / N, EPS, cfg.tile_m, cfg.tile_n)
+# N = 4096 fits one tile per row: every config of this space is for rms_norm_fwd_rows.
+tuner = Autotuner(
+    "example_rms_norm", rms_norm_fwd_rows, fwd_configs, default=None,
+    space=lambda x, w, y, rstd: dict(n_cols=x.shape[1]), grid=grid,
+    args=lambda cfg, x, w, y, rstd: (x, w, y, rstd, 1.0 / x.shape[1], EPS, cfg.tile_m,
+                                     cfg.tile_n))
 
 
 def run():
-    key = (N, bucket(M), x.dtype, w.dtype, x.get_device())
-    cfg, kernel = tuner.cache.get(key) or tuner.tune(
-        key, x, Search(shape=dict(n_cols=N), grid_fn=grid, args_fn=args))
-    ct.launch(torch.cuda.current_stream(), grid(cfg), kernel, args(cfg))
+    dev = x.get_device()
+    tuner.launch((N, bucket(M), x.dtype, w.dtype, dev), dev, x, w, y, rstd)
 
 
 run()                                   # tunes once

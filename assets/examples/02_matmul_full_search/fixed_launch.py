@@ -3,6 +3,7 @@ choice that is good for big square GEMMs, used here for a skinny one (M = 128)."
 import cuda.tile as ct
 import torch
 
+from tiletune import cdiv
 from tiletune.timing import time_us
 from tiletune.ops.matmul import matmul_kernel
 
@@ -14,7 +15,7 @@ c = torch.empty(1, M, N, device="cuda", dtype=torch.bfloat16)
 
 TM, TN, TK, GROUP_M = 128, 128, 64, 8
 kernel = matmul_kernel.replace_hints(occupancy=1, num_ctas=1)
-grid = (-(-M // TM) * -(-N // TN), 1)
+grid = (cdiv(M, TM) * cdiv(N, TN), 1)
 
 
 def run():

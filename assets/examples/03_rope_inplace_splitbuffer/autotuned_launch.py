@@ -1,28 +1,55 @@
-"""After: the same in-place kernel through tune-once/cache/launch. The search must not touch q
-and k, so it times the out-of-place twin (`rope_kernel`) reading q/k and writing one scratch
-allocation (split buffers, made once, no clones per sample); the winning config is then applied
-to the in-place kernel, which runs once on the real data."""
+"""After: the same in-place kernel through tune-once/cache/launch. A search must not touch q and
+k, so the tuner declares a twin for it: `search_kernel` is the out-of-place `rope_kernel` (same
+body and traffic, separate output arrays) and `search_inputs` gives it scratch outputs, made once
+per miss (split buffers, no clones per sample). The winning config is then applied to the
+in-place kernel, which runs once on the real data."""
 import torch
 
+from tiletune import Autotuner, bucket, cdiv
+from tiletune.device import persistent_ctas
+from tiletune.ops.rope import rope_inplace_kernel, rope_kernel, rope_tile_configs
 from tiletune.timing import time_us
-from tiletune.ops import rope as R
 
 B, HQ, HK, S, D = 4, 32, 8, 4096, 128
 torch.manual_seed(0)
 q = torch.randn(B, HQ, S, D, device="cuda", dtype=torch.bfloat16)
 k = torch.randn(B, HK, S, D, device="cuda", dtype=torch.bfloat16)
 ang = torch.rand(S, D // 2, device="cuda") * 6.28
-cos = torch.cat((ang.cos(), ang.cos()), -1).to(torch.bfloat16)
-sin = torch.cat((ang.sin(), ang.sin()), -1).to(torch.bfloat16)
-q0, k0 = q.clone(), k.clone()
+cos = torch.cat((ang.cos(), ang.cos()), -1).to(torch.bfloat16)[None].expand(B, S, D)
+sin = torch.cat((ang.sin(), ang.sin()), -1).to(torch.bfloat16)[None].expand(B, S, D)
+
+
+def grid(cfg, dev, q, *rest):
+    """A persistent grid (SMs x occupancy CTAs striding over position tiles) or one CTA each."""
+    tiles = q.shape[0] * cdiv(q.shape[2], cfg.tile_s)
+    return (persistent_ctas(tiles, dev, cfg.occupancy) if cfg.persistent else tiles,)
+
+
+def args(cfg, q, k, cos, sin, q_out, k_out):
+    """The in-place kernel's arguments; with scratch outputs (the search), its twin's. The whole
+    head rotates (half = D/2), no position_ids (cos stands in for them), forward."""
+    if q_out is None:
+        return (q, k, cos, sin, cos, D // 2, HQ, HK, cfg.tile_s, D // 2, False, False,
+                cfg.latency)
+    return (q, k, cos, sin, cos, q_out, k_out, D // 2, HQ, HK, cfg.tile_s, D // 2, 1, False,
+            False, False, cfg.latency)
+
+
+tuner = Autotuner(
+    "example_rope_inplace", rope_inplace_kernel, rope_tile_configs, default=None,
+    space=lambda q, k, *rest: dict(heads=q.shape[1], rot=q.shape[3]), grid=grid, args=args,
+    search_kernel=rope_kernel,
+    search_inputs=lambda q, k, cos, sin, q_out, k_out: (q, k, cos, sin, torch.empty_like(q),
+                                                        torch.empty_like(k)))
 
 
 def run():
-    R.apply_rope(q, k, cos, sin, inplace=True)
+    dev = q.get_device()
+    tuner.launch((HQ, HK, D, bucket(B * S), q.dtype, dev), dev, q, k, cos, sin, None, None)
 
 
 run()                                    # tunes (search on scratch), then rotates q and k once
-rec = next(iter(R._rope_inplace.records.values()))
+rec = next(iter(tuner.records.values()))
 print(f"best={rec.config} source={rec.source}")
 print(f"checksum={q.double().sum().item() + k.double().sum().item():.6e}")
 print(f"us={time_us(run):.2f}")

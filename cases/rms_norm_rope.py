@@ -1,0 +1,76 @@
+"""Fused RMSNorm+RoPE's benchmark rows (against tiletune's rms_norm per head then apply_rope, run
+separately) and its ahead-of-time compile cases."""
+import torch
+
+from tiletune.aot import F32, CompileCase, jit_array
+from tiletune.bench import BenchCase
+from tiletune.ops import rms_norm_rope as RNR
+from tiletune.ops.rms_norm import rms_norm
+from tiletune.ops.rope import apply_rope
+from tiletune.space import next_pow2
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time compile cases: every config, forward and backward, for the Qwen3-like layout
+# (GQA 32/8, D 128, bf16, HF views); the default config for partial rotary + position_ids.
+
+
+def _params(dt, B, Hq, Hk, S, D, R_, has_pos):
+    """The forward's and the backward's arguments, without the latency hint (see ops/
+    rms_norm_rope.py: _fwd_args, _bwd_args). The dweight partials are the two (G, D) halves of
+    the (2, G, D) scratch buffer."""
+    f32 = torch.float32
+    q = jit_array(dt, (B, Hq, S, D), (S * Hq * D, D, Hq * D, 1))
+    k = jit_array(dt, (B, Hk, S, D), (S * Hk * D, D, Hk * D, 1))
+    w, c = jit_array(dt, (D,)), jit_array(dt, (B, S, R_), (0, R_, 1))
+    pos = jit_array(torch.int32, (B, S), (0, 1)) if has_pos else c
+    qo, ko = jit_array(dt, (B, Hq, S, D)), jit_array(dt, (B, Hk, S, D))
+    rq, rk = jit_array(f32, (B, Hq, S)), jit_array(f32, (B, Hk, S))
+    tiles = [next_pow2(Hq), next_pow2(Hk), next_pow2(R_ // 2), next_pow2(max(D - R_, 1)),
+             has_pos, R_ < D]
+    part = jit_array(f32, (264, D))
+    fwd = [q, k, w, w, c, c, pos, qo, ko, rq, rk, R_ // 2, F32, F32] + tiles
+    bwd = [qo, ko, q, k, w, w, c, c, pos, rq, rk, qo, ko, part, part, R_ // 2, F32] + tiles
+    return fwd, bwd
+
+
+def compile_cases():
+    fwd, bwd = _params(torch.bfloat16, 4, 32, 8, 4096, 128, 128, False)
+    for cfg in RNR.fused_configs("sm_90", 40, 128):
+        yield CompileCase("rms_norm_rope", RNR._fwd.build(cfg), fwd + [cfg.latency],
+                          f"rms_norm_rope_fwd {vars(cfg)}")
+        yield CompileCase("rms_norm_rope", RNR._bwd.build(cfg), bwd + [cfg.latency],
+                          f"rms_norm_rope_bwd {vars(cfg)}")
+    fwd, bwd = _params(torch.float16, 2, 7, 1, 423, 80, 40, True)
+    cfg = next(RNR.fused_configs("sm_90", 8, 40))
+    yield CompileCase("rms_norm_rope", RNR._fwd.build(cfg), fwd + [cfg.latency],
+                      "rms_norm_rope_fwd fp16 D80 R40 pos")
+    yield CompileCase("rms_norm_rope", RNR._bwd.build(cfg), bwd + [cfg.latency],
+                      "rms_norm_rope_bwd fp16 D80 R40 pos")
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmarks: fused vs the two ops run separately (tiletune rms_norm per head, then apply_rope).
+
+SHAPES = ((4, 32, 8, 4096, 128),)     # B, Hq, Hkv, S, D (bf16)
+
+
+def bench_cases(full=False):
+    """The headline shape (`full` runs the same row: there is one shape)."""
+    cases = []
+    dt = torch.bfloat16
+    for B, Hq, Hk, S, D in SHAPES:
+        q = torch.randn(B, S, Hq, D, device="cuda", dtype=dt).transpose(1, 2)
+        k = torch.randn(B, S, Hk, D, device="cuda", dtype=dt).transpose(1, 2)
+        wq, wk = torch.rand(D, device="cuda", dtype=dt), torch.rand(D, device="cuda", dtype=dt)
+        ang = torch.rand(S, D // 2, device="cuda") * 6.28
+        cos = torch.cat((ang.cos(), ang.cos()), -1).to(dt)
+        sin = torch.cat((ang.sin(), ang.sin()), -1).to(dt)
+
+        def separate(q=q, k=k, wq=wq, wk=wk, cos=cos, sin=sin):
+            return apply_rope(rms_norm(q, wq), rms_norm(k, wk), cos, sin)
+        cases.append(BenchCase(
+            "rms_norm_rope", f"B{B} Hq{Hq} Hkv{Hk} S{S} D{D} bf16", "fwd",
+            lambda q=q, k=k, wq=wq, wk=wk, cos=cos, sin=sin: RNR.rms_norm_rope(q, k, wq, wk,
+                                                                                cos, sin),
+            {"separate": separate}, bytes=2 * (q.numel() + k.numel()) * 2))
+    return cases

@@ -1,0 +1,125 @@
+"""RoPE's benchmark rows (against the Hugging Face reference, its torch.compile, Liger and TileGym
+when installed) and its ahead-of-time compile cases."""
+import torch
+
+from tiletune.aot import CompileCase, jit_array
+from tiletune.bench import BenchCase
+from tiletune.ops import rope as R
+from tiletune.space import next_pow2
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time compile cases: every config for the headline layout (HF transposed views, GQA
+# 32/8, D 128, bf16) in both kernels; the default config for partial rotary + position_ids (fp16,
+# D 80), MQA float32, the backward, and the widest position tile over a ragged S.
+
+
+def _hf_view(dt, B, H, S, D):
+    """(B, S, H, D) storage seen as (B, H, S, D)."""
+    return jit_array(dt, (B, H, S, D), (S * H * D, D, H * D, 1))
+
+
+def _shared(dt, B, S, R_):
+    """cos/sin expanded over the batch (stride 0)."""
+    return jit_array(dt, (B, S, R_), (0, R_, 1))
+
+
+def _out_params(dt, cdt, B, Hq, Hk, S, D, R_, has_pos, backward, cfg):
+    """rope_kernel's arguments (see ops/rope.py: _twin_args)."""
+    q, k = _hf_view(dt, B, Hq, S, D), _hf_view(dt, B, Hk, S, D)
+    c = _shared(cdt, B, S, R_)
+    pos = jit_array(torch.int32, (B, S), (0, 1)) if has_pos else c
+    return [q, k, c, c, pos, _hf_view(dt, B, Hq, S, D), _hf_view(dt, B, Hk, S, D), R_ // 2,
+            next_pow2(Hq), next_pow2(Hk), cfg.tile_s, next_pow2(R_ // 2),
+            next_pow2(max(D - R_, 1)), has_pos, R_ < D, backward, cfg.latency]
+
+
+def _inplace_params(p):
+    """rope_inplace_kernel's arguments from rope_kernel's: no outputs, TILE_P or COPY_REST."""
+    return p[:5] + p[7:12] + [p[13], p[15], p[16]]
+
+
+def compile_cases():
+    B, S = 4, 4096
+    for cfg in R.rope_tile_configs("sm_90", 32, 128):
+        p = _out_params(torch.bfloat16, torch.bfloat16, B, 32, 8, S, 128, 128, False, False, cfg)
+        yield CompileCase("rope", R._rope.build(cfg), p, f"rope 32/8 D128 bf16 {vars(cfg)}")
+        yield CompileCase("rope", R._rope_inplace.build(cfg), _inplace_params(p),
+                          f"rope_inplace 32/8 D128 bf16 {vars(cfg)}")
+    cfg = next(R.rope_tile_configs("sm_90", 32, 128))
+    wide = list(R.rope_tile_configs("sm_90", 8, 64))[-1]       # largest TILE_S, ragged S
+    f16, f32, bf16 = torch.float16, torch.float32, torch.bfloat16
+    variants = [("fp16 7/1 D80 R40 pos", cfg, (f16, f32, 2, 7, 1, 423, 80, 40, True, False)),
+                ("f32 8/1 D64 backward", cfg, (f32, f32, 1, 8, 1, 17, 64, 64, False, True)),
+                ("bf16 32/8 D128 pos backward", cfg,
+                 (bf16, bf16, B, 32, 8, S, 128, 128, True, True)),
+                ("bf16 8/1 D80 R40 S423 widest tile", wide,
+                 (bf16, bf16, 2, 8, 1, 423, 80, 40, False, False))]
+    for label, c, args in variants:
+        yield CompileCase("rope", R._rope.build(c), _out_params(*args, c), f"rope {label} {vars(c)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmarks. The baseline is the Hugging Face implementation (eager and torch.compile).
+
+def _hf_rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def hf_apply_rotary_pos_emb(q, k, cos, sin):
+    """The Hugging Face reference (cos/sin (B, S, D), unsqueezed over heads)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _hf_rotate_half(q) * sin, k * cos + _hf_rotate_half(k) * sin
+
+
+def bench_inputs(B, Hq, Hk, S, D, dt):
+    """Random q, k as HF passes them ((B, S, H, D) storage seen as (B, H, S, D)) and cos/sin
+    (B, S, D) shared over the batch (stride 0), on the GPU."""
+    q = torch.randn(B, S, Hq, D, device="cuda", dtype=dt).transpose(1, 2)
+    k = torch.randn(B, S, Hk, D, device="cuda", dtype=dt).transpose(1, 2)
+    ang = torch.rand(S, D // 2, device="cuda") * 6.28
+    cos = torch.cat((ang.cos(), ang.cos()), -1)[None].expand(B, S, D).to(dt)
+    sin = torch.cat((ang.sin(), ang.sin()), -1)[None].expand(B, S, D).to(dt)
+    return q, k, cos, sin
+
+
+def _peers():
+    peers = {"torch": hf_apply_rotary_pos_emb,
+             "torch_compile": torch.compile(hf_apply_rotary_pos_emb)}
+    try:
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+        peers["liger"] = liger_rotary_pos_emb
+    except Exception:
+        pass
+    try:    # TileGym's cuTile RoPE (rotates q and k in place: timing only)
+        from tilegym.ops.cutile.rope import apply_rope_base
+        peers["tilegym"] = apply_rope_base
+    except Exception:
+        pass
+    return peers
+
+
+SHAPES = ((4, 32, 8, 4096, 128),)     # B, Hq, Hkv, S, D (bf16)
+
+
+def bench_cases(full=False):
+    """Out of place and in place (as Liger and TileGym rotate) at the headline shape: the same
+    peers and bytes. `full` runs the same rows (there is one shape)."""
+    cases = []
+    for B, Hq, Hk, S, D in SHAPES:
+        q, k, cos, sin = bench_inputs(B, Hq, Hk, S, D, torch.bfloat16)
+        peers = _peers()
+        qc, kc = q.contiguous(), k.contiguous()
+        q_out, k_out = torch.empty_like(qc), torch.empty_like(kc)
+        qi, ki = q.clone(), k.clone()
+        for mode, ours in (("fwd", lambda q=q, k=k, c=cos, s=sin: R.apply_rope(q, k, c, s)),
+                           ("fwd inplace", lambda q=qi, k=ki, c=cos, s=sin:
+                            R.apply_rope(q, k, c, s, inplace=True))):
+            cases.append(BenchCase(
+                "rope", f"B{B} Hq{Hq} Hkv{Hk} S{S} D{D} bf16", mode, ours,
+                {name: (lambda f=f, q=q, k=k, c=cos, s=sin: f(q, k, c, s))
+                 for name, f in peers.items()},
+                bytes=2 * (q.numel() + k.numel()) * 2 + 2 * S * D * 2,
+                ceiling=("copy", lambda qo=q_out, ko=k_out, qc=qc, kc=kc:
+                         (qo.copy_(qc), ko.copy_(kc)))))
+    return cases

@@ -1,0 +1,142 @@
+# What the rotary ops (rope, rms_norm_rope) share: the tile helpers that gather cos/sin rows for
+# a (batch, position) index, the host-side checks and normalization of q/k/cos/sin/position_ids,
+# and the CTA count of their grids.
+#
+# cos/sin rows (R,) split in rotary halves: cos1, cos2 = cos[:R/2], cos[R/2:R] (sin alike). The
+# backward of the rotation is the forward with (sin1, sin2) -> (-sin2, -sin1) (BACKWARD).
+#
+# No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
+import cuda.tile as ct
+import torch
+
+from tiletune import validate
+from tiletune.device import persistent_ctas
+
+ZERO = ct.PaddingMode.ZERO
+
+# ---------------------------------------------------------------------------------------------
+# Tile helpers (called from kernels). cos/sin are (B, S', R) views (stride-0 batch when shared);
+# pos (B, S) int32 rows of cos/sin when HAS_POS.
+
+
+def cos_sin_rows(cos, sin, b, p, half, TILE_S, TILE_R, BACKWARD):
+    """cos1, cos2, sin1, sin2 as [1, TILE_S, TILE_R] f32 tiles: rows p*TILE_S.. of batch b."""
+    shape = (1, TILE_S, TILE_R)
+    c1 = ct.load(cos.slice(2, 0, half), (b, p, 0), shape, padding_mode=ZERO).astype(ct.float32)
+    c2 = ct.load(cos.slice(2, half, 2 * half), (b, p, 0), shape, padding_mode=ZERO).astype(ct.float32)
+    s1 = ct.load(sin.slice(2, 0, half), (b, p, 0), shape, padding_mode=ZERO).astype(ct.float32)
+    s2 = ct.load(sin.slice(2, half, 2 * half), (b, p, 0), shape, padding_mode=ZERO).astype(ct.float32)
+    if BACKWARD:
+        return c1, c2, 0.0 - s2, 0.0 - s1
+    return c1, c2, s1, s2
+
+
+def cos_sin(cos, sin, b, p, half, TILE_R, BACKWARD):
+    """One position's cos1, cos2, sin1, sin2 as [1, TILE_R] f32 tiles."""
+    c1, c2, s1, s2 = cos_sin_rows(cos, sin, b, p, half, 1, TILE_R, BACKWARD)
+    return (ct.reshape(c1, (1, TILE_R)), ct.reshape(c2, (1, TILE_R)),
+            ct.reshape(s1, (1, TILE_R)), ct.reshape(s2, (1, TILE_R)))
+
+
+def position(pos, b, s, HAS_POS):
+    """The cos/sin row of position s of batch b: position_ids[b, s], or s itself."""
+    if HAS_POS:
+        return ct.load(pos, (b, s), (1, 1)).item()
+    return s
+
+
+def position_at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS, BACKWARD):
+    """Flat (batch, position) index -> b, s and the [1, TILE_R] cos/sin halves there."""
+    b = bs // S
+    s = bs - b * S
+    c1, c2, s1, s2 = cos_sin(cos, sin, b, position(pos, b, s, HAS_POS), half, TILE_R, BACKWARD)
+    return b, s, c1, c2, s1, s2
+
+
+def position_tile_at(t, S, cos, sin, pos, half, TILE_S, TILE_R, HAS_POS, BACKWARD):
+    """Flat (batch, position tile) index -> b, st and the [1, TILE_S, TILE_R] cos/sin halves.
+    With HAS_POS, TILE_S is 1 (rows are gathered one position at a time)."""
+    tiles = ct.cdiv(S, TILE_S)
+    b = t // tiles
+    st = t - b * tiles
+    c1, c2, s1, s2 = cos_sin_rows(cos, sin, b, position(pos, b, st, HAS_POS), half, TILE_S,
+                                  TILE_R, BACKWARD)
+    return b, st, c1, c2, s1, s2
+
+
+# ---------------------------------------------------------------------------------------------
+# Grids: one CTA per position (tile), or a persistent grid of SMs x occupancy CTAs.
+
+def ctas(cfg, positions, dev):
+    """CTAs for `positions` (batch x position tiles) under a config with `persistent` and
+    `occupancy`."""
+    if not cfg.persistent:
+        return max(positions, 1)
+    return persistent_ctas(positions, dev, cfg.occupancy)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: checks and normalization. `op` names the public function in every error.
+
+def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
+    """Validate; return (cos, sin, pos, rot): cos/sin as (B, S', rot) views (stride-0 batch when
+    shared), pos as (B, S) int32 or None, rot the rotary width."""
+    validate.tensor(op, "q", q)
+    for name, t in (("k", k), ("cos", cos), ("sin", sin)):
+        validate.tensor(op, name, t, device=q.device)
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"{op}: q and k must be 4-D (B, H, S, D), got {tuple(q.shape)} "
+                         f"and {tuple(k.shape)}")
+    B, Hq, S, D = q.shape
+    if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
+        raise ValueError(f"{op}: k {tuple(k.shape)} does not match q {tuple(q.shape)} in "
+                         "batch, sequence length or head_dim")
+    if k.dtype != q.dtype:
+        raise TypeError(f"{op}: k dtype {k.dtype} differs from q dtype {q.dtype}")
+    Hk = k.shape[1]
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"{op}: q heads ({Hq}) must be a multiple of k heads ({Hk})")
+    if cos.shape != sin.shape:
+        raise ValueError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
+    if cos.dim() == 4 and cos.shape[1] == 1:      # (B, 1, S, R): HF unsqueezed form
+        cos, sin = cos[:, 0], sin[:, 0]
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    if cos.dim() != 3 or cos.shape[0] not in (1, B):
+        raise ValueError(f"{op}: cos/sin must be (S, R), (1, S, R) or ({B}, S, R), got "
+                         f"{tuple(cos.shape)}")
+    rot = cos.shape[-1] if rotary_dim is None else int(rotary_dim)
+    if rot <= 0 or rot % 2 or rot > D:
+        raise ValueError(f"{op}: rotary width must be even and in [2, head_dim={D}], got {rot}")
+    if cos.shape[-1] < rot:
+        raise ValueError(f"{op}: cos/sin have {cos.shape[-1]} columns, fewer than the rotary "
+                         f"width {rot}")
+    cos, sin = cos[..., :rot], sin[..., :rot]
+    if cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
+    pos = None
+    if position_ids is not None:
+        if not isinstance(position_ids, torch.Tensor) or \
+                position_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{op}: position_ids must be an int32/int64 tensor")
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None]
+        if position_ids.dim() != 2 or position_ids.shape[1] != S or \
+                position_ids.shape[0] not in (1, B):
+            raise ValueError(f"{op}: position_ids must be (S,), (1, S) or ({B}, S) with "
+                             f"S={S}, got {tuple(position_ids.shape)}")
+        if position_ids.device != q.device:
+            raise ValueError(f"{op}: position_ids is on {position_ids.device}, q on {q.device}")
+        # Out-of-range rows would read outside cos/sin: checked here (one device sync), except
+        # under CUDA graph capture or torch.compile, where it is the caller's contract.
+        if position_ids.numel() and not torch.compiler.is_compiling() and \
+                not torch.cuda.is_current_stream_capturing():
+            lo, hi = int(position_ids.min()), int(position_ids.max())
+            if lo < 0 or hi >= cos.shape[1]:
+                raise ValueError(f"{op}: position_ids range [{lo}, {hi}] is outside the "
+                                 f"{cos.shape[1]} rows of cos/sin")
+        pos = position_ids.to(torch.int32).expand(B, S)
+    elif cos.shape[1] < S:
+        raise ValueError(f"{op}: cos/sin have {cos.shape[1]} rows, fewer than S={S}")
+    return cos, sin, pos, rot

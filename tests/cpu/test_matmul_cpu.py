@@ -1,0 +1,131 @@
+"""Host side of matmul with ct.launch stubbed (no GPU): a plain config is one launch into the
+output; a split-K config launches its partials into the scratch buffer and then their sum into
+the output, and the search times the same arguments; persistent grids count SMs; the backward
+computes only the gradients asked for, through the same launch on transposed views."""
+import cuda.tile as ct
+import pytest
+import torch
+
+from tiletune import device
+from tiletune.ops import matmul as MM
+
+DEV = "cpu"   # the device the engine allocates scratch on here (the grids take it as an index)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args:
+                        calls.append((stream, grid, kernel, args)))
+    monkeypatch.setattr(device, "current_stream", lambda dev: "stream")
+    monkeypatch.setattr(device, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(device, "arch", lambda dev=None: "sm_90")
+    return calls
+
+
+def problem():
+    """Z = 2 batches of (16, 300) @ (300, 256): 2 output tiles of 128x128, long enough K for
+    split-K configs."""
+    a3, b3 = torch.randn(2, 16, 300), torch.randn(2, 300, 256)
+    cfgs = list(MM.matmul_configs("sm_90", 16, 256, 300))
+    return a3, b3, torch.empty(2, 16, 256), cfgs
+
+
+def cached(monkeypatch, cfg):
+    """A key whose cache entry is (cfg, "kernel"): the launch takes the fast path."""
+    key = ("test", id(cfg))
+    monkeypatch.setitem(MM._matmul.cache, key, (cfg, "kernel"))
+    return key
+
+
+def test_plain_config_is_one_launch_into_the_output(launches, monkeypatch):
+    a3, b3, c3, cfgs = problem()
+    plain = cfgs[0]
+    assert MM.split_of(plain) == 1 and not plain.persistent
+    buf = MM._matmul.launch(cached(monkeypatch, plain), DEV, a3, b3, c3)
+    assert launches == [("stream", (2, 2), "kernel", (a3, b3, c3, 128, 128, 64, 8))]
+    assert buf is None                       # whole-K configs allocate no scratch
+
+
+def test_split_k_launches_partials_into_scratch_then_their_sum(launches, monkeypatch):
+    a3, b3, c3, cfgs = problem()
+    split = next(c for c in cfgs if MM.split_of(c) > 1)
+    w = MM._matmul.launch(cached(monkeypatch, split), DEV, a3, b3, c3)
+    assert w.shape == (split.split * 2, 16, 256) and w.dtype == torch.float32
+    (_, g1, k1, args1), (_, g2, k2, args2) = launches
+    tiles = MM.cdiv(16, split.tm) * MM.cdiv(256, split.tn)
+    assert g1 == (tiles, 2, split.split) and k1 == "kernel"
+    assert args1 == (a3, b3, w, split.tm, split.tn, split.tk, split.group_m, split.split)
+    assert k2 is MM.splitk_reduce_kernel and g2 == (MM.cdiv(16, 8) * MM.cdiv(256, 64), 2)
+    assert args2 == (w, c3, *MM.SUM_TILE, split.split)
+
+
+def test_persistent_grids_count_sms(launches):
+    cfgs = list(MM.matmul_configs("sm_90", 4096, 4096, 4096))
+    a3, b3 = torch.empty(1, 4096, 64, device="meta"), torch.empty(1, 64, 4096, device="meta")
+    c3 = torch.empty(1, 4096, 4096, device="meta")
+    by_tile = {(c.tm, c.tn, c.num_ctas): c for c in cfgs if c.persistent}
+    # 32 x 32 tiles of 128x128 over 132 SMs at occupancy 1
+    assert MM._grid(by_tile[128, 128, 1], DEV, a3, b3, c3, None) == (132, 1)
+    # 2-CTA clusters: the grid counts clusters, half as many
+    assert MM._grid(by_tile[256, 256, 2], DEV, a3, b3, c3, None) == (66, 1)
+    # fewer tiles (x batches) than SMs: one CTA each
+    a3s, b3s, c3s, small = problem()
+    assert MM._grid(small[1], DEV, a3s, b3s, c3s, None) == (4, 1)
+
+
+def test_the_search_times_the_arguments_launch_uses(launches):
+    """The engine's search over matmul's declared functions: split-K configs are partly timed
+    (their sum is left out of the search), share one scratch allocation, and the final round's
+    run times the partials with the search's arguments and then the sum into the output."""
+    a3, b3, c3, cfgs = problem()
+    plain = cfgs[0]
+    splits = [c for c in cfgs if MM.split_of(c) > 1]
+    s = MM._matmul._search_for(DEV, (a3, b3, c3))
+    assert s.shape == dict(m=16, n=256, k=300)
+    assert s.work.flops == 2.0 * 2 * 16 * 256 * 300
+    assert not s.partly_timed(plain) and all(s.partly_timed(c) for c in splits)
+    assert s.args_fn(plain) == (a3, b3, c3, 128, 128, 64, 8)
+    ws = [s.args_fn(c)[2] for c in splits]
+    assert {w.untyped_storage().data_ptr() for w in ws} == {ws[0].untyped_storage().data_ptr()}
+    split = splits[0]
+    assert ws[0].shape == (split.split * 2, 16, 256) and s.args_fn(split)[2] is ws[0]
+    s.run_fn(split, "kernel")
+    (_, g1, k1, args1), (_, g2, k2, args2) = launches
+    assert (g1, k1, args1) == (s.grid_fn(split), "kernel", s.args_fn(split))
+    assert k2 is MM.splitk_reduce_kernel and args2[0] is ws[0] and args2[1] is c3
+
+
+def test_key_buckets_m_and_names_layouts(monkeypatch):
+    seen = []
+    monkeypatch.setattr(MM._matmul, "launch", lambda key, dev, *inputs: seen.append(key))
+    a3 = torch.randn(1, 300, 64)
+    b3 = torch.randn(1, 128, 64).transpose(1, 2)        # column-major B
+    MM.launch(a3, b3, torch.empty(1, 300, 128))
+    MM.launch(torch.randn(3, 64, 300).transpose(1, 2), torch.randn(3, 64, 128),
+              torch.empty(3, 300, 128))
+    assert seen == [(512, 128, 64, False, torch.float32, "row", "col", -1),
+                    (512, 128, 64, True, torch.float32, "col", "row", -1)]
+
+
+def test_backward_computes_only_the_gradients_needed(monkeypatch):
+    products = []
+
+    def launch(a3, b3, c3):           # stands in for the kernel
+        products.append((a3.shape, MM._layout(a3), MM._layout(b3)))
+        c3.copy_(a3 @ b3)
+    monkeypatch.setattr(MM, "launch", launch)
+    a = torch.randn(5, 7, requires_grad=True)
+    b = torch.randn(7, 3)
+    c = MM._matmul_op(a, b)
+    assert torch.allclose(c, a @ b)
+    dc = torch.randn(5, 3)
+    products.clear()
+    (da,) = torch.autograd.grad(c, (a,), dc)
+    assert torch.allclose(da, dc @ b.t(), atol=1e-6)
+    assert products == [((1, 5, 3), "row", "col")]   # dA = dC @ B^T on B's transposed view
+    b.requires_grad_()
+    c = MM._matmul_op(a, b)
+    products.clear()
+    da, db = torch.autograd.grad(c, (a, b), dc)
+    assert torch.allclose(db, a.t() @ dc, atol=1e-6) and len(products) == 2

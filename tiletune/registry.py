@@ -1,0 +1,21 @@
+"""The ops that `python -m tiletune bench` and `compile` know, as registered by the layer above
+the engine (the `tiletune.cases` entry-point group; tiletune's own ops register
+`tiletune.cases:REGISTRY`, a package of yours can add its own). The engine names no op."""
+import functools
+from importlib.metadata import entry_points
+
+GROUP = "tiletune.cases"
+
+
+@functools.lru_cache(maxsize=None)
+def ops():
+    """{op name: its case module}, in registration order. A case module has
+    `bench_cases(full=False)` -> [bench.BenchCase] (the headline rows unless `full`),
+    `compile_cases()` -> [aot.CompileCase], and optionally `bench_host()` -> {label: value}."""
+    found = {}
+    for ep in sorted(entry_points(group=GROUP), key=lambda e: (e.name != "tiletune", e.name)):
+        found.update(ep.load())
+    if not found:
+        raise RuntimeError("tiletune: no ops are registered (entry-point group "
+                           f"{GROUP!r}); install the package: pip install -e .")
+    return found

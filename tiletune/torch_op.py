@@ -1,0 +1,87 @@
+"""One differentiable op, three ways in: a plain call when no gradient is needed, a
+`torch.autograd.Function` in eager training (the least host time per step), and a
+`torch.library` custom op with fake implementations under `torch.compile(fullgraph=True)`.
+An op module defines its forward and backward once and gets all three from `TrainableOp`."""
+import torch
+
+
+class TrainableOp:
+    """name: "tiletune::<op>" (the custom ops are "<name>_fwd" and "<name>_bwd").
+
+    forward(*args) -> a tensor, or a tuple of tensors: the op's `outputs` results, then the
+        tensors only the backward needs (rstd, lse). An output that is an input (in place) is
+        marked dirty.
+    forward_schema / forward_fake: the custom op's schema (without the name) and shape function.
+    save(args, results) -> (tensors to save, constants): what the backward receives.
+    backward(needs_input_grad, *grads, *saved tensors, *constants) -> gradients of the leading
+        args, in order (None where not needed); the rest of the args get None.
+    backward_schema / backward_fake: likewise for the backward's custom op (its first argument
+        is `bool[] needs`).
+    """
+
+    def __init__(self, name, *, forward, forward_schema, forward_fake, save, backward,
+                 backward_schema, backward_fake, outputs=1):
+        self.forward, self.backward, self.outputs, self._save = forward, backward, outputs, save
+        self._fwd_op = torch.library.custom_op(f"{name}_fwd", forward, mutates_args=(),
+                                               schema=forward_schema)
+        self._fwd_op.register_fake(forward_fake)
+        self._bwd_op = torch.library.custom_op(
+            f"{name}_bwd", lambda needs, *a: backward(tuple(needs), *a), mutates_args=(),
+            schema=backward_schema)
+        self._bwd_op.register_fake(backward_fake)
+        self._fwd_op.register_autograd(self._compiled_backward, setup_context=self._setup)
+        self._function = _autograd_function(name, forward, save, backward, outputs)
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            results = self._fwd_op(*args)
+        elif torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return self._function.apply(*args)
+        else:
+            results = self.forward(*args)
+        if isinstance(results, torch.Tensor):
+            return results
+        return results[0] if self.outputs == 1 else results[:self.outputs]
+
+    def _setup(self, ctx, inputs, output):
+        tensors, ctx.constants = self._save(inputs, _as_tuple(output))
+        ctx.save_for_backward(*tensors)
+        ctx.num_args = len(inputs)
+
+    def _compiled_backward(self, ctx, *grads):
+        needs = [bool(n) for n in ctx.needs_input_grad]
+        result = self._bwd_op(needs, *grads[:self.outputs], *ctx.saved_tensors, *ctx.constants)
+        return _pad(result, ctx.num_args)
+
+
+def _as_tuple(results):
+    return (results,) if isinstance(results, torch.Tensor) else results
+
+
+def _pad(grads, n):
+    grads = tuple(grads)
+    return grads + (None,) * (n - len(grads))
+
+
+def _autograd_function(name, forward, save, backward, outputs):
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            results = _as_tuple(forward(*args))
+            tensors, ctx.constants = save(args, results)
+            ctx.save_for_backward(*tensors)
+            ctx.num_args = len(args)
+            dirty = [r for r in results[:outputs] if any(r is a for a in args)]
+            if dirty:
+                ctx.mark_dirty(*dirty)
+            return results[0] if outputs == 1 else tuple(results[:outputs])
+
+        @staticmethod
+        def backward(ctx, *grads):
+            result = backward(tuple(ctx.needs_input_grad), *grads, *ctx.saved_tensors,
+                              *ctx.constants)
+            return _pad(result, ctx.num_args)
+
+    Function.__name__ = Function.__qualname__ = name.split("::")[-1] + "_function"
+    return Function
