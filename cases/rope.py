@@ -103,8 +103,8 @@ SHAPES = ((4, 32, 8, 4096, 128),)     # B, Hq, Hkv, S, D (bf16)
 
 
 def bench_cases(full=False):
-    """Out of place and in place (as Liger and TileGym rotate) at the headline shape: the same
-    peers and bytes. `full` runs the same rows (there is one shape)."""
+    """In place (as Liger and TileGym rotate: the headline row) and, with `full`, out of place,
+    against the same peers and bytes."""
     cases = []
     for B, Hq, Hk, S, D in SHAPES:
         q, k, cos, sin = bench_inputs(B, Hq, Hk, S, D, torch.bfloat16)
@@ -112,9 +112,11 @@ def bench_cases(full=False):
         qc, kc = q.contiguous(), k.contiguous()
         q_out, k_out = torch.empty_like(qc), torch.empty_like(kc)
         qi, ki = q.clone(), k.clone()
-        for mode, ours in (("fwd", lambda q=q, k=k, c=cos, s=sin: R.apply_rope(q, k, c, s)),
-                           ("fwd inplace", lambda q=qi, k=ki, c=cos, s=sin:
-                            R.apply_rope(q, k, c, s, inplace=True))):
+        modes = [("fwd inplace", lambda q=qi, k=ki, c=cos, s=sin:
+                  R.apply_rope(q, k, c, s, inplace=True))]
+        if full:
+            modes.append(("fwd", lambda q=q, k=k, c=cos, s=sin: R.apply_rope(q, k, c, s)))
+        for mode, ours in modes:
             cases.append(BenchCase(
                 "rope", f"B{B} Hq{Hq} Hkv{Hk} S{S} D{D} bf16", mode, ours,
                 {name: (lambda f=f, q=q, k=k, c=cos, s=sin: f(q, k, c, s))

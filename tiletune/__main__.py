@@ -164,7 +164,8 @@ def parser():
                                    "faster. Without a GPU: the sm_90 compile instead.")
     b.add_argument("ops", nargs="*", help="ops to run (default: all)")
     b.add_argument("--full", action="store_true",
-                   help="every row of each op (default: its headline rows)")
+                   help="every row of each op and the host overhead per call (default: the "
+                        "headline rows)")
     b.add_argument("--json", metavar="PATH", default=None,
                    help="rows as JSON, written after every row (default: bench-results/bench.json)")
     b.add_argument("--plot", metavar="PNG", default=None,

@@ -333,7 +333,7 @@ def main(ops=None, *, full=False, json_path=DEFAULT_JSON, plot_path=None, match=
             print(progress_line(row), flush=True)
             if json_path:
                 _write(json_path, dev, rows, host, full)
-        if hasattr(mod, "bench_host"):
+        if full and hasattr(mod, "bench_host"):
             try:
                 with fixed_configs():      # host cost does not depend on the config: no search
                     host[op] = mod.bench_host()
