@@ -20,11 +20,22 @@ ZERO = ct.PaddingMode.ZERO
 # load (so they add nothing to the sum of squares) and dropped on store.
 
 
+def _chunk(a, row, c, TILE_N):
+    """Chunk c of one row of a (M, N): a [1, TILE_N] float32 tile, zero past N."""
+    return ct.load(a, (row, c), (1, TILE_N), padding_mode=ZERO).astype(ct.float32)
+
+
+def _weight(w, c, TILE_N):
+    """Chunk c of the weight (N,): a [1, TILE_N] float32 tile, zero past N."""
+    return ct.reshape(ct.load(w, (c,), (TILE_N,), padding_mode=ZERO).astype(ct.float32),
+                      (1, TILE_N))
+
+
 @ct.kernel
 def rms_norm_fwd_rows(x, w, y, rstd, inv_n, eps,
                       TILE_M: ct.Constant[int], TILE_N: ct.Constant[int]):
     """Whole rows in one tile: x, y (M, N), w (N,), rstd (M,) f32. Grid-stride over row tiles."""
-    wt = ct.reshape(ct.load(w, (0,), (TILE_N,), padding_mode=ZERO).astype(ct.float32), (1, TILE_N))
+    wt = _weight(w, 0, TILE_N)
     num_row_tiles = ct.cdiv(x.shape[0], TILE_M)
     for t in range(ct.bid(0), num_row_tiles, ct.num_blocks(0)):
         xt = ct.load(x, (t, 0), (TILE_M, TILE_N), padding_mode=ZERO).astype(ct.float32)
@@ -43,14 +54,12 @@ def rms_norm_fwd_chunked(x, w, y, rstd, inv_n, eps,
     for row in range(ct.bid(0), x.shape[0], ct.num_blocks(0)):
         acc = ct.zeros((1, TILE_N), ct.float32)
         for c in range(num_chunks):
-            xt = ct.load(x, (row, c), (1, TILE_N), padding_mode=ZERO).astype(ct.float32)
+            xt = _chunk(x, row, c, TILE_N)
             acc = acc + xt * xt
         r = ct.rsqrt(ct.sum(acc, axis=1, keepdims=True) * inv_n + eps)  # [1, 1]
         for c in range(num_chunks):
-            xt = ct.load(x, (row, c), (1, TILE_N), padding_mode=ZERO).astype(ct.float32)
-            wt = ct.reshape(ct.load(w, (c,), (TILE_N,), padding_mode=ZERO).astype(ct.float32),
-                            (1, TILE_N))
-            ct.store(y, (row, c), (xt * r * wt).astype(y.dtype))
+            yt = _chunk(x, row, c, TILE_N) * r * _weight(w, c, TILE_N)
+            ct.store(y, (row, c), yt.astype(y.dtype))
         ct.store(rstd, (row,), ct.reshape(r, (1,)))
 
 
@@ -59,7 +68,7 @@ def rms_norm_bwd_rows(dy, x, w, rstd, dx, dw_partial, inv_n,
                       TILE_M: ct.Constant[int], TILE_N: ct.Constant[int]):
     """dx = r*g - x*r^3*mean(g*x) with g = dy*w; each CTA adds its rows' dy*x*r into one row of
     dw_partial (G, N) f32, summed over G afterwards. Whole rows in one tile."""
-    wt = ct.reshape(ct.load(w, (0,), (TILE_N,), padding_mode=ZERO).astype(ct.float32), (1, TILE_N))
+    wt = _weight(w, 0, TILE_N)
     dw_acc = ct.zeros((1, TILE_N), ct.float32)
     num_row_tiles = ct.cdiv(x.shape[0], TILE_M)
     for t in range(ct.bid(0), num_row_tiles, ct.num_blocks(0)):
@@ -80,11 +89,8 @@ def rms_norm_bwd_row_coef(dy, x, w, rstd, coef, inv_n, TILE_N: ct.Constant[int])
     for row in range(ct.bid(0), x.shape[0], ct.num_blocks(0)):
         acc = ct.zeros((1, TILE_N), ct.float32)
         for c in range(num_chunks):
-            xt = ct.load(x, (row, c), (1, TILE_N), padding_mode=ZERO).astype(ct.float32)
-            dyt = ct.load(dy, (row, c), (1, TILE_N), padding_mode=ZERO).astype(ct.float32)
-            wt = ct.reshape(ct.load(w, (c,), (TILE_N,), padding_mode=ZERO).astype(ct.float32),
-                            (1, TILE_N))
-            acc = acc + dyt * wt * xt
+            acc = acc + _chunk(dy, row, c, TILE_N) * _weight(w, c, TILE_N) * _chunk(x, row, c,
+                                                                                  TILE_N)
         r = ct.load(rstd, (row,), (1,))
         ct.store(coef, (row,), ct.sum(acc, axis=1) * inv_n * (r * r * r))
 
@@ -95,8 +101,7 @@ def rms_norm_bwd_cols(dy, x, w, rstd, coef, dx, dw_partial,
     """Wide rows, step 2: grid (column blocks, row groups); dx = r*dy*w - x*coef, and each CTA's
     column block of sum(dy*x*r) over its rows goes to dw_partial[row group]."""
     col = ct.bid(0)
-    wt = ct.reshape(ct.load(w, (col,), (TILE_N,), padding_mode=ZERO).astype(ct.float32),
-                    (1, TILE_N))
+    wt = _weight(w, col, TILE_N)
     dw_acc = ct.zeros((1, TILE_N), ct.float32)
     num_row_tiles = ct.cdiv(x.shape[0], TILE_M)
     for t in range(ct.bid(1), num_row_tiles, ct.num_blocks(1)):

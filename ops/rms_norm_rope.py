@@ -29,6 +29,12 @@ def _heads(x, b, s, lo, hi, TILE_H, TILE, LATENCY):
     return ct.reshape(t, (TILE_H, TILE)).astype(ct.float32)
 
 
+def _halves(x, b, s, half, TILE_H, TILE_R, LATENCY):
+    """The two rotary halves of x[b, :, s] as [TILE_H, TILE_R] float32 tiles."""
+    return (_heads(x, b, s, 0, half, TILE_H, TILE_R, LATENCY),
+            _heads(x, b, s, half, 2 * half, TILE_H, TILE_R, LATENCY))
+
+
 def _put(out, b, s, lo, hi, tile, TILE_H, TILE):
     ct.store(out.slice(3, lo, hi), (b, 0, s, 0), ct.reshape(tile, (1, TILE_H, 1, TILE)).astype(out.dtype))
 
@@ -41,8 +47,7 @@ def _vec(w, lo, hi, TILE):
 def _norm_rope(x, w, out, rstd, b, s, half, inv_d, eps, c1, c2, s1, s2,
                TILE_H, TILE_R, TILE_P, HAS_REST, LATENCY):
     D = x.shape[3]
-    x1 = _heads(x, b, s, 0, half, TILE_H, TILE_R, LATENCY)
-    x2 = _heads(x, b, s, half, 2 * half, TILE_H, TILE_R, LATENCY)
+    x1, x2 = _halves(x, b, s, half, TILE_H, TILE_R, LATENCY)
     ss = ct.sum(x1 * x1, axis=1, keepdims=True) + ct.sum(x2 * x2, axis=1, keepdims=True)
     if HAS_REST:
         xp = _heads(x, b, s, 2 * half, D, TILE_H, TILE_P, LATENCY)
@@ -79,12 +84,10 @@ def _norm_rope_bwd(dy, x, w, rstd, dx, b, s, half, inv_d, c1, c2, s1, s2,
                    TILE_H, TILE_R, TILE_P, HAS_REST, LATENCY):
     """Returns the three [1, TILE] dweight contributions (rotary halves, pass-through part)."""
     D = x.shape[3]
-    dy1 = _heads(dy, b, s, 0, half, TILE_H, TILE_R, LATENCY)
-    dy2 = _heads(dy, b, s, half, 2 * half, TILE_H, TILE_R, LATENCY)
+    dy1, dy2 = _halves(dy, b, s, half, TILE_H, TILE_R, LATENCY)
     dn1 = dy1 * c1 + dy2 * s2                  # rope transpose
     dn2 = dy2 * c2 - dy1 * s1
-    x1 = _heads(x, b, s, 0, half, TILE_H, TILE_R, LATENCY)
-    x2 = _heads(x, b, s, half, 2 * half, TILE_H, TILE_R, LATENCY)
+    x1, x2 = _halves(x, b, s, half, TILE_H, TILE_R, LATENCY)
     r = ct.reshape(ct.load(rstd, (b, 0, s), (1, TILE_H, 1), padding_mode=ZERO), (TILE_H, 1))
     g1 = dn1 * _vec(w, 0, half, TILE_R)
     g2 = dn2 * _vec(w, half, 2 * half, TILE_R)

@@ -223,19 +223,13 @@ class Autotuner:
 
         if scratch is None and run is None:
             def launch(key, dev, *inputs):
-                entry = cache_get(key)
-                if entry is None:
-                    entry = resolve(key, dev, inputs)
-                cfg, kernel = entry
+                cfg, kernel = cache_get(key) or resolve(key, dev, inputs)
                 ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
                           args(cfg, *inputs))
             return launch
 
         def launch_with_scratch_or_run(key, dev, *inputs):
-            entry = cache_get(key)
-            if entry is None:
-                entry = resolve(key, dev, inputs)
-            cfg, kernel = entry
+            cfg, kernel = cache_get(key) or resolve(key, dev, inputs)
             buf = None
             if scratch is not None:
                 spec = scratch(cfg, dev, *inputs)
