@@ -441,6 +441,16 @@ def _check(op, q, k, v, scale):
     return float(scale)
 
 
+def check_causal_bias(op, attn_mask, sq, sk):
+    """A CausalBias describes a (seq_len_q, seq_len_kv) mask: it must be q's Sq by k's Sk. The
+    kernel masks by position alone, so a bias made for other sizes would silently apply another
+    mask than the one it describes. ValueError naming `op` and attn_mask."""
+    if attn_mask.seq_len_q != sq or attn_mask.seq_len_kv != sk:
+        raise ValueError(f"{op}: attn_mask is a CausalBias for seq_len_q={attn_mask.seq_len_q}, "
+                         f"seq_len_kv={attn_mask.seq_len_kv}, but query has Sq={sq} and key "
+                         f"Sk={sk}")
+
+
 def _forward(q, k, v, causal, offset, scale):
     """(o laid out like q, lse (B, Hq, Sq) float32 in base 2)."""
     B, hq, sq, _ = q.shape
@@ -515,8 +525,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Same semantics as torch: `is_causal` aligns the causal diagonal top-left (query i sees keys
     j <= i) when Sq != Sk; `attn_mask` may be None or a torch.nn.attention.bias.CausalBias
-    (`causal_upper_left` / `causal_lower_right`); other masks and dropout_p > 0 raise
-    ValueError. Key/value heads may differ from query heads only with enable_gqa=True.
+    (`causal_upper_left` / `causal_lower_right`) made for q's Sq and k's Sk; other masks, a
+    CausalBias of other sizes and dropout_p > 0 raise ValueError. Key/value heads may differ
+    from query heads only with enable_gqa=True.
     """
     op = "scaled_dot_product_attention"
     if dropout_p:
@@ -531,6 +542,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             raise ValueError(f"{op}: pass either is_causal=True or a CausalBias attn_mask")
         causal, lower_right = True, attn_mask.variant == CausalVariant.LOWER_RIGHT
     scale = _check(op, query, key, value, scale)
+    if attn_mask is not None:
+        check_causal_bias(op, attn_mask, query.shape[2], key.shape[2])
     if not enable_gqa and key.shape[1] != query.shape[1]:
         raise ValueError(f"{op}: key heads ({key.shape[1]}) differ from query heads "
                          f"({query.shape[1]}); pass enable_gqa=True for GQA/MQA")

@@ -145,8 +145,8 @@ SM100_SPACE = [e for e in SM90_SPACE if e[5] is None] + [(256, 256, 64, 1, 2, No
 OTHER_SPACE = [(128, 128, 32, 1, 1, None, False), (64, 128, 32, 2, 1, None, False)]
 # Split-K (sm_90): SPLIT CTAs share each output tile's K range and write float32 partials that a
 # second kernel sums. Only for keys with at most SPLITK_MAX_TILES output tiles, at least 2 K
-# tiles per split and partials of at most SPLITK_MAX_BYTES; elsewhere the sum kernel's launch
-# costs more than the split saves.
+# tiles per split and partials (SPLIT x Z x M x N float32, all batches) of at most
+# SPLITK_MAX_BYTES; elsewhere the sum kernel's launch costs more than the split saves.
 SPLITK_FIELDS = ("tm", "tn", "tk", "split")
 SM90_SPLITK = [(64, 128, 64, 2), (64, 128, 64, 4), (64, 128, 64, 8), (64, 64, 64, 2),
                (64, 64, 64, 4), (128, 128, 64, 2)]
@@ -156,8 +156,9 @@ SPLITK_MAX_BYTES = 64 << 20
 SUM_TILE = (8, 64)
 
 
-def matmul_configs(arch, m, n, k):
-    """The space for (m, k) @ (k, n) on `arch`, default first."""
+def matmul_configs(arch, m, n, k, z=1):
+    """The space for z batches of (m, k) @ (k, n) on `arch`, default first. z bounds split-K's
+    scratch (split * z * m * n float32 partials)."""
     mj = major(arch)
     yield from table(FIELDS, SM90_SPACE if mj == 9 else SM100_SPACE if mj == 10 else OTHER_SPACE,
                      group_m=8)
@@ -165,7 +166,8 @@ def matmul_configs(arch, m, n, k):
         yield from table(SPLITK_FIELDS,
                          [r for r in SM90_SPLITK
                           if cdiv(m, r[0]) * cdiv(n, r[1]) <= SPLITK_MAX_TILES
-                          and cdiv(k, r[2]) >= 2 * r[3] and r[3] * m * n * 4 <= SPLITK_MAX_BYTES],
+                          and cdiv(k, r[2]) >= 2 * r[3]
+                          and r[3] * z * m * n * 4 <= SPLITK_MAX_BYTES],
                          occupancy=1, num_ctas=1, group_m=8, persistent=False)
 
 
@@ -229,7 +231,8 @@ _matmul = Autotuner(
     "matmul", kernel_for, matmul_configs,
     default=SimpleNamespace(tm=128, tn=128, tk=64, occupancy=1, num_ctas=1, group_m=8,
                             persistent=False),
-    space=lambda a3, b3, c3: dict(m=bucket(a3.shape[1]), n=b3.shape[2], k=a3.shape[2]),
+    space=lambda a3, b3, c3: dict(m=bucket(a3.shape[1]), n=b3.shape[2], k=a3.shape[2],
+                                  z=bucket(a3.shape[0])),
     grid=_grid, args=_args, scratch=_scratch, run=_run,
     partly_timed=lambda cfg: split_of(cfg) > 1,     # the search times the partials, not the sum
     work=lambda a3, b3, c3: Work(flops=2.0 * a3.shape[0] * a3.shape[1] * b3.shape[2]
@@ -247,10 +250,11 @@ def _layout(t):
 
 
 def launch(a3, b3, c3):
-    """c3 = a3 @ b3 (all 3-D); the key buckets M."""
+    """c3 = a3 @ b3 (all 3-D); the key buckets M and the batch Z (the space, split-K's
+    scratch bound included, is that of the bucket's largest Z)."""
     Z, M, K = a3.shape
     dev = a3.get_device()
-    key = (bucket(M), b3.shape[2], K, Z > 1, a3.dtype, _layout(a3), _layout(b3), dev)
+    key = (bucket(M), b3.shape[2], K, bucket(Z), a3.dtype, _layout(a3), _layout(b3), dev)
     _matmul.launch(key, dev, a3, b3, c3)
 
 
@@ -310,13 +314,29 @@ _matmul_op = TrainableOp(
         torch.empty_like(b, memory_format=torch.contiguous_format) if needs[1] else None))
 
 
+def _check_out(a, b, out):
+    """`out` must be exactly the result's shape, a's dtype and device (no broadcasting)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"matmul: out must be a torch.Tensor, got {type(out).__name__}")
+    shape = (*a.shape[:-1], b.shape[-1])
+    if tuple(out.shape) != shape:
+        raise ValueError(f"matmul: out has shape {tuple(out.shape)} but the result is {shape}")
+    if out.dtype != a.dtype:
+        raise TypeError(f"matmul: out dtype {out.dtype} differs from the inputs' {a.dtype}")
+    if out.device != a.device:
+        raise ValueError(f"matmul: out is on {out.device} but the inputs are on {a.device}")
+
+
 def matmul(a, b, *, out=None):
     """C = A @ B. a (M, K) and b (K, N), or batched (Z, M, K) and (Z, K, N); bf16 or fp16 (both
     alike), float32 accumulation, output in the input dtype. Either operand may be a transposed
     (column-major) view: no copies. Any M, N, K. `out`, if given, receives the result (copied;
-    it is not differentiable). Differentiable in a and b; works under
+    it is not differentiable): it must have the result's shape, a's dtype and device (else
+    ValueError / TypeError). Differentiable in a and b; works under
     torch.compile(fullgraph=True)."""
     _check(a, b)
+    if out is not None:
+        _check_out(a, b, out)
     c = _matmul_op(a, b)
     if out is not None:
         return out.copy_(c)

@@ -266,9 +266,14 @@ _MAX_CHUNK_ELEMS = 2**31 - 1   # kernels index with int32: launch at most this m
 
 
 def _row_chunks(M, N):
+    """(start, end) row ranges of at most _MAX_CHUNK_ELEMS elements each (N <= that bound:
+    _check refuses wider rows). Rows per chunk are a multiple of 16 where at least 16 fit (keeps
+    the views 16B-aligned); rows wider than 2^27 elements go fewer at a time, down to one."""
     if M * N <= _MAX_CHUNK_ELEMS:
         return ((0, M),)
-    rows = max(16, (_MAX_CHUNK_ELEMS // N) // 16 * 16)   # multiple of 16 keeps views 16B-aligned
+    rows = max(1, _MAX_CHUNK_ELEMS // N)
+    if rows >= 16:
+        rows = rows // 16 * 16
     return tuple((s, min(s + rows, M)) for s in range(0, M, rows))
 
 
@@ -277,6 +282,9 @@ def _check(x, weight, eps):
     validate.tensor("rms_norm", "weight", weight, device=x.device)
     if x.dim() < 1:
         raise ValueError("rms_norm: x must have at least one dimension (the hidden size)")
+    if x.shape[-1] > _MAX_CHUNK_ELEMS:
+        raise ValueError(f"rms_norm: x rows of {x.shape[-1]} elements are not supported (at most "
+                         f"{_MAX_CHUNK_ELEMS} = 2^31 - 1: the kernels index a row with int32)")
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"rms_norm: weight must have shape ({x.shape[-1]},) to match the last "
                          f"dim of x, got {tuple(weight.shape)}")
@@ -350,7 +358,8 @@ def rms_norm(x, weight, eps=1e-6):
     """RMSNorm over the last dim: `x / sqrt(mean(x**2, -1) + eps) * weight`.
 
     x: (..., N) float32/float16/bfloat16 CUDA tensor, any leading dims (flattened to rows), any
-    N >= 1 (rows up to 16384 wide are kept in one tile; wider rows are processed in chunks).
+    N from 1 to 2^31 - 1 (rows up to 16384 wide are kept in one tile; wider rows are processed in
+    chunks; wider than 2^31 - 1 raises ValueError).
     Non-contiguous x is accepted (copied once if its rows cannot be viewed).
     weight: (N,) float32/float16/bfloat16 on x's device; its dtype may differ from x's.
     Statistics in float32; returns a new tensor of x's shape and dtype. Differentiable in x and

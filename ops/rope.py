@@ -11,7 +11,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune.autotune import Autotuner, Work, bucket
-from tiletune.ops.rotary import ctas, position_tile_at, prepare
+from tiletune.ops.rotary import check_inplace, ctas, position_tile_at, prepare
 from tiletune.space import cdiv, next_pow2, table
 from tiletune.torch_op import TrainableOp
 
@@ -213,17 +213,31 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     rotate, the rest pass through. Row s of cos/sin serves position s, or position_ids[b, s] when
     `position_ids` (B, S) / (1, S) / (S,) is given (range checked on the host: one sync).
     inplace=False returns new (q_embed, k_embed) laid out like q and k; inplace=True writes q and
-    k in place (marked dirty for autograd) and returns them. Differentiable in q and k. Works
+    k in place (marked dirty for autograd) and returns them; in place, q and k must not share
+    memory (k is q, overlapping views) nor have overlapping elements (a stride-0 expanded dim),
+    and neither may be a leaf that requires grad: ValueError. (Disjoint views of one buffer, such
+    as the q and k columns of a fused qkv projection, are fine.) Differentiable in q and k. Works
     under torch.compile(fullgraph=True) (in place: the out-of-place op, copied back).
     """
     cos, sin, pos, rot = prepare("apply_rope", q, k, cos, sin, position_ids, rotary_dim)
     if inplace and torch.compiler.is_compiling():
         qo, ko = _rope_op(q, k, cos, sin, pos, rot, False)
         return q.copy_(qo), k.copy_(ko)
-    if inplace and (q.requires_grad or k.requires_grad) and torch.is_grad_enabled() and \
-            (q.is_leaf or k.is_leaf):
-        raise ValueError("apply_rope: inplace=True on a leaf tensor that requires grad")
+    if inplace:
+        _check_inplace(q, k)
     return _rope_op(q, k, cos, sin, pos, rot, bool(inplace))
+
+
+def _check_inplace(q, k):
+    """What torch refuses of an in-place op, per tensor: a leaf that requires grad (under grad
+    mode); and what the in-place kernel cannot do: q or k with overlapping elements, q and k
+    sharing memory."""
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k", k)):
+            if t.is_leaf and t.requires_grad:
+                raise ValueError(f"apply_rope: inplace=True on {name}, a leaf tensor that "
+                                 "requires grad")
+    check_inplace("apply_rope", q, k)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):

@@ -76,6 +76,94 @@ def ctas(cfg, positions, dev):
 
 
 # ---------------------------------------------------------------------------------------------
+# Host side: memory overlap of tensors written in place. Pure functions of (address, shape,
+# strides, element size): no device work, any device. Conservative: "may overlap" is refused.
+
+def _span(t):
+    """(first byte, end byte, element size, [(size, stride in bytes) of the dims of size > 1])
+    of t's elements, or None when t is empty."""
+    es = t.element_size()
+    dims = []
+    reach = es
+    for n, st in zip(t.shape, t.stride()):
+        if n > 1:
+            dims.append((n, st * es))
+            reach += (n - 1) * st * es
+        elif n == 0:
+            return None
+    start = t.data_ptr()
+    return start, start + reach, es, dims
+
+
+def _self_overlaps(span):
+    if span is None:
+        return False
+    reach = 0
+    for n, st in sorted(span[3], key=lambda d: d[1]):
+        if st <= reach:
+            return True
+        reach += (n - 1) * st
+    return False
+
+
+def self_overlaps(t):
+    """True if two elements of t may share memory (an expanded, stride-0 dim of size > 1, or
+    as_strided dims that interleave); False if every element has its own memory: with the dims
+    sorted by stride, each stride exceeds the reach of the dims below it."""
+    return _self_overlaps(_span(t))
+
+
+def _arc(span, m):
+    """The byte residues mod m that a span's elements occupy, as an arc of the circle Z/m:
+    (start, length - 1), or None when it may be the whole circle. Dims whose stride is a
+    multiple of m leave the residue alone; the others (and the element's own bytes) move it by
+    at most the sum of their reaches."""
+    reach = span[2] - 1
+    for n, st in span[3]:
+        if st % m:
+            reach += (n - 1) * st
+    return (span[0] % m, reach) if reach < m - 1 else None
+
+
+def _overlap(sa, sb):
+    if sa is None or sb is None or sa[1] <= sb[0] or sb[1] <= sa[0]:
+        return False                     # empty, or disjoint byte ranges [start, end)
+    for m in {st for _, st in sa[3] + sb[3] if st > 1}:
+        arc_a, arc_b = _arc(sa, m), _arc(sb, m)
+        if arc_a is not None and arc_b is not None and \
+                (arc_b[0] - arc_a[0]) % m > arc_a[1] and (arc_a[0] - arc_b[0]) % m > arc_b[1]:
+            return False                 # neither arc starts inside the other: disjoint
+    return True
+
+
+def overlaps(a, b):
+    """True if tensors a and b may share memory (a byte of one element of a is a byte of an
+    element of b); False only when provably disjoint. Tensors of different allocations, or
+    empty ones, never overlap. Views that interleave within one buffer (the q and k columns of a
+    fused qkv projection, the halves of a (B, 2, H, S, D) buffer) are told apart by their bytes'
+    residues modulo a stride of theirs: each occupies its own arc of that period."""
+    return _overlap(_span(a), _span(b))
+
+
+def check_inplace(op, q, k):
+    """Refuse an in-place rotation of q and k that would rotate an element twice or race: q or
+    k with overlapping elements (a stride-0 expanded dim), or q and k sharing memory (k is q,
+    overlapping views). ValueError naming `op` and the argument. (cos/sin/position_ids are not
+    checked against q and k: a few microseconds on every call for a case no caller makes.)"""
+    sq, sk = _span(q), _span(k)
+    for name, t, span in (("q", q, sq), ("k", k, sk)):
+        if _self_overlaps(span):
+            raise ValueError(f"{op}: inplace=True needs {name} whose elements do not share "
+                             f"memory; {name} {tuple(t.shape)} with strides {t.stride()} has "
+                             "overlapping elements (an expanded, stride-0 dim?): pass a "
+                             "contiguous copy or use inplace=False")
+    if _overlap(sq, sk):
+        what = "k is q" if k is q else "q and k overlap in memory"
+        raise ValueError(f"{op}: inplace=True needs q and k in separate memory, but {what}: "
+                         "use inplace=False")
+
+
+# ---------------------------------------------------------------------------------------------
 # Host side: checks and normalization. `op` names the public function in every error.
 
 def prepare(op, q, k, cos, sin, position_ids, rotary_dim):

@@ -96,6 +96,8 @@ def cmd_compile(args):
 
 
 def cmd_cache(args):
+    """`cache show [-v]` / `cache clear`. Prints what it can of a store written by anyone: an
+    entry, timing or failure of the wrong shape is marked as skipped, never raised on."""
     d = store.cache_dir()
     if args.action == "clear":
         if d is None:
@@ -107,7 +109,8 @@ def cmd_cache(args):
     if d is None:
         print(f"store is off (TILETUNE_CACHE_DIR={os.environ.get('TILETUNE_CACHE_DIR', '')})")
         return 0
-    found = {op: entries for op, entries in store.entries().items() if entries}
+    found = {op: entries for op, entries in store.entries().items()
+             if isinstance(entries, dict) and entries}
     if not found:
         print(f"store at {d} is empty")
         return 0
@@ -119,19 +122,64 @@ def cmd_cache(args):
     for op, entries in found.items():
         print(f"\n{op}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}")
         for key, e in entries.items():
-            best = e.get("best_us")
-            timings, failures = e.get("timings") or [], e.get("failures") or []
-            print(f"  {key}\n    -> {json.dumps(e.get('config'))}"
-                  + (f"  {best:.2f} us" if isinstance(best, (int, float)) else "")
-                  + f"  ({len(timings)} configs timed, {len(failures)} failed,"
-                    f" search {e.get('search_s', '?')} s)")
-            if args.verbose:
-                for t in timings:
-                    print(f"       {t['mean_us']:9.2f} us  {json.dumps(t['config'])}")
-                for f in failures:
-                    print(f"       FAILED {json.dumps(f['config'])}: {f['error']}: "
-                          f"{(f.get('message') or '').splitlines()[:1]}")
+            for line in _entry_lines(key, e, args.verbose):
+                print(line)
     return 0
+
+
+def _dumps(value):
+    """json.dumps, or "<unprintable>" when that fails (nested too deep, not JSON)."""
+    try:
+        return json.dumps(value)
+    except Exception:
+        return "<unprintable>"
+
+
+def _number(value):
+    """value when it is a real number (bool is not), else None."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _entry_lines(key, e, verbose):
+    """The lines `cache show` prints for one stored entry: a malformed entry is one line that
+    says so; malformed timings or failures inside a good one are one line each."""
+    if not isinstance(e, dict):
+        return [f"  {key}\n    malformed entry skipped (a {type(e).__name__}, not a dict)"]
+    try:
+        best = _number(e.get("best_us"))
+        timings, failures = e.get("timings") or [], e.get("failures") or []
+        timings = timings if isinstance(timings, list) else None
+        failures = failures if isinstance(failures, list) else None
+        search_s = e.get("search_s", "?")
+        search_s = search_s if _number(search_s) is not None or search_s == "?" else "?"
+        lines = [f"  {key}\n    -> {_dumps(e.get('config'))}"
+                 + (f"  {best:.2f} us" if best is not None else "")
+                 + f"  ({'?' if timings is None else len(timings)} configs timed, "
+                   f"{'?' if failures is None else len(failures)} failed, search {search_s} s)"]
+        if e.get("best_us") is not None and best is None:      # None: no timing, not malformed
+            lines.append(f"    malformed best_us skipped: {_dumps(e['best_us'])[:80]}")
+        if timings is None:
+            lines.append("    malformed timings skipped (not a list)")
+        if failures is None:
+            lines.append("    malformed failures skipped (not a list)")
+        if verbose:
+            for t in timings or []:
+                mean = _number(t.get("mean_us")) if isinstance(t, dict) else None
+                if mean is None:
+                    lines.append(f"       malformed timing skipped: {_dumps(t)[:80]}")
+                else:
+                    lines.append(f"       {mean:9.2f} us  {_dumps(t.get('config'))}")
+            for f in failures or []:
+                if not isinstance(f, dict):
+                    lines.append(f"       malformed failure skipped: {_dumps(f)[:80]}")
+                    continue
+                message = f.get("message")
+                first = message.splitlines()[:1] if isinstance(message, str) else []
+                lines.append(f"       FAILED {_dumps(f.get('config'))}: {f.get('error', '?')}: "
+                             f"{first}")
+        return lines
+    except Exception as exc:            # anything the checks above did not foresee
+        return [f"  {key}\n    malformed entry skipped ({type(exc).__name__})"]
 
 
 def cmd_bench(args):

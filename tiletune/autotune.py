@@ -13,11 +13,15 @@ tiletune/precompile.py), then a final round that times its close finishers and t
 turns; then `replace_hints` once and cache.
 """
 import dataclasses
+import functools
 import hashlib
+import importlib.metadata
 import inspect
 import json
 import logging
+import marshal
 import os
+import sys
 import threading
 import time
 import warnings
@@ -28,6 +32,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune import device as _device
+from tiletune import env
 from tiletune import precompile
 from tiletune import store
 from tiletune import timing
@@ -60,13 +65,29 @@ MAX_CONFIGS = 30
 # in turns): the final round decides.
 FINAL_MARGIN = 0.05
 FINALISTS = 4
-COMPILE_TIMEOUT_SEC = float(os.environ.get("TILETUNE_COMPILE_TIMEOUT_SEC", "60"))
+COMPILE_TIMEOUT_SEC = env.number("TILETUNE_COMPILE_TIMEOUT_SEC", 60.0)
 # A search that takes longer than this says so in one line (op, key, seconds, winner) even
 # without TILETUNE_LOG, so a slow first call does not look like a hang.
 LONG_SEARCH_SEC = 2.0
 
-# One lock for every search: searches time the GPU, so two at once would disturb each other.
-_search_lock = threading.RLock()
+# One lock per device: two searches on one GPU would disturb each other's timings; searches on
+# different GPUs run at once.
+_search_locks = {}
+_search_locks_guard = threading.Lock()
+
+
+def _search_lock(dev):
+    if isinstance(dev, int):
+        index = dev
+    elif isinstance(dev, torch.device):
+        index = dev.index or 0
+    else:
+        index = str(dev)
+    lock = _search_locks.get(index)
+    if lock is None:
+        with _search_locks_guard:
+            lock = _search_locks.setdefault(index, threading.RLock())
+    return lock
 
 
 class TuningFailedError(RuntimeError):
@@ -82,7 +103,7 @@ class TuningFailedError(RuntimeError):
 
 def disabled():
     """True when DISABLE_AUTOTUNE=1: misses take the op's first (default) config, no search."""
-    return os.environ.get("DISABLE_AUTOTUNE", "").strip().lower() in ("1", "true", "yes", "on")
+    return env.flag_on(os.environ.get("DISABLE_AUTOTUNE"))
 
 
 def bucket(n):
@@ -210,6 +231,7 @@ class Autotuner:
         self.records = {}        # key -> TuningRecord
         self.searches = 0        # number of exhaustive searches run (tests, stats)
         self._capture_cache = {}  # key -> (cfg, kernel) used while a CUDA graph is captured
+        self._failed = {}        # key -> TuningFailedError: raised again without a new search
         self._warned_capture = False
         self.launch = self._fast_path()
         _registry[name] = self
@@ -291,22 +313,27 @@ class Autotuner:
         return cfgs or [self.default]
 
     def _fingerprint(self, cfgs):
+        """The config space and the code of every kernel it compiles: the source of each
+        kernel's module and of the modules its helpers come from (a changed helper is a changed
+        kernel)."""
         h = hashlib.sha256()
         h.update(json.dumps([config_dict(c) for c in cfgs], sort_keys=True, default=str).encode())
         kernels = {id(k): k for c in cfgs for k in (self.base_kernel(c), self.search_kernel(c))}
         for k in kernels.values():
-            h.update(inspect.getsource(k._pyfunc).encode())
+            for part in _kernel_code(k._pyfunc):
+                h.update(part)
         return h.hexdigest()[:16]
 
     def store_key(self, key, dev, cfgs):
         parts = [str(k) for k in key] + [
             _device.gpu_name(dev), _device.arch(dev), f"cuda-tile {ct.__version__}",
-            f"space {self._fingerprint(cfgs)}"]
+            f"tileiras {_tileiras_version()}", f"space {self._fingerprint(cfgs)}"]
         return " | ".join(parts)
 
     def _find(self, cfgs, stored):
+        """The config equal to a stored one, compared as JSON sees them (tuples are lists)."""
         for c in cfgs:
-            if config_dict(c) == stored:
+            if _as_json(config_dict(c)) == stored:
                 return c
         return None
 
@@ -319,10 +346,13 @@ class Autotuner:
             shape = search.shape
         if torch.cuda.is_current_stream_capturing():
             return self._resolve_during_capture(key, dev, shape)
-        with _search_lock:
+        with _search_lock(dev):
             hit = self.cache.get(key)
             if hit is not None:          # another thread resolved it while we waited
                 return hit
+            failed = self._failed.get(key)
+            if failed is not None:       # every config failed for this key: no new search
+                raise failed
             cfgs = self.config_list(_device.arch(dev), shape)
             if disabled():
                 record = TuningRecord(self.name, key, config_dict(cfgs[0]), "default")
@@ -339,11 +369,11 @@ class Autotuner:
             if not isinstance(search, Search):
                 search = search()
             cfg, record = self._search(key, dev, cfgs, search)
-            store.save(self.name, skey, {"config": record.config, "best_us": record.best_us,
+            store.save(self.name, skey, _as_json({"config": record.config, "best_us": record.best_us,
                                          "search_s": round(record.search_s, 3),
                                          "rates": record.rates, "timings": record.timings,
                                          "final": record.final, "failures": record.failures,
-                                         "saved": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                                         "saved": time.strftime("%Y-%m-%dT%H:%M:%S")}))
             return self._finish(key, cfg, record, search, dev)
 
     def _search(self, key, dev, cfgs, search):
@@ -358,6 +388,13 @@ class Autotuner:
             rejected = precompile.precompile(
                 [(self.search_kernel(c), self.hints(c), search.args_fn(c)) for c in cfgs],
                 _device.arch(dev), COMPILE_TIMEOUT_SEC)
+        # A compile timeout in a loaded parallel precompile is no verdict on the config: the
+        # search compiles it again, alone. So does every config if the precompile rejected all.
+        rejected = {i: e for i, e in rejected.items() if e[0] != "CompilerTimeoutError"}
+        if len(rejected) == len(cfgs):
+            log.warning("tiletune: %s %s: the parallel precompile rejected every config; "
+                        "compiling them one at a time", self.name, key)
+            rejected = {}
         pre_failed = [(cfgs[i], *rejected[i]) for i in sorted(rejected)]
         candidates = [c for i, c in enumerate(cfgs) if i not in rejected]
         result = None
@@ -374,7 +411,8 @@ class Autotuner:
             # exhaustive_search keeps only the first error when all fail: find each one's error.
             failures = [(config_dict(c), etype, msg) for c, etype, msg in pre_failed]
             failures += [(config_dict(c), *self._probe(c, search)) for c in candidates]
-            raise TuningFailedError(self.name, key, failures)
+            error = self._failed[key] = TuningFailedError(self.name, key, failures)
+            raise error
         timings = sorted(({"config": config_dict(m.config), "mean_us": m.mean_us,
                            "error_us": m.error_margin_us, "samples": m.num_samples}
                           for m in result.successes), key=lambda t: t["mean_us"])
@@ -497,9 +535,42 @@ class Autotuner:
 
     def clear(self):
         self.searches = 0
+        self._failed.clear()
         self.cache.clear()
         self.records.clear()
         self._capture_cache.clear()
+
+
+def _as_json(value):
+    """value as it reads back from the store (tuples become lists, other objects strings)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def _kernel_code(fn):
+    """Bytes that change when the kernel or a helper it calls changes: its module's source and
+    the sources of the modules of the functions it names; the compiled code where no source
+    exists (a kernel made by exec)."""
+    own = str(fn.__module__)
+    modules = {own}
+    for name in fn.__code__.co_names:
+        obj = fn.__globals__.get(name)
+        if inspect.isfunction(obj):
+            modules.add(str(obj.__module__))
+    parts = []
+    for name in sorted(modules):
+        try:
+            parts.append(inspect.getsource(sys.modules[name]).encode())
+        except (OSError, TypeError, KeyError):
+            parts.append(marshal.dumps(fn.__code__) if name == own else name.encode())
+    return parts
+
+
+@functools.lru_cache(maxsize=None)
+def _tileiras_version():
+    try:
+        return importlib.metadata.version("nvidia-cuda-tileiras")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _shared_scratch(scratch, inputs, dev, cfgs):

@@ -30,10 +30,11 @@ log = logging.getLogger("tiletune")
 
 
 def jobs():
-    env = os.environ.get("TILETUNE_COMPILE_JOBS", "").strip()
-    if env:
-        return max(int(env), 0)
-    return min(os.cpu_count() or 1, 16)
+    """How many compile processes: TILETUNE_COMPILE_JOBS (below 0 counts as 0), by default the
+    CPU count, at most 16. A value that is not an integer (e.g. auto) warns once and is the
+    default."""
+    from tiletune import env
+    return max(env.integer("TILETUNE_COMPILE_JOBS", min(os.cpu_count() or 1, 16)), 0)
 
 
 def enabled():

@@ -497,3 +497,99 @@ def test_launch_refuses_cpu_tensors_with_a_clear_message(env, monkeypatch):
     with pytest.raises(ValueError, match=r"runs? on a CUDA GPU; got device index -1"):
         t.launch(("k",), x.get_device(), x, 16)
     assert env.fake.calls == 0 and not env.launches
+
+
+# -- reliability of the miss path ------------------------------------------------------------
+
+def test_precompile_timeouts_are_no_verdict_and_all_rejected_means_serial(env, monkeypatch):
+    """A compile timeout in the loaded parallel precompile does not drop the config; if the
+    precompile rejects every config, the search compiles them all itself."""
+    monkeypatch.setattr(precompile, "enabled", lambda: True)
+    verdicts = {0: ("CompilerTimeoutError", "over 60 s"), 1: ("TileTypeError", "too large")}
+    monkeypatch.setattr(precompile, "precompile", lambda items, arch, timeout: dict(verdicts))
+    t = env.make()
+    resolve(t, ("k", 1))
+    rec = t.records[("k", 1)]
+    assert [f["config"]["occupancy"] for f in rec.failures] == [2]       # only the verdict
+    assert sorted(m["config"]["occupancy"] for m in rec.timings) == [1, 4]
+    verdicts.update({0: ("TileTypeError", "x"), 2: ("TileTypeError", "y")})   # all rejected
+    resolve(t, ("k", 2))
+    assert len(t.records[("k", 2)].timings) == 3 and t.records[("k", 2)].failures == []
+
+
+def test_a_key_whose_every_config_fails_is_not_searched_again(env, monkeypatch):
+    env.fake.fail = {1, 2, 4}
+    t = env.make()
+    monkeypatch.setattr(t, "_probe", lambda cfg, s: ("RuntimeError", "boom"))
+    errors = []
+
+    def work():
+        try:
+            resolve(t, ("bad",))
+        except TuningFailedError as e:
+            errors.append(e)
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(errors) == 8 and env.fake.calls == 1
+    t.clear()                      # clear_cache() forgets failures too: the next call searches
+    with pytest.raises(TuningFailedError):
+        resolve(t, ("bad",))
+    assert env.fake.calls == 2
+
+
+def test_searches_on_different_gpus_run_at_once(env):
+    env.fake.delay = 0.4
+    t = env.make()
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=lambda d=d: t.tune(("k", d), d, search())) for d in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert env.fake.calls == 2 and time.perf_counter() - t0 < 0.75
+
+
+def _tuple_space(arch, n):
+    for occ in (1, 2):
+        yield SimpleNamespace(tiles=(8, n), dtype=torch.float16, occupancy=occ)
+
+
+def test_tuple_and_dtype_config_values_round_trip_through_the_store(env):
+    t = env.make(configs=_tuple_space)
+    cfg, _ = resolve(t, ("k",))
+    t.clear()
+    cfg2, _ = resolve(t, ("k",))
+    assert env.fake.calls == 1 and cfg2 is not None and t.records[("k",)].source == "store"
+    assert cfg2.tiles == (8, 16) and cfg2.dtype is torch.float16
+    assert not [f for f in os.listdir(env.path) if f.endswith(".tmp")]
+
+
+def test_fingerprint_covers_helpers_and_kernels_without_source():
+    code = {}
+    exec("def made(x):\n    return helper(x)\n", {"helper": autotune.bucket}, code)
+    parts = autotune._kernel_code(code["made"])          # no source file: its code object
+    assert parts and all(isinstance(p, bytes) for p in parts)
+    from tiletune.ops import rms_norm_rope
+    modules = autotune._kernel_code(rms_norm_rope.rms_norm_rope_fwd._pyfunc)
+    assert len(modules) == 2        # its own module and ops/rotary.py, whose helpers it calls
+
+
+def test_disable_autotune_launches_once_per_call(env, monkeypatch):
+    """Nsight Compute under DISABLE_AUTOTUNE=1 must see only production launches."""
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    t = _declared(env, monkeypatch, "ncu", grid=lambda c, dev, x, n: (1,),
+                  args=lambda c, x, n: (x,))
+    for _ in range(3):
+        t.launch(("k",), "cpu", torch.zeros(4), 16)
+    assert len(env.launches) == 3
+
+
+def test_a_malformed_compile_timeout_does_not_break_import():
+    code = "import tiletune.autotune as a; print(a.COMPILE_TIMEOUT_SEC)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, TILETUNE_COMPILE_TIMEOUT_SEC="60s"), timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["60.0"], out.stderr
+    assert "TILETUNE_COMPILE_TIMEOUT_SEC" in out.stderr

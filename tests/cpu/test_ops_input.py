@@ -1,0 +1,243 @@
+"""Host-side input checks of the ops that need no GPU: in-place RoPE's memory-overlap helpers
+(against a brute-force enumeration of the bytes each view touches) and its leaf rule; matmul's
+`out` check, its split-K scratch bound over the batch and the batch in its key and space; the
+CausalBias size check of scaled_dot_product_attention; rms_norm's int32-safe row chunks and its
+refusal of rows wider than 2^31 - 1 elements."""
+import itertools
+import random
+
+import pytest
+import torch
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+from tiletune import validate
+from tiletune.ops import fmha as FA
+from tiletune.ops import matmul as MM
+from tiletune.ops import rms_norm as RN
+from tiletune.ops import rope as RP
+from tiletune.ops.rotary import check_inplace, overlaps, self_overlaps
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE in place: overlap helpers.
+
+def touched(t):
+    """Every byte address t's elements occupy (as a list: repeats kept)."""
+    es = t.element_size()
+    out = []
+    for idx in itertools.product(*(range(n) for n in t.shape)):
+        a = t.data_ptr() + es * sum(i * s for i, s in zip(idx, t.stride()))
+        out.extend(range(a, a + es))
+    return out
+
+
+def test_same_tensor_overlaps():
+    x = torch.zeros(4, 8)
+    assert overlaps(x, x)
+    assert overlaps(x, x.view(8, 4)) and overlaps(x, x.t())
+
+
+def test_overlapping_slices_overlap():
+    x = torch.zeros(4, 8)
+    assert overlaps(x[:2], x[1:])
+    assert overlaps(x[:, :5], x[:, 4:])
+    assert overlaps(x[:, ::2], x[:, 2::4])                  # every 4th column is in both
+
+
+def test_disjoint_slices_do_not_overlap():
+    x = torch.zeros(4, 8)
+    assert not overlaps(x[:2], x[2:])                       # disjoint byte ranges
+    assert not overlaps(x[:, :4], x[:, 4:])                 # interleaved rows
+    assert not overlaps(x[:, ::2], x[:, 1::2])              # interleaved columns
+    assert not overlaps(x, torch.zeros(4, 8))               # other allocations
+    assert not overlaps(x[:0], x) and not overlaps(x, x[:, 8:])   # empty views
+    h = torch.zeros(64, dtype=torch.bfloat16)
+    assert not overlaps(h[0::2], h[1::2])
+    assert overlaps(h.view(torch.float32), h[1::2])         # a 4-byte element spans both
+
+
+def test_fused_qkv_views_do_not_overlap():
+    """The q and k views HF-style models take of one fused projection are disjoint."""
+    B, S, H, D = 2, 16, 4, 8
+    qkv = torch.zeros(B, S, 3, H, D)
+    q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
+    assert not overlaps(q, k)
+    assert overlaps(q, qkv[:, :, 0, 1:3].transpose(1, 2))
+    Hq, Hk = 8, 2                                            # GQA: (B, S, (Hq + 2 Hk) D)
+    fused = torch.zeros(B, S, (Hq + 2 * Hk) * D)
+    q = fused[..., :Hq * D].view(B, S, Hq, D).transpose(1, 2)
+    k = fused[..., Hq * D:(Hq + Hk) * D].view(B, S, Hk, D).transpose(1, 2)
+    assert not overlaps(q, k)
+    y = torch.zeros(B, 2, H, S, D)                          # (B, 2, H, S, D) halves
+    assert not overlaps(y[:, 0], y[:, 1])
+
+
+def test_expanded_dims_overlap_themselves():
+    x = torch.zeros(4, 8)
+    assert not self_overlaps(x) and not self_overlaps(x.t()) and not self_overlaps(x[:, ::2])
+    assert self_overlaps(torch.zeros(1, 8).expand(4, 8))
+    assert self_overlaps(torch.zeros(2, 1, 3, 8).expand(2, 4, 3, 8))
+    assert not self_overlaps(torch.zeros(2, 1, 3, 8).expand(2, 1, 3, 8))   # size-1 stride 0
+    assert self_overlaps(torch.zeros(10).as_strided((4, 4), (1, 2)))
+    assert not self_overlaps(torch.zeros(0, 8).expand(0, 8))
+
+
+def test_overlap_helpers_are_sound_on_random_views():
+    """Never "disjoint" where the views share a byte, never "no internal overlap" where a view
+    repeats one (conservative the other way only on odd as_strided interleavings)."""
+    rng = random.Random(0)
+    base = torch.zeros(4096, dtype=torch.float16)
+    for _ in range(400):
+        views = []
+        for _ in range(2):
+            dims = rng.randint(1, 3)
+            shape = [rng.randint(1, 5) for _ in range(dims)]
+            stride = [rng.choice((0, 1, 2, 3, 4, 8, 16, 40, 64)) for _ in range(dims)]
+            views.append(base.as_strided(shape, stride, rng.randint(0, 200)))
+        a, b = views
+        ta, tb = touched(a), touched(b)
+        if set(ta) & set(tb):
+            assert overlaps(a, b) and overlaps(b, a)
+        for v, t in ((a, ta), (b, tb)):
+            if len(set(t)) < len(t):
+                assert self_overlaps(v)
+
+
+def test_check_inplace_names_the_argument():
+    B, H, S, D = 2, 4, 8, 16
+    q, k = torch.zeros(B, H, S, D), torch.zeros(B, H, S, D)
+    check_inplace("apply_rope", q, k)
+    with pytest.raises(ValueError, match=r"apply_rope: .*k is q"):
+        check_inplace("apply_rope", q, q)
+    buf = torch.zeros(B, S, H + 1, D)
+    with pytest.raises(ValueError, match=r"apply_rope: .*q and k overlap"):
+        check_inplace("apply_rope", buf[:, :, :H].transpose(1, 2), buf[:, :, 1:].transpose(1, 2))
+    with pytest.raises(ValueError, match=r"apply_rope: .*needs q whose elements"):
+        check_inplace("apply_rope", torch.zeros(B, 1, S, D).expand(B, H, S, D), k)
+    with pytest.raises(ValueError, match=r"apply_rope: .*needs k whose elements"):
+        check_inplace("apply_rope", q, torch.zeros(1, H, S, D).expand(B, H, S, D))
+    qkv = torch.zeros(B, S, 3, H, D)                        # disjoint views of one buffer: fine
+    check_inplace("apply_rope", qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2))
+
+
+def test_inplace_leaf_rule_is_per_tensor():
+    """Refused only for a leaf that requires grad (under grad mode), as torch does; a plain
+    leaf q beside a non-leaf k that requires grad is fine."""
+    B, H, S, D = 1, 2, 4, 8
+    leaf = torch.zeros(B, H, S, D, requires_grad=True)
+    plain, nonleaf = torch.zeros(B, H, S, D), leaf * 1
+    RP._check_inplace(plain, nonleaf)
+    RP._check_inplace(nonleaf, plain)
+    with pytest.raises(ValueError, match=r"apply_rope: inplace=True on q, a leaf"):
+        RP._check_inplace(leaf, plain)
+    with pytest.raises(ValueError, match=r"apply_rope: inplace=True on k, a leaf"):
+        RP._check_inplace(plain, torch.zeros(B, H, S, D, requires_grad=True))
+    with torch.no_grad():
+        RP._check_inplace(leaf, plain)
+
+
+# ---------------------------------------------------------------------------------------------
+# matmul: out, and the batch in split-K's bound, the space and the key.
+
+def test_matmul_out_must_match_the_result():
+    a, b = torch.zeros(3, 5, dtype=torch.bfloat16), torch.zeros(5, 7, dtype=torch.bfloat16)
+    MM._check_out(a, b, torch.empty(3, 7, dtype=torch.bfloat16))
+    for shape in ((3, 1), (1, 7), (7,), (1, 3, 7), (3, 8)):    # would broadcast, or not fit
+        with pytest.raises(ValueError, match=r"matmul: out has shape"):
+            MM._check_out(a, b, torch.empty(shape, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match=r"matmul: out dtype"):
+        MM._check_out(a, b, torch.empty(3, 7, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"matmul: out is on meta"):
+        MM._check_out(a, b, torch.empty(3, 7, dtype=torch.bfloat16, device="meta"))
+    with pytest.raises(TypeError, match=r"matmul: out must be a torch.Tensor"):
+        MM._check_out(a, b, [[0.0] * 7] * 3)
+    a3, b3 = torch.zeros(2, 3, 5, dtype=torch.half), torch.zeros(2, 5, 7, dtype=torch.half)
+    MM._check_out(a3, b3, torch.empty(2, 3, 7, dtype=torch.half))
+    with pytest.raises(ValueError, match=r"matmul: out has shape"):
+        MM._check_out(a3, b3, torch.empty(3, 7, dtype=torch.half))
+
+
+def splits(*args, **kw):
+    return [MM.split_of(c) for c in MM.matmul_configs(*args, **kw) if MM.split_of(c) > 1]
+
+
+def test_split_k_bound_counts_the_batch():
+    assert not splits("sm_90", 1024, 1024, 4096, z=64)    # would need split x 256 MiB
+    assert splits("sm_90", 1024, 1024, 4096)              # z = 1: a few
+    assert splits("sm_90", 16, 4096, 4096, z=1) == splits("sm_90", 16, 4096, 4096)
+    assert splits("sm_90", 16, 4096, 4096)
+    for z in (1, 2, 8, 64, 1024):
+        for m, n, k in ((16, 4096, 4096), (1024, 1024, 4096), (128, 270, 2000)):
+            for c in MM.matmul_configs("sm_90", m, n, k, z=z):
+                if MM.split_of(c) > 1:
+                    assert c.split * z * m * n * 4 <= MM.SPLITK_MAX_BYTES
+
+
+def test_matmul_space_and_key_carry_the_batch(monkeypatch):
+    """The space is the bucket's (power-of-two) largest Z, and the key separates Z buckets, so a
+    config tuned for a small batch (split-K allowed) is never reused for a large one."""
+    def inputs(Z, M, N, K):
+        return (torch.empty(Z, M, K, device="meta"), torch.empty(Z, K, N, device="meta"),
+                torch.empty(Z, M, N, device="meta"))
+    space = MM._matmul._space(*inputs(64, 1024, 1024, 4096))
+    assert space == dict(m=1024, n=1024, k=4096, z=64)
+    assert not splits("sm_90", **space)
+    assert MM._matmul._space(*inputs(3, 100, 270, 2000))["z"] == 4
+    keys = []
+    monkeypatch.setattr(MM._matmul, "launch", lambda key, dev, *a: keys.append(key))
+    for Z in (1, 2, 3, 64):
+        MM.launch(*inputs(Z, 1024, 1024, 4096))
+    assert [k[3] for k in keys] == [1, 2, 4, 64]
+
+
+# ---------------------------------------------------------------------------------------------
+# scaled_dot_product_attention: CausalBias sizes.
+
+def test_causal_bias_must_match_q_and_k():
+    op = "scaled_dot_product_attention"
+    for make in (causal_upper_left, causal_lower_right):
+        FA.check_causal_bias(op, make(128, 256), 128, 256)
+        for sq, sk in ((256, 128), (128, 255), (64, 256), (128, 512)):
+            with pytest.raises(ValueError, match=rf"{op}: attn_mask is a CausalBias"):
+                FA.check_causal_bias(op, make(128, 256), sq, sk)
+
+
+# ---------------------------------------------------------------------------------------------
+# rms_norm: row chunks of at most 2^31 - 1 elements, and rows wider than that refused.
+
+LIMIT = 2**31 - 1
+
+
+@pytest.mark.parametrize("M,N", [(1, 1), (4096, 4096), (2**20, 4096), (100000, 65536),
+                                 (3, 2**27), (17, 2**27), (40, 2**27 + 1), (100, 2**28),
+                                 (10, 2**30), (3, LIMIT), (5, 2**31 // 3)])
+def test_row_chunks_hold_at_most_2_31_minus_1_elements(M, N):
+    chunks = RN._row_chunks(M, N)
+    assert chunks[0][0] == 0 and chunks[-1][1] == M
+    assert all(s < e for s, e in chunks)
+    assert all(e == s2 for (_, e), (s2, _) in zip(chunks, chunks[1:]))   # contiguous, in order
+    assert all((e - s) * N <= LIMIT for s, e in chunks)
+    rows = chunks[0][1] - chunks[0][0]
+    if len(chunks) > 1:
+        fit = LIMIT // N
+        assert rows == (fit // 16 * 16 if fit >= 16 else max(1, fit))
+
+
+def test_row_chunks_of_wide_rows():
+    assert RN._row_chunks(100, 2**28) == tuple((s, min(s + 7, 100)) for s in range(0, 100, 7))
+    assert RN._row_chunks(10, 2**30) == tuple((s, s + 1) for s in range(10))
+    assert RN._row_chunks(64, 2**25) == ((0, 48), (48, 64))     # 63 fit: 48, a multiple of 16
+    assert RN._row_chunks(2, LIMIT) == ((0, 1), (1, 2))
+
+
+def test_rms_norm_refuses_rows_over_2_31_minus_1(monkeypatch):
+    """Refused in the input check (before any allocation); CUDA is stubbed out of the check."""
+    monkeypatch.setattr(validate, "tensor", lambda op, name, t, device=None, dtypes=None: t)
+    for N in (LIMIT, 2**31, 2**33):
+        x = torch.zeros(1, dtype=torch.bfloat16).expand(2, N)    # stride 0: nothing allocated
+        w = torch.zeros(1, dtype=torch.bfloat16).expand(N)
+        if N <= LIMIT:
+            RN._check(x, w, 1e-6)
+        else:
+            with pytest.raises(ValueError, match=r"rms_norm: x rows of \d+ elements"):
+                RN._check(x, w, 1e-6)

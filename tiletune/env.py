@@ -1,0 +1,83 @@
+"""Reading tiletune's environment variables without ever failing on a bad value.
+
+A setting like TILETUNE_COMPILE_TIMEOUT_SEC=60s or TILETUNE_COMPILE_JOBS=auto must not stop an
+import or a run: each reader here returns the default for a value it cannot use and says so in
+one warning per (variable, value) in the process. An unset or blank variable is the default,
+silently.
+"""
+import math
+import os
+import warnings
+
+# Spellings that turn a feature off / on (compared stripped and case-insensitive).
+OFF = frozenset({"", "0", "off", "no", "none", "false", "disable", "disabled"})
+ON = frozenset({"1", "on", "yes", "true", "enable", "enabled"})
+
+_warned = set()         # (variable, raw value) pairs already warned about in this process
+
+
+def warn_once(tag, message):
+    """warnings.warn(message) the first time this process sees `tag` (any hashable)."""
+    if tag in _warned:
+        return
+    _warned.add(tag)
+    warnings.warn(message, stacklevel=3)
+
+
+def _raw(name):
+    """The variable's value stripped, or None when it is unset or blank."""
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return None
+    return value.strip()
+
+
+def number(name, default):
+    """The variable as a positive finite float, e.g. TILETUNE_COMPILE_TIMEOUT_SEC=90 or 2.5.
+
+    Unset or blank: `default`. Anything else (60s, -1, 0, nan, inf): one warning, then
+    `default`."""
+    value = _raw(name)
+    if value is None:
+        return default
+    try:
+        x = float(value)
+    except ValueError:
+        x = None
+    if x is None or not math.isfinite(x) or x <= 0:
+        warn_once((name, value), f"tiletune: {name}={value!r} is not a positive number of "
+                                 f"seconds; using the default {default}")
+        return default
+    return x
+
+
+def integer(name, default, minimum=None):
+    """The variable as an int (decimal, e.g. TILETUNE_COMPILE_JOBS=8).
+
+    Unset or blank: `default`. Not an integer (auto, 4.0, eight), or below `minimum` when one
+    is given: one warning, then `default`."""
+    value = _raw(name)
+    if value is None:
+        return default
+    try:
+        n = int(value, 10)
+    except ValueError:
+        n = None
+    if n is None or (minimum is not None and n < minimum):
+        want = "an integer" if minimum is None else f"an integer >= {minimum}"
+        warn_once((name, value), f"tiletune: {name}={value!r} is not {want}; "
+                                 f"using the default {default}")
+        return default
+    return n
+
+
+def flag_off(value):
+    """True when a setting's value means "off": off, 0, no, none, false, disable(d) or blank
+    (case-insensitive). None (the variable is unset) is not off."""
+    return value is not None and value.strip().lower() in OFF
+
+
+def flag_on(value):
+    """True when a setting's value means "on": 1, on, yes, true, enable(d) (case-insensitive).
+    None (unset) and anything else are not on."""
+    return value is not None and value.strip().lower() in ON
