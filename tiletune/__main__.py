@@ -1,4 +1,4 @@
-"""python -m tiletune {bench [ops...] | compile [--arch sm_90] [ops...] | cache show|clear}
+"""python -m tiletune {bench [ops...] | compile [--arch sm_90] [ops...] | cache show|clear|prune}
 
 The ops are those registered in tiletune.registry (`--help` lists them)."""
 import argparse
@@ -95,16 +95,60 @@ def cmd_compile(args):
     return _compile(args.ops, list(dict.fromkeys(args.arch or ["sm_90"])), args.jobs)
 
 
+def _installed_versions():
+    """(cuda-tile version or None, tileiras version): what Autotuner.store_key puts in keys."""
+    import importlib.metadata
+    try:
+        import cuda.tile as ct
+        cuda_tile = ct.__version__
+    except Exception:
+        cuda_tile = None
+    try:
+        tileiras = importlib.metadata.version("nvidia-cuda-tileiras")
+    except importlib.metadata.PackageNotFoundError:
+        tileiras = "unknown"
+    return cuda_tile, tileiras
+
+
+def _prune(d, older_than_days):
+    cuda_tile, tileiras = _installed_versions()
+    if cuda_tile is None:
+        print("cuda-tile cannot be imported: its version is not checked")
+    removed = store.prune(cuda_tile, tileiras,
+                          None if older_than_days is None else older_than_days * 86400.0)
+    for op, n in removed.items():
+        print(f"  {op}: removed {n} entr{'y' if n == 1 else 'ies'}")
+    total = sum(removed.values())
+    age = "" if older_than_days is None else f", or saved over {older_than_days:g} days ago"
+    print(f"pruned {total} entr{'y' if total == 1 else 'ies'} from {d} (keyed by other than "
+          f"cuda-tile {cuda_tile or '?'} / tileiras {tileiras}{age})")
+    return 0
+
+
+def _days(text):
+    try:
+        days = float(text)
+    except ValueError:
+        days = -1.0
+    if not days >= 0 or days == float("inf"):
+        raise argparse.ArgumentTypeError(f"not a number of days >= 0: {text!r}")
+    return days
+
+
 def cmd_cache(args):
-    """`cache show [-v]` / `cache clear`. Prints what it can of a store written by anyone: an
-    entry, timing or failure of the wrong shape is marked as skipped, never raised on."""
+    """`cache show [-v]` / `cache clear` / `cache prune [--older-than DAYS]`. Prints what it can
+    of a store written by anyone: an entry, timing or failure of the wrong shape is marked as
+    skipped, never raised on."""
     d = store.cache_dir()
-    if args.action == "clear":
+    if args.action in ("clear", "prune"):
         if d is None:
             print(f"store is off (TILETUNE_CACHE_DIR={os.environ.get('TILETUNE_CACHE_DIR', '')}):"
-                  " nothing to clear")
+                  f" nothing to {args.action}")
+        elif args.action == "prune":
+            return _prune(d, args.older_than)
         else:
-            print(f"removed {store.clear()} file(s) from {d}")
+            n = store.clear()
+            print(f"removed {n} entr{'y' if n == 1 else 'ies'} from {d}")
         return 0
     if d is None:
         print(f"store is off (TILETUNE_CACHE_DIR={os.environ.get('TILETUNE_CACHE_DIR', '')})")
@@ -232,9 +276,13 @@ def parser():
                         "(repeatable; default sm_90)")
     k.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="compile processes (default: one per CPU core, at most one per compile)")
-    c = sub.add_parser("cache", help="show or clear the persistent store")
-    c.add_argument("action", choices=["show", "clear"])
+    c = sub.add_parser("cache", help="show, clear or prune the persistent store")
+    c.add_argument("action", choices=["show", "clear", "prune"],
+                   help="prune: delete entries keyed by other cuda-tile or tileiras versions "
+                        "than the installed ones")
     c.add_argument("-v", "--verbose", action="store_true", help="every timing and failure")
+    c.add_argument("--older-than", type=_days, default=None, metavar="DAYS",
+                   help="prune: also delete entries saved more than DAYS days ago")
     return p, {"bench": b, "compile": k, "cache": c}
 
 

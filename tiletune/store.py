@@ -1,31 +1,40 @@
-"""Persistent store of tuned configs: one JSON file per op in TILETUNE_CACHE_DIR.
+"""Persistent store of tuned configs: one sqlite3 database, `<TILETUNE_CACHE_DIR>/store.sqlite3`.
 
 An entry's key is the op's key plus everything that makes a winner stale elsewhere: GPU name,
-sm arch, cuda-tile version and a fingerprint of the config space (and kernel source). Writes are
-read-merge-write under an exclusive file lock (`<op>.json.lock`), then temp file + rename, so
-several processes can tune at once without losing entries. The written file's mode follows the
-umask, like any file open() creates, so a group-shared folder (setgid, umask 002) stays shared.
+sm arch, cuda-tile version and a fingerprint of the config space (and kernel source). Each
+(op, key) is one row holding the entry as JSON text and the time it was saved; a save writes that
+row only, in WAL mode (readers never wait for a writer) with a 10 s busy timeout, so several
+processes can tune at once without losing entries. The database is created with os.open(...,
+0o666), so its mode follows the umask like any file open() creates, and sqlite gives its -wal and
+-shm files the database's mode: a group-shared folder (setgid, umask 002) stays shared.
 
-A corrupt file (not JSON, or nested too deep to parse) or a foreign one is ignored with a warning
-and rewritten on the next write. A file that exists but cannot be read (permission denied, I/O
-error) is never overwritten: its entries are not used and saves to it are skipped, with one
-warning per file. Temp files that a killed writer left behind (`.<op>.*.tmp`) are removed by
-later saves once they are an hour old. Nothing here raises for I/O problems: the store is an
-optimization.
+When the database is first created, the entries of `<op>.json` files of the old one-file-per-op
+format (tiletune-store-1) in the folder are imported (existing rows win) and each file is renamed
+to `<op>.json.imported`.
+
+Nothing here raises for I/O or database problems: the store is an optimization. A database that
+cannot be opened or written (read-only folder, permission denied), or a file at its path that is
+not a tiletune sqlite database (corrupt, foreign), is left as it is: loads return None and saves
+are skipped, with one warning per path.
 """
 import contextlib
-import fcntl
 import json
 import os
-import secrets
-import stat
+import sqlite3
+import threading
 import time
 import warnings
 
 from tiletune import env
 
-FORMAT = "tiletune-store-1"
-STALE_TMP_SEC = 3600.0      # a writer's temp file older than this is a killed writer's leftover
+FORMAT = "tiletune-store-1"         # the old JSON files' format, imported once
+DB_NAME = "store.sqlite3"
+TABLE = "tiletune_entries"
+SCHEMA = 1                          # PRAGMA user_version of a tiletune store
+BUSY_TIMEOUT_S = 10.0
+
+_lock = threading.RLock()           # guards _conns and every use of a cached connection
+_conns = {}                         # path -> (pid, (st_dev, st_ino), sqlite3.Connection)
 
 
 def cache_dir():
@@ -39,218 +48,265 @@ def cache_dir():
     return d
 
 
-def _path(op):
+def db_path():
+    """The database's path, or None when the store is off."""
     d = cache_dir()
-    return None if d is None else os.path.join(d, f"{op}.json")
+    return None if d is None else os.path.join(d, DB_NAME)
 
 
-def _read(path):
-    """The file's entries: {} when it is missing, corrupt or foreign (those two with a warning).
-    Raises OSError when the file exists but cannot be read: the caller must not overwrite it."""
+def _trouble(path, e):
+    env.warn_once(("tiletune.store", path),
+                  f"tiletune: cannot use the cache database {path} ({type(e).__name__}: "
+                  f"{str(e)[:200]}); tuned configs are neither read from nor saved there")
+
+
+def _import_json(conn, folder):
+    """Insert the entries of the folder's old `<op>.json` files (existing rows win). Returns the
+    paths imported. A file that cannot be read or is not a tiletune-store-1 file is left alone
+    with a warning."""
     try:
-        with open(path, "rb") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        return {}
-    except (ValueError, RecursionError) as e:       # RecursionError: nested too deep to parse
-        warnings.warn(f"tiletune: ignoring unreadable cache file {path} "
-                      f"({type(e).__name__}: {str(e)[:200]}); it will be rewritten")
-        return {}
-    if not isinstance(data, dict) or data.get("format") != FORMAT or \
-            not isinstance(data.get("entries"), dict):
-        warnings.warn(f"tiletune: ignoring cache file {path} (not a {FORMAT} file); "
-                      "it will be rewritten")
-        return {}
-    return data["entries"]
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    done = []
+    for name in names:
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            with open(path, "rb") as f:
+                data = json.load(f)
+            mtime = os.path.getmtime(path)
+        except (OSError, ValueError, RecursionError) as e:
+            warnings.warn(f"tiletune: not importing cache file {path} ({type(e).__name__})")
+            continue
+        if not isinstance(data, dict) or data.get("format") != FORMAT or \
+                not isinstance(data.get("entries"), dict):
+            warnings.warn(f"tiletune: not importing cache file {path} (not a {FORMAT} file)")
+            continue
+        rows = []
+        for key, entry in data["entries"].items():
+            saved = mtime
+            if isinstance(entry, dict) and isinstance(entry.get("saved"), str):
+                with contextlib.suppress(ValueError, OverflowError):
+                    saved = time.mktime(time.strptime(entry["saved"], "%Y-%m-%dT%H:%M:%S"))
+            try:
+                rows.append((name[:-5], str(key), json.dumps(entry), saved))
+            except (TypeError, ValueError, RecursionError):
+                continue
+        conn.executemany(f"INSERT OR IGNORE INTO {TABLE} (op, key, entry, saved) "
+                         "VALUES (?, ?, ?, ?)", rows)
+        done.append(path)
+    return done
 
 
-def _unreadable(path, e):
-    env.warn_once(("tiletune.store: unreadable", path),
-                  f"tiletune: cannot read cache file {path} ({e}); its entries are not used "
-                  "and it will not be overwritten: tuned configs are not saved there")
-
-
-def load(op, key):
-    """The stored entry (a dict) for this op and full key string, or None."""
-    path = _path(op)
-    if path is None:
-        return None
+def _setup(conn, folder):
+    """Create the table (importing old JSON files) in a new database; refuse a foreign one."""
+    if conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA:
+        return
+    conn.execute("BEGIN IMMEDIATE")
     try:
-        return _read(path).get(key)
-    except OSError as e:
-        _unreadable(path, e)
-        return None
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version == SCHEMA:                   # another process set it up meanwhile
+            conn.execute("ROLLBACK")
+            return
+        if version != 0 or conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+            raise sqlite3.DatabaseError(f"not a tiletune store (user_version {version})")
+        conn.execute(f"CREATE TABLE {TABLE} (op TEXT NOT NULL, key TEXT NOT NULL, "
+                     "entry TEXT NOT NULL, saved REAL NOT NULL, PRIMARY KEY (op, key))")
+        imported = _import_json(conn, folder)
+        conn.execute(f"PRAGMA user_version = {SCHEMA}")
+        conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+        raise
+    for path in imported:
+        with contextlib.suppress(OSError):
+            os.replace(path, path + ".imported")
+
+
+def _open(path):
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    if not os.path.exists(path):    # created by us so that its mode is 0o666 minus the umask
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666))
+    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
+                           check_same_thread=False)
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+            conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")
+        _setup(conn, folder)
+        st = os.stat(path)
+    except BaseException:
+        conn.close()
+        raise
+    return (os.getpid(), (st.st_dev, st.st_ino), conn)
 
 
 @contextlib.contextmanager
-def _locked(path):
-    """Hold the exclusive lock of `path` (an flock on `path`.lock). clear() removes lock files
-    while holding them, so a lock taken on a file that is no longer at `path`.lock is dropped
-    and the current one taken instead."""
-    lock_path = path + ".lock"
-    while True:
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        except PermissionError:     # another user's lock file: flock needs no write access
-            fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+def _db(path):
+    """The cached connection to the database at `path` (opened, and created, on first use; a
+    new one after a fork or when the file was replaced or removed), used under _lock. A
+    connection that meets an error is closed and dropped."""
+    with _lock:
+        cached = _conns.get(path)
+        if cached is not None:
             try:
-                current = os.path.samestat(os.fstat(fd), os.stat(lock_path))
-            except FileNotFoundError:
-                current = False
-            if not current:
-                continue                    # closing fd (finally below) drops the stale lock
-            try:
-                yield
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            return
-        finally:
-            os.close(fd)
-
-
-def _is_tmp(name, op=None):
-    """Whether `name` is a writer's temp file (.<op>.<random>.tmp), of `op` if given."""
-    if not (name.startswith(".") and name.endswith(".tmp")):
-        return False
-    stem, dot, rand = name[1:-4].rpartition(".")
-    return bool(dot and stem and rand) and (op is None or stem == op)
-
-
-def _create_tmp(folder, op):
-    """(fd, path) of a new temp file for op's next version. Created like open() creates files,
-    so its mode is 0o666 minus the umask (mkstemp would make it 0o600)."""
-    for _ in range(100):
-        tmp = os.path.join(folder, f".{op}.{secrets.token_hex(8)}.tmp")
+                st = os.stat(path)
+                ident = (st.st_dev, st.st_ino)
+            except OSError:
+                ident = None
+            if cached[0] != os.getpid() or cached[1] != ident:
+                _conns.pop(path)
+                if cached[0] == os.getpid():
+                    with contextlib.suppress(sqlite3.Error):
+                        cached[2].close()
+                cached = None
+        if cached is None:
+            cached = _conns[path] = _open(path)
         try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"no free temp file name for {op} in {folder}")
+            yield cached[2]
+        except BaseException:
+            if _conns.get(path) is cached:
+                _conns.pop(path)
+                with contextlib.suppress(sqlite3.Error):
+                    cached[2].close()
+            raise
 
 
-def _write(path, op, data):
-    fd, tmp = _create_tmp(os.path.dirname(path), op)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+def close():
+    """Close this process's cached connections (they reopen on next use)."""
+    with _lock:
+        for pid, _, conn in _conns.values():
+            if pid == os.getpid():
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
+        _conns.clear()
 
 
-def _sweep(folder, op=None):
-    """Remove the temp files (of `op`, or of every op) older than STALE_TMP_SEC: writers that
-    were killed between creating and renaming them. Best effort, never raises."""
-    try:
-        names = os.listdir(folder)
-        cutoff = time.time() - STALE_TMP_SEC
-    except Exception:
-        return
-    for name in names:
-        if not _is_tmp(name, op):
-            continue
-        p = os.path.join(folder, name)
-        try:
-            st = os.lstat(p)
-            if stat.S_ISREG(st.st_mode) and st.st_mtime < cutoff:
-                os.remove(p)
-        except Exception:
-            pass
-
-
-def save(op, key, entry):
-    """Add or replace one entry; never raises for I/O problems (the store is an optimization).
-    Skipped, with one warning per file, when the op's file exists but cannot be read."""
-    path = _path(op)
+def load(op, key):
+    """The stored entry for this op and full key string, or None."""
+    path = db_path()
     if path is None:
-        return
-    folder = os.path.dirname(path)
+        return None
     try:
-        os.makedirs(folder, exist_ok=True)
-        with _locked(path):
-            try:
-                entries = _read(path)
-            except OSError as e:
-                _unreadable(path, e)
-                return
-            entries[key] = entry
-            _write(path, op, {"format": FORMAT, "entries": entries})
-    except (OSError, ValueError, TypeError, RecursionError) as e:
-        warnings.warn(f"tiletune: could not write cache file {path}: {type(e).__name__}: {e}")
-    finally:
-        _sweep(folder, op)
-
-
-def _listdir(d):
-    """The folder's names, or None (with one warning) when it cannot be listed."""
+        with _db(path) as conn:
+            row = conn.execute(f"SELECT entry FROM {TABLE} WHERE op = ? AND key = ?",
+                               (op, key)).fetchone()
+    except (OSError, sqlite3.Error) as e:
+        _trouble(path, e)
+        return None
+    if row is None:
+        return None
     try:
-        return sorted(os.listdir(d))
-    except FileNotFoundError:
-        return []
-    except OSError as e:
-        env.warn_once(("tiletune.store: unlistable", d),
-                      f"tiletune: cannot list the cache folder {d} ({e})")
+        return json.loads(row[0])
+    except (ValueError, TypeError, RecursionError):
         return None
 
 
+def save(op, key, entry):
+    """Add or replace one entry; never raises for I/O or database problems."""
+    path = db_path()
+    if path is None:
+        return
+    try:
+        text = json.dumps(entry)
+    except (TypeError, ValueError, RecursionError) as e:
+        warnings.warn(f"tiletune: could not save a cache entry of {op}: {type(e).__name__}: {e}")
+        return
+    try:
+        with _db(path) as conn:
+            conn.execute(f"INSERT OR REPLACE INTO {TABLE} (op, key, entry, saved) "
+                         "VALUES (?, ?, ?, ?)", (op, key, text, time.time()))
+    except (OSError, sqlite3.Error) as e:
+        _trouble(path, e)
+
+
+def _usable(path):
+    """Whether entries()/clear()/prune() should open the store: it is on and its folder exists."""
+    return path is not None and os.path.isdir(os.path.dirname(path))
+
+
 def entries(op=None):
-    """{op: {key: entry}} for every op in the store (or just `op`). A folder that cannot be
-    listed is an empty store (one warning); a file that cannot be read is {} (one warning)."""
-    d = cache_dir()
-    if d is None or not os.path.isdir(d):
+    """{op: {key: entry}} for every op in the store (or just `op`). A database that cannot be
+    used is an empty store (one warning); a row whose JSON does not parse is left out."""
+    path = db_path()
+    if not _usable(path):
         return {}
-    names = _listdir(d)
-    if names is None:
+    sql, args = f"SELECT op, key, entry FROM {TABLE}", ()
+    if op is not None:
+        sql, args = sql + " WHERE op = ?", (op,)
+    try:
+        with _db(path) as conn:
+            rows = conn.execute(sql + " ORDER BY op, key", args).fetchall()
+    except (OSError, sqlite3.Error) as e:
+        _trouble(path, e)
         return {}
     out = {}
-    for name in names:
-        if name.endswith(".json") and (op is None or name == f"{op}.json"):
-            path = os.path.join(d, name)
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    found = _read(path)
-            except OSError as e:
-                _unreadable(path, e)
-                found = {}
-            out[name[:-5]] = found
+    for o, key, text in rows:
+        try:
+            out.setdefault(o, {})[key] = json.loads(text)
+        except (ValueError, TypeError, RecursionError):
+            continue
     return out
 
 
 def clear(op=None):
-    """Delete the store's files (all ops, or one). Returns the number of op files removed.
+    """Delete the store's entries (all ops, or one). Returns the number of entries removed."""
+    path = db_path()
+    if not _usable(path):
+        return 0
+    sql, args = f"DELETE FROM {TABLE}", ()
+    if op is not None:
+        sql, args = sql + " WHERE op = ?", (op,)
+    try:
+        with _db(path) as conn:
+            return conn.execute(sql, args).rowcount
+    except (OSError, sqlite3.Error) as e:
+        _trouble(path, e)
+        return 0
 
-    Each op file is removed under the lock that save() takes, so a save running meanwhile
-    either lands before the clear (and is cleared) or after it (and is kept whole). A folder
-    that cannot be listed clears nothing (one warning); a file that cannot be removed is
-    skipped with a warning."""
-    d = cache_dir()
-    if d is None or not os.path.isdir(d):
-        return 0
-    names = _listdir(d)
-    if names is None:
-        return 0
-    ops = {name[:-len(suffix)] for name in names for suffix in (".json", ".json.lock")
-           if name.endswith(suffix)}
-    n = 0
-    for o in sorted(ops):
-        if op is not None and o != op:
-            continue
-        path = os.path.join(d, f"{o}.json")
-        try:
-            with _locked(path):
-                try:
-                    os.remove(path)
-                    n += 1
-                except FileNotFoundError:
-                    pass
-                os.remove(path + ".lock")
-        except OSError as e:
-            if os.path.lexists(path):        # else gone meanwhile (another clear): nothing lost
-                warnings.warn(f"tiletune: could not remove cache file {path}: {e}")
-    _sweep(d, op)
-    return n
+
+def _part(key, prefix):
+    """The value of the key's " | "-joined part that starts with `prefix`, or None."""
+    for part in key.split(" | "):
+        if part.startswith(prefix):
+            return part[len(prefix):]
+    return None
+
+
+def prune(cuda_tile=None, tileiras=None, older_than_s=None):
+    """Delete the entries whose key names another cuda-tile or tileiras version than the given
+    ones (a None version is not checked; a key without that part is kept), and, if older_than_s
+    is given, those saved more than that many seconds ago. Returns {op: entries removed}."""
+    path = db_path()
+    if not _usable(path):
+        return {}
+    cutoff = None if older_than_s is None else time.time() - older_than_s
+    try:
+        with _db(path) as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                stale = []
+                for op, key, saved in conn.execute(f"SELECT op, key, saved FROM {TABLE}"):
+                    ct_v, ti_v = _part(key, "cuda-tile "), _part(key, "tileiras ")
+                    if (cuda_tile is not None and ct_v is not None and ct_v != cuda_tile) or \
+                            (tileiras is not None and ti_v is not None and ti_v != tileiras) or \
+                            (cutoff is not None and saved < cutoff):
+                        stale.append((op, key))
+                conn.executemany(f"DELETE FROM {TABLE} WHERE op = ? AND key = ?", stale)
+                conn.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+                raise
+    except (OSError, sqlite3.Error) as e:
+        _trouble(path, e)
+        return {}
+    out = {}
+    for op, _ in stale:
+        out[op] = out.get(op, 0) + 1
+    return dict(sorted(out.items()))

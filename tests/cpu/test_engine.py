@@ -3,6 +3,7 @@ import contextlib
 import json
 import logging
 import os
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -175,20 +176,21 @@ def test_changed_config_space_does_not_reuse_stale_winner(env):
     assert env.fake.calls == 2
 
 
-def test_corrupt_store_is_ignored_and_rewritten(env):
+def test_corrupt_store_is_ignored_and_kept(env):
     t = env.make()
     env.path.mkdir(parents=True)
-    (env.path / f"{t.name}.json").write_text("{not json")
-    with pytest.warns(UserWarning, match="ignoring"):
+    (env.path / store.DB_NAME).write_text("{not a database" * 100)
+    with pytest.warns(UserWarning, match="cannot use the cache database"):
         resolve(t, ("k",))
-    data = json.loads((env.path / f"{t.name}.json").read_text())
-    assert data["format"] == store.FORMAT and len(data["entries"]) == 1
+    assert env.fake.calls == 1
+    assert (env.path / store.DB_NAME).read_text() == "{not a database" * 100   # not deleted
 
 
 def test_foreign_store_file_is_ignored(env):
     t = env.make()
     env.path.mkdir(parents=True)
-    (env.path / f"{t.name}.json").write_text(json.dumps([1, 2, 3]))
+    with sqlite3.connect(env.path / store.DB_NAME) as conn:
+        conn.execute("CREATE TABLE other (x)")
     with pytest.warns(UserWarning):
         resolve(t, ("k",))
     assert env.fake.calls == 1
@@ -268,9 +270,9 @@ def test_store_writes_from_several_processes_keep_every_entry(tmp_path):
     env = dict(os.environ, TILETUNE_CACHE_DIR=str(tmp_path))
     procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(p)], env=env) for p in range(4)]
     assert all(p.wait(timeout=120) == 0 for p in procs)
-    data = json.loads((tmp_path / "shared.json").read_text())
-    assert len(data["entries"]) == 160
-    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    with sqlite3.connect(tmp_path / store.DB_NAME) as conn:
+        rows = conn.execute(f"SELECT key FROM {store.TABLE} WHERE op = 'shared'").fetchall()
+    assert len(set(rows)) == 160
 
 
 def test_store_clear(env):
