@@ -84,14 +84,14 @@ ROWS = [{"op": "a", "case": "n1024 bf16", "mode": "fwd", "first_call_s": 1.5, "t
 def test_progress_line_and_tables(capsys):
     assert bench.progress_line(ROWS[0]) == (
         "a n1024 bf16 fwd: 20.00 us, 1.50x fixed, 1.25x peer, broken failed, 80% of copy; "
-        "first call 1.50 s")
+        "tuning 1.50 s")
     assert bench.progress_line(ROWS[1]) == (
-        "b m8 fwd+bwd: 40.00 us, 1.00x fixed, 0.95x cublas; first call 0.25 s")
+        "b m8 fwd+bwd: 40.00 us, 1.00x fixed, 0.95x cublas; tuning 0.25 s")
     bench.print_table(ROWS)
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "a:" and out[3] == "" and out[4] == "b:"
     assert out[1] == ("  case        mode  tuned us  fixed us  vs fixed  vs peer  vs broken"
-                      "  % of copy  first call s")
+                      "  % of copy  tuning s")
     assert out[2].split() == ["n1024", "bf16", "fwd", "20.00", "30.00", "1.50x", "1.25x",
                               "failed", "80%", "1.50"]
     assert out[6].split() == ["m8", "fwd+bwd", "40.00", "40.00", "1.00x", "0.95x", "0.2", "0.25"]

@@ -187,14 +187,14 @@ def test_bench_prints_a_line_per_row_before_the_tables(ops, clock, monkeypatch, 
     assert out[0] == "device: Fake GPU, torch %s; headline rows (--full: every row)" \
         % torch.__version__
     row_a = ("alpha n1024 fwd: 20.00 us, 1.50x fixed, 1.25x peer, broken failed, 80% of copy; "
-             "first call ")
+             "tuning ")
     assert out[1].startswith(row_a) and out[1].endswith(" s")
-    assert out[2].startswith("beta m8 fwd+bwd: 40.00 us, 1.00x fixed, 0.95x cublas; first call ")
+    assert out[2].startswith("beta m8 fwd+bwd: 40.00 us, 1.00x fixed, 0.95x cublas; tuning ")
     assert not any(line.startswith("host overhead") for line in out)     # --full only
     tables = out.index("alpha:")
     assert tables > 2 and out[tables + 1].split() == [
         "case", "mode", "tuned", "us", "fixed", "us", "vs", "fixed", "vs", "peer", "vs", "broken",
-        "%", "of", "copy", "GB/s", "first", "call", "s"]
+        "%", "of", "copy", "GB/s", "tuning", "s"]
     assert out[tables + 2].split()[:9] == ["n1024", "fwd", "20.00", "30.00", "1.50x", "1.25x",
                                            "failed", "80%", "200"]
     assert "beta:" in out[tables:] and "TFLOP/s" in out[out.index("beta:") + 1]
