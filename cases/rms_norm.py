@@ -121,7 +121,7 @@ def bench_host():
     R.launch_fwd(x, w, y, rstd, eps)
     cfg, kernel = R._fwd.cache[(1024, 64, x.dtype, w.dtype, x.get_device())]
     grid = R._fwd_grid(cfg, 0, x, w, y, rstd, eps, 64, 1024)
-    args = (x, w, y, rstd, 1.0 / 1024, eps, cfg.tile_m, cfg.tile_n)
+    args = R._fwd_args(cfg, x, w, y, rstd, eps, 64, 1024)
     stream = current_stream(0)
     out = {"bare_launch": host_us(lambda: ct.launch(stream, grid, kernel, args)),
            "engine_fast_path": host_us(lambda: R.launch_fwd(x, w, y, rstd, eps)),

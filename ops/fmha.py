@@ -318,8 +318,8 @@ def dkdv_configs(arch, td, sq=4096, sk=4096, causal=False):
 # ---------------------------------------------------------------------------------------------
 # Launches. A tuner's inputs are its kernel's arguments without the tile sizes, in the kernel's
 # order (so offset is third from the end, then td and causal); its grid and arguments are
-# declared once, the engine looks the config up (or tunes it) and launches. The forward and dQ kernels own a query
-# tile of one q head, the dK/dV kernel a key tile of one kv head.
+# declared once, the engine looks the config up (or tunes it) and launches. The forward and dQ
+# kernels own a query tile of one q head, the dK/dV kernel a key tile of one kv head.
 
 def visible_pairs(sq, sk, causal, offset):
     """Number of (query, key) pairs that are not masked (for FLOP counts)."""
@@ -377,13 +377,12 @@ _dkdv = Autotuner("fmha_bwd_dkdv", fmha_bwd_dkdv_kernel, dkdv_configs, default=D
 TUNERS = (_fwd, _dq, _dkdv)
 
 
-def _key(q, k, causal, offset):
+def _key(q, k, causal, offset, dev):
     B, hq, sq, d = q.shape
     sk = k.shape[2]
     diag = None if not causal else ("bottom_right" if offset == sk - sq else
                                     "top_left" if offset == 0 else "offset")
-    return (bucket(B * hq), bucket(sq), bucket(sk), d, diag, hq // k.shape[1], q.dtype,
-            q.get_device())
+    return (bucket(B * hq), bucket(sq), bucket(sk), d, diag, hq // k.shape[1], q.dtype, dev)
 
 
 def _flat(t):
@@ -393,14 +392,16 @@ def _flat(t):
 
 def launch_fwd(q, k, v, o, lse, causal, offset, scale):
     """o (like q) and lse (B, Hq, Sq) float32 written in place."""
-    _fwd.launch(_key(q, k, causal, offset), q.get_device(), q, k, v, o, _flat(lse),
-                scale * LOG2E, offset, head_tile(q.shape[3]), causal)
+    dev = q.get_device()
+    _fwd.launch(_key(q, k, causal, offset, dev), dev, q, k, v, o, _flat(lse), scale * LOG2E,
+                offset, head_tile(q.shape[3]), causal)
 
 
 def launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale):
     """dq, dk, dv and delta (B*Hq, Sq) float32 written in place. The dQ kernel runs (and on a
     miss is tuned) first: it writes delta, which the dK/dV kernel reads."""
-    key, dev = _key(q, k, causal, offset), q.get_device()
+    dev = q.get_device()
+    key = _key(q, k, causal, offset, dev)
     lse2, qk_scale, td = _flat(lse), scale * LOG2E, head_tile(q.shape[3])
     _dq.launch(key, dev, q, k, v, o, do, lse2, delta, dq, qk_scale, scale, offset, td, causal)
     _dkdv.launch(key, dev, q, k, v, do, lse2, delta, dk, dv, qk_scale, scale, offset, td, causal)

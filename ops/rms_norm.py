@@ -179,8 +179,12 @@ def _fwd_kernel(cfg):
     return rms_norm_fwd_rows if cfg.kind == "rows" else rms_norm_fwd_chunked
 
 
-def _row_space(*inputs):
-    return dict(n_cols=inputs[1].shape[1])   # x is the first (fwd) or second (bwd) input
+def _fwd_args(c, x, w, y, rstd, eps, M, N):
+    return (x, w, y, rstd, 1.0 / N, eps, c.tile_m, c.tile_n)
+
+
+def _bwd_space(dy, x, *rest):
+    return dict(n_cols=x.shape[1])
 
 
 def _bwd_work(dy, x, w, *rest):
@@ -192,7 +196,7 @@ _fwd = Autotuner(
     "rms_norm_fwd", _fwd_kernel, fwd_configs,
     default=SimpleNamespace(kind="chunked", tile_m=1, tile_n=4096, occupancy=2, persistent=True),
     space=lambda x, w, y, rstd, eps, M, N: dict(n_cols=N), grid=_fwd_grid,
-    args=lambda c, x, w, y, rstd, eps, M, N: (x, w, y, rstd, 1.0 / N, eps, c.tile_m, c.tile_n),
+    args=_fwd_args,
     work=lambda x, w, y, rstd, eps, M, N: Work(bytes=2 * x.numel() * x.element_size()
                                                + w.numel() * w.element_size() + 4 * M))
 
@@ -204,7 +208,7 @@ def _bwd_ctas(c, dev, dy, x, *rest):
 _bwd = Autotuner(
     "rms_norm_bwd", rms_norm_bwd_rows, bwd_configs,
     default=SimpleNamespace(tile_m=1, tile_n=MAX_ROW_TILE, occupancy=2),
-    space=_row_space, work=_bwd_work,
+    space=_bwd_space, work=_bwd_work,
     scratch=lambda c, dev, dy, x, w, rstd, dx: ((_bwd_ctas(c, dev, dy, x), x.shape[1]),
                                                 torch.float32),
     grid=lambda c, dev, dy, x, *rest: (_bwd_ctas(c, dev, dy, x),),
@@ -214,7 +218,7 @@ _bwd = Autotuner(
 # Wide rows: a per-row coefficient, then column blocks writing dx and dweight partials.
 _bwd_coef = Autotuner(
     "rms_norm_bwd_coef", rms_norm_bwd_row_coef, bwd_coef_configs,
-    default=SimpleNamespace(tile_n=4096, occupancy=4), space=_row_space,
+    default=SimpleNamespace(tile_n=4096, occupancy=4), space=_bwd_space,
     grid=lambda c, dev, dy, x, *rest: (persistent_ctas(x.shape[0], dev, c.occupancy),),
     args=lambda c, dy, x, w, rstd, coef: (dy, x, w, rstd, coef, 1.0 / x.shape[1], c.tile_n))
 
@@ -228,7 +232,7 @@ def _cols_grid(c, dev, dy, x, *rest):
 
 _bwd_cols = Autotuner(
     "rms_norm_bwd_cols", rms_norm_bwd_cols, bwd_cols_configs,
-    default=SimpleNamespace(tile_m=8, tile_n=512, occupancy=4), space=_row_space, work=_bwd_work,
+    default=SimpleNamespace(tile_m=8, tile_n=512, occupancy=4), space=_bwd_space, work=_bwd_work,
     scratch=lambda c, dev, dy, x, *rest: ((_cols_grid(c, dev, dy, x)[1], x.shape[1]),
                                           torch.float32),
     grid=_cols_grid,

@@ -275,20 +275,20 @@ class Autotuner:
             raise ValueError(f"{self.name}: cuTile kernels run on a CUDA GPU; got device index "
                              f"{dev} (a CPU tensor's get_device() is -1)"
                              + ("" if torch.cuda.is_available() else " and no GPU is visible"))
-        return self.tune(key, dev, lambda: self._search_for(dev, inputs),
-                         shape=self._space(*inputs))
+        shape = self._space(*inputs)
+        return self.tune(key, dev, lambda cfgs: self._search_for(dev, inputs, shape, cfgs),
+                         shape=shape)
 
-    def _search_for(self, dev, inputs):
+    def _search_for(self, dev, inputs, shape, cfgs):
+        """The Search over the declared functions, for the configs `cfgs` of `shape`."""
         search_inputs = self._search_inputs(*inputs) if self._search_inputs else inputs
         with_scratch = (lambda c: search_inputs)
         if self._scratch is not None:
-            with_scratch = _shared_scratch(self._scratch, search_inputs, dev,
-                                           self.config_list(_device.arch(dev),
-                                                            self._space(*inputs)))
+            with_scratch = _shared_scratch(self._scratch, search_inputs, dev, cfgs)
         grid, args, run = self._grid, self._args, self._run
         stream = _device.current_stream
         return Search(
-            shape=self._space(*inputs),
+            shape=shape,
             grid_fn=lambda c: grid(c, dev, *with_scratch(c)),
             args_fn=lambda c: args(c, *with_scratch(c)),
             work=self._work(*inputs) if self._work else None,
@@ -340,8 +340,8 @@ class Autotuner:
     # -- the miss path ----------------------------------------------------------------------
     def tune(self, key, dev, search, shape=None):
         """Resolve a key that missed the cache; returns (cfg, kernel) and caches it. `dev` is the
-        device (index); `search` a Search, or a function that builds one, called only if a
-        search runs (`shape` then gives the config generator's arguments)."""
+        device (index); `search` a Search, or a function of the config list that builds one,
+        called only if a search runs (`shape` then gives the config generator's arguments)."""
         if isinstance(search, Search):
             shape = search.shape
         if torch.cuda.is_current_stream_capturing():
@@ -367,7 +367,7 @@ class Autotuner:
                                       stored.get("rates") or {}, stored.get("final") or [])
                 return self._finish(key, cfg, record, None, dev)
             if not isinstance(search, Search):
-                search = search()
+                search = search(cfgs)
             cfg, record = self._search(key, dev, cfgs, search)
             store.save(self.name, skey, _as_json({"config": record.config, "best_us": record.best_us,
                                          "search_s": round(record.search_s, 3),

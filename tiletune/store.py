@@ -100,27 +100,40 @@ def _import_json(conn, folder):
     return done
 
 
-def _setup(conn, folder):
-    """Create the table (importing old JSON files) in a new database; refuse a foreign one."""
-    if conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA:
-        return
+@contextlib.contextmanager
+def _transaction(conn):
+    """BEGIN IMMEDIATE (the write lock up front) ... COMMIT, or ROLLBACK on any error."""
     conn.execute("BEGIN IMMEDIATE")
     try:
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version == SCHEMA:                   # another process set it up meanwhile
-            conn.execute("ROLLBACK")
-            return
-        if version != 0 or conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
-            raise sqlite3.DatabaseError(f"not a tiletune store (user_version {version})")
-        conn.execute(f"CREATE TABLE {TABLE} (op TEXT NOT NULL, key TEXT NOT NULL, "
-                     "entry TEXT NOT NULL, saved REAL NOT NULL, PRIMARY KEY (op, key))")
-        imported = _import_json(conn, folder)
-        conn.execute(f"PRAGMA user_version = {SCHEMA}")
+        yield
         conn.execute("COMMIT")
     except BaseException:
         with contextlib.suppress(sqlite3.Error):
             conn.execute("ROLLBACK")
         raise
+
+
+class _AlreadySetUp(Exception):
+    """Another process created the table while this one waited for the lock."""
+
+
+def _setup(conn, folder):
+    """Create the table (importing old JSON files) in a new database; refuse a foreign one."""
+    if conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA:
+        return
+    try:
+        with _transaction(conn):
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version == SCHEMA:
+                raise _AlreadySetUp
+            if version != 0 or conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+                raise sqlite3.DatabaseError(f"not a tiletune store (user_version {version})")
+            conn.execute(f"CREATE TABLE {TABLE} (op TEXT NOT NULL, key TEXT NOT NULL, "
+                         "entry TEXT NOT NULL, saved REAL NOT NULL, PRIMARY KEY (op, key))")
+            imported = _import_json(conn, folder)
+            conn.execute(f"PRAGMA user_version = {SCHEMA}")
+    except _AlreadySetUp:
+        return
     for path in imported:
         with contextlib.suppress(OSError):
             os.replace(path, path + ".imported")
@@ -230,15 +243,18 @@ def _usable(path):
     return path is not None and os.path.isdir(os.path.dirname(path))
 
 
+def _of_op(sql, op):
+    """(sql, args) restricted to one op's rows, or all rows when op is None."""
+    return (sql, ()) if op is None else (sql + " WHERE op = ?", (op,))
+
+
 def entries(op=None):
     """{op: {key: entry}} for every op in the store (or just `op`). A database that cannot be
     used is an empty store (one warning); a row whose JSON does not parse is left out."""
     path = db_path()
     if not _usable(path):
         return {}
-    sql, args = f"SELECT op, key, entry FROM {TABLE}", ()
-    if op is not None:
-        sql, args = sql + " WHERE op = ?", (op,)
+    sql, args = _of_op(f"SELECT op, key, entry FROM {TABLE}", op)
     try:
         with _db(path) as conn:
             rows = conn.execute(sql + " ORDER BY op, key", args).fetchall()
@@ -259,9 +275,7 @@ def clear(op=None):
     path = db_path()
     if not _usable(path):
         return 0
-    sql, args = f"DELETE FROM {TABLE}", ()
-    if op is not None:
-        sql, args = sql + " WHERE op = ?", (op,)
+    sql, args = _of_op(f"DELETE FROM {TABLE}", op)
     try:
         with _db(path) as conn:
             return conn.execute(sql, args).rowcount
@@ -287,22 +301,15 @@ def prune(cuda_tile=None, tileiras=None, older_than_s=None):
         return {}
     cutoff = None if older_than_s is None else time.time() - older_than_s
     try:
-        with _db(path) as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                stale = []
-                for op, key, saved in conn.execute(f"SELECT op, key, saved FROM {TABLE}"):
-                    ct_v, ti_v = _part(key, "cuda-tile "), _part(key, "tileiras ")
-                    if (cuda_tile is not None and ct_v is not None and ct_v != cuda_tile) or \
-                            (tileiras is not None and ti_v is not None and ti_v != tileiras) or \
-                            (cutoff is not None and saved < cutoff):
-                        stale.append((op, key))
-                conn.executemany(f"DELETE FROM {TABLE} WHERE op = ? AND key = ?", stale)
-                conn.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    conn.execute("ROLLBACK")
-                raise
+        with _db(path) as conn, _transaction(conn):
+            stale = []
+            for op, key, saved in conn.execute(f"SELECT op, key, saved FROM {TABLE}"):
+                ct_v, ti_v = _part(key, "cuda-tile "), _part(key, "tileiras ")
+                if (cuda_tile is not None and ct_v is not None and ct_v != cuda_tile) or \
+                        (tileiras is not None and ti_v is not None and ti_v != tileiras) or \
+                        (cutoff is not None and saved < cutoff):
+                    stale.append((op, key))
+            conn.executemany(f"DELETE FROM {TABLE} WHERE op = ? AND key = ?", stale)
     except (OSError, sqlite3.Error) as e:
         _trouble(path, e)
         return {}

@@ -1,4 +1,6 @@
-"""Input checks shared by the op wrappers: clear TypeError/ValueError naming the argument."""
+"""Input checks shared by the op wrappers: clear TypeError/ValueError naming the function and the
+argument; and what a tensor written in place must satisfy (no leaf that requires grad, no
+overlapping memory)."""
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -24,3 +26,101 @@ def eps(op, value):
     if not value >= 0.0 or value == float("inf"):
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {value}")
     return float(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors written in place: memory overlap. Pure functions of (address, shape,
+# strides, element size): no device work, any device. Conservative: "may overlap" is refused.
+
+def _span(t):
+    """(first byte, end byte, element size, [(size, stride in bytes) of the dims of size > 1])
+    of t's elements, or None when t is empty."""
+    es = t.element_size()
+    dims = []
+    reach = es
+    for n, st in zip(t.shape, t.stride()):
+        if n > 1:
+            dims.append((n, st * es))
+            reach += (n - 1) * st * es
+        elif n == 0:
+            return None
+    start = t.data_ptr()
+    return start, start + reach, es, dims
+
+
+def _self_overlaps(span):
+    if span is None:
+        return False
+    reach = 0
+    for n, st in sorted(span[3], key=lambda d: d[1]):
+        if st <= reach:
+            return True
+        reach += (n - 1) * st
+    return False
+
+
+def self_overlaps(t):
+    """True if two elements of t may share memory (an expanded, stride-0 dim of size > 1, or
+    as_strided dims that interleave); False if every element has its own memory: with the dims
+    sorted by stride, each stride exceeds the reach of the dims below it."""
+    return _self_overlaps(_span(t))
+
+
+def _arc(span, m):
+    """The byte residues mod m that a span's elements occupy, as an arc of the circle Z/m:
+    (start, length - 1), or None when it may be the whole circle. Dims whose stride is a
+    multiple of m leave the residue alone; the others (and the element's own bytes) move it by
+    at most the sum of their reaches."""
+    reach = span[2] - 1
+    for n, st in span[3]:
+        if st % m:
+            reach += (n - 1) * st
+    return (span[0] % m, reach) if reach < m - 1 else None
+
+
+def _overlap(sa, sb):
+    if sa is None or sb is None or sa[1] <= sb[0] or sb[1] <= sa[0]:
+        return False                     # empty, or disjoint byte ranges [start, end)
+    for m in {st for _, st in sa[3] + sb[3] if st > 1}:
+        arc_a, arc_b = _arc(sa, m), _arc(sb, m)
+        if arc_a is not None and arc_b is not None and \
+                (arc_b[0] - arc_a[0]) % m > arc_a[1] and (arc_a[0] - arc_b[0]) % m > arc_b[1]:
+            return False                 # neither arc starts inside the other: disjoint
+    return True
+
+
+def overlaps(a, b):
+    """True if tensors a and b may share memory (a byte of one element of a is a byte of an
+    element of b); False only when provably disjoint. Tensors of different allocations, or
+    empty ones, never overlap. Views that interleave within one buffer (the q and k columns of a
+    fused qkv projection, the halves of a (B, 2, H, S, D) buffer) are told apart by their bytes'
+    residues modulo a stride of theirs: each occupies its own arc of that period."""
+    return _overlap(_span(a), _span(b))
+
+
+def inplace(op, tensors):
+    """Refuse an in-place write to `tensors` ({name: tensor}, in argument order) that torch or
+    a kernel cannot do: a leaf that requires grad (under grad mode, per tensor, as torch
+    refuses); a tensor whose elements overlap (an expanded, stride-0 dim), which the kernel
+    would write twice; two tensors sharing memory (the same tensor, overlapping views), which
+    would race. ValueError naming `op` and the argument."""
+    items = list(tensors.items())
+    if torch.is_grad_enabled():
+        for name, t in items:
+            if t.is_leaf and t.requires_grad:
+                raise ValueError(f"{op}: inplace=True on {name}, a leaf tensor that requires "
+                                 "grad")
+    spans = [_span(t) for _, t in items]
+    for (name, t), span in zip(items, spans):
+        if _self_overlaps(span):
+            raise ValueError(f"{op}: inplace=True needs {name} whose elements do not share "
+                             f"memory; {name} {tuple(t.shape)} with strides {t.stride()} has "
+                             "overlapping elements (an expanded, stride-0 dim?): pass a "
+                             "contiguous copy or use inplace=False")
+    for i, (a, ta) in enumerate(items):
+        for j in range(i + 1, len(items)):
+            b, tb = items[j]
+            if _overlap(spans[i], spans[j]):
+                what = f"{b} is {a}" if tb is ta else f"{a} and {b} overlap in memory"
+                raise ValueError(f"{op}: inplace=True needs {a} and {b} in separate memory, "
+                                 f"but {what}: use inplace=False")

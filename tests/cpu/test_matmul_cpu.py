@@ -81,7 +81,8 @@ def test_the_search_times_the_arguments_launch_uses(launches):
     a3, b3, c3, cfgs = problem()
     plain = cfgs[0]
     splits = [c for c in cfgs if MM.split_of(c) > 1]
-    s = MM._matmul._search_for(DEV, (a3, b3, c3))
+    inputs = (a3, b3, c3)
+    s = MM._matmul._search_for(DEV, inputs, MM._matmul._space(*inputs), cfgs)
     assert s.shape == dict(m=16, n=256, k=300, z=2)
     assert s.work.flops == 2.0 * 2 * 16 * 256 * 300
     assert not s.partly_timed(plain) and all(s.partly_timed(c) for c in splits)

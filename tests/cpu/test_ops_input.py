@@ -15,7 +15,7 @@ from tiletune.ops import fmha as FA
 from tiletune.ops import matmul as MM
 from tiletune.ops import rms_norm as RN
 from tiletune.ops import rope as RP
-from tiletune.ops.rotary import check_inplace, overlaps, self_overlaps
+from tiletune.validate import overlaps, self_overlaps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,21 +103,23 @@ def test_overlap_helpers_are_sound_on_random_views():
                 assert self_overlaps(v)
 
 
-def test_check_inplace_names_the_argument():
+def test_inplace_check_names_the_argument():
     B, H, S, D = 2, 4, 8, 16
     q, k = torch.zeros(B, H, S, D), torch.zeros(B, H, S, D)
-    check_inplace("apply_rope", q, k)
+    validate.inplace("apply_rope", {"q": q, "k": k})
     with pytest.raises(ValueError, match=r"apply_rope: .*k is q"):
-        check_inplace("apply_rope", q, q)
+        validate.inplace("apply_rope", {"q": q, "k": q})
     buf = torch.zeros(B, S, H + 1, D)
     with pytest.raises(ValueError, match=r"apply_rope: .*q and k overlap"):
-        check_inplace("apply_rope", buf[:, :, :H].transpose(1, 2), buf[:, :, 1:].transpose(1, 2))
+        validate.inplace("apply_rope", {"q": buf[:, :, :H].transpose(1, 2),
+                                        "k": buf[:, :, 1:].transpose(1, 2)})
     with pytest.raises(ValueError, match=r"apply_rope: .*needs q whose elements"):
-        check_inplace("apply_rope", torch.zeros(B, 1, S, D).expand(B, H, S, D), k)
+        validate.inplace("apply_rope", {"q": torch.zeros(B, 1, S, D).expand(B, H, S, D), "k": k})
     with pytest.raises(ValueError, match=r"apply_rope: .*needs k whose elements"):
-        check_inplace("apply_rope", q, torch.zeros(1, H, S, D).expand(B, H, S, D))
+        validate.inplace("apply_rope", {"q": q, "k": torch.zeros(1, H, S, D).expand(B, H, S, D)})
     qkv = torch.zeros(B, S, 3, H, D)                        # disjoint views of one buffer: fine
-    check_inplace("apply_rope", qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2))
+    validate.inplace("apply_rope", {"q": qkv[:, :, 0].transpose(1, 2),
+                                    "k": qkv[:, :, 1].transpose(1, 2)})
 
 
 def test_inplace_leaf_rule_is_per_tensor():
@@ -126,14 +128,14 @@ def test_inplace_leaf_rule_is_per_tensor():
     B, H, S, D = 1, 2, 4, 8
     leaf = torch.zeros(B, H, S, D, requires_grad=True)
     plain, nonleaf = torch.zeros(B, H, S, D), leaf * 1
-    RP._check_inplace(plain, nonleaf)
-    RP._check_inplace(nonleaf, plain)
+    validate.inplace("apply_rope", {"q": plain, "k": nonleaf})
+    validate.inplace("apply_rope", {"q": nonleaf, "k": plain})
     with pytest.raises(ValueError, match=r"apply_rope: inplace=True on q, a leaf"):
-        RP._check_inplace(leaf, plain)
+        validate.inplace("apply_rope", {"q": leaf, "k": plain})
     with pytest.raises(ValueError, match=r"apply_rope: inplace=True on k, a leaf"):
-        RP._check_inplace(plain, torch.zeros(B, H, S, D, requires_grad=True))
+        validate.inplace("apply_rope", {"q": plain, "k": torch.zeros(B, H, S, D, requires_grad=True)})
     with torch.no_grad():
-        RP._check_inplace(leaf, plain)
+        validate.inplace("apply_rope", {"q": leaf, "k": plain})
 
 
 # ---------------------------------------------------------------------------------------------
