@@ -232,6 +232,7 @@ class Autotuner:
         self.searches = 0        # number of exhaustive searches run (tests, stats)
         self._capture_cache = {}  # key -> (cfg, kernel) used while a CUDA graph is captured
         self._failed = {}        # key -> TuningFailedError: raised again without a new search
+        self._unproven = {}      # key -> store key of a stored winner not yet launched
         self._warned_capture = False
         self.launch = self._fast_path()
         _registry[name] = self
@@ -240,18 +241,30 @@ class Autotuner:
     def _fast_path(self):
         """`launch(key, dev, *inputs)`, built once with the op's functions bound as locals: a
         hit costs a dict lookup, the grid, the arguments and `ct.launch`."""
-        cache_get, resolve = self.cache.get, self._resolve
+        cache_get, first = self.cache.get, self._first_launch
         grid, args, scratch, run = self._grid, self._args, self._scratch, self._run
 
         if scratch is None and run is None:
+            def launch_config(cfg, kernel, dev, inputs):
+                ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
+                          args(cfg, *inputs))
+
             def launch(key, dev, *inputs):
-                cfg, kernel = cache_get(key) or resolve(key, dev, inputs)
+                hit = cache_get(key)
+                if hit is None:
+                    return first(key, dev, inputs, launch_config)
+                cfg, kernel = hit
                 ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
                           args(cfg, *inputs))
             return launch
 
         def launch_with_scratch_or_run(key, dev, *inputs):
-            cfg, kernel = cache_get(key) or resolve(key, dev, inputs)
+            hit = cache_get(key)
+            if hit is None:
+                return first(key, dev, inputs, launch_config_with_scratch_or_run)
+            return launch_config_with_scratch_or_run(*hit, dev, inputs)
+
+        def launch_config_with_scratch_or_run(cfg, kernel, dev, inputs):
             buf = None
             if scratch is not None:
                 spec = scratch(cfg, dev, *inputs)
@@ -266,8 +279,28 @@ class Autotuner:
             return buf
         return launch_with_scratch_or_run
 
-    def _resolve(self, key, dev, inputs):
-        """A miss of `launch`: the Search over the op's declared functions, built lazily (a
+    def _first_launch(self, key, dev, inputs, launch_config):
+        """A miss of `launch`: resolve the key, then launch. A winner read from the store that
+        no longer launches (a driver or device that refuses its kernel) is deleted from the
+        store, the key is searched again, and the new winner launches."""
+        cfg, kernel = self._resolve(key, dev, inputs)
+        skey = self._unproven.pop(key, None)
+        if skey is None:
+            return launch_config(cfg, kernel, dev, inputs)
+        try:
+            return launch_config(cfg, kernel, dev, inputs)
+        except Exception as e:
+            log.warning("tiletune: %s %s: the stored config %s failed to launch (%s: %s); "
+                        "searching again", self.name, key, config_dict(cfg), type(e).__name__,
+                        str(e).splitlines()[0] if str(e) else "")
+            store.delete(self.name, skey)
+            self.cache.pop(key, None)
+            self.records.pop(key, None)
+        cfg, kernel = self._resolve(key, dev, inputs, use_store=False)
+        return launch_config(cfg, kernel, dev, inputs)
+
+    def _resolve(self, key, dev, inputs, use_store=True):
+        """Tune a key that missed: the Search over the op's declared functions, built lazily (a
         store hit or DISABLE_AUTOTUNE allocates nothing)."""
         if self._grid is None or self._args is None or self._space is None:
             raise TypeError(f"{self.name}: launch() needs the tuner's space, grid and args")
@@ -277,7 +310,7 @@ class Autotuner:
                              + ("" if torch.cuda.is_available() else " and no GPU is visible"))
         shape = self._space(*inputs)
         return self.tune(key, dev, lambda cfgs: self._search_for(dev, inputs, shape, cfgs),
-                         shape=shape)
+                         shape=shape, use_store=use_store)
 
     def _search_for(self, dev, inputs, shape, cfgs):
         """The Search over the declared functions, for the configs `cfgs` of `shape`."""
@@ -338,10 +371,11 @@ class Autotuner:
         return None
 
     # -- the miss path ----------------------------------------------------------------------
-    def tune(self, key, dev, search, shape=None):
+    def tune(self, key, dev, search, shape=None, use_store=True):
         """Resolve a key that missed the cache; returns (cfg, kernel) and caches it. `dev` is the
         device (index); `search` a Search, or a function of the config list that builds one,
-        called only if a search runs (`shape` then gives the config generator's arguments)."""
+        called only if a search runs (`shape` then gives the config generator's arguments).
+        use_store=False: search even if the store holds a winner (which the search replaces)."""
         if isinstance(search, Search):
             shape = search.shape
         if torch.cuda.is_current_stream_capturing():
@@ -358,9 +392,10 @@ class Autotuner:
                 record = TuningRecord(self.name, key, config_dict(cfgs[0]), "default")
                 return self._finish(key, cfgs[0], record, None, dev)
             skey = self.store_key(key, dev, cfgs)
-            stored = store.load(self.name, skey)
+            stored = store.load(self.name, skey) if use_store else None
             cfg = self._find(cfgs, stored.get("config")) if isinstance(stored, dict) else None
             if cfg is not None:
+                self._unproven[key] = skey       # until its first launch succeeds
                 record = TuningRecord(self.name, key, config_dict(cfg), "store",
                                       stored.get("timings") or [], stored.get("failures") or [],
                                       stored.get("search_s") or 0.0, stored.get("best_us"),
@@ -536,6 +571,7 @@ class Autotuner:
     def clear(self):
         self.searches = 0
         self._failed.clear()
+        self._unproven.clear()
         self.cache.clear()
         self.records.clear()
         self._capture_cache.clear()

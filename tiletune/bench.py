@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiletune import autotune, registry, store
+from tiletune import autotune, precompile, registry, store
 from tiletune.timing import time_interleaved
 
 
@@ -306,6 +306,7 @@ def main(ops=None, *, full=False, json_path=DEFAULT_JSON, plot_path=None, match=
     if unknown:
         raise ValueError(f"unknown op(s) {', '.join(unknown)}; known: {', '.join(modules)}")
     dev = torch.cuda.get_device_name(0)
+    precompile.warm()        # the compile workers start while the first rows set up
     print(f"device: {dev}, torch {torch.__version__}; "
           + ("every row (--full)" if full else "headline rows (--full: every row)"), flush=True)
     rows, host, seen_peers, considered = [], {}, set(), 0

@@ -7,9 +7,11 @@ each config's kernel and JIT signature (read off the search's real arguments) to
 processes that compile them at once with the public `export_kernel`; every cubin lands in
 cuTile's on-disk cache (`CUDA_TILE_CACHE_DIR`), so the search's own compiles are cache hits.
 
-Workers are plain subprocesses (`python -m tiletune.precompile`) fed a pickled job list on stdin:
+Workers are plain subprocesses (`python -m tiletune.precompile`) fed pickled job lists on stdin:
 no multiprocessing, so nothing re-imports the user's main script, and no fork of a process that
-holds a CUDA context. They import only the kernels' own modules and never touch the GPU.
+holds a CUDA context. They import only the kernels' own modules and never touch the GPU. They
+stay for the process's next search (starting one costs seconds of imports) and exit after
+IDLE_EXIT_SEC without work or when the process ends.
 `TILETUNE_COMPILE_JOBS` sets how many run at once (default: CPU count, at most 16); 0 or 1, or a
 disabled cuTile disk cache, turns this off and the search compiles serially.
 
@@ -18,15 +20,24 @@ reported as that config's failure and not searched. Parallel compiles run slower
 config near the compile timeout may time out here that would just pass serially; such tiles
 are too slow to compile to belong in a space anyway.
 """
+import atexit
 import io
 import logging
 import os
 import pickle
+import select
+import struct
 import subprocess
 import sys
+import threading
 import time
 
 log = logging.getLogger("tiletune")
+
+# A worker idle this long exits, so a training process does not keep compilers' memory after
+# its searches; the pool never hands out one that is within a few seconds of that.
+IDLE_EXIT_SEC = 120.0
+_REUSE_MARGIN_SEC = 10.0
 
 
 def jobs():
@@ -67,30 +78,152 @@ def compile_job(module, name, hints, params, calling_convention, arch, timeout_s
     return None
 
 
-def run_jobs(jobs_list, arch, timeout_sec, workers):
-    """Compile [(index, module, name, hints, params, cc code)] in `workers` subprocesses.
-    Returns {index: None or error tuple}; jobs whose worker died are missing."""
-    chunks = [jobs_list[i::workers] for i in range(workers)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    procs = []
-    for chunk in chunks:
-        p = subprocess.Popen([sys.executable, "-m", "tiletune.precompile", arch, str(timeout_sec)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, env=env)
-        p.stdin.write(pickle.dumps(chunk))
-        p.stdin.close()
-        p.stdin = None            # so communicate() below only reads
-        procs.append(p)
-    results = {}
-    deadline = time.monotonic() + max(len(c) for c in chunks) * timeout_sec + 120
-    for p in procs:
+# ---------------------------------------------------------------------------------------------
+# The pool. Messages both ways are one frame: an 8-byte length, then a pickle.
+
+def _write_frame(f, obj):
+    data = pickle.dumps(obj)
+    f.write(struct.pack("<Q", len(data)) + data)
+    f.flush()
+
+
+def _read_exact(fd, n, deadline):
+    """n bytes from fd, or None at end of file; TimeoutError past the deadline (None: none)."""
+    parts, left = [], n
+    while left:
+        if deadline is not None:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+                raise TimeoutError
+        part = os.read(fd, min(left, 1 << 20))
+        if not part:
+            return None
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def _read_frame(fd, deadline=None):
+    head = _read_exact(fd, 8, deadline)
+    if head is None:
+        return None
+    body = _read_exact(fd, struct.unpack("<Q", head)[0], deadline)
+    if body is None:
+        raise EOFError("the worker closed its end mid-message")
+    return pickle.loads(body)
+
+
+class _Worker:
+    """One compile process (`python -m tiletune.precompile`); it imports the compiler once and
+    then compiles one job list per message until its input closes or it idles IDLE_EXIT_SEC."""
+
+    def __init__(self, environ):
+        self.environ = environ
+        self.proc = subprocess.Popen([sys.executable, "-m", "tiletune.precompile",
+                                      str(IDLE_EXIT_SEC)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     env=environ)
+        self.last_used = time.monotonic()
+
+    def fresh(self, now, environ):
+        """Alive, not about to exit idle, and started in this environment (cuTile reads its
+        cache folder once, at import)."""
+        return (self.proc.poll() is None and environ == self.environ
+                and now - self.last_used < IDLE_EXIT_SEC - _REUSE_MARGIN_SEC)
+
+    def send(self, chunk, arch, timeout_sec):
+        _write_frame(self.proc.stdin, (arch, timeout_sec, chunk))
+
+    def receive(self, deadline):
+        result = _read_frame(self.proc.stdout.fileno(), deadline)
+        if result is None:
+            raise EOFError("the worker exited")
+        self.last_used = time.monotonic()
+        return result
+
+    def kill(self):
+        self.proc.kill()
+        self.close()
+
+    def close(self):
+        """End of input: the worker exits; its pipes are closed here."""
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
         try:
-            out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 1))
-            results.update(pickle.loads(out))
-        except Exception as e:     # worker trouble is not a verdict on the configs
-            p.kill()
-            log.warning("tiletune: a precompile worker failed (%s); the search compiles its "
-                        "configs itself", type(e).__name__)
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_idle = []
+_idle_lock = threading.Lock()
+
+
+def _take(n):
+    """n workers: idle ones first (no start-up), new ones for the rest."""
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    with _idle_lock:
+        now = time.monotonic()
+        fresh = [w for w in _idle if w.fresh(now, environ)]
+        stale = [w for w in _idle if w not in fresh]
+        _idle[:] = fresh[n:]
+        taken = fresh[:n]
+    for w in stale:
+        w.close()
+    return taken + [_Worker(environ) for _ in range(n - len(taken))]
+
+
+def _give_back(workers):
+    with _idle_lock:
+        _idle.extend(workers)
+
+
+@atexit.register
+def _close_idle():
+    with _idle_lock:
+        workers, _idle[:] = list(_idle), []
+    for w in workers:
+        w.close()
+
+
+def warm(n=None):
+    """Start the compile workers now (their imports run while the caller goes on), so the next
+    search finds them ready."""
+    if enabled():
+        _give_back(_take(n or jobs()))
+
+
+def _failed(worker, error):
+    worker.kill()
+    log.warning("tiletune: a precompile worker failed (%s); the search compiles its configs "
+                "itself", type(error).__name__)
+
+
+def run_jobs(jobs_list, arch, timeout_sec, workers):
+    """Compile [(index, module, name, hints, params, cc code)] in `workers` worker processes.
+    Returns {index: None or error tuple}; jobs whose worker failed are missing."""
+    chunks = [jobs_list[i::workers] for i in range(workers)]
+    pool = _take(workers)
+    results, healthy = {}, []
+    deadline = time.monotonic() + max(len(c) for c in chunks) * timeout_sec + 120
+    for w, chunk in zip(pool, chunks):
+        try:
+            w.send(chunk, arch, timeout_sec)
+            healthy.append(w)
+        except OSError as e:
+            _failed(w, e)
+    pool, healthy = healthy, []
+    for w in pool:
+        try:
+            results.update(w.receive(deadline))
+            healthy.append(w)
+        except Exception as e:      # worker trouble is not a verdict on the configs
+            _failed(w, e)
+    _give_back(healthy)
     return results
 
 
@@ -120,12 +253,22 @@ def precompile(items, arch, timeout_sec):
     return rejected
 
 
-def _worker_main():
-    arch, timeout_sec = sys.argv[1], float(sys.argv[2])
+def _serve(idle_exit_sec):
+    """The worker: compile each message's jobs and answer with their results."""
     result_pipe, sys.stdout = sys.stdout.buffer, sys.stderr   # stray prints must not corrupt it
-    chunk = pickle.loads(sys.stdin.buffer.read())
-    result_pipe.write(pickle.dumps({i: compile_job(*job, arch, timeout_sec) for i, *job in chunk}))
+    import cuda.tile.compilation  # noqa: F401  (the compiler loads before the first job)
+    import torch  # noqa: F401
+    fd = sys.stdin.buffer.fileno()
+    while True:
+        try:
+            message = _read_frame(fd, time.monotonic() + idle_exit_sec)
+        except TimeoutError:
+            return
+        if message is None:
+            return
+        arch, timeout_sec, chunk = message
+        _write_frame(result_pipe, {i: compile_job(*job, arch, timeout_sec) for i, *job in chunk})
 
 
 if __name__ == "__main__":
-    _worker_main()
+    _serve(float(sys.argv[1]))

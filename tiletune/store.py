@@ -238,6 +238,18 @@ def save(op, key, entry):
         _trouble(path, e)
 
 
+def delete(op, key):
+    """Remove one entry (a winner that no longer launches); never raises for I/O problems."""
+    path = db_path()
+    if path is None:
+        return
+    try:
+        with _db(path) as conn:
+            conn.execute(f"DELETE FROM {TABLE} WHERE op = ? AND key = ?", (op, key))
+    except (OSError, sqlite3.Error) as e:
+        _trouble(path, e)
+
+
 def _usable(path):
     """Whether entries()/clear()/prune() should open the store: it is on and its folder exists."""
     return path is not None and os.path.isdir(os.path.dirname(path))

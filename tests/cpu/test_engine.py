@@ -423,6 +423,43 @@ def test_launch_tunes_once_then_launches_the_cached_kernel(env, monkeypatch):
     assert env.fake.calls == 1
 
 
+@pytest.mark.parametrize("hooks", ["plain", "scratch"])
+def test_a_stored_winner_that_fails_to_launch_is_searched_again(env, monkeypatch, caplog, hooks):
+    """The winner read from the store raises at its first launch (say a driver that refuses its
+    kernel): one warning, the entry is deleted, the key is searched again and the new winner
+    launches; the next process finds the new entry. A launch error of a searched winner is the
+    caller's: no second search."""
+    x = torch.zeros(4)
+    extra = dict(scratch=lambda c, dev, x, n: None) if hooks == "scratch" else {}
+    t = _declared(env, monkeypatch, hooks, grid=lambda c, dev, x, n, *buf: (1,),
+                  args=lambda c, x, n, *buf: (x, c.occupancy), **extra)
+    t.launch(("k",), "cpu", x, 32)                  # search: occupancy 2 wins, stored
+    assert env.fake.calls == 1
+    t.clear()
+    env.fake.best_occ = 4                           # what a new search would pick
+    refused = []
+
+    def launch(stream, grid, kernel, args):
+        if args[1] == 2 and not refused:
+            refused.append(args)
+            raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")
+        env.launches.append(args)
+    monkeypatch.setattr(ct, "launch", launch)
+    env.launches.clear()
+    with caplog.at_level(logging.WARNING, logger="tiletune"):
+        t.launch(("k",), "cpu", x, 32)
+    assert refused and env.fake.calls == 2
+    assert "failed to launch" in caplog.text and "searching again" in caplog.text
+    assert env.launches[-1] == (x, 4) and t.cache[("k",)][0].occupancy == 4
+    (entry,) = store.entries(t.name)[t.name].values()
+    assert entry["config"]["occupancy"] == 4
+    monkeypatch.setattr(ct, "launch", lambda *a: (_ for _ in ()).throw(RuntimeError("bad")))
+    t.clear()
+    env.fake.best_occ = 1
+    with pytest.raises(RuntimeError, match="bad"):   # a searched winner's error is not retried
+        t.launch(("k2",), "cpu", x, 32)
+
+
 def test_launch_scratch_is_allocated_per_launch_and_shared_in_the_search(env, monkeypatch):
     seen = []
     t = _declared(env, monkeypatch, "scratch",

@@ -37,3 +37,39 @@ def test_workers_fill_the_disk_cache_and_report_rejections(monkeypatch, tmp_path
     assert len(list(cache_entries(str(tmp_path)))) == 2       # the two cubins, in cuTile's cache
     etype, msg, verdict = res[1]          # not a power of two: the compiler's verdict
     assert verdict and "power of two" in msg, (etype, msg)
+
+
+def _job(i, tile_n):
+    return (i, "tiletune.ops.rms_norm", "rms_norm_fwd_rows", {"occupancy": 1}, fwd_params(tile_n),
+            "t2")
+
+
+def test_workers_stay_for_the_next_search_in_the_same_environment(monkeypatch, tmp_path):
+    """The second call reuses the first call's processes (no start-up); after the environment
+    changes (here cuTile's cache folder, which it reads once at import) new ones start."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(first))
+    assert precompile.run_jobs([_job(0, 1024), _job(1, 512)], "sm_90", 120, 2) == {0: None,
+                                                                                   1: None}
+    pids = {w.proc.pid for w in precompile._idle}
+    assert precompile.run_jobs([_job(0, 256), _job(1, 128)], "sm_90", 120, 2) == {0: None,
+                                                                                  1: None}
+    assert len(pids) >= 2 and pids <= {w.proc.pid for w in precompile._idle}
+    assert len(list(cache_entries(str(first)))) == 4
+    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(second))
+    assert precompile.run_jobs([_job(0, 64)], "sm_90", 120, 1) == {0: None}
+    assert len(list(cache_entries(str(second)))) == 1
+    assert not pids & {w.proc.pid for w in precompile._idle if w.environ["CUDA_TILE_CACHE_DIR"]
+                       == str(second)}
+
+
+def test_a_dead_or_idle_worker_is_replaced(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
+    precompile.run_jobs([_job(0, 64)], "sm_90", 120, 1)
+    worker = precompile._idle[-1]
+    worker.proc.kill()
+    worker.proc.wait()
+    for w in precompile._idle:                 # and the others look idle for too long
+        w.last_used -= precompile.IDLE_EXIT_SEC
+    assert precompile.run_jobs([_job(0, 32)], "sm_90", 120, 1) == {0: None}
+    assert worker not in precompile._idle and len(precompile._idle) == 1
