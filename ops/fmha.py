@@ -410,27 +410,31 @@ def launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale):
 # ---------------------------------------------------------------------------------------------
 # Host side: validation, outputs, empty inputs.
 
-def _check(op, q, k, v, scale):
+def _check(op, q, k, v, scale, names=("q", "k", "v")):
+    """names: what the caller calls q, k and v (SDPA: query, key, value)."""
     dts = (torch.bfloat16, torch.float16)
-    validate.tensor(op, "q", q, dtypes=dts)
-    validate.tensor(op, "k", k, device=q.device, dtypes=dts)
-    validate.tensor(op, "v", v, device=q.device, dtypes=dts)
-    for name, t in (("k", k), ("v", v)):
+    nq, nk, nv = names
+    validate.tensor(op, nq, q, dtypes=dts)
+    validate.tensor(op, nk, k, device=q.device, dtypes=dts)
+    validate.tensor(op, nv, v, device=q.device, dtypes=dts)
+    for name, t in ((nk, k), (nv, v)):
         if t.dtype != q.dtype:
-            raise TypeError(f"{op}: {name} dtype {t.dtype} differs from q dtype {q.dtype}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
+            raise TypeError(f"{op}: {name} dtype {t.dtype} differs from {nq} dtype {q.dtype}")
+    for name, t in zip(names, (q, k, v)):
         if t.dim() != 4:
             raise ValueError(f"{op}: {name} must be 4-D (B, H, S, D), got shape {tuple(t.shape)}")
     if v.shape != k.shape:
-        raise ValueError(f"{op}: v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
+        raise ValueError(f"{op}: {nv} shape {tuple(v.shape)} must equal {nk} shape "
+                         f"{tuple(k.shape)}")
     B, hq, _, d = q.shape
     if k.shape[0] != B:
-        raise ValueError(f"{op}: k batch {k.shape[0]} differs from q batch {B}")
+        raise ValueError(f"{op}: {nk} batch {k.shape[0]} differs from {nq} batch {B}")
     if k.shape[3] != d:
-        raise ValueError(f"{op}: k head_dim {k.shape[3]} differs from q head_dim {d}")
+        raise ValueError(f"{op}: {nk} head_dim {k.shape[3]} differs from {nq} head_dim {d}")
     hkv = k.shape[1]
     if hkv == 0 or hq % hkv:
-        raise ValueError(f"{op}: q heads ({hq}) must be a multiple of k/v heads ({hkv})")
+        raise ValueError(f"{op}: {nq} heads ({hq}) must be a multiple of {nk}/{nv} heads "
+                         f"({hkv})")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"{op}: head_dim {d} is not supported (1 to {MAX_HEAD_DIM})")
     if scale is None:
@@ -510,7 +514,9 @@ def fmha(q, k, v, *, causal=False, scale=None):
     (Sq != Sk allowed). causal=True masks key j for query i unless j <= i + Sk - Sq (diagonal
     aligned bottom-right, as FlashAttention 2); rows that see no key (Sq > Sk) return 0, and
     Sk = 0 returns zeros. scale defaults to 1/sqrt(D) and must be > 0. Softmax statistics are
-    float32 (exp2); the output has q's dtype and, where q is dense, q's layout.
+    float32 (exp2); the output has q's dtype and, where q is dense, q's layout. NaN and inf in
+    the inputs propagate as in torch's math backend, except that a row whose every visible score
+    is -inf (an inf in q or k) counts as fully masked and returns 0, as FlashAttention does.
     Differentiable in q, k and v (backward: separate dQ and dK/dV kernels, each tuned).
     For torch SDPA semantics (top-left causal) use `scaled_dot_product_attention`.
     """
@@ -542,7 +548,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if is_causal:
             raise ValueError(f"{op}: pass either is_causal=True or a CausalBias attn_mask")
         causal, lower_right = True, attn_mask.variant == CausalVariant.LOWER_RIGHT
-    scale = _check(op, query, key, value, scale)
+    scale = _check(op, query, key, value, scale, ("query", "key", "value"))
     if attn_mask is not None:
         check_causal_bias(op, attn_mask, query.shape[2], key.shape[2])
     if not enable_gqa and key.shape[1] != query.shape[1]:

@@ -241,21 +241,32 @@ class Autotuner:
     def _fast_path(self):
         """`launch(key, dev, *inputs)`, built once with the op's functions bound as locals: a
         hit costs a dict lookup, the grid, the arguments and `ct.launch`."""
-        cache_get, first = self.cache.get, self._first_launch
+        cache_get, first, name = self.cache.get, self._first_launch, self.name
         grid, args, scratch, run = self._grid, self._args, self._scratch, self._run
 
+        # cuTile refuses strides past 2^31 - 1 elements (OverflowError); the usual cause is a
+        # size-1 dim of a big tensor (a[None]): such a launch is retried with those strides
+        # made small (no cost on the fast path when it does not happen).
         if scratch is None and run is None:
             def launch_config(cfg, kernel, dev, inputs):
-                ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
-                          args(cfg, *inputs))
+                try:
+                    ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
+                              args(cfg, *inputs))
+                except OverflowError as e:
+                    inputs = int32_strides(name, inputs, e)
+                    ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
+                              args(cfg, *inputs))
 
             def launch(key, dev, *inputs):
                 hit = cache_get(key)
                 if hit is None:
                     return first(key, dev, inputs, launch_config)
                 cfg, kernel = hit
-                ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
-                          args(cfg, *inputs))
+                try:
+                    ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
+                              args(cfg, *inputs))
+                except OverflowError:
+                    launch_config(cfg, kernel, dev, inputs)
             return launch
 
         def launch_with_scratch_or_run(key, dev, *inputs):
@@ -265,6 +276,12 @@ class Autotuner:
             return launch_config_with_scratch_or_run(*hit, dev, inputs)
 
         def launch_config_with_scratch_or_run(cfg, kernel, dev, inputs):
+            try:
+                return launch_config_unfitted(cfg, kernel, dev, inputs)
+            except OverflowError as e:
+                return launch_config_unfitted(cfg, kernel, dev, int32_strides(name, inputs, e))
+
+        def launch_config_unfitted(cfg, kernel, dev, inputs):
             buf = None
             if scratch is not None:
                 spec = scratch(cfg, dev, *inputs)
@@ -289,6 +306,8 @@ class Autotuner:
             return launch_config(cfg, kernel, dev, inputs)
         try:
             return launch_config(cfg, kernel, dev, inputs)
+        except (ValueError, TypeError):      # about the inputs, not the config
+            raise
         except Exception as e:
             log.warning("tiletune: %s %s: the stored config %s failed to launch (%s: %s); "
                         "searching again", self.name, key, config_dict(cfg), type(e).__name__,
@@ -309,6 +328,7 @@ class Autotuner:
                              f"{dev} (a CPU tensor's get_device() is -1)"
                              + ("" if torch.cuda.is_available() else " and no GPU is visible"))
         shape = self._space(*inputs)
+        inputs = int32_strides(self.name, inputs)      # what the search launches must launch
         return self.tune(key, dev, lambda cfgs: self._search_for(dev, inputs, shape, cfgs),
                          shape=shape, use_store=use_store)
 
@@ -575,6 +595,35 @@ class Autotuner:
         self.cache.clear()
         self.records.clear()
         self._capture_cache.clear()
+
+
+INT32_MAX = 2**31 - 1
+
+
+def int32_strides(name, inputs, error=None):
+    """`inputs` with the strides of each tensor's size-1 dims made small where they pass
+    2^31 - 1 elements (any stride serves a dim of size 1; the largest other stride keeps TMA's
+    16-byte rule). ValueError naming the kernel where a real dim's stride or a size passes it, or
+    (given the launch's OverflowError) where nothing could be changed."""
+    out, changed = [], False
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.dim() and max(t.stride()) > INT32_MAX:
+            real = [st for n, st in zip(t.shape, t.stride()) if n > 1]
+            if max(real, default=0) > INT32_MAX or max(t.shape) > INT32_MAX:
+                raise ValueError(
+                    f"{name}: an input of shape {tuple(t.shape)} and strides {t.stride()} "
+                    "reaches past 2^31 - 1 elements in one dim, more than a cuTile kernel "
+                    "indexes; split it (for instance per batch)")
+            small = max(real, default=1)
+            t = t.as_strided(t.shape, [small if n == 1 else st
+                                       for n, st in zip(t.shape, t.stride())],
+                             t.storage_offset())
+            changed = True
+        out.append(t)
+    if error is not None and not changed:
+        raise ValueError(f"{name}: the launch was refused: {error} (cuTile kernels index sizes "
+                         "and strides up to 2^31 - 1 elements)") from error
+    return tuple(out)
 
 
 def _as_json(value):

@@ -123,6 +123,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tools", default=",".join(TOOLS))
     parser.add_argument("--ops", default=",".join(WORKLOADS))
+    parser.add_argument("--modes", default="default,tuned",
+                        help="default (DISABLE_AUTOTUNE=1) and/or tuned (searched first)")
     parser.add_argument("--logs", default=".", help="folder for one log per run")
     parser.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -133,16 +135,18 @@ def main():
     me = [sys.executable, os.path.abspath(__file__), "--workload", "--ops", args.ops]
     os.makedirs(args.logs, exist_ok=True)
     failed = 0
+    modes = args.modes.split(",")
     with tempfile.TemporaryDirectory() as store:
         tuned = dict(os.environ, TILETUNE_CACHE_DIR=store)
         tuned.pop("DISABLE_AUTOTUNE", None)
-        rc, summary = _run(me, tuned, os.path.join(args.logs, "tune.log"))
-        print(f"tuning run (no sanitizer): exit {rc}", flush=True)
-        failed += rc != 0
+        if "tuned" in modes:
+            rc, summary = _run(me, tuned, os.path.join(args.logs, "tune.log"))
+            print(f"tuning run (no sanitizer): exit {rc}", flush=True)
+            failed += rc != 0
+        envs = {"default": dict(os.environ, DISABLE_AUTOTUNE="1"), "tuned": tuned}
         for tool in args.tools.split(","):
-            for mode, env in (("default", dict(os.environ, DISABLE_AUTOTUNE="1")),
-                              ("tuned", tuned)):
-                env = dict(env, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+            for mode in modes:
+                env = dict(envs[mode], PYTORCH_NO_CUDA_MEMORY_CACHING="1")
                 cmd = ["compute-sanitizer", "--tool", tool, "--error-exitcode", "99",
                        "--print-limit", "20"] + me
                 rc, summary = _run(cmd, env, os.path.join(args.logs, f"{tool}-{mode}.log"))

@@ -632,3 +632,40 @@ def test_a_malformed_compile_timeout_does_not_break_import():
                          env=dict(os.environ, TILETUNE_COMPILE_TIMEOUT_SEC="60s"), timeout=120)
     assert out.returncode == 0 and out.stdout.split() == ["60.0"], out.stderr
     assert "TILETUNE_COMPILE_TIMEOUT_SEC" in out.stderr
+
+
+def test_strides_past_int32_on_size_1_dims_are_made_small(env, monkeypatch):
+    """cuTile refuses a stride past 2^31 - 1 elements (OverflowError). On a dim of size 1 (a[None]
+    of a big matrix) any stride serves: the launch is retried with a small one, on the first
+    call (search included) and on the fast path. A real dim's stride that large is a ValueError
+    naming the kernel, and the store keeps its entry."""
+    big = torch.empty(10).as_strided((1, 2, 5), (2**31 + 5, 5, 1))
+    (fit,) = autotune.int32_strides("op", (big,))
+    assert fit.stride() == (5, 5, 1) and fit.data_ptr() == big.data_ptr()
+    assert autotune.int32_strides("op", (torch.zeros(2, 5), 3))[1] == 3
+    huge = torch.empty(0, device="meta").as_strided((2, 5), (2**31, 1))
+    with pytest.raises(ValueError, match=r"^op: .*2\^31 - 1"):
+        autotune.int32_strides("op", (huge,))
+    with pytest.raises(ValueError, match="op: the launch was refused"):
+        autotune.int32_strides("op", (fit,), OverflowError("stride is too big"))
+
+    launched = []
+
+    def launch(stream, grid, kernel, args):
+        if any(isinstance(a, torch.Tensor) and max(a.stride()) > 2**31 - 1 for a in args):
+            raise OverflowError("stride is too big")
+        launched.append(args)
+    monkeypatch.setattr(ct, "launch", launch)
+    t = _declared(env, monkeypatch, "int32", grid=lambda c, dev, x, n: (1,),
+                  args=lambda c, x, n: (x, c.occupancy))
+    t.launch(("k",), "cpu", big, 5)
+    assert env.fake.calls == 1 and launched[-1][0].stride() == (5, 5, 1)
+    launched.clear()
+    t.launch(("k",), "cpu", big, 5)
+    assert len(launched) == 1 and launched[0][0].stride() == (5, 5, 1)
+    t.clear()                                       # a stored winner and a real overflow
+    bad = torch.empty(10).as_strided((2, 5), (0, 1))
+    monkeypatch.setattr(ct, "launch", lambda *a: (_ for _ in ()).throw(OverflowError("x")))
+    with pytest.raises(ValueError, match="the launch was refused"):
+        t.launch(("k",), "cpu", bad, 5)
+    assert len(store.entries(t.name)[t.name]) == 1

