@@ -1,0 +1,406 @@
+# Grouped GEMM for mixture-of-experts layers, with torch._grouped_mm's interface: int32
+# cumulative END offsets on the device (group g owns rows offs[g-1]..offs[g], offs[-1] = 0),
+# never read on the host, so a launch is CUDA-graph capturable and the tuning key does not
+# depend on how tokens are routed.
+#
+#   2-D x 3-D (forward, dX):     out[rows_g] = x[rows_g] @ w[g]      "M-grouped"
+#   2-D x 2-D (weight gradient): out[g] = a[:, rows_g] @ b[rows_g]    "K-grouped"
+#   3-D x 3-D: batched matmul (tiletune.ops.matmul)
+#
+# Both grouped kernels are persistent: SMs x occupancy CTAs each take every num_blocks-th work
+# item. The M-grouped kernel derives its work items from offs inside the kernel (each CTA reads
+# the E offsets once and counts each group's cdiv(rows, TM) x cdiv(N, TN) tiles); the K-grouped
+# kernel's items are the fixed (E, M, N) output tiles, each summing its group's rows TK at a
+# time. A group starts at any row, so its rows are read in one of two ways, a config field that
+# the search decides: a view of the group's rows (Array.slice: TMA loads with zero padding, a
+# TMA store that drops rows past the group) or gather/scatter with row indices and a mask.
+# bf16/fp16 operands (alike), float32 accumulation, any strides.
+#
+# No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
+from types import SimpleNamespace
+
+import cuda.tile as ct
+import torch
+
+from tiletune import validate
+from tiletune.autotune import Autotuner, Work, bucket
+from tiletune.device import major, persistent_ctas
+from tiletune.ops.matmul import _layout, matmul, tile_coords
+from tiletune.space import cdiv, next_pow2, table
+from tiletune.torch_op import TrainableOp
+
+ZERO = ct.PaddingMode.ZERO
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels. ct.gather of offs at g - 1 < 0 or g = E (out of bounds) yields its padding value:
+# the first group starts at 0, and "group" E is the rows past offs[E-1], which the M-grouped
+# kernel writes as zeros (usually none: cdiv(0, TM) tiles).
+
+def _w_tile(w, g, kk, n, TK, TN):
+    return ct.reshape(ct.load(w, (g, kk, n), (1, TK, TN), padding_mode=ZERO), (TK, TN))
+
+
+@ct.kernel
+def grouped_mm_kernel(x, w, offs, out, TM: ct.Constant[int], TN: ct.Constant[int],
+                      TK: ct.Constant[int], GROUP_M: ct.Constant[int],
+                      GATHER: ct.Constant[bool]):
+    """x (T, K), w (E, K, N), offs (E,) int32, out (T, N); a 1-D persistent grid."""
+    T = x.shape[0]
+    E = w.shape[0]
+    num_n = ct.cdiv(w.shape[2], TN)
+    k_tiles = ct.cdiv(x.shape[1], TK)
+    t = ct.bid(0)          # this CTA's next work item, counted over all groups
+    base = 0               # work items of the groups before g
+    start = 0
+    for g in range(E + 1):
+        end = ct.gather(offs, g, padding_value=T)
+        num_m = ct.cdiv(end - start, TM)
+        items = num_m * num_n
+        k_end = k_tiles
+        if g == E:         # rows no group owns: zeros
+            k_end = 0
+        while t < base + items:
+            m, n = tile_coords(t - base, num_m, num_n, GROUP_M)
+            acc = ct.zeros((TM, TN), ct.float32)
+            if GATHER:
+                rows = start + m * TM + ct.arange(TM, dtype=ct.int32)
+                mine = rows[:, None] < end
+                for kk in range(k_end):
+                    cols = kk * TK + ct.arange(TK, dtype=ct.int32)
+                    a = ct.gather(x, (rows[:, None], cols[None, :]), mask=mine)
+                    acc = ct.mma(a, _w_tile(w, g, kk, n, TK, TN), acc)
+                cols = n * TN + ct.arange(TN, dtype=ct.int32)
+                ct.scatter(out, (rows[:, None], cols[None, :]), acc.astype(out.dtype),
+                           mask=mine)
+            else:
+                xg = x.slice(0, start, end)
+                for kk in range(k_end):
+                    a = ct.load(xg, (m, kk), (TM, TK), padding_mode=ZERO)
+                    acc = ct.mma(a, _w_tile(w, g, kk, n, TK, TN), acc)
+                ct.store(out.slice(0, start, end), (m, n), acc.astype(out.dtype))
+            t += ct.num_blocks(0)
+        base += items
+        start = end
+
+
+@ct.kernel
+def grouped_mm_k_kernel(a, b, offs, out, TM: ct.Constant[int], TN: ct.Constant[int],
+                        TK: ct.Constant[int], GROUP_M: ct.Constant[int],
+                        GATHER: ct.Constant[bool]):
+    """a (M, T), b (T, N), offs (E,) int32, out (E, M, N); a 1-D persistent grid. An empty
+    group's tiles are zeros."""
+    num_m = ct.cdiv(a.shape[0], TM)
+    num_n = ct.cdiv(b.shape[1], TN)
+    tiles = num_m * num_n
+    for t in range(ct.bid(0), tiles * out.shape[0], ct.num_blocks(0)):
+        g = t // tiles
+        m, n = tile_coords(t - g * tiles, num_m, num_n, GROUP_M)
+        start = ct.gather(offs, g - 1)
+        end = ct.gather(offs, g)
+        acc = ct.zeros((TM, TN), ct.float32)
+        if end > start:
+            if GATHER:
+                mi = m * TM + ct.arange(TM, dtype=ct.int32)
+                ni = n * TN + ct.arange(TN, dtype=ct.int32)
+                for kk in range(ct.cdiv(end - start, TK)):
+                    rows = start + kk * TK + ct.arange(TK, dtype=ct.int32)
+                    at = ct.gather(a, (mi[:, None], rows[None, :]), mask=rows[None, :] < end)
+                    bt = ct.gather(b, (rows[:, None], ni[None, :]), mask=rows[:, None] < end)
+                    acc = ct.mma(at, bt, acc)
+            else:
+                ag = a.slice(1, start, end)
+                bg = b.slice(0, start, end)
+                for kk in range(ct.cdiv(end - start, TK)):
+                    at = ct.load(ag, (m, kk), (TM, TK), padding_mode=ZERO)
+                    acc = ct.mma(at, ct.load(bg, (kk, n), (TK, TN), padding_mode=ZERO), acc)
+        ct.store(out, (g, m, n), ct.reshape(acc.astype(out.dtype), (1, TM, TN)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs. Hopper holds float32 accumulators in registers: 4 worker warps up to 128x128, 8 up to
+# 128x256 / 256x128; a 2-CTA cluster makes 256x256 of two 128x256 halves. Measured per config on
+# the MoE bench keys (references/kernel-type-templates.md, grouped GEMM): in the M-grouped
+# kernel the gather style (cp.async rows, no per-tile descriptor) led at most keys and the
+# per-group view (TMA on a slice) at a few, so both are searched; 2-way occupancy of 128x128 and
+# 64-row tiles at occupancy 2 on the view ran 3-10x behind and are left out. In the K-grouped
+# kernel gathers of both operands ran 3-6x behind the views: views only.
+
+FIELDS = ("tm", "tn", "tk", "occupancy", "num_ctas", "num_worker_warps", "gather", "group_m")
+SM90_SPACE = [
+    (128, 256, 64, 1, 1, 8, True, 8),          # the default
+    (128, 256, 64, 1, 1, 8, False, 8),
+    (256, 128, 64, 1, 1, 8, True, 8),
+    (256, 128, 64, 1, 1, 8, False, 8),
+    (256, 256, 64, 1, 2, 8, True, 8),          # 128x256 per CTA, pairs in a cluster
+    (256, 256, 64, 1, 2, 8, False, 8),
+    (128, 128, 64, 1, 1, 8, True, 8),
+    (128, 128, 64, 1, 1, 8, False, 8),
+    (128, 128, 64, 1, 1, None, True, 8),
+    (128, 128, 128, 1, 1, None, False, 8),
+    (128, 256, 64, 1, 1, 8, True, 4),
+    (64, 256, 64, 1, 1, None, True, 8),
+    (64, 256, 64, 1, 1, None, False, 8),
+    (64, 128, 64, 2, 1, None, True, 8),
+    (64, 64, 64, 2, 1, None, False, 8),
+]
+SM90_K_SPACE = [
+    (128, 256, 64, 1, 1, 8, False, 8),         # the default
+    (256, 128, 64, 1, 1, 8, False, 8),
+    (256, 256, 64, 1, 2, 8, False, 8),
+    (128, 128, 64, 1, 1, 8, False, 8),
+    (128, 128, 64, 1, 1, None, False, 8),
+    (128, 128, 128, 1, 1, None, False, 8),
+    (64, 256, 64, 1, 1, None, False, 8),
+    (128, 64, 64, 2, 1, None, False, 8),
+    (64, 64, 64, 2, 1, None, False, 8),
+]
+# sm_100 (compile-checked only): accumulators live in tensor memory; the 4-warp entries and a
+# 4-warp cluster. Anything else: a conservative pair, never measured.
+SM100_SPACE = [r for r in SM90_SPACE if r[5] is None] + [(256, 256, 64, 1, 2, None, True, 8)]
+SM100_K_SPACE = [r for r in SM90_K_SPACE if r[5] is None] + [(256, 256, 64, 1, 2, None, False, 8)]
+OTHER_SPACE = [(128, 128, 32, 1, 1, None, False, 8), (64, 128, 32, 2, 1, None, True, 8)]
+
+
+def _space(arch, sm90, sm100):
+    mj = major(arch)
+    return sm90 if mj == 9 else sm100 if mj == 10 else OTHER_SPACE
+
+
+def grouped_configs(arch, t, e, k, n):
+    """The space of the M-grouped kernel for T tokens over E groups (x (T, K), w (E, K, N)),
+    default first. Tiles taller than the average group (next power of two of T / E, at least
+    64) are mostly padding and are left out."""
+    rows = max(64, next_pow2(cdiv(t, max(e, 1))))
+    space = _space(arch, SM90_SPACE, SM100_SPACE)
+    yield from table(FIELDS, [r for i, r in enumerate(space) if i == 0 or r[0] <= rows])
+
+
+def k_grouped_configs(arch, t, e, m, n):
+    """The space of the K-grouped kernel (out (E, M, N) summed over T rows), default first."""
+    yield from table(FIELDS, _space(arch, SM90_K_SPACE, SM100_K_SPACE))
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch. The M-grouped grid is bounded by the most work items any offs can make: every group
+# adds at most one partly filled row tile (E groups and the unowned rows).
+
+def _args(cfg, p, q, offs, out):
+    return (p, q, offs, out, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, cfg.gather)
+
+
+def _grid(cfg, dev, x, w, offs, out):
+    """The grid counts clusters of num_ctas CTAs (one per logical tile)."""
+    items = (cdiv(x.shape[0], cfg.tm) + w.shape[0] + 1) * cdiv(w.shape[2], cfg.tn)
+    return (persistent_ctas(items, dev, cfg.occupancy, cfg.num_ctas),)
+
+
+def _k_grid(cfg, dev, a, b, offs, out):
+    items = out.shape[0] * cdiv(a.shape[0], cfg.tm) * cdiv(b.shape[1], cfg.tn)
+    return (persistent_ctas(items, dev, cfg.occupancy, cfg.num_ctas),)
+
+
+_grouped = Autotuner(
+    "grouped_mm", grouped_mm_kernel, grouped_configs,
+    default=next(table(FIELDS, OTHER_SPACE)),
+    space=lambda x, w, offs, out: dict(t=bucket(x.shape[0]), e=w.shape[0], k=x.shape[1],
+                                       n=w.shape[2]),
+    grid=_grid, args=_args,
+    work=lambda x, w, offs, out: Work(flops=2.0 * x.shape[0] * x.shape[1] * w.shape[2]))
+_k_grouped = Autotuner(
+    "grouped_mm_k", grouped_mm_k_kernel, k_grouped_configs,
+    default=next(table(FIELDS, OTHER_SPACE)),
+    space=lambda a, b, offs, out: dict(t=bucket(a.shape[1]), e=out.shape[0], m=a.shape[0],
+                                       n=b.shape[1]),
+    grid=_k_grid, args=_args,
+    work=lambda a, b, offs, out: Work(flops=2.0 * a.shape[0] * a.shape[1] * b.shape[1]))
+TUNERS = (_grouped, _k_grouped)
+
+
+def launch(x, w, offs, out):
+    """out = x @ w[g] on each group's rows (x (T, K), w (E, K, N), out (T, N)). The key holds
+    the shapes, T's bucket and the layouts, not how the rows are split."""
+    dev = x.get_device()
+    key = (w.shape[0], x.shape[1], w.shape[2], bucket(x.shape[0]), x.dtype, _layout(x),
+           _layout(w), dev)
+    _grouped.launch(key, dev, x, w, offs, out)
+
+
+def launch_k(a, b, offs, out):
+    """out[g] = a[:, rows_g] @ b[rows_g] (a (M, T), b (T, N), out (E, M, N))."""
+    dev = a.get_device()
+    key = (out.shape[0], a.shape[0], b.shape[1], bucket(a.shape[1]), a.dtype, _layout(a),
+           _layout(b), dev)
+    _k_grouped.launch(key, dev, a, b, offs, out)
+
+
+def _mgrouped(x, w, offs):
+    out = torch.empty((x.shape[0], w.shape[2]), device=x.device, dtype=x.dtype)
+    if out.numel():
+        if x.shape[1] == 0 or w.shape[0] == 0:
+            out.zero_()
+        else:
+            launch(x, w, offs, out)
+    return out
+
+
+def _kgrouped(a, b, offs):
+    out = torch.empty((offs.shape[0], a.shape[0], b.shape[1]), device=a.device, dtype=a.dtype)
+    if out.numel():
+        if a.shape[1] == 0:
+            out.zero_()
+        else:
+            launch_k(a, b, offs, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd and custom ops. out = x @ w[g] (rows_g): dX = dY @ w[g]^T, the M-grouped kernel on
+# w's transposed view; dW[g] = x[rows_g]^T @ dY[rows_g], the K-grouped kernel, computed as
+# (dY^T x)^T when w is a transposed view so that dW comes back in w's layout. And for
+# out[g] = a[:, rows_g] @ b[rows_g]: da[:, rows_g] = (b[rows_g] @ dout[g]^T)^T and
+# db[rows_g] = a[:, rows_g]^T @ dout[g], both M-grouped. offs gets no gradient.
+
+def _w_like(w, e, k, n):
+    """An (e, k, n) tensor in w's layout: row-major, or the transposed view of (e, n, k)."""
+    if _layout(w) == "col":
+        return w.new_empty((e, n, k)).transpose(-2, -1)
+    return w.new_empty((e, k, n))
+
+
+def _backward(needs, dy, x, w, offs):
+    dy = dy.contiguous()               # autograd may hand in expanded (stride-0) gradients
+    dx = _mgrouped(dy, w.transpose(-2, -1), offs) if needs[0] else None
+    dw = None
+    if needs[1]:
+        dw = (_kgrouped(dy.t(), x, offs).transpose(-2, -1) if _layout(w) == "col"
+              else _kgrouped(x.t(), dy, offs))
+    return dx, dw
+
+
+def _k_backward(needs, dout, a, b, offs):
+    dout = dout.contiguous()
+    da = _mgrouped(b, dout.transpose(-2, -1), offs).t() if needs[0] else None
+    db = _mgrouped(a.t(), dout, offs) if needs[1] else None
+    return da, db
+
+
+_BWD_SCHEMA = "(bool[] needs, Tensor dy, Tensor a, Tensor b, Tensor offs) -> (Tensor?, Tensor?)"
+_grouped_op = TrainableOp(
+    "tiletune::grouped_mm", forward=_mgrouped,
+    forward_schema="(Tensor x, Tensor w, Tensor offs) -> Tensor",
+    forward_fake=lambda x, w, offs: x.new_empty((x.shape[0], w.shape[2])),
+    save=lambda args, results: (tuple(args), ()),
+    backward=_backward, backward_schema=_BWD_SCHEMA,
+    backward_fake=lambda needs, dy, x, w, offs: (
+        x.new_empty(x.shape) if needs[0] else None,
+        _w_like(w, *w.shape) if needs[1] else None))
+_k_grouped_op = TrainableOp(
+    "tiletune::grouped_mm_k", forward=_kgrouped,
+    forward_schema="(Tensor a, Tensor b, Tensor offs) -> Tensor",
+    forward_fake=lambda a, b, offs: a.new_empty((offs.shape[0], a.shape[0], b.shape[1])),
+    save=lambda args, results: (tuple(args), ()),
+    backward=_k_backward, backward_schema=_BWD_SCHEMA,
+    backward_fake=lambda needs, dout, a, b, offs: (
+        a.new_empty((a.shape[1], a.shape[0])).t() if needs[0] else None,
+        b.new_empty(b.shape) if needs[1] else None))
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: checks in the order shapes, dtypes, devices (so that everything but the device can
+# be checked on CPU tensors), then the mode.
+
+def _check(x, w, offs):
+    """The mode, "2d3d", "2d2d" or "3d3d", or a ValueError / TypeError naming the argument."""
+    for name, t in (("x", x), ("w", w)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"grouped_mm: {name} must be a torch.Tensor, got {type(t).__name__}")
+    mode = f"{x.dim()}d{w.dim()}d"
+    if mode not in ("2d3d", "2d2d", "3d3d"):
+        raise ValueError(f"grouped_mm: x and w must be 2-D x 3-D (x (T, K), w (E, K, N)), "
+                         f"2-D x 2-D (a (M, T), b (T, N)) or 3-D x 3-D; got {x.dim()}-D x "
+                         f"{w.dim()}-D")
+    for name, t in (("x", x), ("w", w)):
+        if t.dtype not in DTYPES:
+            raise TypeError(f"grouped_mm: {name} dtype {t.dtype} is not supported "
+                            "(bfloat16, float16)")
+    if x.dtype != w.dtype:
+        raise TypeError(f"grouped_mm: x is {x.dtype} but w is {w.dtype}")
+    if x.shape[-1] != w.shape[-2]:
+        raise ValueError(f"grouped_mm: inner dims differ: x {tuple(x.shape)} @ w "
+                         f"{tuple(w.shape)}")
+    if mode == "3d3d":
+        if offs is not None:
+            raise ValueError("grouped_mm: offs must be None for 3-D x 3-D (a batched matmul)")
+        if x.shape[0] != w.shape[0]:
+            raise ValueError(f"grouped_mm: batch sizes differ ({x.shape[0]} vs {w.shape[0]})")
+    else:
+        if offs is None:
+            raise ValueError(f"grouped_mm: offs is required for {mode[0]}-D x {mode[2]}-D")
+        if not isinstance(offs, torch.Tensor):
+            raise TypeError(f"grouped_mm: offs must be a torch.Tensor, got "
+                            f"{type(offs).__name__}")
+        if offs.dtype != torch.int32:
+            raise TypeError(f"grouped_mm: offs must be int32 (cumulative end offsets), got "
+                            f"{offs.dtype}")
+        if offs.dim() != 1:
+            raise ValueError(f"grouped_mm: offs must be 1-D, got shape {tuple(offs.shape)}")
+        if mode == "2d3d" and offs.shape[0] != w.shape[0]:
+            raise ValueError(f"grouped_mm: offs has {offs.shape[0]} entries but w has "
+                             f"{w.shape[0]} groups")
+    for name, t in (("x", x), ("w", w), ("offs", offs)):
+        if t is not None:
+            validate.tensor("grouped_mm", name, t, device=x.device,
+                            dtypes=(*DTYPES, torch.int32))
+    return mode
+
+
+def _result_shape(mode, x, w, offs):
+    if mode == "2d3d":
+        return (x.shape[0], w.shape[2])
+    if mode == "2d2d":
+        return (offs.shape[0], x.shape[0], w.shape[1])
+    return (x.shape[0], x.shape[1], w.shape[2])
+
+
+def _check_out(out, shape, x):
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"grouped_mm: out must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"grouped_mm: out has shape {tuple(out.shape)} but the result is "
+                         f"{shape}")
+    if out.dtype != x.dtype:
+        raise TypeError(f"grouped_mm: out dtype {out.dtype} differs from the inputs' {x.dtype}")
+    if out.device != x.device:
+        raise ValueError(f"grouped_mm: out is on {out.device} but the inputs are on {x.device}")
+
+
+def grouped_mm(x, w, offs=None, *, out=None):
+    """torch._grouped_mm's grouped GEMM, bf16 or fp16 (both alike), float32 accumulation, output
+    in the input dtype; any strides (no 16-byte rule), any K and N.
+
+    - 2-D x 3-D: x (T, K) with rows sorted by group, w (E, K, N) (an (E, N, K) nn.Linear-style
+      weight passes as w_nk.transpose(-2, -1)), offs (E,) int32 cumulative end offsets on x's
+      device: group g is rows offs[g-1]..offs[g] (offs[-1] = 0), empty groups allowed. Returns
+      (T, N); rows past offs[E-1] are zeros (torch leaves them unspecified).
+    - 2-D x 2-D: a (M, T) (typically x.t()), b (T, N), offs (E,) splitting T. Returns (E, M, N)
+      with out[g] = a[:, rows_g] @ b[rows_g]; an empty group gives zeros.
+    - 3-D x 3-D without offs: the batched matmul (E, M, K) @ (E, K, N).
+
+    offs is never read on the host (CUDA-graph capturable), so it is not checked against the
+    data: offs must be non-decreasing with offs[E-1] <= T; otherwise the result is undefined.
+    Differentiable in x and w (offs gets no gradient); the weight gradient comes back in w's
+    layout. Works under torch.compile(fullgraph=True). `out`, if given, receives a copy of the
+    result (not differentiable): exactly the result's shape, dtype and device. Arrays of up to
+    2^31 - 1 elements."""
+    mode = _check(x, w, offs)
+    if out is not None:
+        _check_out(out, _result_shape(mode, x, w, offs), x)
+    if mode == "3d3d":
+        c = matmul(x, w)
+    elif mode == "2d3d":
+        c = _grouped_op(x, w, offs)
+    else:
+        c = _k_grouped_op(x, w, offs)
+    return c if out is None else out.copy_(c)

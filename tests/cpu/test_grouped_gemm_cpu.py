@@ -1,0 +1,246 @@
+"""Host side of grouped_mm without a GPU: the config spaces; the input checks (everything but the
+device on CPU tensors, then CPU tensors refused); the launch path with ct.launch stubbed (one
+persistent launch, a grid bounded for any offs, a key that does not depend on offs); the
+autograd wiring with the kernels replaced by a per-group loop (gradients against torch's, the
+weight gradient in w's layout); the bench's token splits."""
+import re
+
+import cuda.tile as ct
+import pytest
+import torch
+
+from tiletune import device
+from tiletune.autotune import MAX_CONFIGS
+from tiletune.cases import grouped_gemm as CASES
+from tiletune.ops import grouped_gemm as GG
+from tiletune.ops.grouped_gemm import grouped_mm
+
+GENS = (GG.grouped_configs, GG.k_grouped_configs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config spaces.
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100", "sm_80", "sm_120"])
+@pytest.mark.parametrize("gen", GENS, ids=lambda g: g.__name__)
+def test_spaces_are_small_with_the_default_first(arch, gen):
+    for shape in [(16384, 8, 4096, 14336), (32768, 128, 2048, 1536), (1, 256, 4096, 1000)]:
+        cfgs = list(gen(arch, *shape))
+        assert 1 <= len(cfgs) <= MAX_CONFIGS
+        assert len({tuple(sorted(vars(c).items())) for c in cfgs}) == len(cfgs)   # no repeats
+        assert vars(cfgs[0]) == vars(next(gen(arch, 16384, 8, 4096, 14336)))
+        for c in cfgs:
+            assert {"tm", "tn", "tk", "occupancy", "gather", "group_m", "num_ctas"} <= set(vars(c))
+            assert c.num_ctas in (1, 2) and getattr(c, "num_worker_warps", 8) in (4, 8)
+            assert 1 <= c.occupancy <= 32 and c.group_m >= 1
+            assert all(v & (v - 1) == 0 for v in (c.tm, c.tn, c.tk))     # powers of two
+            # sm_90's float32 accumulators: 128x128 per 4 worker warps, 128x256 per 8
+            # (registers), per CTA of a cluster (sm_100 keeps them in tensor memory)
+            assert arch != "sm_90" or \
+                c.tm * c.tn <= 128 * 128 * getattr(c, "num_worker_warps", 4) // 4 * c.num_ctas
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_both_load_styles_are_searched_where_both_can_win(arch):
+    """M-grouped: gather and per-group views; K-grouped: views (gathers ran 3-6x behind)."""
+    assert {c.gather for c in GG.grouped_configs(arch, 16384, 8, 4096, 14336)} == {False, True}
+    assert not any(c.gather for c in GG.k_grouped_configs(arch, 16384, 8, 4096, 14336))
+    assert not any(getattr(c, "num_worker_warps", None)
+                   for c in GG.grouped_configs("sm_100", 16384, 8, 4096, 14336))
+
+
+def test_tiles_taller_than_the_average_group_are_left_out():
+    big = list(GG.grouped_configs("sm_90", 32768, 8, 4096, 4096))
+    small = list(GG.grouped_configs("sm_90", 512, 64, 4096, 4096))      # 8 rows a group
+    assert max(c.tm for c in big) == 256
+    assert small[0] == big[0] and all(c.tm <= 64 for c in small[1:]) and len(small) > 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks.
+
+def t(*shape, dtype=torch.bfloat16):
+    return torch.zeros(shape, dtype=dtype)
+
+
+def offsets(*ends):
+    return torch.tensor(ends, dtype=torch.int32)
+
+
+BAD = [
+    ((t(8, 4), "w", None), TypeError, "w must be a torch.Tensor"),
+    (([1.0], t(2, 4, 8), offsets(1, 2)), TypeError, "x must be a torch.Tensor"),
+    ((t(8, 4), t(2, 4, 8, 1), offsets(1, 2)), ValueError, "got 2-D x 4-D"),
+    ((t(2, 8, 4), t(4, 8), offsets(1, 2)), ValueError, "got 3-D x 2-D"),
+    ((t(8, 4, dtype=torch.float32), t(2, 4, 8, dtype=torch.float32), offsets(1, 2)), TypeError,
+     "x dtype torch.float32 is not supported"),
+    ((t(8, 4), t(2, 4, 8, dtype=torch.float16), offsets(1, 2)), TypeError,
+     "x is torch.bfloat16 but w is torch.float16"),
+    ((t(8, 4), t(2, 5, 8), offsets(1, 2)), ValueError, "inner dims differ"),
+    ((t(8, 4), t(2, 4, 8), None), ValueError, "offs is required"),
+    ((t(8, 4), t(2, 4, 8), [4, 8]), TypeError, "offs must be a torch.Tensor"),
+    ((t(8, 4), t(2, 4, 8), offsets(1, 2).long()), TypeError, "offs must be int32"),
+    ((t(8, 4), t(2, 4, 8), offsets(1, 2)[None]), ValueError, "offs must be 1-D"),
+    ((t(8, 4), t(2, 4, 8), offsets(1, 2, 8)), ValueError, "offs has 3 entries but w has 2"),
+    ((t(4, 8), t(9, 6), offsets(1, 2)), ValueError, "inner dims differ"),
+    ((t(2, 8, 4), t(2, 4, 6), offsets(1, 2)), ValueError, "offs must be None for 3-D x 3-D"),
+    ((t(2, 8, 4), t(3, 4, 6), None), ValueError, "batch sizes differ"),
+]
+
+
+@pytest.mark.parametrize("args,error,message", BAD, ids=[b[2] for b in BAD])
+def test_bad_input_is_refused_naming_the_argument(args, error, message):
+    with pytest.raises(error, match="^grouped_mm: .*" + re.escape(message)):
+        grouped_mm(*args)
+
+
+def test_cpu_tensors_are_refused_after_every_other_check():
+    for x, w, offs in [(t(8, 4), t(2, 4, 8), offsets(4, 8)), (t(4, 8), t(8, 6), offsets(4, 8)),
+                       (t(2, 8, 4), t(2, 4, 6), None)]:
+        with pytest.raises(ValueError, match="grouped_mm: x must be a CUDA tensor"):
+            grouped_mm(x, w, offs)
+
+
+def test_out_is_checked_before_any_work():
+    x, w, offs = t(8, 4), t(2, 4, 6), offsets(4, 8)
+    with pytest.raises(ValueError, match=r"grouped_mm: out has shape \(8, 5\) but the result is "
+                                         r"\(8, 6\)"):
+        GG._check_out(t(8, 5), GG._result_shape("2d3d", x, w, offs), x)
+    with pytest.raises(TypeError, match="grouped_mm: out dtype"):
+        GG._check_out(t(8, 6, dtype=torch.float16), (8, 6), x)
+    assert GG._result_shape("2d2d", t(4, 8), t(8, 6), offsets(2, 8, 8)) == (3, 4, 6)
+    assert GG._result_shape("3d3d", t(2, 8, 4), t(2, 4, 6), None) == (2, 8, 6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The launch path, ct.launch stubbed.
+
+DEV = "cpu"
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args:
+                        calls.append((grid, kernel, args)))
+    monkeypatch.setattr(device, "current_stream", lambda dev: "stream")
+    monkeypatch.setattr(device, "sm_count", lambda dev: 132)
+    return calls
+
+
+def test_one_persistent_launch_with_a_grid_bounded_for_any_offs(launches, monkeypatch):
+    x, w, offs, out = t(1000, 64), t(8, 64, 300), offsets(*range(100, 900, 100)), t(1000, 300)
+    cfg = next(GG.grouped_configs("sm_90", 1024, 8, 64, 300))
+    key = ("test", "m")
+    monkeypatch.setitem(GG._grouped.cache, key, (cfg, "kernel"))
+    GG._grouped.launch(key, DEV, x, w, offs, out)
+    # (cdiv(1000, 128) + 8 groups + the unowned rows) x cdiv(300, 256) = 34 work items at most
+    assert (cfg.tm, cfg.tn) == (128, 256)
+    assert launches == [((34,), "kernel", (x, w, offs, out, 128, 256, 64, 8, cfg.gather))]
+    big = t(65536, 64)
+    assert GG._grid(cfg, DEV, big, w, offs, t(65536, 300)) == (132,)   # SMs x occupancy
+    k_cfg = next(GG.k_grouped_configs("sm_90", 1024, 8, 64, 300))
+    assert (k_cfg.tm, k_cfg.tn) == (128, 256)
+    assert GG._k_grid(k_cfg, DEV, t(64, 1000), t(1000, 300), offs, t(8, 64, 300)) == (8 * 2,)
+
+
+def test_the_key_holds_shapes_and_layouts_not_offs(monkeypatch):
+    seen = []
+    monkeypatch.setattr(GG._grouped, "launch", lambda key, dev, *inputs: seen.append(key))
+    monkeypatch.setattr(GG._k_grouped, "launch", lambda key, dev, *inputs: seen.append(key))
+    w_t = t(8, 300, 64).transpose(-2, -1)                 # an (E, N, K) weight seen transposed
+    GG.launch(t(1000, 64), w_t, offsets(*range(125, 1001, 125)), t(1000, 300))
+    GG.launch(t(900, 64), w_t, offsets(0, 0, 0, 0, 0, 0, 0, 900), t(900, 300))
+    GG.launch_k(t(1000, 64).t(), t(1000, 300), offsets(*range(125, 1001, 125)), t(8, 64, 300))
+    assert seen == [(8, 64, 300, 1024, torch.bfloat16, "row", "col", -1)] * 2 + \
+                   [(8, 64, 300, 1024, torch.bfloat16, "col", "row", -1)]
+
+
+def test_empty_problems_launch_nothing(launches):
+    assert GG._mgrouped(t(0, 64), t(8, 64, 300), offsets(*[0] * 8)).shape == (0, 300)
+    assert GG._mgrouped(t(5, 0), t(2, 0, 3), offsets(2, 5)).abs().sum() == 0   # K = 0: zeros
+    assert GG._kgrouped(t(4, 0), t(0, 3), offsets(0, 0)).abs().sum() == 0      # T = 0: zeros
+    assert launches == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd, with the kernels replaced by a per-group loop.
+
+def loop(x, w, offs):
+    """x (T, K) @ w[g] on each group's rows, zeros past offs[-1]."""
+    out, s = torch.zeros(x.shape[0], w.shape[2], dtype=x.dtype), 0
+    for g, e in enumerate(offs.tolist()):
+        out[s:e] = x[s:e] @ w[g]
+        s = e
+    return out
+
+
+def k_loop(a, b, offs):
+    out, s = torch.zeros(offs.shape[0], a.shape[0], b.shape[1], dtype=a.dtype), 0
+    for g, e in enumerate(offs.tolist()):
+        out[g] = a[:, s:e] @ b[s:e]
+        s = e
+    return out
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    calls = []
+
+    def launch(x, w, offs, out):
+        calls.append(("m", GG._layout(x), GG._layout(w)))
+        out.copy_(loop(x, w, offs))
+
+    def launch_k(a, b, offs, out):
+        calls.append(("k", GG._layout(a), GG._layout(b)))
+        out.copy_(k_loop(a, b, offs))
+    monkeypatch.setattr(GG, "launch", launch)
+    monkeypatch.setattr(GG, "launch_k", launch_k)
+    return calls
+
+
+@pytest.mark.parametrize("w_t", [False, True], ids=["w", "w^T"])
+def test_gradients_of_the_2d_3d_product(kernels, w_t):
+    torch.manual_seed(0)
+    offs = offsets(3, 3, 9, 10)                          # an empty group, 2 rows past the end
+    x = torch.randn(12, 5, dtype=torch.float64, requires_grad=True)
+    w = (torch.randn(4, 7, 5, dtype=torch.float64).transpose(-2, -1) if w_t
+         else torch.randn(4, 5, 7, dtype=torch.float64)).requires_grad_()
+    y = GG._grouped_op(x, w, offs)
+    assert torch.equal(y, loop(x, w, offs)) and y[10:].abs().sum() == 0
+    dy = torch.randn(12, 7, dtype=torch.float64)
+    kernels.clear()
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    ex, ew = torch.autograd.grad(loop(x, w, offs), (x, w), dy)
+    assert torch.allclose(gx, ex) and torch.allclose(gw, ew)
+    assert gw.stride() == w.stride()                     # the weight gradient in w's layout
+    # dX: the M-grouped kernel on w's transposed view; dW: the K-grouped kernel, as dY^T x when
+    # w is a transposed view (its output (E, N, K) is then w's storage order)
+    assert kernels == [("m", "row", "row" if w_t else "col"),
+                       ("k", "col", "row")]
+    (gx_only,) = torch.autograd.grad(GG._grouped_op(x, w.detach(), offs), (x,), dy)
+    assert torch.allclose(gx_only, ex)
+
+
+def test_gradients_of_the_2d_2d_product(kernels):
+    torch.manual_seed(0)
+    offs = offsets(2, 2, 6)
+    x = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    out = GG._k_grouped_op(x.t(), b, offs)
+    assert out.shape == (3, 4, 3) and out[1].abs().sum() == 0
+    assert torch.allclose(out, k_loop(x.t(), b, offs))
+    d = torch.randn(3, 4, 3, dtype=torch.float64)
+    gx, gb = torch.autograd.grad(out, (x, b), d)
+    ex, eb = torch.autograd.grad(k_loop(x.t(), b, offs), (x, b), d)
+    assert torch.allclose(gx, ex) and torch.allclose(gb, eb)
+
+
+# ---------------------------------------------------------------------------------------------
+# The bench's token splits.
+
+def test_bench_splits():
+    assert CASES.split(16384, 8, False) == [2048] * 8
+    assert CASES.split(10, 4, False) == [3, 3, 2, 2]
+    z = CASES.split(32768, 128, True)
+    assert sum(z) == 32768 and z[-1] == 0 and z[0] > 10 * z[60] > 0
