@@ -73,15 +73,9 @@ def _tile(a, b, h, i, TI, TD):
     return ct.reshape(ct.load(a, (b, h, i, 0), (1, 1, TI, TD), padding_mode=ZERO), (TI, TD))
 
 
-def _row(a, bh, i, TI, COLUMN):
-    """Slice i of row bh of a (B*H, S) float32 array as [1, TI] ([TI, 1] with COLUMN), 0 past S.
-    A gather reads into the registers that use the values; a tile load staged them through
-    shared memory where several warps write the same values (racecheck reports those)."""
-    if COLUMN:
-        idx = i * TI + ct.arange(TI, dtype=ct.int32)[:, None]
-    else:
-        idx = i * TI + ct.arange(TI, dtype=ct.int32)[None, :]
-    return ct.gather(a, (bh, idx))
+def _row(a, bh, i, TI):
+    """[1, TI] slice i of row bh of a (B*H, S) float32 array (zero-padded past S)."""
+    return ct.load(a, (bh, i), (1, TI), padding_mode=ZERO)
 
 
 @ct.kernel
@@ -146,7 +140,7 @@ def fmha_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, qk_scale, scale, offset,
     ot = _tile(o, b, h, m, TM, TD)
     dl = ct.sum(ot.astype(ct.float32) * dot.astype(ct.float32), axis=1, keepdims=True)  # [TM, 1]
     ct.store(delta, (bh, m), ct.reshape(dl, (1, TM)))
-    lse2 = _row(lse, bh, m, TM, True)                                  # [TM, 1]
+    lse2 = ct.reshape(_row(lse, bh, m, TM), (TM, 1))
     n_end, n_mask = _key_tiles(m, sk, offset, TM, TN, CAUSAL)
     last_key = m * TM + ct.arange(TM, dtype=ct.int32)[:, None] + offset
     cols = ct.arange(TN, dtype=ct.int32)[None, :]
@@ -201,8 +195,8 @@ def fmha_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, qk_scale, scale, offse
         bh = b * hq + h
         qt = _tile(q, b, h, mi, TM, TD)                                # [TM, TD]
         dot = _tile(do, b, h, mi, TM, TD)
-        lse2 = _row(lse, bh, mi, TM, False)                            # [1, TM]
-        dl = _row(delta, bh, mi, TM, False)
+        lse2 = _row(lse, bh, mi, TM)                                   # [1, TM]
+        dl = _row(delta, bh, mi, TM)
         s_t = ct.mma(kt, ct.transpose(qt), ct.zeros((TN, TM), ct.float32))   # [TN, TM]
         p_t = ct.exp2(s_t * qk_scale - lse2, flush_to_zero=True)
         if CAUSAL:
