@@ -11,9 +11,11 @@
 # item. The M-grouped kernel derives its work items from offs inside the kernel (each CTA reads
 # the E offsets once and counts each group's cdiv(rows, TM) x cdiv(N, TN) tiles); the K-grouped
 # kernel's items are the fixed (E, M, N) output tiles, each summing its group's rows TK at a
-# time. A group starts at any row, so its rows are read in one of two ways, a config field that
-# the search decides: a view of the group's rows (Array.slice: TMA loads with zero padding, a
-# TMA store that drops rows past the group) or gather/scatter with row indices and a mask.
+# time. A group starts at any row: the M-grouped kernel reads x through one tiled view that
+# steps a row at a time (TMA from any row, one descriptor) or through gathers, a config field the
+# search decides, and stores with a masked scatter (a store on a per-group slice of out, whose
+# descriptor is rebuilt per tile, ran 5-14% slower); the K-grouped kernel reads each group's
+# rows through views sliced to the group (zero past its end, as its sum needs).
 # bf16/fp16 operands (alike), float32 accumulation, any strides.
 #
 # No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
@@ -46,11 +48,15 @@ def _w_tile(w, g, kk, n, TK, TN):
 def grouped_mm_kernel(x, w, offs, out, TM: ct.Constant[int], TN: ct.Constant[int],
                       TK: ct.Constant[int], GROUP_M: ct.Constant[int],
                       GATHER: ct.Constant[bool]):
-    """x (T, K), w (E, K, N), offs (E,) int32, out (T, N); a 1-D persistent grid."""
+    """x (T, K), w (E, K, N), offs (E,) int32, out (T, N); a 1-D persistent grid. Rows of x
+    come through one tiled view that steps one row at a time (TMA from any row, one descriptor
+    for the whole kernel) or, with GATHER, through gathers; a tile's rows past its group hold
+    the next group's data and are not stored (the store is a masked scatter)."""
     T = x.shape[0]
     E = w.shape[0]
     num_n = ct.cdiv(w.shape[2], TN)
     k_tiles = ct.cdiv(x.shape[1], TK)
+    rows_view = x.tiled_view((TM, TK), padding_mode=ZERO, traversal_steps=(1, TK))
     t = ct.bid(0)          # this CTA's next work item, counted over all groups
     base = 0               # work items of the groups before g
     start = 0
@@ -63,23 +69,18 @@ def grouped_mm_kernel(x, w, offs, out, TM: ct.Constant[int], TN: ct.Constant[int
             k_end = 0
         while t < base + items:
             m, n = tile_coords(t - base, num_m, num_n, GROUP_M)
+            rows = start + m * TM + ct.arange(TM, dtype=ct.int32)
             acc = ct.zeros((TM, TN), ct.float32)
-            if GATHER:
-                rows = start + m * TM + ct.arange(TM, dtype=ct.int32)
-                mine = rows[:, None] < end
-                for kk in range(k_end):
+            for kk in range(k_end):
+                if GATHER:
                     cols = kk * TK + ct.arange(TK, dtype=ct.int32)
-                    a = ct.gather(x, (rows[:, None], cols[None, :]), mask=mine)
-                    acc = ct.mma(a, _w_tile(w, g, kk, n, TK, TN), acc)
-                cols = n * TN + ct.arange(TN, dtype=ct.int32)
-                ct.scatter(out, (rows[:, None], cols[None, :]), acc.astype(out.dtype),
-                           mask=mine)
-            else:
-                xg = x.slice(0, start, end)
-                for kk in range(k_end):
-                    a = ct.load(xg, (m, kk), (TM, TK), padding_mode=ZERO)
-                    acc = ct.mma(a, _w_tile(w, g, kk, n, TK, TN), acc)
-                ct.store(out.slice(0, start, end), (m, n), acc.astype(out.dtype))
+                    a = ct.gather(x, (rows[:, None], cols[None, :]))
+                else:
+                    a = rows_view.load((start + m * TM, kk))
+                acc = ct.mma(a, _w_tile(w, g, kk, n, TK, TN), acc)
+            cols = n * TN + ct.arange(TN, dtype=ct.int32)
+            ct.scatter(out, (rows[:, None], cols[None, :]), acc.astype(out.dtype),
+                       mask=rows[:, None] < end)
             t += ct.num_blocks(0)
         base += items
         start = end
@@ -121,27 +122,27 @@ def grouped_mm_k_kernel(a, b, offs, out, TM: ct.Constant[int], TN: ct.Constant[i
 # ---------------------------------------------------------------------------------------------
 # Configs. Hopper holds float32 accumulators in registers: 4 worker warps up to 128x128, 8 up to
 # 128x256 / 256x128; a 2-CTA cluster makes 256x256 of two 128x256 halves. Measured per config on
-# the MoE bench keys (references/kernel-type-templates.md, grouped GEMM): in the M-grouped
-# kernel the gather style (cp.async rows, no per-tile descriptor) led at most keys and the
-# per-group view (TMA on a slice) at a few, so both are searched; 2-way occupancy of 128x128 and
-# 64-row tiles at occupancy 2 on the view ran 3-10x behind and are left out. In the K-grouped
-# kernel gathers of both operands ran 3-6x behind the views: views only.
+# the MoE bench keys (references/kernel-type-templates.md, grouped GEMM): in the M-grouped kernel
+# the row-stepping view led the gathers at every key; gathers stay in the space for layouts TMA
+# cannot take; 2-way occupancy of 128x128 ran 3-10x behind and gathers in 2-CTA clusters 9x
+# behind: left out. In the K-grouped kernel gathers of both operands ran 3-6x behind the sliced
+# views: views only.
 
 FIELDS = ("tm", "tn", "tk", "occupancy", "num_ctas", "num_worker_warps", "gather", "group_m")
 SM90_SPACE = [
-    (128, 256, 64, 1, 1, 8, True, 8),          # the default
-    (128, 256, 64, 1, 1, 8, False, 8),
-    (256, 128, 64, 1, 1, 8, True, 8),
+    (128, 256, 64, 1, 1, 8, False, 8),         # the default
+    (128, 256, 64, 1, 1, 8, True, 8),
     (256, 128, 64, 1, 1, 8, False, 8),
-    (256, 256, 64, 1, 2, 8, True, 8),          # 128x256 per CTA, pairs in a cluster
-    (256, 256, 64, 1, 2, 8, False, 8),
-    (128, 128, 64, 1, 1, 8, True, 8),
+    (256, 128, 64, 1, 1, 8, True, 8),
+    (256, 256, 64, 1, 2, 8, False, 8),         # 128x256 per CTA, pairs in a cluster
     (128, 128, 64, 1, 1, 8, False, 8),
-    (128, 128, 64, 1, 1, None, True, 8),
+    (128, 128, 64, 1, 1, 8, True, 8),
+    (128, 128, 64, 1, 1, None, False, 8),
     (128, 128, 128, 1, 1, None, False, 8),
-    (128, 256, 64, 1, 1, 8, True, 4),
-    (64, 256, 64, 1, 1, None, True, 8),
+    (128, 256, 64, 1, 1, 8, False, 4),
     (64, 256, 64, 1, 1, None, False, 8),
+    (64, 256, 64, 1, 1, None, True, 8),
+    (64, 128, 64, 2, 1, None, False, 8),
     (64, 128, 64, 2, 1, None, True, 8),
     (64, 64, 64, 2, 1, None, False, 8),
 ]
@@ -158,7 +159,7 @@ SM90_K_SPACE = [
 ]
 # sm_100 (compile-checked only): accumulators live in tensor memory; the 4-warp entries and a
 # 4-warp cluster. Anything else: a conservative pair, never measured.
-SM100_SPACE = [r for r in SM90_SPACE if r[5] is None] + [(256, 256, 64, 1, 2, None, True, 8)]
+SM100_SPACE = [r for r in SM90_SPACE if r[5] is None] + [(256, 256, 64, 1, 2, None, False, 8)]
 SM100_K_SPACE = [r for r in SM90_K_SPACE if r[5] is None] + [(256, 256, 64, 1, 2, None, False, 8)]
 OTHER_SPACE = [(128, 128, 32, 1, 1, None, False, 8), (64, 128, 32, 2, 1, None, True, 8)]
 
