@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tiletune.ops.fmha import fmha, scaled_dot_product_attention
+from tiletune.ops.grouped_gemm import grouped_mm
 from tiletune.ops.matmul import matmul
 from tiletune.ops.rms_norm import rms_norm
 from tiletune.ops.rms_norm_rope import rms_norm_rope
@@ -34,6 +35,16 @@ def _rope_ref(q, cos, sin):
 
 def _norm_ref(x, w, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _grouped_ref(x, w, offs):
+    """x's rows of group g times w[g]; offs arrives as float with the other arguments."""
+    out = torch.zeros(x.shape[0], w.shape[2], device=dev)
+    start = 0
+    for g, end in enumerate(offs.long().tolist()):
+        out[start:end] = x[start:end] @ w[g]
+        start = end
+    return out
 
 
 def _qk(dt):
@@ -118,6 +129,11 @@ OPS = [
            query, key, value, is_causal=True, enable_gqa=True),
        ("query", "key", "value"), {"one dim more": ("query", "key", "value"),
                                    "one element short": ("query", "key", "value")}),
+    Op("grouped_mm", lambda x, w, offs: grouped_mm(x, w, offs),
+       lambda dt: dict(x=torch.randn(50, 130, device=dev, dtype=dt) / 8,
+                       w=(torch.randn(4, 95, 130, device=dev, dtype=dt) / 8).transpose(-2, -1),
+                       offs=torch.tensor([10, 10, 35, 50], device=dev, dtype=torch.int32)),
+       _grouped_ref, ("x", "w"), {"one dim more": ("x", "w"), "one element short": ("x",)}),
 ]
 IDS = [f"{op.name}{'_inplace' if i == 2 else ''}" for i, op in enumerate(OPS)]
 DTYPES = {"rms_norm": (torch.float32, torch.bfloat16), "apply_rope": (torch.float32,
