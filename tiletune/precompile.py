@@ -119,16 +119,17 @@ class _Worker:
 
     def __init__(self, environ):
         self.environ = environ
+        self.compile_environ = _compile_environ(environ)
         self.proc = subprocess.Popen([sys.executable, "-m", "tiletune.precompile",
                                       str(IDLE_EXIT_SEC)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      env=environ)
         self.last_used = time.monotonic()
 
-    def fresh(self, now, environ):
-        """Alive, not about to exit idle, and started in this environment (cuTile reads its
-        cache folder once, at import)."""
-        return (self.proc.poll() is None and environ == self.environ
+    def fresh(self, now, compile_environ):
+        """Alive, not about to exit idle, and started with these compile settings (cuTile reads
+        its cache folder once, at import)."""
+        return (self.proc.poll() is None and compile_environ == self.compile_environ
                 and now - self.last_used < IDLE_EXIT_SEC - _REUSE_MARGIN_SEC)
 
     def send(self, chunk, arch, timeout_sec):
@@ -159,6 +160,15 @@ class _Worker:
             self.proc.wait()
 
 
+def _compile_environ(environ):
+    """The variables a compile reads (cuTile's and the CUDA toolkit's settings, where caches,
+    tools and modules are found); a change in any other (a training loop's own) keeps the
+    workers."""
+    return {k: v for k, v in environ.items()
+            if k.startswith(("CUDA_TILE", "CUTILE", "TILEIRAS", "CUDA_"))
+            or k in ("PATH", "HOME", "XDG_CACHE_HOME", "TMPDIR", "LD_LIBRARY_PATH", "PYTHONPATH")}
+
+
 _idle = []
 _idle_lock = threading.Lock()
 
@@ -168,7 +178,7 @@ def _take(n):
     environ = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     with _idle_lock:
         now = time.monotonic()
-        fresh = [w for w in _idle if w.fresh(now, environ)]
+        fresh = [w for w in _idle if w.fresh(now, _compile_environ(environ))]
         stale = [w for w in _idle if w not in fresh]
         _idle[:] = fresh[n:]
         taken = fresh[:n]

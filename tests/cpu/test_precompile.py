@@ -45,8 +45,9 @@ def _job(i, tile_n):
 
 
 def test_workers_stay_for_the_next_search_in_the_same_environment(monkeypatch, tmp_path):
-    """The second call reuses the first call's processes (no start-up); after the environment
-    changes (here cuTile's cache folder, which it reads once at import) new ones start."""
+    """The second call reuses the first call's processes (no start-up), also after a variable
+    compiles do not read changed; after a compile setting changes (here cuTile's cache folder,
+    which it reads once at import) new ones start."""
     first, second = tmp_path / "a", tmp_path / "b"
     monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(first))
     assert precompile.run_jobs([_job(0, 1024), _job(1, 512)], "sm_90", 120, 2) == {0: None,
@@ -55,6 +56,9 @@ def test_workers_stay_for_the_next_search_in_the_same_environment(monkeypatch, t
     assert precompile.run_jobs([_job(0, 256), _job(1, 128)], "sm_90", 120, 2) == {0: None,
                                                                                   1: None}
     assert len(pids) >= 2 and pids <= {w.proc.pid for w in precompile._idle}
+    monkeypatch.setenv("SOME_TRAINING_FLAG", "1")     # not a compile setting: same workers
+    assert precompile.run_jobs([_job(0, 256)], "sm_90", 120, 1) == {0: None}
+    assert pids <= {w.proc.pid for w in precompile._idle}
     assert len(list(cache_entries(str(first)))) == 4
     monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(second))
     assert precompile.run_jobs([_job(0, 64)], "sm_90", 120, 1) == {0: None}
