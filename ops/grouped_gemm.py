@@ -27,7 +27,7 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket
 from tiletune.device import major, persistent_ctas
-from tiletune.ops.matmul import _layout, matmul, tile_coords
+from tiletune.ops.matmul import layout, matmul, tile_coords
 from tiletune.space import cdiv, next_pow2, table
 from tiletune.torch_op import TrainableOp
 
@@ -223,16 +223,16 @@ def launch(x, w, offs, out):
     """out = x @ w[g] on each group's rows (x (T, K), w (E, K, N), out (T, N)). The key holds
     the shapes, T's bucket and the layouts, not how the rows are split."""
     dev = x.get_device()
-    key = (w.shape[0], x.shape[1], w.shape[2], bucket(x.shape[0]), x.dtype, _layout(x),
-           _layout(w), dev)
+    key = (w.shape[0], x.shape[1], w.shape[2], bucket(x.shape[0]), x.dtype, layout(x),
+           layout(w), dev)
     _grouped.launch(key, dev, x, w, offs, out)
 
 
 def launch_k(a, b, offs, out):
     """out[g] = a[:, rows_g] @ b[rows_g] (a (M, T), b (T, N), out (E, M, N))."""
     dev = a.get_device()
-    key = (out.shape[0], a.shape[0], b.shape[1], bucket(a.shape[1]), a.dtype, _layout(a),
-           _layout(b), dev)
+    key = (out.shape[0], a.shape[0], b.shape[1], bucket(a.shape[1]), a.dtype, layout(a),
+           layout(b), dev)
     _k_grouped.launch(key, dev, a, b, offs, out)
 
 
@@ -265,7 +265,7 @@ def _kgrouped(a, b, offs):
 
 def _w_like(w, e, k, n):
     """An (e, k, n) tensor in w's layout: row-major, or the transposed view of (e, n, k)."""
-    if _layout(w) == "col":
+    if layout(w) == "col":
         return w.new_empty((e, n, k)).transpose(-2, -1)
     return w.new_empty((e, k, n))
 
@@ -275,7 +275,7 @@ def _backward(needs, dy, x, w, offs):
     dx = _mgrouped(dy, w.transpose(-2, -1), offs) if needs[0] else None
     dw = None
     if needs[1]:
-        dw = (_kgrouped(dy.t(), x, offs).transpose(-2, -1) if _layout(w) == "col"
+        dw = (_kgrouped(dy.t(), x, offs).transpose(-2, -1) if layout(w) == "col"
               else _kgrouped(x.t(), dy, offs))
     return dx, dw
 

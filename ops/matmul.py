@@ -240,8 +240,9 @@ _matmul = Autotuner(
 TUNERS = (_matmul,)
 
 
-def _layout(t):
-    """'row' if the last dim has unit stride, 'col' if the middle one has, else 'strided'."""
+def layout(t):
+    """'row' if the last dim has unit stride, 'col' if the middle one has, else 'strided' (a
+    part of every GEMM key: each layout is its own JIT specialization)."""
     if t.stride(-1) == 1:
         return "row"
     if t.stride(-2) == 1:
@@ -254,7 +255,7 @@ def launch(a3, b3, c3):
     scratch bound included, is that of the bucket's largest Z)."""
     Z, M, K = a3.shape
     dev = a3.get_device()
-    key = (bucket(M), b3.shape[2], K, bucket(Z), a3.dtype, _layout(a3), _layout(b3), dev)
+    key = (bucket(M), b3.shape[2], K, bucket(Z), a3.dtype, layout(a3), layout(b3), dev)
     _matmul.launch(key, dev, a3, b3, c3)
 
 

@@ -188,11 +188,11 @@ def kernels(monkeypatch):
     calls = []
 
     def launch(x, w, offs, out):
-        calls.append(("m", GG._layout(x), GG._layout(w)))
+        calls.append(("m", GG.layout(x), GG.layout(w)))
         out.copy_(loop(x, w, offs))
 
     def launch_k(a, b, offs, out):
-        calls.append(("k", GG._layout(a), GG._layout(b)))
+        calls.append(("k", GG.layout(a), GG.layout(b)))
         out.copy_(k_loop(a, b, offs))
     monkeypatch.setattr(GG, "launch", launch)
     monkeypatch.setattr(GG, "launch_k", launch_k)
