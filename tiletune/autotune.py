@@ -248,14 +248,17 @@ class Autotuner:
         # size-1 dim of a big tensor (a[None]): such a launch is retried with those strides
         # made small (no cost on the fast path when it does not happen).
         if scratch is None and run is None:
+            def relaunch(cfg, kernel, dev, inputs, refused):
+                inputs = int32_strides(name, inputs, refused)
+                ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
+                          args(cfg, *inputs))
+
             def launch_config(cfg, kernel, dev, inputs):
                 try:
                     ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
                               args(cfg, *inputs))
                 except OverflowError as e:
-                    inputs = int32_strides(name, inputs, e)
-                    ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
-                              args(cfg, *inputs))
+                    relaunch(cfg, kernel, dev, inputs, e)
 
             def launch(key, dev, *inputs):
                 hit = cache_get(key)
@@ -265,8 +268,8 @@ class Autotuner:
                 try:
                     ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
                               args(cfg, *inputs))
-                except OverflowError:
-                    launch_config(cfg, kernel, dev, inputs)
+                except OverflowError as e:
+                    relaunch(cfg, kernel, dev, inputs, e)
             return launch
 
         def launch_with_scratch_or_run(key, dev, *inputs):
