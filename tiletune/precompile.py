@@ -118,7 +118,6 @@ class _Worker:
     then compiles one job list per message until its input closes or it idles IDLE_EXIT_SEC."""
 
     def __init__(self, environ):
-        self.environ = environ
         self.compile_environ = _compile_environ(environ)
         self.proc = subprocess.Popen([sys.executable, "-m", "tiletune.precompile",
                                       str(IDLE_EXIT_SEC)], stdin=subprocess.PIPE,

@@ -63,7 +63,7 @@ def test_workers_stay_for_the_next_search_in_the_same_environment(monkeypatch, t
     monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(second))
     assert precompile.run_jobs([_job(0, 64)], "sm_90", 120, 1) == {0: None}
     assert len(list(cache_entries(str(second)))) == 1
-    assert not pids & {w.proc.pid for w in precompile._idle if w.environ["CUDA_TILE_CACHE_DIR"]
+    assert not pids & {w.proc.pid for w in precompile._idle if w.compile_environ["CUDA_TILE_CACHE_DIR"]
                        == str(second)}
 
 

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 import tiletune
 
@@ -59,3 +60,9 @@ def run_example_pair(folder):
         assert o.returncode == 0, o.stderr[-2000:]
         res[name] = dict(line.split("=", 1) for line in o.stdout.splitlines() if "=" in line)
     return res["fixed"], res["autotuned"]
+
+
+def rotate_half(x):
+    """HF's rotate_half: (-second half, first half) of the last dim."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), -1)

@@ -19,18 +19,15 @@ from tiletune.ops.rms_norm import rms_norm
 from tiletune.ops.rms_norm_rope import rms_norm_rope
 from tiletune.ops.rope import apply_rope
 
-from .conftest import disable_autotune
+from .conftest import disable_autotune, rotate_half
 
 B, HQ, HK, S, D = 2, 4, 2, 33, 64
 dev = "cuda"
 
 
-def _rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), -1)
-
 
 def _rope_ref(q, cos, sin):
-    return q * cos + _rotate_half(q) * sin
+    return q * cos + rotate_half(q) * sin
 
 
 def _norm_ref(x, w, eps=1e-6):

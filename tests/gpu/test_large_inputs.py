@@ -9,7 +9,7 @@ from tiletune.ops.fmha import fmha
 from tiletune.ops.matmul import matmul
 from tiletune.ops.rope import apply_rope
 
-from .conftest import disable_autotune
+from .conftest import disable_autotune, rotate_half
 
 INT32 = 2**31
 
@@ -19,12 +19,9 @@ def _free_gib():
     return free / 2**30
 
 
-def _rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]), -1)
-
 
 @pytest.fixture(autouse=True)
-def _room(request):
+def _room():
     yield
     torch.cuda.empty_cache()
 
@@ -42,10 +39,10 @@ def test_rope_past_2_31_elements(monkeypatch):
     qo, ko = apply_rope(q, k, cos, sin)
     for rows in (slice(0, 4), slice(S - 4, S)):
         qs, c, s = q[:, :, rows].float(), cos[rows], sin[rows]
-        torch.testing.assert_close(qo[:, :, rows].float(), qs * c + _rotate_half(qs) * s,
+        torch.testing.assert_close(qo[:, :, rows].float(), qs * c + rotate_half(qs) * s,
                                    atol=2e-2, rtol=2e-2)
         ks = k[:, :, rows].float()
-        torch.testing.assert_close(ko[:, :, rows].float(), ks * c + _rotate_half(ks) * s,
+        torch.testing.assert_close(ko[:, :, rows].float(), ks * c + rotate_half(ks) * s,
                                    atol=2e-2, rtol=2e-2)
 
 
