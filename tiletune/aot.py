@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass, field
 
 import cuda.tile as ct
-from cuda.tile.compilation import (ArrayConstraint, CallingConvention, KernelSignature,
-                                   ScalarConstraint, export_kernel)
+from cuda.tile.compilation import ArrayConstraint, ScalarConstraint, export_kernel
+
+from tiletune.precompile import launch_signature
 
 TORCH_TO_CT = {}  # filled lazily: torch dtype -> ct dtype
 
@@ -63,8 +64,7 @@ def jit_array(dtype, shape, strides=None, *, base_aligned=True, index_dtype=ct.i
 F32 = ScalarConstraint(ct.float32)   # a Python float argument
 
 
-def signature(params):
-    return KernelSignature(list(params), CallingConvention.cutile_python_v2())
+signature = launch_signature
 
 
 @dataclass

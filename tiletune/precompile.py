@@ -62,6 +62,26 @@ def kernel_location(kernel):
     return fn.__module__, fn.__name__
 
 
+def _needs_v2(constraint):
+    from cuda.tile.compilation import ArrayConstraint, ListConstraint, TupleConstraint
+    if isinstance(constraint, ArrayConstraint):
+        return any(c is not None for c in constraint.shape_constant)
+    if isinstance(constraint, ListConstraint):
+        return _needs_v2(constraint.element)
+    return isinstance(constraint, TupleConstraint)
+
+
+def launch_signature(params):
+    """The KernelSignature `ct.launch` compiles for these parameter constraints. The calling
+    convention is part of the bytecode and so of the disk-cache key: the launch uses
+    cutile_python_v1 unless a parameter needs v2 (a constant dim size, a tuple or list), and a
+    cubin compiled under the other convention is never found (every search compiled twice)."""
+    from cuda.tile.compilation import CallingConvention, KernelSignature
+    cc = (CallingConvention.cutile_python_v2() if any(_needs_v2(p) for p in params)
+          else CallingConvention.cutile_python_v1())
+    return KernelSignature(list(params), cc)
+
+
 def compile_job(module, name, hints, params, calling_convention, arch, timeout_sec):
     """Compile module.name with these hints for one signature. Returns None, or (error type
     name, message, whether it is cuTile's verdict on the kernel rather than trouble here)."""
@@ -241,7 +261,7 @@ def precompile(items, arch, timeout_sec):
     cache. Returns {index: (error type, message)} for items the compiler rejected; items that
     cannot be located or signed are left for the search to compile."""
     from cuda.tile.compilation import CallingConvention, KernelSignature
-    cc = CallingConvention.cutile_python_v2()
+    v2 = CallingConvention.cutile_python_v2()       # reads every kind of argument
     t0 = time.perf_counter()
     work = []
     for i, (kernel, hints, args) in enumerate(items):
@@ -249,10 +269,10 @@ def precompile(items, arch, timeout_sec):
         if where is None:
             continue
         try:
-            sig = KernelSignature.from_kernel_args(kernel, args, cc)
+            sig = launch_signature(KernelSignature.from_kernel_args(kernel, args, v2).parameters)
         except Exception:         # an argument the signature reader does not know: JIT decides
             continue
-        work.append((i, *where, hints, sig.parameters, cc.code))
+        work.append((i, *where, hints, sig.parameters, sig.calling_convention.code))
     if not work:
         return {}
     results = run_jobs(work, arch, timeout_sec, min(jobs(), len(work)))

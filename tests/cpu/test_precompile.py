@@ -77,3 +77,12 @@ def test_a_dead_or_idle_worker_is_replaced(monkeypatch, tmp_path):
         w.last_used -= precompile.IDLE_EXIT_SEC
     assert precompile.run_jobs([_job(0, 32)], "sm_90", 120, 1) == {0: None}
     assert worker not in precompile._idle and len(precompile._idle) == 1
+
+
+def test_launch_signature_uses_the_launch_calling_convention():
+    """ct.launch compiles under cutile_python_v1 unless a parameter needs v2 (a dim of constant
+    size): the convention is in the disk-cache key, so the precompile must pick the same one."""
+    plain = precompile.launch_signature(fwd_params(4096))
+    assert plain.calling_convention.code == "t1"
+    one_row = [jit_array(torch.bfloat16, (1, 4096))] + fwd_params(4096)[1:]
+    assert precompile.launch_signature(one_row).calling_convention.code == "t2"
