@@ -211,29 +211,35 @@ def plot(rows, path, title=None):
     series = ["speedup_over_fixed"] + list(dict.fromkeys(
         f"vs_{p}" for r in rows for p in _peers(r)))
     names = {k: "fixed default" if k == "speedup_over_fixed" else k[3:] for k in series}
-    palette = plt.get_cmap("tab10")
-    colors = {k: palette(i % 10) for i, k in enumerate(series)}
-    most = max(sum(r["op"] == op for r in rows) for op in ops)
-    fig, axes = plt.subplots(len(ops), 1, squeeze=False,
-                             figsize=(max(8.0, 1.6 * most + 3.0), 3.8 * len(ops)))
+    palette = plt.get_cmap("tab20")
+    colors = {k: palette(i % 20) for i, k in enumerate(series)}
+    # Horizontal bars, a row per case: long case names stay readable. A log scale, since a
+    # ratio of 100 (a per-group loop) and one of 0.9 must both be legible.
+    heights = [sum(len([k for k in series if k in r]) for r in rows if r["op"] == op) * 0.22
+               + 1.2 for op in ops]
+    fig, axes = plt.subplots(len(ops), 1, squeeze=False, figsize=(11.0, sum(heights) + 0.6),
+                             gridspec_kw={"height_ratios": heights})
     for ax, op in zip(axes[:, 0], ops):
         mine = [r for r in rows if r["op"] == op]
         keys = [k for k in series if any(k in r for r in mine)]
         width = 0.8 / max(len(keys), 1)
+        values = [r[k] for r in mine for k in keys if k in r]
         for i, k in enumerate(keys):
-            xs = [j - 0.4 + width * (i + 0.5) for j in range(len(mine))]
+            ys = [j - 0.4 + width * (i + 0.5) for j in range(len(mine))]
             vals = [r.get(k, float("nan")) for r in mine]
-            bars = ax.bar(xs, vals, width, label=names[k], color=colors[k])
+            bars = ax.barh(ys, vals, width, label=names[k], color=colors[k])
             ax.bar_label(bars, labels=[f"{v:.2f}" if v == v else "" for v in vals],
-                         fontsize=7, padding=1)
-        ax.axhline(1.0, color="black", lw=1.0, ls="--")
-        ax.set_xticks(range(len(mine)), [f"{r['case']}\n{r['mode']}" for r in mine], fontsize=8)
-        ax.set_xlim(-0.6, len(mine) - 0.4)
-        ax.margins(y=0.12)
-        ax.set_title(f"{op}: tuned speedup (> 1: tuned is faster)", fontsize=10)
-        ax.set_ylabel("time of other / time of tuned")
-        ax.set_xlabel("case")
-        ax.legend(title="vs", fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+                         fontsize=7, padding=2)
+        ax.axvline(1.0, color="black", lw=1.0, ls="--")
+        ax.set_xscale("log", base=2)
+        lo, hi = min(values + [1.0]), max(values + [1.0])
+        ax.set_xlim(min(lo / 1.3, 0.7), max(hi * 1.6, 1.5))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.set_yticks(range(len(mine)), [f"{r['case']} {r['mode']}" for r in mine], fontsize=8)
+        ax.set_ylim(len(mine) - 0.5, -0.5)          # first row on top
+        ax.set_title(f"{op}: time of the other / time of tuned (> 1: tuned is faster)",
+                     fontsize=10)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.985) if title else None)
