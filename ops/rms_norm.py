@@ -297,8 +297,9 @@ def _check(x, weight, eps):
 
 def _forward(x, weight, eps):
     """(y, rstd): y like x, rstd float32 with one value per row."""
+    two_d = x.dim() == 2          # the common case: no reshape and no view (host time)
     N = x.shape[-1]
-    x2 = x.reshape(-1, N)
+    x2 = x if two_d else x.reshape(-1, N)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
@@ -307,18 +308,19 @@ def _forward(x, weight, eps):
     if M and N:
         w = weight if weight.stride(0) == 1 else weight.contiguous()
         if M * N <= _MAX_CHUNK_ELEMS:
-            launch_fwd(x2, w, y, rstd, float(eps))
+            launch_fwd(x2, w, y, rstd, eps)
         else:
             for s, e in _row_chunks(M, N):
-                launch_fwd(x2[s:e], w, y[s:e], rstd[s:e], float(eps))
-    return y.view(x.shape), rstd
+                launch_fwd(x2[s:e], w, y[s:e], rstd[s:e], eps)
+    return (y if two_d else y.view(x.shape)), rstd
 
 
 def _backward(dy, x, weight, rstd):
     """(dx, dw): dx like x, dw like weight."""
+    two_d = x.dim() == 2
     N = x.shape[-1]
-    x2 = x.reshape(-1, N)
-    dy2 = dy.reshape(-1, N)
+    x2 = x if two_d else x.reshape(-1, N)
+    dy2 = dy if dy.dim() == 2 else dy.reshape(-1, N)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if dy2.stride(-1) != 1:
@@ -328,11 +330,11 @@ def _backward(dy, x, weight, rstd):
     if not (M and N):
         return dx.view(x.shape), torch.zeros_like(weight)
     w = weight if weight.stride(0) == 1 else weight.contiguous()
-    chunks = _row_chunks(M, N)
-    if len(chunks) == 1:
+    if M * N <= _MAX_CHUNK_ELEMS:
         dw = torch.empty_like(w)
         launch_bwd(dy2, x2, w, rstd, dx, dw)
-        return dx.view(x.shape), dw
+        return (dx if two_d else dx.view(x.shape)), dw
+    chunks = _row_chunks(M, N)
     dw32 = torch.zeros(N, device=x.device, dtype=torch.float32)   # f32 sum over row chunks
     part = torch.empty(N, device=x.device, dtype=torch.float32)
     for s, e in chunks:

@@ -35,10 +35,11 @@ class TrainableOp:
     def __call__(self, *args):
         if torch.compiler.is_compiling():
             results = self._fwd_op(*args)
-        elif torch.is_grad_enabled() and any(
-                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return self._function.apply(*args)
         else:
+            if torch.is_grad_enabled():
+                for a in args:        # a loop, not any(<generator>): 1-2 us less per call
+                    if isinstance(a, torch.Tensor) and a.requires_grad:
+                        return self._function.apply(*args)
             results = self.forward(*args)
         if isinstance(results, torch.Tensor):
             return results
