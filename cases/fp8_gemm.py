@@ -1,0 +1,234 @@
+"""FP8 GEMM's benchmark rows (against torch._scaled_mm in the same scaling and accumulation
+mode), the quantizers' rows (against a copy of the input and the torch reference), and the
+ahead-of-time compile cases of both."""
+import torch
+
+from tiletune.aot import F32, CompileCase, jit_array
+from tiletune.bench import BenchCase
+from tiletune.ops import fp8_gemm as F8
+
+E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
+KB = F8.BLOCK
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time compile cases. GEMM: every config of both kernel families at 4096^3, rowwise /
+# 1x128 x 128x128, e4m3, B column-major, bf16 out: the exact-accumulation spaces of sm_90, sm_100
+# and other archs (each config once) and sm_90's fast-accumulation spaces (use_fast_acc changes
+# the kernel); then the exact default in every other variant the op launches: tensorwise
+# (one-element scales), row-major B, e4m3 x e5m2 both ways (float16 path), fp32 out (fp16 compiles
+# as bf16 does), ragged sizes, decode (M = 1), the other two block pairings, K-major scale_a, K
+# not a multiple of 128.
+# Quantizers: every config of each kernel at 4096 x 4096 bf16 (the row space also at K 14336,
+# where rows are read in chunks), then the defaults for fp32 input (fp16 compiles as bf16 does),
+# e5m2 output, ragged and transposed x, and a single row. Arguments come from the op's own
+# `args` functions.
+
+
+def _gemm_params(cfg, M, N, K, *, mode="row", a_dt=E4M3, b_dt=E4M3, b_col=True, out=BF16,
+                 fast=False):
+    a = jit_array(a_dt, (M, K))
+    b = jit_array(b_dt, (K, N), (1, K) if b_col else None)
+    sa = jit_array(torch.float32, (1,) if mode == "tensor" else (M,))
+    sb = jit_array(torch.float32, (1,) if mode == "tensor" else (N,))
+    return list(F8._args(cfg, a, b, sa, sb, jit_array(out, (M, N)), fast and a_dt == b_dt,
+                          a_dt != b_dt))
+
+
+def _block_params(cfg, M, N, K, *, pairing=(1, KB), a_dt=E4M3, b_dt=E4M3, sa_m_major=True,
+                  fast=False):
+    """pairing (a_group, b_group): (1, 128) 1x128 x 128x128, (1, 1) 1x128 x 1x128, (128, 1)
+    128x128 x 1x128. scale_a M-major as torch wants it (sa_m_major) or K-major."""
+    a_group, b_group = pairing
+    kb = F8.cdiv(K, KB)
+    sa_rows = F8.cdiv(M, a_group)
+    sa = jit_array(torch.float32, (sa_rows, kb), (1, sa_rows) if sa_m_major else None)
+    sb_cols = F8.cdiv(N, b_group)
+    sb = jit_array(torch.float32, (kb, sb_cols), (1, kb))     # the transposed weight scales
+    a = jit_array(a_dt, (M, K))
+    b = jit_array(b_dt, (K, N), (1, K))
+    return list(F8._block_args(cfg, a, b, sa, sb, jit_array(BF16, (M, N)),
+                                fast and a_dt == b_dt, a_dt != b_dt, a_group, b_group))
+
+
+def _each_once(gen, archs, *shape, fast):
+    seen = []
+    for arch in archs:
+        for cfg in gen(arch, *shape, fast=fast):
+            if cfg not in seen:
+                seen.append(cfg)
+                yield arch, cfg
+
+
+def _gemm_cases():
+    sq = (4096, 4096, 4096)
+    # exact accumulation: every arch's space; fast accumulation: sm_90's (cuTile ignores
+    # use_fast_acc elsewhere)
+    for fast, archs in ((False, ("sm_90", "sm_100", "sm_120")), (True, ("sm_90",))):
+        acc = "fast_accum" if fast else "exact"
+        for arch, cfg in _each_once(F8.fp8_configs, archs, *sq, fast=fast):
+            yield CompileCase("fp8_gemm", F8._scaled_tuner.build(cfg),
+                              _gemm_params(cfg, *sq, fast=fast),
+                              f"fp8_mm {arch} {acc} space 4096^3 rowwise {vars(cfg)}")
+        for arch, cfg in _each_once(F8.fp8_block_configs, archs, *sq, fast=fast):
+            yield CompileCase("fp8_gemm", F8._block_tuner.build(cfg),
+                              _block_params(cfg, *sq, fast=fast),
+                              f"fp8_mm block {arch} {acc} space 4096^3 1x128 x 128x128 "
+                              f"{vars(cfg)}")
+    gemm = list(F8.fp8_configs("sm_90", *sq))
+    block = list(F8.fp8_block_configs("sm_90", *sq))
+    cfg = gemm[0]
+    for label, shape, kw in [("tensorwise", sq, {"mode": "tensor"}),
+                             ("row-major b", sq, {"b_col": False}),
+                             ("e4m3 x e5m2", sq, {"b_dt": E5M2}),
+                             ("e5m2 x e4m3", sq, {"a_dt": E5M2}),
+                             ("fp32 out", sq, {"out": torch.float32}),
+                             ("ragged 1000x1999x784", (1000, 1999, 784), {}),
+                             ("decode 1x4096x4096", (1, 4096, 4096), {})]:
+        yield CompileCase("fp8_gemm", F8._scaled_tuner.build(cfg), _gemm_params(cfg, *shape, **kw),
+                          f"fp8_mm {label} {vars(cfg)}")
+    cfg = block[0]
+    for label, shape, kw in [("1x128 x 1x128", sq, {"pairing": (1, 1)}),
+                             ("128x128 x 1x128", sq, {"pairing": (KB, 1)}),
+                             ("K-major scale_a", sq, {"sa_m_major": False}),
+                             ("e4m3 x e5m2", sq, {"b_dt": E5M2}),
+                             ("K 4000 (partial last block)", (4096, 4096, 4000), {}),
+                             ("ragged 1000x1999x784", (1000, 1999, 784), {}),
+                             ("decode 1x4096x4096", (1, 4096, 4096), {})]:
+        yield CompileCase("fp8_gemm", F8._block_tuner.build(cfg),
+                          _block_params(cfg, *shape, **kw), f"fp8_mm block {label} {vars(cfg)}")
+
+
+# kind -> (tuner, its args function, its config generator)
+QUANT = {"row": (F8._quantize_row, F8._row_args, F8.row_configs),
+         "block1x128": (F8._quantize_1x128, F8._1x128_args, F8.block1x128_configs),
+         "block128x128": (F8._quantize_128x128, F8._128x128_args, F8.block128x128_configs),
+         "amax": (F8._tensor_amax, F8._amax_args, F8.tensor_configs),
+         "tensor": (F8._quantize_tensor, F8._tensor_args, F8.tensor_configs)}
+
+
+def _quant_params(kind, cfg, M, K, *, x_dt=BF16, q_dt=E4M3, x_t=False):
+    """The kernel arguments of a quantizer config; x_t: x the transposed view of (K, M)."""
+    x = jit_array(x_dt, (M, K), (1, M) if x_t else None)
+    q = jit_array(q_dt, (M, K))
+    bits = jit_array(torch.int32, (1,))
+    fp8_max = float(torch.finfo(q_dt).max)
+    kb = F8.cdiv(K, KB)
+    args = QUANT[kind][1]
+    if kind == "amax":
+        params = args(cfg, x, bits)
+    elif kind == "tensor":
+        params = args(cfg, x, bits, q, jit_array(torch.float32, (1,)), fp8_max)
+    elif kind == "row":
+        params = args(cfg, x, q, jit_array(torch.float32, (M, 1)), fp8_max)
+    elif kind == "block1x128":
+        params = args(cfg, x, q, jit_array(torch.float32, (kb, M)), fp8_max)
+    else:       # the (cdiv(M, 128), kb) view of rows padded to a multiple of 4
+        rows = F8._block_scale_storage(M, K)
+        params = args(cfg, x, q, jit_array(torch.float32, (rows[0], kb), (rows[1], 1)), fp8_max)
+    return [F32 if isinstance(p, float) else p for p in params]
+
+
+def _quant_cases():
+    for kind, (tuner, _, gen) in QUANT.items():
+        shapes = [(4096, 4096)] + ([(4096, 14336)] if kind == "row" else [])
+        seen = []
+        for M, K in shapes:
+            for cfg in gen("sm_90", M, K):
+                if cfg not in seen:
+                    seen.append(cfg)
+                    yield CompileCase("fp8_gemm", tuner.build(cfg), _quant_params(kind, cfg, M, K),
+                                      f"quantize {kind} space {M}x{K} bf16 {vars(cfg)}")
+        for label, (M, K), kw in [("fp32", (4096, 4096), {"x_dt": torch.float32}),
+                                  ("e5m2", (4096, 4096), {"q_dt": E5M2}),
+                                  ("ragged 1000x1000", (1000, 1000), {}),
+                                  ("x transposed", (4096, 4096), {"x_t": True}),
+                                  ("M 1", (1, 4096), {})]:
+            if kind == "amax" and "q_dt" in kw:
+                continue                      # the amax launch writes no fp8
+            if kind in ("amax", "tensor") and M == 1:
+                continue                      # the same tiles as the ragged case
+            cfg = next(gen("sm_90", M, K))
+            yield CompileCase("fp8_gemm", tuner.build(cfg), _quant_params(kind, cfg, M, K, **kw),
+                              f"quantize {kind} {label} {vars(cfg)}")
+
+
+def compile_cases():
+    yield from _gemm_cases()
+    yield from _quant_cases()
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmarks. Operands are quantized as a training step makes them, with the torch reference (our
+# kernels do not make the peer's inputs): a (M, K) and an (N, K) weight, b = w_fp8.t()
+# (column-major), scale_b = its scales transposed. torch._scaled_mm runs the same scaling
+# and accumulation mode; a mode this torch or card refuses is reported in the row as
+# torch_scaled_mm_error, never fatal.
+
+SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 14336), (128, 4096, 4096))
+MODES = (("tensorwise", True), ("rowwise", True), ("tensorwise", False), ("rowwise", False),
+         ("block", False))
+HEADLINE = (((4096, 4096, 4096), "rowwise", False), ((4096, 4096, 4096), "block", False))
+GRAN = {"tensorwise": ("tensor", "tensor"), "rowwise": ("row", "row"),
+        "block": ("block1x128", "block128x128")}
+QUANT_SHAPES = ((16384, 4096), (4096, 14336))
+
+
+def operands(M, N, K, mode):
+    """(a, b, scale_a, scale_b) for `mode`, quantized from random data with the torch
+    reference (no kernel of ours runs before the timed rows)."""
+    ga, gb = GRAN[mode]
+    x = torch.randn(M, K, device="cuda", dtype=BF16)
+    w = torch.randn(N, K, device="cuda", dtype=BF16) / K ** 0.5
+    a, sa = F8.quantize_fp8_reference(x, ga)
+    w8, sw = F8.quantize_fp8_reference(w, gb)
+    return a, w8.t(), sa, sw.t()
+
+
+def _scaled_mm(a, b, sa, sb, fast):
+    return torch._scaled_mm(a, b, sa, sb, out_dtype=BF16, use_fast_accum=fast)
+
+
+def _torch_peer(a, b, sa, sb, fast):
+    """torch._scaled_mm on these operands with scales in a layout this torch takes (tried once
+    here: its block mode is particular about the scales' majors); where it takes none, a peer
+    that raises what it said, which the bench reports as torch_scaled_mm_error."""
+    errors = []
+    for lay in (lambda t: t, lambda t: t.t().contiguous().t(), lambda t: t.contiguous()):
+        ta, tb = lay(sa), lay(sb)
+        try:
+            _scaled_mm(a, b, ta, tb, fast)
+            return lambda: _scaled_mm(a, b, ta, tb, fast)
+        except Exception as e:       # a mode this torch or card lacks: reported, not fatal
+            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+
+    def refused():
+        raise RuntimeError("torch._scaled_mm refused every scale layout: " + " | ".join(errors))
+    return refused
+
+
+def _gemm_case(M, N, K, mode, fast):
+    a, b, sa, sb = operands(M, N, K, mode)
+    peers = {"torch_scaled_mm": _torch_peer(a, b, sa, sb, fast)}
+    acc = "fast-acc" if fast else "exact"
+    return BenchCase("fp8_gemm", f"{M}x{N}x{K} {mode} {acc} e4m3 bf16", "fwd",
+                     lambda: F8.fp8_mm(a, b, sa, sb, fast_accum=fast), peers,
+                     flops=2.0 * M * N * K)
+
+
+def _quant_case(M, K, granularity):
+    x = torch.randn(M, K, device="cuda", dtype=BF16)
+    copy_out = torch.empty_like(x)
+    reference = lambda x=x: F8.quantize_fp8_reference(x, granularity)
+    peers = {"torch": reference, "torch_compile": torch.compile(reference)}
+    # read bf16, write fp8 (scales are noise): 3 bytes an element against a copy's 4
+    return BenchCase("fp8_gemm", f"quantize {granularity} {M}x{K} bf16", "fwd",
+                     lambda: F8.quantize_fp8(x, granularity), peers, bytes=3.0 * x.numel(),
+                     ceiling=("copy", lambda: copy_out.copy_(x)), ceiling_scale=0.75)
+
+
+def bench_cases(full=False):
+    if not full:
+        return [_gemm_case(*shape, mode, fast) for shape, mode, fast in HEADLINE]
+    cases = [_gemm_case(*shape, mode, fast) for shape in SHAPES for mode, fast in MODES]
+    cases += [_quant_case(M, K, g) for M, K in QUANT_SHAPES for g in F8.GRANULARITIES]
+    return cases

@@ -1,0 +1,831 @@
+# FP8 GEMM with torch._scaled_mm's interface, and the quantizers that feed it.
+#
+#   out = (a * scale_a) @ (b * scale_b)      a (M, K), b (K, N) float8, float32 accumulation
+#
+# The scaling mode is read from the scales' shapes exactly as torch._scaled_mm reads them:
+#   tensorwise  one float32 each (any shape with one element)
+#   rowwise     scale_a (M, 1), scale_b (1, N)
+#   block       with KB = cdiv(K, 128), MB = cdiv(M, 128), NB = cdiv(N, 128):
+#               scale_a (M, KB) and scale_b (KB, NB)     1x128 activations x 128x128 weights
+#               scale_a (M, KB) and scale_b (KB, N)      1x128 x 1x128
+#               scale_a (MB, KB) and scale_b (KB, N)     128x128 x 1x128
+# Tensorwise and rowwise share one kernel family: the fp8 ct.mma (QGMMA on sm_90) accumulates
+# the whole K in float32 and the epilogue multiplies row and column scales (tensorwise scales
+# are vectors of one). Block scaling promotes as DeepSeek-V3 does: each 128-K slice's
+# product starts from a zero float32 tile and is added to the main accumulator times its
+# scale_a * scale_b, so the tensor cores never sum more than 128 products.
+#
+# cuTile's mma takes only equal operand dtypes (e4m3 x e5m2 is a TileTypeError), so a mixed pair
+# is widened to float16 in registers (exact for both fp8 formats) and multiplied there.
+#
+# No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
+from types import SimpleNamespace
+
+import cuda.tile as ct
+import torch
+
+from tiletune import validate
+from tiletune.autotune import Autotuner, Work, bucket
+from tiletune.device import arch as device_arch
+from tiletune.device import major, persistent_ctas
+from tiletune.ops.matmul import layout, tile_coords
+from tiletune.space import cdiv, next_pow2, table
+
+ZERO = ct.PaddingMode.ZERO
+# Scale math rounds to nearest even, as torch's float32 division does: RoundingMode.FULL is
+# div.full.f32 (MUFU.RCP and a multiply, up to 2 ulp off; read in the sm_90 SASS), which would
+# break the quantizers' bit-exact match with the torch reference.
+RN = ct.RoundingMode.RN
+BLOCK = 128                      # the K (and M/N) extent of one block scale
+AMAX_EPS = 1e-12                 # an all-zero group still gets a finite, non-zero scale
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+GRANULARITIES = ("tensor", "row", "block1x128", "block128x128")
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM kernels. a (M, K) row-major, b (K, N) either major, c (M, N) any strides; every tile
+# load pads with zeros (ragged M, N, K), every store drops what falls outside c.
+
+def _mma(at, bt, acc, FAST_ACC, WIDEN):
+    """acc + at @ bt in float32; WIDEN: operands of different fp8 formats, multiplied as
+    float16 (which holds both exactly)."""
+    if WIDEN:
+        acc = ct.mma(at.astype(ct.float16), bt.astype(ct.float16), acc)
+    else:
+        acc = ct.mma(at, bt, acc, use_fast_acc=FAST_ACC)
+    return acc
+
+
+def _scaled_tile(a, b, sa, sb, m, n, TM, TN, TK, FAST_ACC, WIDEN):
+    """(a @ b)[m-tile, n-tile] * sa[rows, None] * sb[None, cols]: sa (M,) and sb (N,) float32
+    (rowwise), or (1,) each (tensorwise: every index clamps to 0)."""
+    acc = ct.zeros((TM, TN), ct.float32)
+    for kk in range(ct.cdiv(a.shape[1], TK)):
+        at = ct.load(a, (m, kk), (TM, TK), padding_mode=ZERO)
+        bt = ct.load(b, (kk, n), (TK, TN), padding_mode=ZERO)
+        acc = _mma(at, bt, acc, FAST_ACC, WIDEN)
+    rows = ct.minimum(m * TM + ct.arange(TM, dtype=ct.int32), sa.shape[0] - 1)
+    cols = ct.minimum(n * TN + ct.arange(TN, dtype=ct.int32), sb.shape[0] - 1)
+    return acc * ct.gather(sa, rows)[:, None] * ct.gather(sb, cols)[None, :]
+
+
+@ct.kernel
+def fp8_mm_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[int],
+                  TK: ct.Constant[int], GROUP_M: ct.Constant[int],
+                  FAST_ACC: ct.Constant[bool], WIDEN: ct.Constant[bool]):
+    """Tensorwise / rowwise: one CTA per output tile, grouped tile order; grid (tiles,)."""
+    m, n = tile_coords(ct.bid(0), ct.cdiv(a.shape[0], TM), ct.cdiv(b.shape[1], TN), GROUP_M)
+    out = _scaled_tile(a, b, sa, sb, m, n, TM, TN, TK, FAST_ACC, WIDEN)
+    ct.store(c, (m, n), out.astype(c.dtype))
+
+
+@ct.kernel
+def fp8_mm_persistent_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[int],
+                             TK: ct.Constant[int], GROUP_M: ct.Constant[int],
+                             FAST_ACC: ct.Constant[bool], WIDEN: ct.Constant[bool]):
+    """The same on SMs x occupancy CTAs, each walking output tiles in grouped order."""
+    num_m = ct.cdiv(a.shape[0], TM)
+    num_n = ct.cdiv(b.shape[1], TN)
+    for t in range(ct.bid(0), num_m * num_n, ct.num_blocks(0)):
+        m, n = tile_coords(t, num_m, num_n, GROUP_M)
+        out = _scaled_tile(a, b, sa, sb, m, n, TM, TN, TK, FAST_ACC, WIDEN)
+        ct.store(c, (m, n), out.astype(c.dtype))
+
+
+def _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, WIDEN):
+    """sum over 128-K blocks kb of (a @ b)[tile, kb] * sa[row // A_GROUP, kb] *
+    sb[kb, col // B_GROUP], each block's product promoted to the float32 accumulator.
+    A K not a multiple of 128 ends in a partial block (zero padding): no block is wholly
+    outside a, so no load is out of bounds."""
+    rows = m * TM + ct.arange(TM, dtype=ct.int32)
+    a_rows = rows // A_GROUP
+    acc = ct.zeros((TM, TN), ct.float32)
+    for kb in range(ct.cdiv(a.shape[1], BLOCK)):
+        at = ct.load(a, (m, kb), (TM, BLOCK), padding_mode=ZERO)
+        bt = ct.load(b, (kb, n), (BLOCK, TN), padding_mode=ZERO)
+        part = _mma(at, bt, ct.zeros((TM, TN), ct.float32), FAST_ACC, WIDEN)
+        s = ct.gather(sa, (a_rows, kb))[:, None]
+        if ct.static_eval(B_GROUP >= TN):
+            # the tile lies in one column block: one scale_b, one FMA per element
+            s = s * ct.gather(sb, (kb, (n * TN) // B_GROUP))
+        else:
+            cols = n * TN + ct.arange(TN, dtype=ct.int32)
+            s = s * ct.gather(sb, (kb, cols // B_GROUP))[None, :]
+        acc = acc + part * s
+    return acc
+
+
+@ct.kernel
+def fp8_mm_block_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[int],
+                        GROUP_M: ct.Constant[int], A_GROUP: ct.Constant[int],
+                        B_GROUP: ct.Constant[int], FAST_ACC: ct.Constant[bool],
+                        WIDEN: ct.Constant[bool]):
+    """Block scaling, one CTA per output tile. sa (M or cdiv(M, 128), cdiv(K, 128)) and sb
+    (cdiv(K, 128), cdiv(N, 128) or N), any strides; A_GROUP / B_GROUP: rows / columns per
+    scale (1 or 128)."""
+    m, n = tile_coords(ct.bid(0), ct.cdiv(a.shape[0], TM), ct.cdiv(b.shape[1], TN), GROUP_M)
+    acc = _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, WIDEN)
+    ct.store(c, (m, n), acc.astype(c.dtype))
+
+
+@ct.kernel
+def fp8_mm_block_persistent_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[int],
+                                   GROUP_M: ct.Constant[int], A_GROUP: ct.Constant[int],
+                                   B_GROUP: ct.Constant[int], FAST_ACC: ct.Constant[bool],
+                                   WIDEN: ct.Constant[bool]):
+    """Block scaling on a persistent grid."""
+    num_m = ct.cdiv(a.shape[0], TM)
+    num_n = ct.cdiv(b.shape[1], TN)
+    for t in range(ct.bid(0), num_m * num_n, ct.num_blocks(0)):
+        m, n = tile_coords(t, num_m, num_n, GROUP_M)
+        acc = _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, WIDEN)
+        ct.store(c, (m, n), acc.astype(c.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizer kernels. x (M, K) bf16/fp16/fp32, any strides; q (M, K) float8. Each group's scale
+# is max(amax, 1e-12) / fp8_max and q = clamp(x / scale, -fp8_max, fp8_max) cast with round to
+# nearest even: the very operations of quantize_fp8_reference, in float32, NaN propagating as
+# torch's amax and clamp propagate it (bit-exact against it).
+
+def _fp8_scale(amax, fp8_max):
+    return ct.truediv(ct.maximum(amax, AMAX_EPS, propagate_nan=True), fp8_max, rounding_mode=RN)
+
+
+def _fp8_cast(xf, scale, fp8_max, dtype):
+    y = ct.truediv(xf, scale, rounding_mode=RN)
+    y = ct.minimum(ct.maximum(y, -fp8_max, propagate_nan=True), fp8_max, propagate_nan=True)
+    return y.astype(dtype)
+
+
+def _abs_max(t, axis):
+    return ct.max(ct.abs(t), axis, keepdims=True, propagate_nan=True)
+
+
+@ct.kernel
+def quantize_rows_kernel(x, q, s, fp8_max, TR: ct.Constant[int], TC: ct.Constant[int],
+                         ONE_PASS: ct.Constant[bool]):
+    """Rowwise: s (M, 1). TR rows per CTA; ONE_PASS: the row fits one TC-wide tile (read
+    once), else the row is read twice, TC columns at a time (amax, then quantize)."""
+    r = ct.bid(0)
+    if ONE_PASS:
+        xt = ct.load(x, (r, 0), (TR, TC), padding_mode=ZERO).astype(ct.float32)
+        scale = _fp8_scale(_abs_max(xt, 1), fp8_max)
+        ct.store(q, (r, 0), _fp8_cast(xt, scale, fp8_max, q.dtype))
+    else:
+        chunks = ct.cdiv(x.shape[1], TC)
+        amax = ct.zeros((TR, 1), ct.float32)
+        for c in range(chunks):
+            xt = ct.load(x, (r, c), (TR, TC), padding_mode=ZERO).astype(ct.float32)
+            amax = ct.maximum(amax, _abs_max(xt, 1), propagate_nan=True)
+        scale = _fp8_scale(amax, fp8_max)
+        for c in range(chunks):
+            xt = ct.load(x, (r, c), (TR, TC), padding_mode=ZERO).astype(ct.float32)
+            ct.store(q, (r, c), _fp8_cast(xt, scale, fp8_max, q.dtype))
+    ct.store(s, (r, 0), scale)
+
+
+@ct.kernel
+def quantize_1x128_kernel(x, q, s_t, fp8_max, TR: ct.Constant[int], G: ct.Constant[int]):
+    """1x128 blocks: a (TR, G * 128) tile per CTA, grid (cdiv(M, TR), cdiv(K, G * 128)).
+    s_t (cdiv(K, 128), M): the scales stored M-major, as torch._scaled_mm takes scale_a."""
+    r = ct.bid(0)
+    c = ct.bid(1)
+    xt = ct.load(x, (r, c), (TR, G * BLOCK), padding_mode=ZERO).astype(ct.float32)
+    x3 = ct.reshape(xt, (TR, G, BLOCK))
+    scale = _fp8_scale(_abs_max(x3, 2), fp8_max)                      # (TR, G, 1)
+    qt = _fp8_cast(x3, scale, fp8_max, q.dtype)
+    ct.store(q, (r, c), ct.reshape(qt, (TR, G * BLOCK)))
+    ct.store(s_t, (c, r), ct.transpose(ct.reshape(scale, (TR, G))))
+
+
+@ct.kernel
+def quantize_128x128_kernel(x, q, s, fp8_max, G: ct.Constant[int]):
+    """128x128 blocks: a (128, G * 128) tile per CTA; s (cdiv(M, 128), cdiv(K, 128))."""
+    r = ct.bid(0)
+    c = ct.bid(1)
+    xt = ct.load(x, (r, c), (BLOCK, G * BLOCK), padding_mode=ZERO).astype(ct.float32)
+    x3 = ct.reshape(xt, (BLOCK, G, BLOCK))
+    scale = _fp8_scale(_abs_max(x3, (0, 2)), fp8_max)                 # (1, G, 1)
+    qt = _fp8_cast(x3, scale, fp8_max, q.dtype)
+    ct.store(q, (r, c), ct.reshape(qt, (BLOCK, G * BLOCK)))
+    ct.store(s, (r, c), ct.reshape(scale, (1, G)))
+
+
+@ct.kernel
+def amax_kernel(x, amax_bits, TR: ct.Constant[int], TC: ct.Constant[int]):
+    """Tensorwise, first launch: amax_bits[0] = max over all tiles of |x|, as the int32 bits of
+    the float32 (cuTile has no float atomic max; for floats >= 0, NaN included, the bit
+    patterns order as the values). amax_bits starts at 0 (= +0.0)."""
+    xt = ct.load(x, (ct.bid(0), ct.bid(1)), (TR, TC), padding_mode=ZERO).astype(ct.float32)
+    m = ct.max(ct.abs(xt), propagate_nan=True)
+    ct.atomic_max(amax_bits, 0, ct.bitcast(m, ct.int32))
+
+
+@ct.kernel
+def quantize_tensor_kernel(x, amax_bits, q, s, fp8_max, TR: ct.Constant[int],
+                           TC: ct.Constant[int]):
+    """Tensorwise, second launch: one scale from amax_bits; CTA (0, 0) writes it to s (1,)."""
+    scale = _fp8_scale(ct.bitcast(ct.gather(amax_bits, 0), ct.float32), fp8_max)
+    xt = ct.load(x, (ct.bid(0), ct.bid(1)), (TR, TC), padding_mode=ZERO).astype(ct.float32)
+    ct.store(q, (ct.bid(0), ct.bid(1)), _fp8_cast(xt, scale, fp8_max, q.dtype))
+    if ct.bid(0) + ct.bid(1) == 0:
+        ct.scatter(s, 0, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM configs: each sm_90 space holds only tiles whose sm_90 SASS (tileiras 13.4) keeps the
+# accumulators in registers without spilling; the defaults are a safe middle, and the first H100
+# searches beat them by 1.1x (rowwise) and 1.5x (block) at 4096^3 (BENCHMARKS.md). The spill pattern depends on
+# the accumulation mode: exact accumulation (use_fast_acc=False) keeps a second float32 tile for
+# its own promotion, so exact-mode 128x256 / 256x128 tiles per CTA, 4-warp 128x128 and
+# 4-warp occupancy-2 128x128 spill while fast mode does not; block scaling adds the per-block
+# product tile, and there fast mode spills at 8-warp 128x128 (alone or as a cluster) and 4-warp
+# 64x128. Each mode therefore has its own space (the mode is in the key: a search never mixes
+# them). K tiles are 128 fp8 elements (128-byte rows); block scaling's K tile is the block.
+
+FIELDS = ("tm", "tn", "tk", "occupancy", "num_ctas", "num_worker_warps", "persistent")
+SM90_EXACT = [
+    (128, 128, 128, 1, 1, 8, False),          # the default
+    (128, 128, 128, 1, 1, 8, True),
+    (256, 128, 128, 1, 2, 8, False),          # a 2-CTA cluster of 8-warp CTAs
+    (256, 128, 128, 1, 2, 8, True),
+    (128, 256, 128, 1, 2, 8, False),
+    (64, 256, 128, 1, 1, 8, False),
+    (64, 128, 128, 1, 1, None, False),
+    (64, 128, 128, 2, 1, None, True),
+    (128, 64, 128, 2, 1, None, False),
+    (64, 64, 128, 2, 1, None, False),
+]
+SM90_FAST = [
+    (128, 128, 128, 1, 1, 8, False),          # the default
+    (128, 128, 128, 1, 1, 8, True),
+    (128, 128, 128, 2, 1, None, False),
+    (128, 256, 128, 1, 1, 8, False),
+    (128, 256, 128, 1, 1, 8, True),
+    (256, 128, 128, 1, 1, 8, True),
+    (256, 256, 128, 1, 2, 8, False),          # 128x256 per CTA, pairs in a cluster
+    (256, 256, 128, 1, 2, 8, True),
+    (64, 128, 128, 1, 1, None, False),
+    (64, 128, 128, 2, 1, None, True),
+    (64, 256, 128, 1, 1, None, False),
+    (64, 64, 128, 2, 1, None, False),
+]
+SM90_BLOCK_EXACT = [
+    (128, 128, 128, 1, 1, 8, False),          # the default
+    (128, 128, 128, 1, 1, 8, True),
+    (256, 128, 128, 1, 2, 8, False),
+    (256, 128, 128, 1, 2, 8, True),
+    (128, 256, 128, 1, 2, 8, False),
+    (64, 256, 128, 1, 1, 8, False),
+    (64, 128, 128, 1, 1, None, False),
+    (64, 128, 128, 2, 1, None, True),
+    (128, 64, 128, 1, 1, None, False),
+    (64, 64, 128, 2, 1, None, False),
+]
+SM90_BLOCK_FAST = [
+    (64, 256, 128, 1, 1, 8, False),           # the default
+    (64, 256, 128, 1, 1, 8, True),
+    (128, 256, 128, 1, 2, 8, False),
+    (64, 128, 128, 1, 1, 8, False),
+    (128, 64, 128, 1, 1, 8, False),
+    (128, 64, 128, 2, 1, None, True),
+    (64, 64, 128, 2, 1, None, False),
+]
+# sm_100 (compile-checked only; cuTile ignores use_fast_acc there, so one space serves both
+# modes): accumulators live in tensor memory; 4-warp tiles and a 4-warp cluster.
+SM100_SPACE = [(128, 128, 128, 1, 1, None, False), (128, 128, 128, 1, 1, None, True),
+               (128, 256, 128, 1, 1, None, False), (256, 256, 128, 1, 2, None, False),
+               (64, 128, 128, 2, 1, None, True), (64, 64, 128, 2, 1, None, False)]
+SM100_BLOCK_SPACE = [(128, 128, 128, 1, 1, None, False), (128, 128, 128, 1, 1, None, True),
+                     (256, 128, 128, 1, 2, None, False), (64, 128, 128, 2, 1, None, True),
+                     (64, 64, 128, 2, 1, None, False)]
+# Anything else cuTile takes fp8 on (sm_12x: less shared memory, no wgmma): a conservative pair.
+OTHER_SPACE = [(128, 128, 128, 1, 1, None, False), (64, 128, 128, 1, 1, None, False)]
+
+
+def _gemm_space(arch, m, sm90, sm100):
+    """The arch's table; tiles taller than the rows there are (next power of two, at least 64)
+    are mostly padding and are left out, except the default."""
+    mj = major(arch)
+    rows = sm90 if mj == 9 else sm100 if mj == 10 else OTHER_SPACE
+    tall = max(64, next_pow2(m))
+    return [r for i, r in enumerate(rows) if i == 0 or r[0] <= tall]
+
+
+def fp8_configs(arch, m, n, k, fast=False):
+    """The tensorwise / rowwise space for (m, k) @ (k, n) on `arch` in one accumulation mode
+    (fast: use_fast_acc), default first."""
+    yield from table(FIELDS, _gemm_space(arch, m, SM90_FAST if fast else SM90_EXACT,
+                                         SM100_SPACE), group_m=8)
+
+
+def fp8_block_configs(arch, m, n, k, fast=False):
+    """The block-scaling space, default first (tk is the block, 128)."""
+    yield from table(FIELDS, _gemm_space(arch, m, SM90_BLOCK_FAST if fast else SM90_BLOCK_EXACT,
+                                         SM100_BLOCK_SPACE), group_m=8)
+
+
+def _gemm_kernel(cfg):
+    return fp8_mm_persistent_kernel if cfg.persistent else fp8_mm_kernel
+
+
+def _block_kernel(cfg):
+    return fp8_mm_block_persistent_kernel if cfg.persistent else fp8_mm_block_kernel
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizer configs: memory-bound tiles of 4-16k elements; the default first.
+
+def row_configs(arch, m, k):
+    """(tr, tc, one_pass): TR rows per CTA, TC columns per tile; one_pass where a row fits one
+    tile (read once), else the row is read twice in TC-wide chunks."""
+    whole = next_pow2(k)
+    rows = []
+    if whole <= 8192:
+        rows += [(max(1, min(16, 4096 // whole)), whole), (max(1, min(32, 8192 // whole)), whole),
+                 (max(1, min(64, 16384 // whole)), whole)]
+    rows += [(4, 1024), (2, 2048), (8, 1024), (1, 4096)]
+    seen = []
+    for r in rows:
+        if r not in seen and r[1] <= whole:
+            seen.append(r)
+    yield from table(("tr", "tc", "one_pass"), [(tr, tc, k <= tc) for tr, tc in seen])
+
+
+def block1x128_configs(arch, m, k):
+    """(tr, g): TR rows x G blocks of 128 columns per CTA."""
+    blocks = cdiv(k, BLOCK)
+    rows = [(16, 2), (8, 4), (32, 1), (4, 8), (16, 4), (64, 1)]
+    yield from table(("tr", "g"), [r for i, r in enumerate(rows) if i == 0 or r[1] <= blocks])
+
+
+def block128x128_configs(arch, m, k):
+    """(g, num_worker_warps): a 128 x (G * 128) tile per CTA (G = 2, 256 float32 columns per
+    row of the tile, compiled 5x slower and is left out)."""
+    yield from table(("g", "num_worker_warps"), [(1, 8), (1, None)])
+
+
+def tensor_configs(arch, m, k):
+    """(tr, tc) tiles of the amax and quantize launches."""
+    rows = [(16, 512), (8, 1024), (32, 256), (4, 2048), (16, 1024)]
+    whole = max(next_pow2(k), 128)
+    yield from table(("tr", "tc"), [r for i, r in enumerate(rows) if i == 0 or r[1] <= whole])
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch. GEMM inputs: a (M, K), b (K, N), sa, sb, c (M, N), then the constants the key holds:
+# fast (use_fast_acc), widen (mixed fp8 formats) and, for block scaling, the rows / columns per
+# scale of a and b.
+
+def _grid(cfg, dev, a, b, sa, sb, c, *flags):
+    tiles = cdiv(a.shape[0], cfg.tm) * cdiv(b.shape[1], cfg.tn)
+    if cfg.persistent:     # the grid counts clusters of num_ctas CTAs (one per logical tile)
+        return (persistent_ctas(tiles, dev, cfg.occupancy, cfg.num_ctas),)
+    return (tiles,)
+
+
+def _args(cfg, a, b, sa, sb, c, fast, widen):
+    return (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, fast, widen)
+
+
+def _block_args(cfg, a, b, sa, sb, c, fast, widen, a_group, b_group):
+    return (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.group_m, a_group, b_group, fast, widen)
+
+
+def _gemm_work(a, b, sa, sb, c, *flags):
+    return Work(flops=2.0 * a.shape[0] * a.shape[1] * b.shape[1])
+
+
+def _gemm_space_args(a, b, sa, sb, c, fast, *rest):
+    return dict(m=bucket(a.shape[0]), n=b.shape[1], k=a.shape[1], fast=fast)
+
+
+_DEFAULT = SimpleNamespace(tm=128, tn=128, tk=128, occupancy=1, num_ctas=1, persistent=False,
+                           group_m=8)
+_scaled_tuner = Autotuner("fp8_mm", _gemm_kernel, fp8_configs, default=_DEFAULT,
+                          space=_gemm_space_args, grid=_grid, args=_args, work=_gemm_work)
+_block_tuner = Autotuner("fp8_mm_block", _block_kernel, fp8_block_configs, default=_DEFAULT,
+                          space=_gemm_space_args, grid=_grid, args=_block_args, work=_gemm_work)
+
+
+# Quantizer inputs: x, q, scales (and amax bits for tensorwise), fp8_max.
+
+def _quant_space(x, *rest):
+    return dict(m=bucket(x.shape[0]), k=x.shape[1])
+
+
+def _quant_work(x, q, *rest):
+    return Work(bytes=float(x.numel() * (x.element_size() + 1)))
+
+
+def _tile_grid(cfg, dev, x, *rest):
+    return (cdiv(x.shape[0], cfg.tr), cdiv(x.shape[1], cfg.tc))
+
+
+def _row_grid(cfg, dev, x, q, s, fp8_max):
+    return (cdiv(x.shape[0], cfg.tr),)
+
+
+def _row_args(cfg, x, q, s, fp8_max):
+    return (x, q, s, fp8_max, cfg.tr, cfg.tc, cfg.one_pass)
+
+
+def _1x128_grid(cfg, dev, x, q, s_t, fp8_max):
+    return (cdiv(x.shape[0], cfg.tr), cdiv(x.shape[1], cfg.g * BLOCK))
+
+
+def _1x128_args(cfg, x, q, s_t, fp8_max):
+    return (x, q, s_t, fp8_max, cfg.tr, cfg.g)
+
+
+def _128x128_grid(cfg, dev, x, q, s, fp8_max):
+    return (cdiv(x.shape[0], BLOCK), cdiv(x.shape[1], cfg.g * BLOCK))
+
+
+def _128x128_args(cfg, x, q, s, fp8_max):
+    return (x, q, s, fp8_max, cfg.g)
+
+
+def _amax_args(cfg, x, bits):
+    return (x, bits, cfg.tr, cfg.tc)
+
+
+def _tensor_args(cfg, x, bits, q, s, fp8_max):
+    return (x, bits, q, s, fp8_max, cfg.tr, cfg.tc)
+
+
+_quantize_row = Autotuner("quantize_fp8_row", quantize_rows_kernel, row_configs,
+                          default=SimpleNamespace(tr=4, tc=1024, one_pass=False),
+                          space=_quant_space, grid=_row_grid, args=_row_args, work=_quant_work)
+_quantize_1x128 = Autotuner("quantize_fp8_1x128", quantize_1x128_kernel, block1x128_configs,
+                            default=SimpleNamespace(tr=16, g=2), space=_quant_space,
+                            grid=_1x128_grid, args=_1x128_args, work=_quant_work)
+_quantize_128x128 = Autotuner("quantize_fp8_128x128", quantize_128x128_kernel,
+                              block128x128_configs, default=SimpleNamespace(g=1),
+                              space=_quant_space, grid=_128x128_grid, args=_128x128_args,
+                              work=_quant_work)
+# The amax launch accumulates with an atomic max, which a search may repeat: max is idempotent.
+_tensor_amax = Autotuner("quantize_fp8_amax", amax_kernel, tensor_configs,
+                         default=SimpleNamespace(tr=16, tc=512), space=_quant_space,
+                         grid=_tile_grid, args=_amax_args,
+                         work=lambda x, bits: Work(bytes=float(x.numel() * x.element_size())))
+_quantize_tensor = Autotuner("quantize_fp8_tensor", quantize_tensor_kernel, tensor_configs,
+                             default=SimpleNamespace(tr=16, tc=512), space=_quant_space,
+                             grid=_tile_grid, args=_tensor_args, work=_quant_work)
+TUNERS = (_scaled_tuner, _block_tuner, _quantize_row, _quantize_1x128, _quantize_128x128,
+          _tensor_amax, _quantize_tensor)
+
+
+def launch(mode, a, b, sa, sb, c, fast, a_group=1, b_group=1):
+    """c = a @ b scaled (a (M, K) row-major, b (K, N) either major). mode "row": sa (M,) and
+    sb (N,); "tensor": (1,) and (1,); "block": the 2-D scales with a_group / b_group rows /
+    columns per scale. fast: use_fast_acc (off where the formats differ: the float16 path has
+    none). The key holds the mode, M's bucket, N, K, the dtypes, b's layout and fast."""
+    widen = a.dtype != b.dtype
+    fast = bool(fast) and not widen
+    dev = a.get_device()
+    M, K = a.shape
+    if mode == "block":
+        key = ("block", a_group, b_group, bucket(M), b.shape[1], K, a.dtype, b.dtype, layout(b),
+               c.dtype, fast, dev)
+        _block_tuner.launch(key, dev, a, b, sa, sb, c, fast, widen, a_group, b_group)
+    else:
+        key = (mode, bucket(M), b.shape[1], K, a.dtype, b.dtype, layout(b), c.dtype, fast, dev)
+        _scaled_tuner.launch(key, dev, a, b, sa, sb, c, fast, widen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: checks in the order types, shapes, dtypes, scales, devices, arch (everything but
+# the device can be checked on CPU tensors).
+
+def _scaling(M, N, K, scale_a, scale_b):
+    """(mode, a_group, b_group) from the scales' shapes, as torch._scaled_mm reads them (in its
+    order: where two modes' shapes coincide, so do their meanings); else a ValueError listing
+    the shapes each mode needs."""
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        return "tensor", 1, 1
+    kb, mb, nb = cdiv(K, BLOCK), cdiv(M, BLOCK), cdiv(N, BLOCK)
+    sa, sb = tuple(scale_a.shape), tuple(scale_b.shape)
+    if scale_a.dim() == 2 and scale_b.dim() == 2:
+        if sa == (M, 1) and sb == (1, N):
+            return "row", 1, 1
+        if sa == (M, kb) and sb == (kb, nb):
+            return "block", 1, BLOCK
+        if sa == (M, kb) and sb == (kb, N):
+            return "block", 1, 1
+        if sa == (mb, kb) and sb == (kb, N):
+            return "block", BLOCK, 1
+    raise ValueError(
+        f"fp8_mm: scale_a {sa} and scale_b {sb} match no scaling mode for a ({M}, {K}) @ b "
+        f"({K}, {N}): tensorwise takes one element each; rowwise ({M}, 1) and (1, {N}); block "
+        f"({M}, {kb}) with ({kb}, {nb}) or ({kb}, {N}), or ({mb}, {kb}) with ({kb}, {N})")
+
+
+def _check(a, b, scale_a, scale_b, out_dtype, fast_accum):
+    """The scaling (mode, a_group, b_group), or a TypeError / ValueError naming the argument."""
+    for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fp8_mm: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"fp8_mm: a and b must be 2-D (a (M, K), b (K, N)), got {a.dim()}-D "
+                         f"and {b.dim()}-D")
+    names = ", ".join(str(d).replace("torch.", "") for d in FP8_DTYPES)
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype not in FP8_DTYPES:
+            raise TypeError(f"fp8_mm: {name} dtype {t.dtype} is not supported ({names})")
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        raise TypeError("fp8_mm: a and b are both float8_e5m2; e5m2 is allowed for one operand "
+                        "only (as torch._scaled_mm)")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"fp8_mm: inner dims differ: a {tuple(a.shape)} @ b {tuple(b.shape)}")
+    M, K = a.shape
+    N = b.shape[1]
+    if K % 16:
+        raise ValueError(f"fp8_mm: K (a.shape[1] = b.shape[0]) must be a multiple of 16, got {K}")
+    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"fp8_mm: {name} must be float32, got {t.dtype}")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"fp8_mm: out_dtype {out_dtype} is not supported (bfloat16, float16, "
+                        "float32)")
+    if not isinstance(fast_accum, bool):
+        raise TypeError(f"fp8_mm: fast_accum must be a bool, got {type(fast_accum).__name__}")
+    scaling = _scaling(M, N, K, scale_a, scale_b)
+    for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
+        validate.tensor("fp8_mm", name, t, device=a.device, dtypes=(*FP8_DTYPES, torch.float32))
+    return scaling
+
+
+def _check_arch(op, name, t):
+    """Below sm_90: ValueError. Checked where the kernels launch (eagerly, or inside the custom
+    op under torch.compile, whose trace should not read device properties)."""
+    arch = device_arch(t.device)
+    if major(arch) < 9:
+        raise ValueError(f"{op}: FP8 needs compute capability 9.0 or newer (cuTile 1.7 compiles "
+                         f"no float8 below sm_90, Ada's sm_89 included); {name} is on "
+                         f"{t.device}, {arch}")
+
+
+def _check_out(out, M, N, out_dtype, a, inputs):
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"fp8_mm: out must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != (M, N):
+        raise ValueError(f"fp8_mm: out has shape {tuple(out.shape)} but the result is {(M, N)}")
+    if out.dtype != out_dtype:
+        raise TypeError(f"fp8_mm: out dtype {out.dtype} differs from out_dtype {out_dtype}")
+    if out.device != a.device:
+        raise ValueError(f"fp8_mm: out is on {out.device} but the inputs are on {a.device}")
+    if validate.self_overlaps(out):
+        raise ValueError(f"fp8_mm: out {tuple(out.shape)} with strides {out.stride()} has "
+                         "elements that share memory")
+    for name, t in inputs.items():
+        if validate.overlaps(out, t):
+            raise ValueError(f"fp8_mm: out overlaps {name} in memory")
+
+
+def _operands(a, b):
+    """a row-major; b column-major (b_nk.t(), as torch._scaled_mm takes it) or row-major, both
+    served in place; any other layout is copied to column-major."""
+    if a.stride(1) != 1 and a.shape[1] > 1:
+        a = a.contiguous()
+    if layout(b) == "strided":
+        b = b.t().contiguous().t()
+    return a, b
+
+
+def _scale_vectors(mode, scale_a, scale_b, M, N):
+    """Tensorwise and rowwise scales as 1-D views: (1,) and (1,), or (M,) and (N,)."""
+    if mode == "tensor":
+        return scale_a.reshape(1), scale_b.reshape(1)
+    return scale_a.reshape(M), scale_b.reshape(N)
+
+
+def _fp8_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, out, scaling):
+    _check_arch("fp8_mm", "a", a)
+    mode, a_group, b_group = scaling
+    M, K = a.shape
+    N = b.shape[1]
+    c = out if out is not None else torch.empty((M, N), device=a.device, dtype=out_dtype)
+    if c.numel() == 0:
+        return c
+    if K == 0:
+        return c.zero_()
+    a, b = _operands(a, b)
+    if mode == "block":
+        launch("block", a, b, scale_a, scale_b, c, fast_accum, a_group, b_group)
+    else:
+        sa, sb = _scale_vectors(mode, scale_a, scale_b, M, N)
+        launch(mode, a, b, sa, sb, c, fast_accum)
+    return c
+
+
+# torch.compile(fullgraph=True) sees one custom op (no gradient: torch._scaled_mm has none).
+@torch.library.custom_op("tiletune::fp8_mm", mutates_args=(),
+                         schema="(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
+                                "ScalarType out_dtype, bool fast_accum) -> Tensor")
+def _fp8_mm_op(a, b, scale_a, scale_b, out_dtype, fast_accum):
+    scaling = _scaling(a.shape[0], b.shape[1], a.shape[1], scale_a, scale_b)
+    return _fp8_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, None, scaling)
+
+
+@_fp8_mm_op.register_fake
+def _(a, b, scale_a, scale_b, out_dtype, fast_accum):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def fp8_mm(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, fast_accum=False, out=None):
+    """torch._scaled_mm's FP8 GEMM: out = (a * scale_a) @ (b * scale_b), float32 accumulation,
+    returned in out_dtype (bfloat16, float16 or float32).
+
+    a (M, K) and b (K, N) are float8_e4m3fn, or one of them float8_e5m2 (gradients); two e5m2
+    operands are refused, as torch refuses them. A mixed pair is multiplied as float16 (exact
+    products, float32 sums) at about half the fp8 rate. K must be a multiple of 16; M and N are
+    free. Layouts served without copies: a row-major, b column-major (b_nk.t(), what
+    torch._scaled_mm wants) or row-major; a in any other layout is copied to row-major, b to
+    column-major.
+
+    The scaling mode comes from the scales' shapes (float32, any strides), as torch reads them:
+    tensorwise: one element each; rowwise: scale_a (M, 1), scale_b (1, N); block:
+    scale_a (M, cdiv(K, 128)) (DeepSeek's 1x128 activations; M-major as torch wants it, or
+    K-major) with scale_b (cdiv(K, 128), cdiv(N, 128)) (128x128 weights) or (cdiv(K, 128), N)
+    (1x128), or scale_a (cdiv(M, 128), cdiv(K, 128)) with scale_b (cdiv(K, 128), N). Block
+    scaling multiplies each 128-K block's product by its scales in float32 (promotion every
+    128 K); a K that is not a multiple of 128 ends in a partial block, zero-padded (the scales
+    still have cdiv(K, 128) columns).
+
+    fast_accum: cuTile's `ct.mma(..., use_fast_acc=True)`, Hopper's fast FP8 accumulation
+    (fewer accumulator bits, higher throughput), only when asked; False accumulates in full
+    float32. The two modes never share a tuning key. It has no effect for a mixed e4m3/e5m2
+    pair (float16 path) or off Hopper (cuTile ignores it there).
+
+    `out`, if given, receives the result: exactly (M, N), out_dtype, on a's device, not
+    overlapping an input. Needs compute capability 9.0 or newer (ValueError below). Not
+    differentiable (see the FP8 linear for training). Works under torch.compile(fullgraph=True).
+    """
+    scaling = _check(a, b, scale_a, scale_b, out_dtype, fast_accum)
+    M, N = a.shape[0], b.shape[1]
+    if out is not None:
+        _check_out(out, M, N, out_dtype, a, {"a": a, "b": b, "scale_a": scale_a,
+                                             "scale_b": scale_b})
+    if torch.compiler.is_compiling():
+        c = _fp8_mm_op(a, b, scale_a, scale_b, out_dtype, fast_accum)
+        return c if out is None else out.copy_(c)
+    return _fp8_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, out, scaling)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizers.
+
+def quantize_fp8_reference(x, granularity="tensor", dtype=torch.float8_e4m3fn):
+    """The torch definition quantize_fp8 matches bit for bit: per group (the whole tensor, a
+    row, 1x128 or 128x128 elements; partial groups at the edges), amax = max |x| in float32,
+    scale = max(amax, 1e-12) / fp8_max, q = clamp(x / scale, -fp8_max, fp8_max) cast to `dtype`
+    (round to nearest even). Returns (q, scale) in quantize_fp8's layouts. Divisions are
+    tensor / tensor: torch divides a CUDA tensor by a Python number as a multiplication by its
+    reciprocal, which is not the same rounding."""
+    fp8_max = torch.finfo(dtype).max
+    M, K = x.shape
+    xf = x.float()
+    if granularity == "tensor":
+        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
+        scale = _reference_scale(amax, fp8_max)
+        return _reference_cast(xf, scale, fp8_max, dtype), scale
+    if granularity == "row":
+        amax = xf.abs().amax(1, keepdim=True) if K else xf.new_zeros((M, 1))
+        scale = _reference_scale(amax, fp8_max)
+        return _reference_cast(xf, scale, fp8_max, dtype), scale
+    kb, mb = cdiv(K, BLOCK), cdiv(M, BLOCK)
+    if granularity == "block1x128":
+        padded = torch.nn.functional.pad(xf, (0, kb * BLOCK - K))
+        amax = padded.view(M, kb, BLOCK).abs().amax(2) if M * kb else xf.new_zeros((M, kb))
+        scale = _reference_scale(amax, fp8_max)
+        full = scale.repeat_interleave(BLOCK, 1)[:, :K]
+        return _reference_cast(xf, full, fp8_max, dtype), scale.t().contiguous().t()
+    if granularity == "block128x128":
+        padded = torch.nn.functional.pad(xf, (0, kb * BLOCK - K, 0, mb * BLOCK - M))
+        amax = (padded.view(mb, BLOCK, kb, BLOCK).abs().amax((1, 3)) if mb * kb
+                else xf.new_zeros((mb, kb)))
+        scale = _reference_scale(amax, fp8_max)
+        full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:M, :K]
+        return _reference_cast(xf, full, fp8_max, dtype), scale
+    raise ValueError(f"quantize_fp8_reference: granularity must be one of {GRANULARITIES}, got "
+                     f"{granularity!r}")
+
+
+def _reference_scale(amax, fp8_max):
+    return torch.div(amax.clamp(min=AMAX_EPS), torch.full_like(amax, fp8_max))
+
+
+def _reference_cast(xf, scale, fp8_max, dtype):
+    return torch.div(xf, scale).clamp(-fp8_max, fp8_max).to(dtype)
+
+
+def _check_quantize(x, granularity, dtype):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize_fp8: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"quantize_fp8: x must be 2-D (M, K), got shape {tuple(x.shape)}")
+    if x.dtype not in IN_DTYPES:
+        raise TypeError(f"quantize_fp8: x dtype {x.dtype} is not supported (bfloat16, float16, "
+                        "float32)")
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"quantize_fp8: granularity must be one of {', '.join(GRANULARITIES)}; "
+                         f"got {granularity!r}")
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"quantize_fp8: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    validate.tensor("quantize_fp8", "x", x, dtypes=IN_DTYPES)
+
+
+def _quantize_raw(x, granularity, dtype):
+    """(q, scales as stored): tensor (1,), row (M, 1), block1x128 (cdiv(K, 128), M) (its
+    transpose is the M-major scale_a), block128x128 (cdiv(M, 128), cdiv(K, 128) rounded up to
+    a multiple of 4: 16-byte rows, which torch._scaled_mm's 128x128 mode needs); all fresh,
+    contiguous tensors (what a custom op may return)."""
+    _check_arch("quantize_fp8", "x", x)
+    M, K = x.shape
+    fp8_max = float(torch.finfo(dtype).max)
+    if x.numel() == 0:            # no kernel: the reference's scales in fresh storage
+        q, s = quantize_fp8_reference(x, granularity, dtype)
+        storage = x.new_empty(_scale_storage(granularity, M, K), dtype=torch.float32)
+        _scales_view(granularity, storage, K).copy_(s)
+        return q, storage
+    dev = x.get_device()
+    q = torch.empty((M, K), device=x.device, dtype=dtype)
+    key = (granularity, bucket(M), K, x.dtype, layout(x), dtype, dev)
+    if granularity == "row":
+        s = torch.empty((M, 1), device=x.device, dtype=torch.float32)
+        _quantize_row.launch(key, dev, x, q, s, fp8_max)
+    elif granularity == "block1x128":
+        s = torch.empty((cdiv(K, BLOCK), M), device=x.device, dtype=torch.float32)
+        _quantize_1x128.launch(key, dev, x, q, s, fp8_max)
+    elif granularity == "block128x128":
+        s = torch.empty(_block_scale_storage(M, K), device=x.device, dtype=torch.float32)
+        _quantize_128x128.launch(key, dev, x, q, s[:, :cdiv(K, BLOCK)], fp8_max)
+    else:
+        bits = torch.zeros((1,), device=x.device, dtype=torch.int32)
+        s = torch.empty((1,), device=x.device, dtype=torch.float32)
+        _tensor_amax.launch(key, dev, x, bits)
+        _quantize_tensor.launch(key, dev, x, bits, q, s, fp8_max)
+    return q, s
+
+
+def _block_scale_storage(M, K):
+    return (cdiv(M, BLOCK), cdiv(cdiv(K, BLOCK), 4) * 4)
+
+
+def _scale_storage(granularity, M, K):
+    """The shape _quantize_raw stores a granularity's scales in."""
+    return {"tensor": (1,), "row": (M, 1), "block1x128": (cdiv(K, BLOCK), M),
+            "block128x128": _block_scale_storage(M, K)}[granularity]
+
+
+def _scales_view(granularity, s, K):
+    """quantize_fp8's scales from their storage (_quantize_raw)."""
+    if granularity == "tensor":
+        return s.view(())
+    if granularity == "block128x128":
+        return s[:, :cdiv(K, BLOCK)]
+    return s.t() if granularity == "block1x128" else s
+
+
+@torch.library.custom_op("tiletune::quantize_fp8", mutates_args=(),
+                         schema="(Tensor x, str granularity, ScalarType dtype) -> "
+                                "(Tensor, Tensor)")
+def _quantize_op(x, granularity, dtype):
+    return _quantize_raw(x, granularity, dtype)
+
+
+@_quantize_op.register_fake
+def _(x, granularity, dtype):
+    M, K = x.shape
+    return (x.new_empty((M, K), dtype=dtype),
+            x.new_empty(_scale_storage(granularity, M, K), dtype=torch.float32))
+
+
+def quantize_fp8(x, granularity="tensor", dtype=torch.float8_e4m3fn):
+    """(x_fp8, scales): x (M, K) bfloat16/float16/float32, any strides, quantized with current
+    scaling in the layouts fp8_mm takes. Per group, scale = max(amax, 1e-12) / fp8_max (a
+    dequantization scale: x ~ x_fp8 * scale) and x_fp8 = clamp(x / scale, -fp8_max, fp8_max)
+    rounded to nearest even; bit-exact against quantize_fp8_reference (NaN propagates to the
+    group's scale as torch's amax propagates it).
+
+    granularity:
+      "tensor"        scales () float32: fp8_mm's tensorwise scale for either operand.
+      "row"           scales (M, 1): scale_a of a rowwise product; for b quantize the (N, K)
+                      weight and pass b = w_fp8.t(), scale_b = scales.t() (1, N).
+      "block1x128"    scales (M, cdiv(K, 128)), M-major (what torch._scaled_mm takes as
+                      scale_a): DeepSeek-V3's activation blocks.
+      "block128x128"  scales (cdiv(M, 128), cdiv(K, 128)), rows 16-byte aligned: weight
+                      blocks; for b pass b = w_fp8.t(), scale_b = scales.t().
+    dtype: float8_e4m3fn (max 448) or float8_e5m2 (max 57344). A fused quantize-and-transpose
+    is not here yet: quantize the tensor in the major the GEMM reads. Needs compute capability
+    9.0 or newer. Works under torch.compile(fullgraph=True)."""
+    _check_quantize(x, granularity, dtype)
+    if torch.compiler.is_compiling():
+        q, s = _quantize_op(x, granularity, dtype)
+    else:
+        q, s = _quantize_raw(x, granularity, dtype)
+    return q, _scales_view(granularity, s, x.shape[1])

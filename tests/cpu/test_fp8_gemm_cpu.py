@@ -1,0 +1,524 @@
+"""FP8 GEMM and quantizers without a GPU: the config spaces; the scaling mode read off the scales'
+shapes, against torch._scaled_mm's own shape check; the input checks (everything but the device
+on CPU tensors, then CPU tensors and old archs refused); what the host side hands the engine
+(layouts, scale vectors, keys) and what a cached launch passes to ct.launch; the torch reference
+of the quantizers (true float32 division, saturation, layouts, NaN, partial groups); the AOT
+cases cover every config."""
+import cuda.tile as ct
+import pytest
+import torch
+from torch._meta_registrations import _check_scaled_mm_sizes
+
+from tiletune import device
+from tiletune.autotune import MAX_CONFIGS, default_hints
+from tiletune.cases import fp8_gemm as CASES
+from tiletune.ops import fp8_gemm as F8
+from tiletune.ops.fp8_gemm import fp8_mm, quantize_fp8, quantize_fp8_reference
+
+E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
+ARCHS = ("sm_90", "sm_100", "sm_120", "sm_80")
+
+# ---------------------------------------------------------------------------------------------
+# Config spaces.
+
+GEMM_GENS = (F8.fp8_configs, F8.fp8_block_configs)
+GEMM_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 14336), (128, 4096, 4096),
+               (1, 4096, 4096), (1000, 1999, 784)]
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast_accum"])
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("gen", GEMM_GENS, ids=lambda g: g.__name__)
+def test_gemm_spaces_are_small_valid_and_default_first(gen, arch, fast):
+    default = next(gen(arch, 4096, 4096, 4096, fast=fast))
+    for shape in GEMM_SHAPES:
+        cfgs = list(gen(arch, *shape, fast=fast))
+        assert 1 <= len(cfgs) <= 12 <= MAX_CONFIGS         # CI compiles every one of them
+        assert cfgs[0] == default
+        assert len({tuple(sorted(vars(c).items())) for c in cfgs}) == len(cfgs)
+        for c in cfgs:
+            h = default_hints(c)
+            assert 1 <= h["occupancy"] <= 32 and h["num_ctas"] in (1, 2, 4, 8)
+            assert h.get("num_worker_warps", 4) in (4, 8)
+            assert c.tk == 128 and c.group_m >= 1 and isinstance(c.persistent, bool)
+            assert all(v >= 16 and v & (v - 1) == 0 for v in (c.tm, c.tn))
+            # float32 accumulators in registers: 128x128 per 4 worker warps, per cluster CTA
+            assert arch != "sm_90" or \
+                c.tm * c.tn <= 128 * 128 * h.get("num_worker_warps", 4) // 4 * c.num_ctas
+        if shape[0] <= 64:         # tiles taller than the rows are left out (the default stays)
+            assert all(c.tm <= 64 for c in cfgs[1:])
+
+
+def test_the_accumulation_modes_have_their_own_spaces():
+    """Exact accumulation spills 128x256 per CTA on sm_90 (its own promotion tile), fast mode
+    does not; block scaling's fast mode spills 8-warp 128x128. Elsewhere fast is ignored."""
+    exact = list(F8.fp8_configs("sm_90", 4096, 4096, 4096))
+    fast = list(F8.fp8_configs("sm_90", 4096, 4096, 4096, fast=True))
+    assert not any(c.tm * c.tn // c.num_ctas > 128 * 128 for c in exact)
+    assert any(c.tm * c.tn // c.num_ctas == 128 * 256 for c in fast)
+    block_fast = list(F8.fp8_block_configs("sm_90", 4096, 4096, 4096, fast=True))
+    assert (block_fast[0].tm, block_fast[0].tn) == (64, 256)
+    spilled = {(128, 128, 1, 8), (256, 128, 2, 8), (64, 128, 1, None)}   # (tm, tn, ctas, warps)
+    assert not any((c.tm, c.tn, c.num_ctas, getattr(c, "num_worker_warps", None)) in spilled
+                   for c in block_fast if c.occupancy == 1)
+    for gen in GEMM_GENS:
+        assert list(gen("sm_100", 4096, 4096, 4096)) == \
+            list(gen("sm_100", 4096, 4096, 4096, fast=True))
+
+
+QUANT_GENS = (F8.row_configs, F8.block1x128_configs, F8.block128x128_configs,
+              F8.tensor_configs)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("gen", QUANT_GENS, ids=lambda g: g.__name__)
+def test_quantizer_spaces(gen, arch):
+    for m, k in [(4096, 4096), (16384, 14336), (1, 16), (1000, 1000), (7, 200), (128, 65536)]:
+        cfgs = list(gen(arch, m, k))
+        assert 1 <= len(cfgs) <= 12
+        assert len({tuple(sorted(vars(c).items())) for c in cfgs}) == len(cfgs)
+        for c in cfgs:
+            for name in ("tr", "tc", "g"):
+                v = getattr(c, name, 1)
+                assert v >= 1 and v & (v - 1) == 0
+            assert default_hints(c).get("num_worker_warps", 4) in (4, 8)
+            if gen is F8.row_configs:
+                assert c.one_pass == (k <= c.tc)
+                assert c.tr * c.tc <= 16384 or c.tr == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Scaling modes from the scales' shapes.
+
+def f32(*shape):
+    return torch.ones(shape, dtype=torch.float32)
+
+
+# M, N, K = 256, 512, 1000: 8 K blocks, 2 M blocks, 4 N blocks
+MODES = [((), (), ("tensor", 1, 1)), ((1,), (1, 1), ("tensor", 1, 1)),
+         ((1, 1, 1), (), ("tensor", 1, 1)), ((256, 1), (1, 512), ("row", 1, 1)),
+         ((256, 8), (8, 4), ("block", 1, 128)), ((256, 8), (8, 512), ("block", 1, 1)),
+         ((2, 8), (8, 512), ("block", 128, 1))]
+
+
+@pytest.mark.parametrize("sa,sb,mode", MODES, ids=str)
+def test_scaling_modes(sa, sb, mode):
+    assert F8._scaling(256, 512, 1000, f32(*sa), f32(*sb)) == mode
+    if len(sa) == 2:          # an M-major scale_a (what torch wants) and a K-major one alike
+        assert F8._scaling(256, 512, 1000, f32(*sa[::-1]).t(), f32(*sb)) == mode
+
+
+def test_shapes_two_modes_share_read_as_torch_reads_them():
+    """Where shapes coincide the meanings do too; the first mode torch tries is taken."""
+    assert F8._scaling(256, 512, 128, f32(256, 1), f32(1, 512)) == ("row", 1, 1)  # 1 K block
+    assert F8._scaling(1, 512, 1000, f32(1, 8), f32(8, 512)) == ("block", 1, 1)   # 1 row
+    assert F8._scaling(256, 100, 1000, f32(256, 8), f32(8, 1)) == ("block", 1, 128)
+    assert F8._scaling(1, 1, 16, f32(1, 1), f32(1, 1)) == ("tensor", 1, 1)
+
+
+def _torch_accepts(M, N, K, sa_shape, sb_shape):
+    a = torch.empty(M, K, dtype=E4M3, device="meta")
+    b = torch.empty(N, K, dtype=E4M3, device="meta").t()
+    try:
+        _check_scaled_mm_sizes(a, b, torch.empty(sa_shape, device="meta"),
+                               torch.empty(sb_shape, device="meta"), out_dtype=BF16)
+        return True
+    except RuntimeError:
+        return False
+
+
+def _ours_accepts(M, N, K, sa_shape, sb_shape):
+    try:
+        F8._scaling(M, N, K, f32(*sa_shape), f32(*sb_shape))
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("M,N,K", [(256, 512, 1024), (128, 128, 128), (16, 256, 4096),
+                                   (640, 384, 1280), (144, 16, 272)])
+def test_scale_shapes_accepted_exactly_as_torch_scaled_mm_accepts_them(M, N, K):
+    """torch's own shape check (its meta function, which runs the CUDA checks for meta
+    tensors) and ours agree on every candidate pair of scale shapes."""
+    kb, mb, nb = -(-K // 128), -(-M // 128), -(-N // 128)
+    dims = sorted({1, M, N, K, kb, mb, nb, kb + 1, M + 1})
+    shapes = [()] + [(d,) for d in (1, M, N)] + [(r, c) for r in dims for c in dims]
+    agree = 0
+    for sa in shapes:
+        for sb in shapes:
+            assert _ours_accepts(M, N, K, sa, sb) == _torch_accepts(M, N, K, sa, sb), (sa, sb)
+            agree += 1
+    assert agree > 100
+
+
+def test_bad_scale_shapes_name_every_mode():
+    with pytest.raises(ValueError, match=r"fp8_mm: scale_a \(100, 1\) and scale_b \(1, 50\) "
+                                         r"match no scaling mode.*rowwise \(100, 1\) and "
+                                         r"\(1, 300\).*block \(100, 8\) with \(8, 3\)"):
+        F8._scaling(100, 300, 1000, f32(100, 1), f32(1, 50))
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks: everything but the device on CPU tensors, then CPU tensors refused.
+
+def t(*shape, dtype=E4M3):
+    return torch.zeros(shape, dtype=dtype)
+
+
+A, B, S = t(64, 128), t(128, 32), f32()
+BAD = [
+    (([1.0], B, S, S), {}, TypeError, "a must be a torch.Tensor"),
+    ((A, B, 1.0, S), {}, TypeError, "scale_a must be a torch.Tensor"),
+    ((A, B, S, None), {}, TypeError, "scale_b must be a torch.Tensor"),
+    ((t(2, 64, 128), B, S, S), {}, ValueError, "a and b must be 2-D"),
+    ((t(64, 128, dtype=BF16), B, S, S), {}, TypeError, "a dtype torch.bfloat16 is not supported"),
+    ((A, t(128, 32, dtype=torch.float16), S, S), {}, TypeError, "b dtype torch.float16"),
+    ((A, t(128, 32, dtype=torch.float8_e4m3fnuz), S, S), {}, TypeError, "b dtype"),
+    ((t(64, 128, dtype=E5M2), t(128, 32, dtype=E5M2), S, S), {}, TypeError,
+     "both float8_e5m2"),
+    ((A, t(96, 32), S, S), {}, ValueError, "inner dims differ"),
+    ((t(64, 100), t(100, 32), S, S), {}, ValueError, "K .* must be a multiple of 16, got 100"),
+    ((A, B, S.double(), S), {}, TypeError, "scale_a must be float32, got torch.float64"),
+    ((A, B, S, S.half()), {}, TypeError, "scale_b must be float32"),
+    ((A, B, S, S), {"out_dtype": E4M3}, TypeError, "out_dtype torch.float8_e4m3fn is not"),
+    ((A, B, S, S), {"fast_accum": 1}, TypeError, "fast_accum must be a bool"),
+    ((A, B, f32(64), f32(32)), {}, ValueError, "match no scaling mode"),
+    ((A, B, f32(64, 1), S), {}, ValueError, "match no scaling mode"),
+]
+
+
+@pytest.mark.parametrize("args,kw,error,message", BAD, ids=[b[3] for b in BAD])
+def test_bad_input_is_refused_naming_the_argument(args, kw, error, message):
+    with pytest.raises(error, match="^fp8_mm: .*" + message):
+        fp8_mm(*args, **kw)
+
+
+def test_cpu_tensors_are_refused_after_every_other_check():
+    for args in [(A, B, S, S), (A, B, f32(64, 1), f32(1, 32)), (A, t(32, 128).t(), S, S),
+                 (t(64, 256), t(256, 32), f32(64, 2), f32(2, 1))]:
+        with pytest.raises(ValueError, match="fp8_mm: a must be a CUDA tensor"):
+            fp8_mm(*args)
+
+
+def test_archs_below_sm90_are_refused_before_any_work(monkeypatch):
+    """Checked where the kernels launch (the eager path, or the custom op under torch.compile),
+    before anything is allocated; sm_89 too: cuTile 1.7 compiles no float8 below sm_90."""
+    monkeypatch.setattr(F8, "device_arch", lambda dev: "sm_89")
+    with pytest.raises(ValueError, match=r"^fp8_mm: FP8 needs compute capability 9.0 .*sm_89"):
+        F8._fp8_mm(A, B, S, S, BF16, False, None, ("tensor", 1, 1))
+    monkeypatch.setattr(F8, "device_arch", lambda dev: "sm_80")
+    with pytest.raises(ValueError, match="^quantize_fp8: FP8 needs .* x is on cpu, sm_80"):
+        F8._quantize_raw(torch.zeros(4, 8), "row", E4M3)
+    monkeypatch.setattr(F8, "device_arch", lambda dev: "sm_90")
+    F8._check_arch("fp8_mm", "a", A)
+
+
+def test_out_is_checked():
+    a, b = t(64, 128), t(128, 32)
+    inputs = {"a": a, "b": b}
+    with pytest.raises(TypeError, match="fp8_mm: out must be a torch.Tensor"):
+        F8._check_out([], 64, 32, BF16, a, inputs)
+    with pytest.raises(ValueError, match=r"fp8_mm: out has shape \(64, 31\) but the result is "
+                                         r"\(64, 32\)"):
+        F8._check_out(torch.empty(64, 31, dtype=BF16), 64, 32, BF16, a, inputs)
+    with pytest.raises(TypeError, match="fp8_mm: out dtype torch.float16 differs from out_dtype"):
+        F8._check_out(torch.empty(64, 32, dtype=torch.float16), 64, 32, BF16, a, inputs)
+    with pytest.raises(ValueError, match="share memory"):
+        F8._check_out(torch.empty(1, 32, dtype=BF16).expand(64, 32), 64, 32, BF16, a, inputs)
+    buf = torch.empty(64 * 128, dtype=torch.uint8)
+    over = buf[:64 * 32 * 2].view(BF16).view(64, 32)
+    with pytest.raises(ValueError, match="fp8_mm: out overlaps a in memory"):
+        F8._check_out(over, 64, 32, BF16, a, {"a": buf.view(E4M3).view(64, 128)})
+    F8._check_out(torch.empty(64, 32, dtype=BF16), 64, 32, BF16, a, inputs)
+
+
+QBAD = [
+    (([1.0],), TypeError, "x must be a torch.Tensor"),
+    ((torch.zeros(2, 3, 4),), ValueError, r"x must be 2-D \(M, K\), got shape \(2, 3, 4\)"),
+    ((torch.zeros(4, 8, dtype=torch.int32),), TypeError, "x dtype torch.int32 is not supported"),
+    ((torch.zeros(4, 8, dtype=E4M3),), TypeError, "x dtype torch.float8_e4m3fn"),
+    ((torch.zeros(4, 8), "col"), ValueError, "granularity must be one of tensor, row, "
+                                             "block1x128, block128x128; got 'col'"),
+    ((torch.zeros(4, 8), "row", torch.int8), TypeError, "dtype must be float8_e4m3fn or "
+                                                        "float8_e5m2, got torch.int8"),
+    ((torch.zeros(4, 8), "row", torch.float8_e4m3fnuz), TypeError, "dtype must be"),
+    ((torch.zeros(4, 8, dtype=BF16), "block1x128"), ValueError, "x must be a CUDA tensor"),
+]
+
+
+@pytest.mark.parametrize("args,error,message", QBAD, ids=[b[2] for b in QBAD])
+def test_quantize_bad_input(args, error, message):
+    with pytest.raises(error, match="^quantize_fp8: " + message):
+        quantize_fp8(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# The host side with the engine stubbed: what reaches each tuner.
+
+@pytest.fixture
+def tuners(monkeypatch):
+    seen = []
+    monkeypatch.setattr(F8, "device_arch", lambda dev: "sm_90")
+    monkeypatch.setattr(F8._scaled_tuner, "launch",
+                        lambda key, dev, *inputs: seen.append(("scaled", key, inputs)))
+    monkeypatch.setattr(F8._block_tuner, "launch",
+                        lambda key, dev, *inputs: seen.append(("block", key, inputs)))
+    return seen
+
+
+def test_tensorwise_and_rowwise_reach_one_kernel_as_scale_vectors(tuners):
+    a, b = t(100, 256), t(48, 256).t()
+    c = F8._fp8_mm(a, b, f32(), f32(1), BF16, False, None, ("tensor", 1, 1))
+    (_, key, (a2, b2, sa, sb, c2, fast, widen)), = tuners
+    assert c2 is c and c.shape == (100, 48) and c.dtype == BF16
+    assert a2 is a and b2 is b                      # row-major a, column-major b: no copies
+    assert sa.shape == (1,) and sb.shape == (1,)    # the kernel clamps every index to 0
+    assert key == ("tensor", 128, 48, 256, E4M3, E4M3, "col", BF16, False, -1)
+    assert (fast, widen) == (False, False)
+    tuners.clear()
+    sa_row, sb_row = f32(100, 1), f32(1, 48)
+    F8._fp8_mm(a, b, sa_row, sb_row, torch.float32, True, None, ("row", 1, 1))
+    (_, key, (a2, b2, sa, sb, c2, fast, widen)), = tuners
+    assert sa.shape == (100,) and sa.data_ptr() == sa_row.data_ptr() and sb.shape == (48,)
+    assert key[0] == "row" and key[-3:] == (torch.float32, True, -1) and fast is True
+
+
+def test_layouts_served_and_copied(tuners):
+    a_col = t(256, 100).t()                         # an M-major a: copied to row-major
+    b_row = t(256, 48)                              # a row-major b: served as it is
+    F8._fp8_mm(a_col, b_row, f32(), f32(), BF16, False, None, ("tensor", 1, 1))
+    (_, key, (a2, b2, *_)), = tuners
+    assert a2.is_contiguous() and b2 is b_row and key[6] == "row"
+    tuners.clear()
+    b_strided = t(256, 96)[:, ::2]                  # neither major: copied to column-major
+    F8._fp8_mm(t(100, 256), b_strided, f32(), f32(), BF16, False, None, ("tensor", 1, 1))
+    (_, key, (a2, b2, *_)), = tuners
+    assert b2.stride() == (1, 256) and torch.equal(b2.float(), b_strided.float())
+    assert key[6] == "col"
+
+
+def test_mixed_formats_widen_and_drop_fast_accum(tuners):
+    F8._fp8_mm(t(100, 256), t(256, 48, dtype=E5M2), f32(), f32(), BF16, True, None,
+               ("tensor", 1, 1))
+    (_, key, (*_, fast, widen)), = tuners
+    assert widen is True and fast is False and key[4:6] == (E4M3, E5M2) and key[-2] is False
+
+
+def test_block_scaling_passes_2d_scales_and_groups(tuners):
+    a, b = t(300, 992), t(200, 992).t()             # K = 992: a partial last block
+    sa, sb = f32(8, 300).t(), f32(2, 8).t()         # M-major scale_a, 128x128 scale_b
+    mode = F8._scaling(300, 200, 992, sa, sb)
+    assert mode == ("block", 1, 128)
+    F8._fp8_mm(a, b, sa, sb, BF16, False, None, mode)
+    (kind, key, inputs), = tuners
+    assert kind == "block" and inputs[2] is sa and inputs[3] is sb
+    assert inputs[5:] == (False, False, 1, 128)
+    assert key[:6] == ("block", 1, 128, 512, 200, 992)
+
+
+def test_empty_problems_launch_nothing(tuners):
+    assert F8._fp8_mm(t(0, 256), t(256, 8), f32(), f32(), BF16, False, None,
+                      ("tensor", 1, 1)).shape == (0, 8)
+    z = F8._fp8_mm(t(5, 0), t(0, 8), f32(), f32(), BF16, False, None, ("tensor", 1, 1))
+    assert z.shape == (5, 8) and z.abs().sum() == 0  # K = 0: zeros
+    assert tuners == []
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args:
+                        calls.append((grid, kernel, args)))
+    monkeypatch.setattr(device, "current_stream", lambda dev: "stream")
+    monkeypatch.setattr(device, "sm_count", lambda dev: 132)
+    return calls
+
+
+def test_a_cached_launch_passes_the_config_and_the_mode(launches, monkeypatch):
+    a, b, sa, sb, c = t(1000, 512), t(512, 300), f32(1000), f32(300), torch.empty(1000, 300)
+    for cfg in F8.fp8_configs("sm_90", 1024, 300, 512):
+        monkeypatch.setitem(F8._scaled_tuner.cache, "k", (cfg, "kernel"))
+        launches.clear()
+        F8._scaled_tuner.launch("k", 0, a, b, sa, sb, c, True, False)
+        (grid, kernel, args), = launches
+        tiles = -(-1000 // cfg.tm) * -(-300 // cfg.tn)
+        assert grid == ((min(tiles, 132 * cfg.occupancy // cfg.num_ctas),) if cfg.persistent
+                        else (tiles,))
+        assert args == (a, b, sa, sb, c, cfg.tm, cfg.tn, 128, cfg.group_m, True, False)
+    cfg = next(F8.fp8_block_configs("sm_90", 1024, 300, 512))
+    monkeypatch.setitem(F8._block_tuner.cache, "k", (cfg, "kernel"))
+    launches.clear()
+    F8._block_tuner.launch("k", 0, a, b, sa, sb, c, False, True, 128, 1)
+    assert launches[0][2] == (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.group_m, 128, 1, False, True)
+
+
+def test_quantizer_launches(launches, monkeypatch):
+    x = torch.randn(300, 1000, dtype=BF16)
+    q, s = torch.empty(300, 1000, dtype=E4M3), torch.empty(300, 1)
+    cfg = next(F8.row_configs("sm_90", 512, 1000))
+    monkeypatch.setitem(F8._quantize_row.cache, "k", (cfg, "kernel"))
+    F8._quantize_row.launch("k", 0, x, q, s, 448.0)
+    assert launches[-1] == ((-(-300 // cfg.tr),), "kernel", (x, q, s, 448.0, cfg.tr, cfg.tc, True))
+    s_t = torch.empty(8, 300)
+    cfg = next(F8.block1x128_configs("sm_90", 512, 1000))
+    monkeypatch.setitem(F8._quantize_1x128.cache, "k", (cfg, "kernel"))
+    F8._quantize_1x128.launch("k", 0, x, q, s_t, 448.0)
+    assert launches[-1][0] == (-(-300 // cfg.tr), -(-1000 // (cfg.g * 128)))
+    cfg = next(F8.block128x128_configs("sm_90", 512, 1000))
+    monkeypatch.setitem(F8._quantize_128x128.cache, "k", (cfg, "kernel"))
+    F8._quantize_128x128.launch("k", 0, x, q, torch.empty(3, 8), 448.0)
+    assert launches[-1][0] == (3, -(-8 // cfg.g))
+
+
+def test_empty_quantize_returns_the_references_scales_in_storage(monkeypatch):
+    monkeypatch.setattr(F8, "device_arch", lambda dev: "sm_90")
+    for g in F8.GRANULARITIES:
+        for shape in [(0, 300), (130, 0)]:
+            x = torch.zeros(shape)
+            q, raw = F8._quantize_raw(x, g, E4M3)
+            assert raw.shape == F8._scale_storage(g, *shape) and raw.is_contiguous()
+            ref_q, ref_s = quantize_fp8_reference(x, g)
+            assert q.shape == shape and torch.equal(F8._scales_view(g, raw, shape[1]), ref_s)
+
+
+def test_quantize_scales_views_and_storage():
+    """The custom op returns fresh storage; the public scales are views of it: () for tensor,
+    an M-major (M, KB) for 1x128, (MB, KB) rows padded to 16 bytes for 128x128."""
+    assert F8._scales_view("tensor", torch.ones(1), 100).shape == ()
+    s = F8._scales_view("block1x128", torch.ones(8, 300), 1000)
+    assert s.shape == (300, 8) and s.stride() == (1, 300)
+    assert F8._block_scale_storage(300, 1000) == (3, 8)
+    assert F8._block_scale_storage(300, 1300) == (3, 12)
+    s = F8._scales_view("block128x128", torch.ones(3, 12), 1300)
+    assert s.shape == (3, 11) and s.stride() == (12, 1)
+
+
+def test_fake_implementations_match_the_result_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        a, b = torch.empty(100, 256, dtype=E4M3), torch.empty(48, 256, dtype=E4M3).t()
+        c = F8._fp8_mm_op(a, b, torch.empty(()), torch.empty(()), torch.float16, False)
+        assert c.shape == (100, 48) and c.dtype == torch.float16
+        x = torch.empty(300, 1000, dtype=BF16)
+        for g, shape in [("tensor", (1,)), ("row", (300, 1)), ("block1x128", (8, 300)),
+                         ("block128x128", (3, 8))]:
+            q, s = F8._quantize_op(x, g, E5M2)
+            assert q.shape == (300, 1000) and q.dtype == E5M2 and s.shape == shape
+
+
+# ---------------------------------------------------------------------------------------------
+# The quantizers' torch reference (what the kernels are tested against bit for bit on the GPU).
+
+def _groups(x, granularity):
+    """[(row slice, column slice)] of each scale group."""
+    M, K = x.shape
+    if granularity == "tensor":
+        return [(slice(0, M), slice(0, K))]
+    if granularity == "row":
+        return [(slice(r, r + 1), slice(0, K)) for r in range(M)]
+    rows = 1 if granularity == "block1x128" else 128
+    return [(slice(r, r + rows), slice(c, c + 128)) for r in range(0, M, rows)
+            for c in range(0, K, 128)]
+
+
+def _scale_of(s, granularity, r, c):
+    if granularity == "tensor":
+        return s
+    if granularity == "row":
+        return s[r.start, 0]
+    if granularity == "block1x128":
+        return s[r.start, c.start // 128]
+    return s[r.start // 128, c.start // 128]
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("granularity", F8.GRANULARITIES)
+@pytest.mark.parametrize("xdt", [torch.float32, BF16, torch.float16], ids=str)
+def test_reference_definition(granularity, dtype, xdt):
+    """Per group: scale = max(amax, 1e-12) / fp8_max as a correctly rounded float32 division
+    (what float64 division rounded to float32 gives), q = clamp(x / scale) rounded to nearest,
+    |q| reaching fp8_max at the group's largest element, partial groups at the edges; the
+    scales in fp8_mm's layouts."""
+    torch.manual_seed(0)
+    M, K = 130, 300                                  # partial row and column blocks
+    x = (torch.randn(M, K) * torch.logspace(-3, 3, K)).to(xdt)
+    x[5, :] = 0                                      # all-zero rows / groups
+    q, s = quantize_fp8_reference(x, granularity, dtype)
+    fp8_max = torch.finfo(dtype).max
+    assert q.shape == x.shape and q.dtype == dtype and s.dtype == torch.float32
+    kb, mb = -(-K // 128), -(-M // 128)
+    shape = {"tensor": (), "row": (M, 1), "block1x128": (M, kb), "block128x128": (mb, kb)}
+    assert tuple(s.shape) == shape[granularity]
+    if granularity == "block1x128":
+        assert s.stride() == (1, M)                  # M-major, as torch._scaled_mm wants
+    xd = x.double()
+    for r, c in _groups(x, granularity):
+        scale = _scale_of(s, granularity, r, c)
+        amax = xd[r, c].abs().max()
+        expect = (max(amax.float().double().item(), float(torch.tensor(1e-12))) / fp8_max)
+        assert scale.item() == torch.tensor(expect, dtype=torch.float64).float().item()
+        y = (xd[r, c] / scale.double()).float().clamp(-fp8_max, fp8_max).to(dtype)
+        assert torch.equal(q[r, c].view(torch.uint8), y.view(torch.uint8))
+        if amax > 1e-12:
+            assert q[r, c].float().abs().max() == fp8_max
+
+
+def test_reference_saturates_nan_propagates_and_reconstructs():
+    torch.manual_seed(1)
+    x = torch.randn(256, 512)
+    q, s = quantize_fp8_reference(x, "row")
+    err = (q.float() * s - x).abs() / x.abs().amax(1, keepdim=True)
+    assert err.max() < 2 ** -4                      # e4m3: 3 mantissa bits
+    x[3, 7] = float("nan")
+    q, s = quantize_fp8_reference(x, "block1x128")
+    assert torch.isnan(s[3, 0]) and not torch.isnan(s[3, 1]) and not torch.isnan(s[4, 0])
+    q, s = quantize_fp8_reference(torch.full((4, 16), 1e6), "tensor", E5M2)
+    assert (q.float() == torch.finfo(E5M2).max).all()
+
+
+def test_reference_divides_as_true_division():
+    """Scales and quotients are correctly rounded float32 divisions (tensor / tensor), not the
+    multiplication by a rounded reciprocal that torch uses on CUDA for a Python-number divisor,
+    which differs in the last bit for some amax."""
+    amax = torch.rand(10000) * torch.logspace(-6, 6, 10000)
+    s = F8._reference_scale(amax, 448.0)
+    exact = (amax.double().clamp(min=float(torch.tensor(1e-12))) / 448.0).float()
+    assert torch.equal(s, exact)
+    by_reciprocal = amax.clamp(min=1e-12) * torch.tensor(1 / 448.0, dtype=torch.float32)
+    assert not torch.equal(by_reciprocal, exact)
+
+
+def test_reference_empty_inputs():
+    for g in F8.GRANULARITIES:
+        q, s = quantize_fp8_reference(torch.zeros(0, 256), g)
+        assert q.shape == (0, 256)
+        q, s = quantize_fp8_reference(torch.zeros(4, 0), g)
+        assert q.shape == (4, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# AOT cases: every config of every space, both accumulation modes, every quantizer.
+
+def test_aot_cases_cover_every_config():
+    labels = [c.label for c in CASES.compile_cases()]
+    for gen, name in ((F8.fp8_configs, "fp8_mm "), (F8.fp8_block_configs, "fp8_mm block ")):
+        for fast, archs in ((False, ("sm_90", "sm_100", "sm_120")), (True, ("sm_90",))):
+            acc = "fast_accum" if fast else "exact"
+            for arch in archs:
+                for cfg in gen(arch, 4096, 4096, 4096, fast=fast):
+                    assert any(lab.startswith(name) and f" {acc} space " in lab
+                               and lab.endswith(str(vars(cfg))) for lab in labels), (arch, cfg)
+    for kind, (_, _, gen) in CASES.QUANT.items():
+        for cfg in gen("sm_90", 4096, 4096):
+            assert f"quantize {kind} space 4096x4096 bf16 {vars(cfg)}" in labels
+    assert len(labels) == len(set(labels))
+    for want in ("tensorwise", "row-major b", "e4m3 x e5m2", "1x128 x 1x128", "128x128 x 1x128",
+                 "K-major scale_a", "partial last block", "decode"):
+        assert any(want in lab for lab in labels), want
+
+
+def test_bench_rows():
+    assert len(CASES.HEADLINE) == 2
+    assert {m for m, _ in CASES.MODES} == {"tensorwise", "rowwise", "block"}
+    assert [s for s in CASES.SHAPES] == [(4096, 4096, 4096), (8192, 8192, 8192),
+                                         (16384, 4096, 14336), (128, 4096, 4096)]

@@ -1,0 +1,313 @@
+"""fp8_mm and quantize_fp8 on the GPU. fp8_mm against a float64 dequantize-then-matmul reference
+with DeepGEMM's measure (1 - 2 sum(xy) / sum(x^2 + y^2) < 1e-3) in every scaling mode, both
+accumulation modes, odd M and N, K not a multiple of 128, both B layouts, e5m2 on either side,
+every out dtype, tuned and DISABLE_AUTOTUNE, outputs poisoned first; every config of every
+space; against torch._scaled_mm where it takes the mode. quantize_fp8 bit-exact against its
+torch reference for every granularity, format and input dtype. out=, torch.compile, the AOT
+signatures against the JIT's."""
+import pytest
+import torch
+
+from tiletune.ops import fp8_gemm as F8
+from tiletune.ops.fp8_gemm import fp8_mm, quantize_fp8, quantize_fp8_reference
+
+from .conftest import disable_autotune, each_config, poison_allocator
+
+E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
+LIMIT = 1e-3                                    # DeepGEMM's bound for FP8 GEMMs
+# scaling -> (granularity of a, granularity of the (N, K) weight whose transpose is b)
+SCALINGS = {"tensorwise": ("tensor", "tensor"), "rowwise": ("row", "row"),
+            "block 1x128 x 128x128": ("block1x128", "block128x128"),
+            "block 1x128 x 1x128": ("block1x128", "block1x128"),
+            "block 128x128 x 1x128": ("block128x128", "block1x128")}
+DIFFS = {}                                      # measured accuracies, printed at the end
+
+
+def diff(x, y):
+    """DeepGEMM's accuracy measure; 0 for equal tensors."""
+    x, y = x.double(), y.double()
+    assert torch.isfinite(x).all()
+    return (1 - 2 * (x * y).sum() / (x * x + y * y).sum().clamp_min(1e-300)).item()
+
+
+def expand(s, rows, cols):
+    """A scale tensor spread over the (rows, cols) elements it scales (broadcastable)."""
+    s = s.double()
+    if s.numel() == 1:
+        return s.reshape(())
+    if s.shape[0] not in (1, rows):                  # one scale per 128 rows
+        s = s.repeat_interleave(128, 0)[:rows]
+    if s.shape[1] not in (1, cols):                  # one scale per 128 columns
+        s = s.repeat_interleave(128, 1)[:, :cols]
+    return s
+
+
+def reference(a, b, sa, sb):
+    """(a * scale_a) @ (b * scale_b) in float64."""
+    M, K = a.shape
+    N = b.shape[1]
+    return (a.double() * expand(sa, M, K)) @ (b.double() * expand(sb, K, N))
+
+
+def operands(M, N, K, scaling, *, b_rowmajor=False, a_dt=E4M3, b_dt=E4M3, seed=0):
+    """a (M, K) and b (K, N) quantized with the torch reference from random data with rows of
+    different magnitudes; b is the transposed view of an (N, K) weight (column-major) or,
+    b_rowmajor, a row-major copy of it."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    ga, gb = SCALINGS[scaling]
+    x = torch.randn(M, K, device="cuda", generator=gen) * torch.rand(M, 1, device="cuda",
+                                                                      generator=gen).add(0.1)
+    w = torch.randn(N, K, device="cuda", generator=gen) / K ** 0.5
+    a, sa = quantize_fp8_reference(x.to(BF16), ga, a_dt)
+    w8, sw = quantize_fp8_reference(w.to(BF16), gb, b_dt)
+    b = w8.t().contiguous() if b_rowmajor else w8.t()
+    return a, b, sa, sw.t()
+
+
+def check(M, N, K, scaling, *, fast=False, out_dtype=BF16, label="", **kw):
+    a, b, sa, sb = operands(M, N, K, scaling, **kw)
+    poison_allocator(torch)
+    c = fp8_mm(a, b, sa, sb, out_dtype=out_dtype, fast_accum=fast)
+    assert c.shape == (M, N) and c.dtype == out_dtype
+    d = diff(c, reference(a, b, sa, sb))
+    DIFFS[f"{scaling} {M}x{N}x{K} {'fast' if fast else 'exact'} {label}".strip()] = d
+    assert d < LIMIT, (scaling, M, N, K, fast, d)
+    return c
+
+
+SHAPES = [(999, 1999, 784), (1, 4096, 4096), (4097, 33, 1040), (128, 4096, 4096)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("b_rowmajor", [False, True], ids=["B col-major", "B row-major"])
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast_accum"])
+@pytest.mark.parametrize("scaling", list(SCALINGS))
+@pytest.mark.parametrize("disable", [False, True], ids=["tuned", "DISABLE_AUTOTUNE"])
+def test_modes_layouts_and_odd_sizes(fresh, monkeypatch, scaling, fast, b_rowmajor, shape,
+                                     disable):
+    """Odd M and N, K not a multiple of 128 (784, 1040: a partial last block), M = 1."""
+    if disable:
+        disable_autotune(monkeypatch)
+    elif shape != SHAPES[0] or b_rowmajor:
+        monkeypatch.setenv("DISABLE_AUTOTUNE", "1")  # one tuned key per mode keeps this quick
+    check(*shape, scaling, fast=fast, b_rowmajor=b_rowmajor)
+
+
+@pytest.mark.parametrize("scaling", list(SCALINGS))
+@pytest.mark.parametrize("dts", [(E4M3, E5M2), (E5M2, E4M3)], ids=["e4m3 x e5m2", "e5m2 x e4m3"])
+def test_one_e5m2_operand(fresh, monkeypatch, scaling, dts):
+    """The float16 path (cuTile multiplies only equal fp8 formats); fast_accum is ignored."""
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    for fast in (False, True):
+        check(999, 1999, 784, scaling, fast=fast, a_dt=dts[0], b_dt=dts[1],
+              label=f"{dts[0]} x {dts[1]}".replace("torch.float8_", ""))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32], ids=str)
+def test_out_dtypes(fresh, monkeypatch, out_dtype):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    for scaling in ("rowwise", "block 1x128 x 128x128"):
+        check(300, 500, 512, scaling, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast_accum"])
+def test_every_config_is_correct(fresh, monkeypatch, fast):
+    """Each config of the sm_90 spaces of both kernels, in this accumulation mode, on a ragged
+    problem (tiles overhanging M, N and a partial last K block; persistent grids, clusters)."""
+    M, N, K = 200, 270, 400
+    for scaling, tuner, gen in [("rowwise", F8._scaled_tuner, F8.fp8_configs),
+                                ("block 1x128 x 128x128", F8._block_tuner,
+                                 F8.fp8_block_configs)]:
+        a, b, sa, sb = operands(M, N, K, scaling)
+        ref = reference(a, b, sa, sb)
+        for cfg in each_config(monkeypatch, tuner, list(gen("sm_90", 256, N, K, fast=fast))):
+            poison_allocator(torch)
+            d = diff(fp8_mm(a, b, sa, sb, fast_accum=fast), ref)
+            assert d < LIMIT, (scaling, vars(cfg), d)
+
+
+@pytest.mark.parametrize("scaling", list(SCALINGS))
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast_accum"])
+def test_against_torch_scaled_mm(fresh, monkeypatch, scaling, fast):
+    """Both against the float64 reference on torch's own operands (N a multiple of 16, B
+    column-major, block scales in torch's layouts); skipped where this torch or card refuses
+    the mode."""
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    M, N, K = 1000, 2048, 4096
+    a, b, sa, sb = operands(M, N, K, scaling)
+    theirs, errors = None, []
+    for layout in (lambda t: t, lambda t: t.t().contiguous().t(), lambda t: t.contiguous()):
+        try:        # the scales as the reference lays them out, then the other major
+            theirs = torch._scaled_mm(a, b, layout(sa), layout(sb), out_dtype=BF16,
+                                      use_fast_accum=fast)
+            break
+        except (RuntimeError, NotImplementedError, ValueError) as e:
+            errors.append(str(e).splitlines()[0][:200])
+    if theirs is None:
+        pytest.skip(f"torch._scaled_mm refuses {scaling}: {errors}")
+    ours = fp8_mm(a, b, sa, sb, fast_accum=fast)
+    ref = reference(a, b, sa, sb)
+    d_ours, d_theirs = diff(ours, ref), diff(theirs, ref)
+    DIFFS[f"{scaling} {M}x{N}x{K} {'fast' if fast else 'exact'} ours, torch"] = (d_ours, d_theirs)
+    assert d_ours < LIMIT and d_ours <= 4 * d_theirs + 1e-6, (d_ours, d_theirs)
+    assert diff(ours, theirs) < LIMIT
+
+
+def test_fast_accumulation_at_long_k_is_measured(fresh, monkeypatch):
+    """The accuracy of both modes at K = 16384 (fast accumulation keeps fewer accumulator bits:
+    DeepSeek-V3 reports ~2% error at K = 4096 without promotion); the numbers are printed."""
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    for scaling in ("tensorwise", "rowwise", "block 1x128 x 128x128"):
+        for fast in (False, True):
+            check(512, 512, 16384, scaling, fast=fast, label="long K")
+    print("\nfp8_mm accuracy (1 - 2 sum(xy) / sum(x^2 + y^2)):")
+    for k, v in sorted(DIFFS.items()):
+        print(f"  {k}: {v}")
+
+
+def test_out_and_second_call(fresh, monkeypatch):
+    a, b, sa, sb = operands(300, 256, 512, "rowwise")
+    ref = reference(a, b, sa, sb)
+    out = torch.empty(256, 300, device="cuda", dtype=BF16).t()     # any strides
+    assert fp8_mm(a, b, sa, sb, out=out) is out and diff(out, ref) < LIMIT
+    assert F8._scaled_tuner.searches == 1
+    a2, b2, sa2, sb2 = operands(400, 256, 512, "rowwise", seed=1)    # same M bucket
+    assert diff(fp8_mm(a2, b2, sa2, sb2), reference(a2, b2, sa2, sb2)) < LIMIT
+    assert F8._scaled_tuner.searches == 1
+    with pytest.raises(ValueError, match="fp8_mm: out overlaps a in memory"):
+        fp8_mm(a, b, sa, sb, out=a.view(BF16))       # (300, 512) fp8 seen as (300, 256) bf16
+
+
+def test_empty_and_zero_k(fresh, monkeypatch):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    a, b = torch.zeros(0, 64, device="cuda", dtype=E4M3), torch.zeros(64, 8, device="cuda",
+                                                                      dtype=E4M3)
+    s = torch.ones((), device="cuda")
+    assert fp8_mm(a, b, s, s).shape == (0, 8)
+    c = fp8_mm(torch.zeros(5, 0, device="cuda", dtype=E4M3),
+               torch.zeros(0, 8, device="cuda", dtype=E4M3), s, s)
+    assert c.shape == (5, 8) and not c.any()
+
+
+def test_compile_fullgraph(fresh, monkeypatch):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    x = torch.randn(256, 512, device="cuda", dtype=BF16)
+    w = torch.randn(384, 512, device="cuda", dtype=BF16)
+
+    def step(x, w):
+        a, sa = quantize_fp8(x, "block1x128")
+        w8, sw = quantize_fp8(w, "block128x128")
+        return fp8_mm(a, w8.t(), sa, sw.t())
+    eager = step(x, w)
+    compiled = torch.compile(step, fullgraph=True)(x, w)
+    assert diff(compiled, eager) < 1e-12
+    assert diff(eager, x.double() @ w.double().t()) < 2e-3     # quantization error included
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizers.
+
+def quant_input(M, K, dt, transposed=False, seed=0):
+    """Rows of very different magnitudes, an all-zero row, values near fp8's subnormals."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (K, M) if transposed else (M, K)
+    x = torch.randn(shape, device="cuda", generator=gen)
+    scales = torch.logspace(-4, 3, shape[1], device="cuda")     # fp16 stays finite
+    x = x * scales[torch.randperm(shape[1], device="cuda", generator=gen)]
+    x = x.t() if transposed else x
+    if M > 3:
+        x[3] = 0
+    return x.to(dt)
+
+
+def same_bits(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+QUANT_CASES = ([((1000, 1000), BF16), ((130, 300), BF16), ((1, 4096), BF16), ((4096, 4096), BF16),
+                ((257, 14336), BF16), ((64, 16), BF16)]
+               + [(shape, dt) for dt in (torch.float16, torch.float32)
+                  for shape in ((1000, 1000), (130, 300))])
+
+
+@pytest.mark.parametrize("shape,xdt", QUANT_CASES, ids=str)
+@pytest.mark.parametrize("granularity", F8.GRANULARITIES)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_is_bit_exact(fresh, monkeypatch, shape, xdt, granularity, dtype):
+    if shape != (1000, 1000) or xdt != BF16:
+        monkeypatch.setenv("DISABLE_AUTOTUNE", "1")    # one tuned key per granularity
+    x = quant_input(*shape, xdt)
+    poison_allocator(torch)
+    q, s = quantize_fp8(x, granularity, dtype)
+    rq, rs = quantize_fp8_reference(x, granularity, dtype)
+    assert q.dtype == dtype and q.shape == x.shape and q.is_contiguous()
+    assert s.shape == rs.shape and s.dtype == torch.float32
+    assert torch.equal(s, rs), (s - rs).abs().max()
+    assert same_bits(q, rq), (q.float() != rq.float()).sum()
+    if granularity == "block1x128":
+        assert s.stride() == (1, shape[0])           # M-major, as torch._scaled_mm wants it
+    if granularity == "block128x128":
+        assert (s.stride(0) * 4) % 16 == 0           # 16-byte rows
+
+
+@pytest.mark.parametrize("granularity", F8.GRANULARITIES)
+def test_quantize_every_config_transposed_input_and_nan(fresh, monkeypatch, granularity):
+    x = quant_input(300, 1000, BF16, transposed=True)
+    rq, rs = quantize_fp8_reference(x, granularity)
+    tuners = {"tensor": [F8._tensor_amax, F8._quantize_tensor], "row": [F8._quantize_row],
+              "block1x128": [F8._quantize_1x128], "block128x128": [F8._quantize_128x128]}
+    for tuner in tuners[granularity]:
+        for cfg in each_config(monkeypatch, tuner, list(tuner.configs("sm_90", 512, 1000))):
+            q, s = quantize_fp8(x, granularity)
+            assert torch.equal(s, rs) and same_bits(q, rq), vars(cfg)
+    x = x.contiguous()
+    x[5, 7] = float("nan")
+    q, s = quantize_fp8(x, granularity)
+    rq, rs = quantize_fp8_reference(x, granularity)
+    assert torch.equal(torch.isnan(s), torch.isnan(rs)) and torch.isnan(s).any()
+    assert torch.equal(torch.isnan(q.float()), torch.isnan(rq.float()))
+    fin = ~torch.isnan(rq.float())
+    assert torch.equal(q.float()[fin], rq.float()[fin])
+
+
+def test_quantize_then_gemm_matches_bf16(fresh, monkeypatch):
+    """DeepSeek-V3's recipe end to end: 1x128 activations, 128x128 weights."""
+    x = torch.randn(1024, 2048, device="cuda", dtype=BF16)
+    w = torch.randn(1536, 2048, device="cuda", dtype=BF16) / 2048 ** 0.5
+    a, sa = quantize_fp8(x, "block1x128")
+    w8, sw = quantize_fp8(w, "block128x128")
+    assert diff(fp8_mm(a, w8.t(), sa, sw.t()), x.double() @ w.double().t()) < 2e-3
+
+
+def test_aot_signatures_match_the_jit():
+    """The CI compile's signatures (cases/fp8_gemm.py) equal what the JIT infers here."""
+    from cuda.tile.compilation import CallingConvention, KernelSignature
+    from tiletune.aot import signature
+    from tiletune.cases import fp8_gemm as C
+    cfg = next(F8.fp8_configs("sm_90", 4096, 4096, 4096))
+    a, b, sa, sb = operands(4096, 4096, 4096, "rowwise")
+    c = torch.empty(4096, 4096, device="cuda", dtype=BF16)
+    va, vb = F8._scale_vectors("row", sa, sb, 4096, 4096)
+    jit = KernelSignature.from_kernel_args(F8._gemm_kernel(cfg), F8._args(cfg, a, b, va, vb, c,
+                                                                          False, False),
+                                           CallingConvention.cutile_python_v1())
+    assert jit.parameters == signature(C._gemm_params(cfg, 4096, 4096, 4096)).parameters
+    bcfg = next(F8.fp8_block_configs("sm_90", 4096, 4096, 4096))
+    a, b, sa, sb = operands(4096, 4096, 4096, "block 1x128 x 128x128")
+    jit = KernelSignature.from_kernel_args(F8._block_kernel(bcfg),
+                                           F8._block_args(bcfg, a, b, sa, sb, c, False, False,
+                                                          1, 128),
+                                           CallingConvention.cutile_python_v1())
+    assert jit.parameters == signature(C._block_params(bcfg, 4096, 4096, 4096)).parameters
+
+
+def test_bad_input():
+    a = torch.zeros(64, 128, device="cuda", dtype=E4M3)
+    b = torch.zeros(32, 128, device="cuda", dtype=E4M3).t()
+    s = torch.ones((), device="cuda")
+    with pytest.raises(ValueError, match="fp8_mm: scale_a must be a CUDA tensor"):
+        fp8_mm(a, b, s.cpu(), s)
+    with pytest.raises(ValueError, match="K .* must be a multiple of 16"):
+        fp8_mm(a[:, :120], b[:120], s, s)
+    with pytest.raises(ValueError, match="match no scaling mode"):
+        fp8_mm(a, b, torch.ones(64, 2, device="cuda"), torch.ones(2, 32, device="cuda"))
