@@ -273,18 +273,9 @@ SM90_FAST = [
     (64, 256, 128, 1, 1, None, False),
     (64, 64, 128, 2, 1, None, False),
 ]
-SM90_BLOCK_EXACT = [
-    (128, 128, 128, 1, 1, 8, False),          # the default
-    (128, 128, 128, 1, 1, 8, True),
-    (256, 128, 128, 1, 2, 8, False),
-    (256, 128, 128, 1, 2, 8, True),
-    (128, 256, 128, 1, 2, 8, False),
-    (64, 256, 128, 1, 1, 8, False),
-    (64, 128, 128, 1, 1, None, False),
-    (64, 128, 128, 2, 1, None, True),
-    (128, 64, 128, 1, 1, None, False),
-    (64, 64, 128, 2, 1, None, False),
-]
+# Block scaling, exact: the same tiles, but 4-warp 128x64 only at occupancy 1.
+SM90_BLOCK_EXACT = [r if r[:2] != (128, 64) else (128, 64, 128, 1, 1, None, False)
+                    for r in SM90_EXACT]
 SM90_BLOCK_FAST = [
     (64, 256, 128, 1, 1, 8, False),           # the default
     (64, 256, 128, 1, 1, 8, True),
