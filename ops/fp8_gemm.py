@@ -28,7 +28,7 @@ from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket
 from tiletune.device import arch as device_arch
 from tiletune.device import major, persistent_ctas
-from tiletune.ops.matmul import layout, tile_coords
+from tiletune.ops.gemm_tiles import layout, tile_coords
 from tiletune.space import cdiv, next_pow2, table
 
 ZERO = ct.PaddingMode.ZERO

@@ -27,7 +27,8 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket
 from tiletune.device import major, persistent_ctas
-from tiletune.ops.matmul import layout, matmul, tile_coords
+from tiletune.ops.gemm_tiles import layout, tile_coords
+from tiletune.ops.matmul import matmul
 from tiletune.space import cdiv, next_pow2, table
 from tiletune.torch_op import TrainableOp
 

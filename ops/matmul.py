@@ -11,6 +11,7 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket
 from tiletune.device import major, persistent_ctas
+from tiletune.ops.gemm_tiles import layout, tile_coords
 from tiletune.space import cdiv, table
 from tiletune.torch_op import TrainableOp
 
@@ -19,18 +20,8 @@ ZERO = ct.PaddingMode.ZERO
 
 # ---------------------------------------------------------------------------------------------
 # Kernel: one CTA per (TM, TN) output tile, grouped tile order (GROUP_M row tiles share the B
-# columns they read while those are in L2), K loop with zero padding for ragged K. The two
-# helpers (tile order, mainloop) are what grouped and FP8 GEMM kernels reuse.
-
-def tile_coords(tile, num_m, num_n, GROUP_M):
-    """Grouped ("swizzled") order of output tiles: walk GROUP_M row tiles down a column band."""
-    per_group = GROUP_M * num_n
-    group = tile // per_group
-    first_m = group * GROUP_M
-    rows = min(num_m - first_m, GROUP_M)
-    within = tile - group * per_group
-    return first_m + within % rows, within // rows
-
+# columns they read while those are in L2; ops/gemm_tiles.py), K loop with zero padding for
+# ragged K.
 
 def mainloop(a, b, z, m, n, acc, TM, TN, TK):
     """acc + a[z, m-tile, :] @ b[z, :, n-tile] in float32 (ct.mma: wgmma on sm_90). a (Z, M, K),
@@ -238,16 +229,6 @@ _matmul = Autotuner(
     work=lambda a3, b3, c3: Work(flops=2.0 * a3.shape[0] * a3.shape[1] * b3.shape[2]
                                  * a3.shape[2]))
 TUNERS = (_matmul,)
-
-
-def layout(t):
-    """'row' if the last dim has unit stride, 'col' if the middle one has, else 'strided' (a
-    part of every GEMM key: each layout is its own JIT specialization)."""
-    if t.stride(-1) == 1:
-        return "row"
-    if t.stride(-2) == 1:
-        return "col"
-    return "strided"
 
 
 def launch(a3, b3, c3):

@@ -1,0 +1,23 @@
+# What the GEMM family (matmul, grouped GEMM, FP8 GEMM) shares: the grouped order of output tiles
+# inside kernels, and the operand layout that each GEMM key holds on the host.
+
+
+def tile_coords(tile, num_m, num_n, GROUP_M):
+    """Grouped ("swizzled") order of output tiles: walk GROUP_M row tiles down a column band,
+    so the row tiles of a band share the B columns they read while those are in L2."""
+    per_group = GROUP_M * num_n
+    group = tile // per_group
+    first_m = group * GROUP_M
+    rows = min(num_m - first_m, GROUP_M)
+    within = tile - group * per_group
+    return first_m + within % rows, within // rows
+
+
+def layout(t):
+    """'row' if the last dim has unit stride, 'col' if the middle one has, else 'strided' (a
+    part of every GEMM key: each layout is its own JIT specialization)."""
+    if t.stride(-1) == 1:
+        return "row"
+    if t.stride(-2) == 1:
+        return "col"
+    return "strided"
