@@ -4,12 +4,10 @@ on CPU tensors, then CPU tensors and old archs refused); what the host side hand
 (layouts, scale vectors, keys) and what a cached launch passes to ct.launch; the torch reference
 of the quantizers (true float32 division, saturation, layouts, NaN, partial groups); the AOT
 cases cover every config."""
-import cuda.tile as ct
 import pytest
 import torch
 from torch._meta_registrations import _check_scaled_mm_sizes
 
-from tiletune import device
 from tiletune.autotune import MAX_CONFIGS, default_hints
 from tiletune.cases import fp8_gemm as CASES
 from tiletune.ops import fp8_gemm as F8
@@ -322,16 +320,6 @@ def test_empty_problems_launch_nothing(tuners):
     z = F8._fp8_mm(t(5, 0), t(0, 8), f32(), f32(), BF16, False, None, ("tensor", 1, 1))
     assert z.shape == (5, 8) and z.abs().sum() == 0  # K = 0: zeros
     assert tuners == []
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    calls = []
-    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args:
-                        calls.append((grid, kernel, args)))
-    monkeypatch.setattr(device, "current_stream", lambda dev: "stream")
-    monkeypatch.setattr(device, "sm_count", lambda dev: 132)
-    return calls
 
 
 def test_a_cached_launch_passes_the_config_and_the_mode(launches, monkeypatch):

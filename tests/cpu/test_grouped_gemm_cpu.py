@@ -5,11 +5,9 @@ autograd wiring with the kernels replaced by a per-group loop (gradients against
 weight gradient in w's layout); the bench's token splits."""
 import re
 
-import cuda.tile as ct
 import pytest
 import torch
 
-from tiletune import device
 from tiletune.autotune import MAX_CONFIGS
 from tiletune.cases import grouped_gemm as CASES
 from tiletune.ops import grouped_gemm as GG
@@ -116,16 +114,6 @@ def test_out_is_checked_before_any_work():
 # The launch path, ct.launch stubbed.
 
 DEV = "cpu"
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    calls = []
-    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args:
-                        calls.append((grid, kernel, args)))
-    monkeypatch.setattr(device, "current_stream", lambda dev: "stream")
-    monkeypatch.setattr(device, "sm_count", lambda dev: 132)
-    return calls
 
 
 def test_one_persistent_launch_with_a_grid_bounded_for_any_offs(launches, monkeypatch):
