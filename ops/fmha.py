@@ -27,7 +27,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune import validate
-from tiletune.autotune import Autotuner, Work, bucket
+from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import major
 from tiletune.space import cdiv, next_pow2, table
 from tiletune.torch_op import TrainableOp
@@ -368,12 +368,15 @@ def _dkdv_args(c, q, k, v, do, lse, delta, dk, dv, qk_scale, scale, offset, td, 
     return (q, k, v, do, lse, delta, dk, dv, qk_scale, scale, offset, c.tm, c.tn, td, causal)
 
 
+# Launch keys: (B * Hq, Sq, Sk, D, diagonal, group, dtype, device); tuning buckets the first three.
+_BY_SIZES = bucketed(0, 1, 2)
 _fwd = Autotuner("fmha_fwd", fmha_fwd_kernel, fwd_configs, default=DEFAULT, space=_shape,
-                 grid=_query_grid, args=_fwd_args, work=_pair_work(4.0))
+                 grid=_query_grid, args=_fwd_args, work=_pair_work(4.0), tune_key=_BY_SIZES)
 _dq = Autotuner("fmha_bwd_dq", fmha_bwd_dq_kernel, dq_configs, default=DEFAULT, space=_shape,
-                grid=_query_grid, args=_dq_args, work=_pair_work(6.0))
+                grid=_query_grid, args=_dq_args, work=_pair_work(6.0), tune_key=_BY_SIZES)
 _dkdv = Autotuner("fmha_bwd_dkdv", fmha_bwd_dkdv_kernel, dkdv_configs, default=DEFAULT,
-                  space=_shape, grid=_key_grid, args=_dkdv_args, work=_pair_work(8.0))
+                  space=_shape, grid=_key_grid, args=_dkdv_args, work=_pair_work(8.0),
+                  tune_key=_BY_SIZES)
 TUNERS = (_fwd, _dq, _dkdv)
 
 
@@ -382,7 +385,7 @@ def _key(q, k, causal, offset, dev):
     sk = k.shape[2]
     diag = None if not causal else ("bottom_right" if offset == sk - sq else
                                     "top_left" if offset == 0 else "offset")
-    return (bucket(B * hq), bucket(sq), bucket(sk), d, diag, hq // k.shape[1], q.dtype, dev)
+    return (B * hq, sq, sk, d, diag, hq // k.shape[1], q.dtype, dev)
 
 
 def _flat(t):

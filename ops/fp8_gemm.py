@@ -25,7 +25,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune import validate
-from tiletune.autotune import Autotuner, Work, bucket
+from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import arch as device_arch
 from tiletune.device import major, persistent_ctas
 from tiletune.ops.gemm_tiles import layout, tile_coords
@@ -397,12 +397,16 @@ def _gemm_space_args(a, b, sa, sb, c, fast, *rest):
 _DEFAULT = SimpleNamespace(tm=128, tn=128, tk=128, occupancy=1, num_ctas=1, persistent=False,
                            group_m=8)
 _scaled_tuner = Autotuner("fp8_mm", _gemm_kernel, fp8_configs, default=_DEFAULT,
-                          space=_gemm_space_args, grid=_grid, args=_args, work=_gemm_work)
+                          space=_gemm_space_args, grid=_grid, args=_args, work=_gemm_work,
+                          tune_key=bucketed(1))
 _block_tuner = Autotuner("fp8_mm_block", _block_kernel, fp8_block_configs, default=_DEFAULT,
-                          space=_gemm_space_args, grid=_grid, args=_block_args, work=_gemm_work)
+                          space=_gemm_space_args, grid=_grid, args=_block_args, work=_gemm_work,
+                          tune_key=bucketed(3))
 
 
-# Quantizer inputs: x, q, scales (and amax bits for tensorwise), fp8_max.
+# Quantizer inputs: x, q, scales (and amax bits for tensorwise), fp8_max. Launch keys:
+# (granularity, M, K, ...); tuning buckets M.
+_BY_ROWS = bucketed(1)
 
 def _quant_space(x, *rest):
     return dict(m=bucket(x.shape[0]), k=x.shape[1])
@@ -450,22 +454,25 @@ def _tensor_args(cfg, x, bits, q, s, fp8_max):
 
 _quantize_row = Autotuner("quantize_fp8_row", quantize_rows_kernel, row_configs,
                           default=SimpleNamespace(tr=4, tc=1024, one_pass=False),
-                          space=_quant_space, grid=_row_grid, args=_row_args, work=_quant_work)
+                          space=_quant_space, grid=_row_grid, args=_row_args, work=_quant_work,
+                          tune_key=_BY_ROWS)
 _quantize_1x128 = Autotuner("quantize_fp8_1x128", quantize_1x128_kernel, block1x128_configs,
                             default=SimpleNamespace(tr=16, g=2), space=_quant_space,
-                            grid=_1x128_grid, args=_1x128_args, work=_quant_work)
+                            grid=_1x128_grid, args=_1x128_args, work=_quant_work,
+                            tune_key=_BY_ROWS)
 _quantize_128x128 = Autotuner("quantize_fp8_128x128", quantize_128x128_kernel,
                               block128x128_configs, default=SimpleNamespace(g=1),
                               space=_quant_space, grid=_128x128_grid, args=_128x128_args,
-                              work=_quant_work)
+                              work=_quant_work, tune_key=_BY_ROWS)
 # The amax launch accumulates with an atomic max, which a search may repeat: max is idempotent.
 _tensor_amax = Autotuner("quantize_fp8_amax", amax_kernel, tensor_configs,
                          default=SimpleNamespace(tr=16, tc=512), space=_quant_space,
-                         grid=_tile_grid, args=_amax_args,
+                         grid=_tile_grid, args=_amax_args, tune_key=_BY_ROWS,
                          work=lambda x, bits: Work(bytes=float(x.numel() * x.element_size())))
 _quantize_tensor = Autotuner("quantize_fp8_tensor", quantize_tensor_kernel, tensor_configs,
                              default=SimpleNamespace(tr=16, tc=512), space=_quant_space,
-                             grid=_tile_grid, args=_tensor_args, work=_quant_work)
+                             grid=_tile_grid, args=_tensor_args, work=_quant_work,
+                             tune_key=_BY_ROWS)
 TUNERS = (_scaled_tuner, _block_tuner, _quantize_row, _quantize_1x128, _quantize_128x128,
           _tensor_amax, _quantize_tensor)
 
@@ -474,17 +481,17 @@ def launch(mode, a, b, sa, sb, c, fast, a_group=1, b_group=1):
     """c = a @ b scaled (a (M, K) row-major, b (K, N) either major). mode "row": sa (M,) and
     sb (N,); "tensor": (1,) and (1,); "block": the 2-D scales with a_group / b_group rows /
     columns per scale. fast: use_fast_acc (off where the formats differ: the float16 path has
-    none). The key holds the mode, M's bucket, N, K, the dtypes, b's layout and fast."""
+    none). The key holds the mode, M (tuning buckets it), N, K, the dtypes, b's layout and fast."""
     widen = a.dtype != b.dtype
     fast = bool(fast) and not widen
     dev = a.get_device()
     M, K = a.shape
     if mode == "block":
-        key = ("block", a_group, b_group, bucket(M), b.shape[1], K, a.dtype, b.dtype, layout(b),
-               c.dtype, fast, dev)
+        key = ("block", a_group, b_group, M, b.shape[1], K, a.dtype, b.dtype, layout(b), c.dtype,
+               fast, dev)
         _block_tuner.launch(key, dev, a, b, sa, sb, c, fast, widen, a_group, b_group)
     else:
-        key = (mode, bucket(M), b.shape[1], K, a.dtype, b.dtype, layout(b), c.dtype, fast, dev)
+        key = (mode, M, b.shape[1], K, a.dtype, b.dtype, layout(b), c.dtype, fast, dev)
         _scaled_tuner.launch(key, dev, a, b, sa, sb, c, fast, widen)
 
 
@@ -745,7 +752,7 @@ def _quantize_raw(x, granularity, dtype):
         return q, storage
     dev = x.get_device()
     q = torch.empty((M, K), device=x.device, dtype=dtype)
-    key = (granularity, bucket(M), K, x.dtype, layout(x), dtype, dev)
+    key = (granularity, M, K, x.dtype, layout(x), dtype, dev)
     if granularity == "row":
         s = torch.empty((M, 1), device=x.device, dtype=torch.float32)
         _quantize_row.launch(key, dev, x, q, s, fp8_max)

@@ -19,13 +19,11 @@
 # bf16/fp16 operands (alike), float32 accumulation, any strides.
 #
 # No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
-from types import SimpleNamespace
-
 import cuda.tile as ct
 import torch
 
 from tiletune import validate
-from tiletune.autotune import Autotuner, Work, bucket
+from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import major, persistent_ctas
 from tiletune.ops.gemm_tiles import layout, tile_coords
 from tiletune.ops.matmul import matmul
@@ -208,7 +206,7 @@ _grouped = Autotuner(
     default=next(table(FIELDS, OTHER_SPACE)),
     space=lambda x, w, offs, out: dict(t=bucket(x.shape[0]), e=w.shape[0], k=x.shape[1],
                                        n=w.shape[2]),
-    grid=_grid, args=_args,
+    grid=_grid, args=_args, tune_key=bucketed(3),       # the grid needs T itself
     work=lambda x, w, offs, out: Work(flops=2.0 * x.shape[0] * x.shape[1] * w.shape[2]))
 _k_grouped = Autotuner(
     "grouped_mm_k", grouped_mm_k_kernel, k_grouped_configs,
@@ -222,10 +220,9 @@ TUNERS = (_grouped, _k_grouped)
 
 def launch(x, w, offs, out):
     """out = x @ w[g] on each group's rows (x (T, K), w (E, K, N), out (T, N)). The key holds
-    the shapes, T's bucket and the layouts, not how the rows are split."""
+    the shapes and the layouts (tuning buckets T), not how the rows are split."""
     dev = x.get_device()
-    key = (w.shape[0], x.shape[1], w.shape[2], bucket(x.shape[0]), x.dtype, layout(x),
-           layout(w), dev)
+    key = (w.shape[0], x.shape[1], w.shape[2], x.shape[0], x.dtype, layout(x), layout(w), dev)
     _grouped.launch(key, dev, x, w, offs, out)
 
 

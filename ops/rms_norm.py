@@ -7,7 +7,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune import validate
-from tiletune.autotune import Autotuner, Work, bucket
+from tiletune.autotune import Autotuner, Work, bucketed
 from tiletune.device import persistent_ctas, sm_count
 from tiletune.ops.partials import sum_rows
 from tiletune.space import cdiv, next_pow2, product
@@ -191,12 +191,14 @@ def _bwd_work(dy, x, w, *rest):
     return Work(bytes=3 * dy.numel() * dy.element_size() + 2 * w.numel() * w.element_size())
 
 
-# `default` is the hard-coded fallback if a generator ever yields nothing.
+# `default` is the hard-coded fallback if a generator ever yields nothing. Every launch key is
+# (N, M, dtypes..., device); tuning buckets M.
+_BY_ROWS = bucketed(1)
 _fwd = Autotuner(
     "rms_norm_fwd", _fwd_kernel, fwd_configs,
     default=SimpleNamespace(kind="chunked", tile_m=1, tile_n=4096, occupancy=2, persistent=True),
     space=lambda x, w, y, rstd, eps, M, N: dict(n_cols=N), grid=_fwd_grid,
-    args=_fwd_args,
+    args=_fwd_args, tune_key=_BY_ROWS,
     work=lambda x, w, y, rstd, eps, M, N: Work(bytes=2 * x.numel() * x.element_size()
                                                + w.numel() * w.element_size() + 4 * M))
 
@@ -208,7 +210,7 @@ def _bwd_ctas(c, dev, dy, x, *rest):
 _bwd = Autotuner(
     "rms_norm_bwd", rms_norm_bwd_rows, bwd_configs,
     default=SimpleNamespace(tile_m=1, tile_n=MAX_ROW_TILE, occupancy=2),
-    space=_bwd_space, work=_bwd_work,
+    space=_bwd_space, work=_bwd_work, tune_key=_BY_ROWS,
     scratch=lambda c, dev, dy, x, w, rstd, dx: ((_bwd_ctas(c, dev, dy, x), x.shape[1]),
                                                 torch.float32),
     grid=lambda c, dev, dy, x, *rest: (_bwd_ctas(c, dev, dy, x),),
@@ -218,7 +220,7 @@ _bwd = Autotuner(
 # Wide rows: a per-row coefficient, then column blocks writing dx and dweight partials.
 _bwd_coef = Autotuner(
     "rms_norm_bwd_coef", rms_norm_bwd_row_coef, bwd_coef_configs,
-    default=SimpleNamespace(tile_n=4096, occupancy=4), space=_bwd_space,
+    default=SimpleNamespace(tile_n=4096, occupancy=4), space=_bwd_space, tune_key=_BY_ROWS,
     grid=lambda c, dev, dy, x, *rest: (persistent_ctas(x.shape[0], dev, c.occupancy),),
     args=lambda c, dy, x, w, rstd, coef: (dy, x, w, rstd, coef, 1.0 / x.shape[1], c.tile_n))
 
@@ -233,6 +235,7 @@ def _cols_grid(c, dev, dy, x, *rest):
 _bwd_cols = Autotuner(
     "rms_norm_bwd_cols", rms_norm_bwd_cols, bwd_cols_configs,
     default=SimpleNamespace(tile_m=8, tile_n=512, occupancy=4), space=_bwd_space, work=_bwd_work,
+    tune_key=_BY_ROWS,
     scratch=lambda c, dev, dy, x, *rest: ((_cols_grid(c, dev, dy, x)[1], x.shape[1]),
                                           torch.float32),
     grid=_cols_grid,
@@ -242,19 +245,18 @@ TUNERS = (_fwd, _bwd, _bwd_coef, _bwd_cols)
 
 
 def launch_fwd(x, w, y, rstd, eps):
-    """y, rstd = rms_norm(x (M, N), w); the key buckets M. (The hot path of every call: the
+    """y, rstd = rms_norm(x (M, N), w). (The hot path of every call: the
     sizes travel with the inputs so the grid and arguments need not read them again.)"""
     M, N = x.shape
     dev = x.get_device()
-    _fwd.launch((N, 1 << (M - 1).bit_length(), x.dtype, w.dtype, dev), dev, x, w, y, rstd, eps,
-                M, N)
+    _fwd.launch((N, M, x.dtype, w.dtype, dev), dev, x, w, y, rstd, eps, M, N)
 
 
 def launch_bwd(dy, x, w, rstd, dx, dw):
     """dx (M, N) and dw (N,) written in place (dw in its own dtype)."""
     M, N = x.shape
     dev = x.get_device()
-    key = (N, bucket(M), x.dtype, dy.dtype, w.dtype, dev)
+    key = (N, M, x.dtype, dy.dtype, w.dtype, dev)
     if next_pow2(N) <= MAX_ROW_TILE:
         sum_rows(_bwd.launch(key, dev, dy, x, w, rstd, dx), dw)
         return

@@ -8,7 +8,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune import validate
-from tiletune.autotune import Autotuner, Work, bucket
+from tiletune.autotune import Autotuner, Work, bucketed
 from tiletune.ops.partials import sum_rows
 from tiletune.ops.rotary import ctas, position_at, prepare
 from tiletune.space import next_pow2, table
@@ -188,13 +188,13 @@ def _bwd_args(c, dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in, dk_
 _fwd = Autotuner(
     "rms_norm_rope_fwd", rms_norm_rope_fwd, fused_configs, default=DEFAULT,
     space=lambda q, k, *rest: dict(heads=q.shape[1] + k.shape[1], rot=rest[-2]),
-    grid=_grid, args=_fwd_args,
+    grid=_grid, args=_fwd_args, tune_key=bucketed(4),
     work=lambda q, k, *rest: Work(bytes=2 * (q.numel() + k.numel()) * q.element_size()))
 _bwd = Autotuner(
     "rms_norm_rope_bwd", rms_norm_rope_bwd, fused_configs, default=DEFAULT,
     space=lambda dq, dk, *rest: dict(heads=dq.shape[1] + dk.shape[1], rot=rest[-1]),
     scratch=lambda c, dev, dq, *rest: ((2, _grid(c, dev, dq)[0], dq.shape[3]), torch.float32),
-    grid=_grid, args=_bwd_args,
+    grid=_grid, args=_bwd_args, tune_key=bucketed(4),
     work=lambda dq, dk, *rest: Work(bytes=3 * (dq.numel() + dk.numel()) * dq.element_size()))
 TUNERS = (_fwd, _bwd)
 
@@ -211,8 +211,7 @@ def _forward(q, k, wq, wk, cos, sin, pos, rot, eps):
     rstd_k = torch.empty((B, k.shape[1], S), device=q.device, dtype=torch.float32)
     if B * S:
         dev = q.get_device()
-        key = (Hq, k.shape[1], D, rot, bucket(B * S), q.dtype, wq.dtype, cos.dtype,
-               pos is not None, dev)
+        key = (Hq, k.shape[1], D, rot, B * S, q.dtype, wq.dtype, cos.dtype, pos is not None, dev)
         _fwd.launch(key, dev, q, k, wq, wk, cos, sin, pos, q_out, k_out, rstd_q, rstd_k, rot, eps)
     return q_out, k_out, rstd_q, rstd_k
 
@@ -225,7 +224,7 @@ def _backward(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, rot):
     if B * S == 0:
         return dq_in, dk_in, dwq.zero_(), dwk.zero_()
     dev = q.get_device()
-    key = (Hq, k.shape[1], D, rot, bucket(B * S), q.dtype, dq.dtype, wq.dtype, cos.dtype,
+    key = (Hq, k.shape[1], D, rot, B * S, q.dtype, dq.dtype, wq.dtype, cos.dtype,
            pos is not None, dev)
     partial = _bwd.launch(key, dev, dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in,
                           dk_in, rot)

@@ -148,19 +148,26 @@ def _work(q, k, cos, sin, pos, q_out, k_out, rot, backward):
                 + 2 * q.shape[2] * rot * cos.element_size())
 
 
+def _tune_key(key):
+    """Launch key (Hq, Hk, D, rot, B, S, ...) -> tuning key (Hq, Hk, D, rot, bucket(B * S), ...):
+    the grid needs B and S, the search only their product."""
+    return (*key[:4], bucket(key[4] * key[5]), *key[6:])
+
+
 _rope = Autotuner("rope", rope_kernel, rope_tile_configs, default=DEFAULT, space=_space,
-                  grid=_grid, args=_out_args, work=_work)
+                  grid=_grid, args=_out_args, work=_work, tune_key=_tune_key)
 _rope_inplace = Autotuner("rope_inplace", rope_inplace_kernel, rope_tile_configs, default=DEFAULT,
                           space=_space, grid=_grid, args=_inplace_args, work=_work,
-                          search_kernel=rope_kernel, search_inputs=_scratch_outputs)
+                          search_kernel=rope_kernel, search_inputs=_scratch_outputs,
+                          tune_key=_tune_key)
 TUNERS = (_rope, _rope_inplace)
 
 
 def launch(q, k, cos, sin, pos, q_out, k_out, rot, backward):
     """Rotate q, k into q_out, k_out, or in place when they are None (B * S > 0)."""
     dev = q.get_device()
-    key = (q.shape[1], k.shape[1], q.shape[3], rot, bucket(q.shape[0] * q.shape[2]), q.dtype,
-           cos.dtype, pos is not None, backward, dev)
+    key = (q.shape[1], k.shape[1], q.shape[3], rot, q.shape[0], q.shape[2], q.dtype, cos.dtype,
+           pos is not None, backward, dev)
     tuner = _rope_inplace if q_out is None else _rope
     tuner.launch(key, dev, q, k, cos, sin, pos, q_out, k_out, rot, backward)
 

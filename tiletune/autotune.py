@@ -6,11 +6,12 @@ wrapper then makes one call per launch:
 
     tuner.launch(key, device_index, *inputs)
 
-That call is the whole fast path: one dict lookup, the grid and the arguments from the cached
-config, `ct.launch`. A miss goes through `tune`: DISABLE_AUTOTUNE=1 -> the first config; else the
-persistent store; else `exhaustive_search` over the op's configs (compiled in parallel first, see
-tiletune/precompile.py), then a final round that times its close finishers and the default in
-turns; then `replace_hints` once and cache.
+That call is the whole fast path: one dict lookup of the key's launch plan (kernel, grid,
+config), the arguments, `ct.launch`. A miss maps the key to its tuning key (dynamic sizes
+bucketed) and, where that misses too, goes through `tune`: DISABLE_AUTOTUNE=1 -> the first
+config; else the persistent store; else `exhaustive_search` over the op's configs (compiled in
+parallel first, see tiletune/precompile.py), then a final round that times its close finishers
+and the default in turns; then `replace_hints` once and cache.
 """
 import dataclasses
 import functools
@@ -109,6 +110,16 @@ def disabled():
 def bucket(n):
     """Dynamic dims (tokens = batch x seq) are keyed by their next power of two."""
     return next_pow2(n)
+
+
+def bucketed(*positions):
+    """A `tune_key`: the launch key with the sizes at `positions` bucketed."""
+    def tune_key(key):
+        key = list(key)
+        for i in positions:
+            key[i] = next_pow2(key[i])
+        return tuple(key)
+    return tune_key
 
 
 def config_dict(cfg):
@@ -210,12 +221,17 @@ class Autotuner:
              in-place kernels search their split-buffer twin (`search_kernel`, same body and
              traffic, separate input and output arrays) on scratch outputs, so the user's data
              is untouched until the one in-place launch with the winner.
+    tune_key(key) -> key: the tuning key (store, records, `cache`) of a launch key; default:
+             the launch key itself. A launch key holds every size the grid depends on (the
+             grid is computed once per launch key); the tuning key buckets dynamic sizes (one
+             search for every batch of tokens between two powers of two). With `scratch` or
+             `run` the grid is computed per call instead.
     hints:   cfg -> hint dict for `replace_hints` (default: occupancy/num_ctas/warps/opt_level).
     """
 
     def __init__(self, name, kernel, configs, *, default, space=None, grid=None, args=None,
                  scratch=None, run=None, partly_timed=None, work=None, search_kernel=None,
-                 search_inputs=None, hints=default_hints):
+                 search_inputs=None, tune_key=None, hints=default_hints):
         if name in _registry:
             raise ValueError(f"an Autotuner named {name!r} already exists")
         self.name = name
@@ -227,7 +243,9 @@ class Autotuner:
         self._space, self._grid, self._args, self._scratch = space, grid, args, scratch
         self._run, self._partly_timed, self._work = run, partly_timed, work
         self._search_inputs = search_inputs
-        self.cache = {}          # key -> (cfg, tuned kernel): the fast path reads only this
+        self.tune_key = tune_key or _same_key
+        self._plans = {}         # launch key -> (kernel, grid, cfg): the fast path reads only this
+        self.cache = _TuningCache(self._plans)  # tuning key -> (cfg, tuned kernel)
         self.records = {}        # key -> TuningRecord
         self.searches = 0        # number of exhaustive searches run (tests, stats)
         self._capture_cache = {}  # key -> (cfg, kernel) used while a CUDA graph is captured
@@ -238,47 +256,49 @@ class Autotuner:
         _registry[name] = self
 
     # -- the fast path ------------------------------------------------------------------------
-    def _fast_path(self):
+    def _fast_path(self, checked=False):
         """`launch(key, dev, *inputs)`, built once with the op's functions bound as locals: a
-        hit costs a dict lookup, the grid, the arguments and `ct.launch`."""
-        cache_get, first, name = self.cache.get, self._first_launch, self.name
+        hit costs a dict lookup, the arguments and `ct.launch`; the grid was computed on the
+        key's first launch (a plain launch's grid is a function of its key: see `tune_key`).
+        checked=True (tests): recompute the grid on every call and fail where it differs."""
+        plan_get, first, name = self._plans.get, self._first_launch, self.name
         grid, args, scratch, run = self._grid, self._args, self._scratch, self._run
 
         # cuTile refuses strides past 2^31 - 1 elements (OverflowError); the usual cause is a
         # size-1 dim of a big tensor (a[None]): such a launch is retried with those strides
         # made small (no cost on the fast path when it does not happen).
         if scratch is None and run is None:
-            def relaunch(cfg, kernel, dev, inputs, refused):
-                inputs = int32_strides(name, inputs, refused)
-                ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
-                          args(cfg, *inputs))
-
-            def launch_config(cfg, kernel, dev, inputs):
+            def launch_config(cfg, kernel, dev, inputs, cfg_grid):
                 try:
-                    ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
-                              args(cfg, *inputs))
+                    ct.launch(_device.current_stream(dev), cfg_grid, kernel, args(cfg, *inputs))
                 except OverflowError as e:
-                    relaunch(cfg, kernel, dev, inputs, e)
+                    inputs = int32_strides(name, inputs, e)
+                    ct.launch(_device.current_stream(dev), cfg_grid, kernel, args(cfg, *inputs))
 
             def launch(key, dev, *inputs):
-                hit = cache_get(key)
-                if hit is None:
+                plan = plan_get(key)
+                if plan is None:
                     return first(key, dev, inputs, launch_config)
-                cfg, kernel = hit
+                kernel, cfg_grid, cfg = plan
                 try:
-                    ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
-                              args(cfg, *inputs))
+                    ct.launch(_device.current_stream(dev), cfg_grid, kernel, args(cfg, *inputs))
                 except OverflowError as e:
-                    relaunch(cfg, kernel, dev, inputs, e)
-            return launch
+                    launch_config(cfg, kernel, dev, int32_strides(name, inputs, e), cfg_grid)
+
+            def launch_checked(key, dev, *inputs):
+                plan = plan_get(key)
+                if plan is not None:
+                    _check_grid(name, key, plan[1], grid(plan[2], dev, *inputs))
+                return launch(key, dev, *inputs)
+            return launch_checked if checked else launch
 
         def launch_with_scratch_or_run(key, dev, *inputs):
-            hit = cache_get(key)
-            if hit is None:
+            plan = plan_get(key)
+            if plan is None:
                 return first(key, dev, inputs, launch_config_with_scratch_or_run)
-            return launch_config_with_scratch_or_run(*hit, dev, inputs)
+            return launch_config_with_scratch_or_run(plan[2], plan[0], dev, inputs, None)
 
-        def launch_config_with_scratch_or_run(cfg, kernel, dev, inputs):
+        def launch_config_with_scratch_or_run(cfg, kernel, dev, inputs, _grid):
             try:
                 return launch_config_unfitted(cfg, kernel, dev, inputs)
             except OverflowError as e:
@@ -300,26 +320,39 @@ class Autotuner:
         return launch_with_scratch_or_run
 
     def _first_launch(self, key, dev, inputs, launch_config):
-        """A miss of `launch`: resolve the key, then launch. A winner read from the store that
-        no longer launches (a driver or device that refuses its kernel) is deleted from the
-        store, the key is searched again, and the new winner launches."""
-        cfg, kernel = self._resolve(key, dev, inputs)
-        skey = self._unproven.pop(key, None)
+        """A miss of `launch`: resolve the key's tuning key, launch, and keep the launch's plan
+        (kernel, grid, config) under the key. A winner read from the store that no longer
+        launches (a driver or device that refuses its kernel) is deleted from the store, the
+        key is searched again, and the new winner launches."""
+        tkey = self.tune_key(key)
+        entry = self.cache.get(tkey) or self._resolve(tkey, dev, inputs)
+        skey = self._unproven.pop(tkey, None)
         if skey is None:
-            return launch_config(cfg, kernel, dev, inputs)
+            return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
         try:
-            return launch_config(cfg, kernel, dev, inputs)
+            return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
         except (ValueError, TypeError):      # about the inputs, not the config
             raise
         except Exception as e:
+            cfg = entry[0]
             log.warning("tiletune: %s %s: the stored config %s failed to launch (%s: %s); "
-                        "searching again", self.name, key, config_dict(cfg), type(e).__name__,
+                        "searching again", self.name, tkey, config_dict(cfg), type(e).__name__,
                         str(e).splitlines()[0] if str(e) else "")
             store.delete(self.name, skey)
-            self.cache.pop(key, None)
-            self.records.pop(key, None)
-        cfg, kernel = self._resolve(key, dev, inputs, use_store=False)
-        return launch_config(cfg, kernel, dev, inputs)
+            self.cache.pop(tkey, None)
+            self.records.pop(tkey, None)
+        entry = self._resolve(tkey, dev, inputs, use_store=False)
+        return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
+
+    def _launch_planned(self, key, tkey, entry, dev, inputs, launch_config):
+        cfg, kernel = entry
+        cfg_grid = None
+        if self._scratch is None and self._run is None:
+            cfg_grid = self._grid(cfg, dev, *inputs)
+        result = launch_config(cfg, kernel, dev, inputs, cfg_grid)
+        if self.cache.get(tkey) is entry:    # not a config picked during graph capture
+            self._plans[key] = (kernel, cfg_grid, cfg)
+        return result
 
     def _resolve(self, key, dev, inputs, use_store=True):
         """Tune a key that missed: the Search over the op's declared functions, built lazily (a
@@ -596,8 +629,60 @@ class Autotuner:
         self._failed.clear()
         self._unproven.clear()
         self.cache.clear()
+        self._plans.clear()
         self.records.clear()
         self._capture_cache.clear()
+
+
+def _same_key(key):
+    return key
+
+
+class _TuningCache(dict):
+    """tuning key -> (cfg, kernel). The launch plans built from its entries are dropped whenever
+    it changes, so a plan never outlives the entry it came from (tests and the bench swap
+    entries in and out)."""
+
+    def __init__(self, plans):
+        super().__init__()
+        self._plans = plans
+
+    def _changed(self):
+        self._plans.clear()
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._changed()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._changed()
+
+    def pop(self, *args):
+        self._changed()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._changed()
+        return super().popitem()
+
+    def clear(self):
+        super().clear()
+        self._changed()
+
+    def update(self, *args, **kwargs):
+        super().update(*args, **kwargs)
+        self._changed()
+
+    def setdefault(self, key, default=None):
+        self._changed()
+        return super().setdefault(key, default)
+
+
+def _check_grid(name, key, planned, grid):
+    if tuple(planned) != tuple(grid):
+        raise AssertionError(f"{name}: launch key {key} planned grid {planned} but this call's "
+                             f"grid is {grid}: the key misses a size the grid depends on")
 
 
 INT32_MAX = 2**31 - 1

@@ -423,6 +423,36 @@ def test_launch_tunes_once_then_launches_the_cached_kernel(env, monkeypatch):
     assert env.fake.calls == 1
 
 
+def test_launch_keys_in_one_bucket_share_a_tuning_and_plan_their_own_grid(env, monkeypatch):
+    """Launch keys (k, n) tune under (k, bucket(n)): one search for n = 20 and 30; each launch
+    key computes its grid once, on its first launch."""
+    x, grids = torch.zeros(4), []
+    t = _declared(env, monkeypatch, "planned", tune_key=autotune.bucketed(1),
+                  grid=lambda c, dev, x, n: grids.append(n) or (n,),
+                  args=lambda c, x, n: (x, c.tile))
+    launch = t._fast_path()           # the production fast path (tests run a checked one)
+    for n in (20, 30, 20, 30, 20):
+        launch(("k", n), "cpu", x, n)
+    assert env.fake.calls == 1 and list(t.cache) == [("k", 32)] and list(t.records) == [("k", 32)]
+    assert [g for _, g, _, _ in env.launches[-5:]] == [(20,), (30,), (20,), (30,), (20,)]
+    grids.clear()
+    launch(("k", 20), "cpu", x, 20)
+    assert grids == []                                   # planned: no grid computed
+    t.cache[("k", 32)] = t.cache[("k", 32)]              # any change of the cache drops plans
+    launch(("k", 20), "cpu", x, 20)
+    assert grids == [20]
+
+
+def test_a_launch_key_missing_a_size_of_the_grid_fails_the_checked_fast_path(env, monkeypatch):
+    x = torch.zeros(4)
+    t = _declared(env, monkeypatch, "unplanned", tune_key=autotune.bucketed(1),
+                  grid=lambda c, dev, x, n: (n,), args=lambda c, x, n: (x, c.tile))
+    checked = t._fast_path(checked=True)
+    checked(("k", 32), "cpu", x, 20)
+    with pytest.raises(AssertionError, match="misses a size the grid depends on"):
+        checked(("k", 32), "cpu", x, 30)                 # n is not in the key
+
+
 @pytest.mark.parametrize("hooks", ["plain", "scratch"])
 def test_a_stored_winner_that_fails_to_launch_is_searched_again(env, monkeypatch, caplog, hooks):
     """The winner read from the store raises at its first launch (say a driver that refuses its

@@ -271,7 +271,8 @@ def test_tensorwise_and_rowwise_reach_one_kernel_as_scale_vectors(tuners):
     assert c2 is c and c.shape == (100, 48) and c.dtype == BF16
     assert a2 is a and b2 is b                      # row-major a, column-major b: no copies
     assert sa.shape == (1,) and sb.shape == (1,)    # the kernel clamps every index to 0
-    assert key == ("tensor", 128, 48, 256, E4M3, E4M3, "col", BF16, False, -1)
+    assert key == ("tensor", 100, 48, 256, E4M3, E4M3, "col", BF16, False, -1)
+    assert F8._scaled_tuner.tune_key(key)[1] == 128       # tuning buckets M
     assert (fast, widen) == (False, False)
     tuners.clear()
     sa_row, sb_row = f32(100, 1), f32(1, 48)
@@ -311,7 +312,8 @@ def test_block_scaling_passes_2d_scales_and_groups(tuners):
     (kind, key, inputs), = tuners
     assert kind == "block" and inputs[2] is sa and inputs[3] is sb
     assert inputs[5:] == (False, False, 1, 128)
-    assert key[:6] == ("block", 1, 128, 512, 200, 992)
+    assert key[:6] == ("block", 1, 128, 300, 200, 992)
+    assert F8._block_tuner.tune_key(key)[:6] == ("block", 1, 128, 512, 200, 992)
 
 
 def test_empty_problems_launch_nothing(tuners):
@@ -325,18 +327,18 @@ def test_empty_problems_launch_nothing(tuners):
 def test_a_cached_launch_passes_the_config_and_the_mode(launches, monkeypatch):
     a, b, sa, sb, c = t(1000, 512), t(512, 300), f32(1000), f32(300), torch.empty(1000, 300)
     for cfg in F8.fp8_configs("sm_90", 1024, 300, 512):
-        monkeypatch.setitem(F8._scaled_tuner.cache, "k", (cfg, "kernel"))
+        monkeypatch.setitem(F8._scaled_tuner.cache, ("k", 1024), (cfg, "kernel"))
         launches.clear()
-        F8._scaled_tuner.launch("k", 0, a, b, sa, sb, c, True, False)
+        F8._scaled_tuner.launch(("k", 1000), 0, a, b, sa, sb, c, True, False)
         (grid, kernel, args), = launches
         tiles = -(-1000 // cfg.tm) * -(-300 // cfg.tn)
         assert grid == ((min(tiles, 132 * cfg.occupancy // cfg.num_ctas),) if cfg.persistent
                         else (tiles,))
         assert args == (a, b, sa, sb, c, cfg.tm, cfg.tn, 128, cfg.group_m, True, False)
     cfg = next(F8.fp8_block_configs("sm_90", 1024, 300, 512))
-    monkeypatch.setitem(F8._block_tuner.cache, "k", (cfg, "kernel"))
+    monkeypatch.setitem(F8._block_tuner.cache, ("k", 1, 1, 1024), (cfg, "kernel"))
     launches.clear()
-    F8._block_tuner.launch("k", 0, a, b, sa, sb, c, False, True, 128, 1)
+    F8._block_tuner.launch(("k", 1, 1, 1000), 0, a, b, sa, sb, c, False, True, 128, 1)
     assert launches[0][2] == (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.group_m, 128, 1, False, True)
 
 
@@ -344,17 +346,17 @@ def test_quantizer_launches(launches, monkeypatch):
     x = torch.randn(300, 1000, dtype=BF16)
     q, s = torch.empty(300, 1000, dtype=E4M3), torch.empty(300, 1)
     cfg = next(F8.row_configs("sm_90", 512, 1000))
-    monkeypatch.setitem(F8._quantize_row.cache, "k", (cfg, "kernel"))
-    F8._quantize_row.launch("k", 0, x, q, s, 448.0)
+    monkeypatch.setitem(F8._quantize_row.cache, ("k", 512), (cfg, "kernel"))
+    F8._quantize_row.launch(("k", 300), 0, x, q, s, 448.0)
     assert launches[-1] == ((-(-300 // cfg.tr),), "kernel", (x, q, s, 448.0, cfg.tr, cfg.tc, True))
     s_t = torch.empty(8, 300)
     cfg = next(F8.block1x128_configs("sm_90", 512, 1000))
-    monkeypatch.setitem(F8._quantize_1x128.cache, "k", (cfg, "kernel"))
-    F8._quantize_1x128.launch("k", 0, x, q, s_t, 448.0)
+    monkeypatch.setitem(F8._quantize_1x128.cache, ("k", 512), (cfg, "kernel"))
+    F8._quantize_1x128.launch(("k", 300), 0, x, q, s_t, 448.0)
     assert launches[-1][0] == (-(-300 // cfg.tr), -(-1000 // (cfg.g * 128)))
     cfg = next(F8.block128x128_configs("sm_90", 512, 1000))
-    monkeypatch.setitem(F8._quantize_128x128.cache, "k", (cfg, "kernel"))
-    F8._quantize_128x128.launch("k", 0, x, q, torch.empty(3, 8), 448.0)
+    monkeypatch.setitem(F8._quantize_128x128.cache, ("k", 512), (cfg, "kernel"))
+    F8._quantize_128x128.launch(("k", 300), 0, x, q, torch.empty(3, 8), 448.0)
     assert launches[-1][0] == (3, -(-8 // cfg.g))
 
 

@@ -119,8 +119,8 @@ DEV = "cpu"
 def test_one_persistent_launch_with_a_grid_bounded_for_any_offs(launches, monkeypatch):
     x, w, offs, out = t(1000, 64), t(8, 64, 300), offsets(*range(100, 900, 100)), t(1000, 300)
     cfg = next(GG.grouped_configs("sm_90", 1024, 8, 64, 300))
-    key = ("test", "m")
-    monkeypatch.setitem(GG._grouped.cache, key, (cfg, "kernel"))
+    key = (8, 64, 300, 1000, torch.bfloat16, "row", "row", DEV)
+    monkeypatch.setitem(GG._grouped.cache, GG._grouped.tune_key(key), (cfg, "kernel"))
     GG._grouped.launch(key, DEV, x, w, offs, out)
     # (cdiv(1000, 128) + 8 groups + the unowned rows) x cdiv(300, 256) = 34 work items at most
     assert (cfg.tm, cfg.tn) == (128, 256)
@@ -140,8 +140,12 @@ def test_the_key_holds_shapes_and_layouts_not_offs(monkeypatch):
     GG.launch(t(1000, 64), w_t, offsets(*range(125, 1001, 125)), t(1000, 300))
     GG.launch(t(900, 64), w_t, offsets(0, 0, 0, 0, 0, 0, 0, 900), t(900, 300))
     GG.launch_k(t(1000, 64).t(), t(1000, 300), offsets(*range(125, 1001, 125)), t(8, 64, 300))
-    assert seen == [(8, 64, 300, 1024, torch.bfloat16, "row", "col", -1)] * 2 + \
-                   [(8, 64, 300, 1024, torch.bfloat16, "col", "row", -1)]
+    # launch keys hold T (the grid needs it); tuning keys its bucket
+    assert seen == [(8, 64, 300, 1000, torch.bfloat16, "row", "col", -1),
+                    (8, 64, 300, 900, torch.bfloat16, "row", "col", -1),
+                    (8, 64, 300, 1024, torch.bfloat16, "col", "row", -1)]
+    assert {GG._grouped.tune_key(k) for k in seen[:2]} == {
+        (8, 64, 300, 1024, torch.bfloat16, "row", "col", -1)}
 
 
 def test_empty_problems_launch_nothing(launches):

@@ -1,0 +1,102 @@
+"""Every op's launch keys hold every size its grids depend on: each op runs, ct.launch stubbed
+and every grid rechecked (tests/conftest.py), at two sizes that share a tuning key; the grids
+differ, so a launch key that left out a size would fail here."""
+import pytest
+import torch
+
+from tiletune import autotune, device
+from tiletune.ops import fmha as FM
+from tiletune.ops import fp8_gemm as F8
+from tiletune.ops import grouped_gemm as GG
+from tiletune.ops import rms_norm as R
+from tiletune.ops import rms_norm_rope as RR
+from tiletune.ops import rope as RP
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def defaults(launches, monkeypatch):
+    """A miss resolves to the shape's first (default) config with a stand-in kernel."""
+    def resolve(self, key, dev, inputs, use_store=True):
+        cfg = self.config_list("sm_90", self._space(*inputs))[0]
+        return self.cache.setdefault(key, (cfg, f"{self.name} kernel"))
+    monkeypatch.setattr(autotune.Autotuner, "_resolve", resolve)
+    monkeypatch.setitem(device._SM_COUNT, -1, 132)      # a CPU tensor's device index
+    monkeypatch.setattr(F8, "device_arch", lambda dev: "sm_90")
+    autotune.clear_cache()
+    yield launches
+    autotune.clear_cache()
+
+
+def _rms_norm(n):
+    x = torch.randn(n, 256, dtype=BF16)
+    R.launch_fwd(x, torch.ones(256, dtype=BF16), torch.empty_like(x),
+                 torch.empty(n), 1e-6)
+
+
+def _rms_norm_wide_backward(n):
+    """Its row-coefficient launch (the column launches' grids take scratch: computed per call)."""
+    x, w = torch.randn(n, 40000, dtype=BF16), torch.ones(40000, dtype=BF16)
+    R._bwd_coef.launch((40000, n, BF16, BF16, BF16, -1), -1, x, x, w, torch.ones(n),
+                       torch.empty(n))
+
+
+def _rope(b):
+    s = 65 if b == 1 else 50                       # B * S = 65 and 100: one bucket
+    q, k = torch.randn(b, 4, s, 64, dtype=BF16), torch.randn(b, 2, s, 64, dtype=BF16)
+    cos = sin = torch.randn(b, s, 64, dtype=BF16)
+    RP.launch(q, k, cos, sin, None, torch.empty_like(q), torch.empty_like(k), 64, False)
+    RP.launch(q, k, cos, sin, None, None, None, 64, False)
+
+
+def _rms_norm_rope(s):
+    q, k = torch.randn(1, 4, s, 64, dtype=BF16), torch.randn(1, 2, s, 64, dtype=BF16)
+    w, cos = torch.ones(64, dtype=BF16), torch.randn(1, s, 64, dtype=BF16)
+    RR._forward(q, k, w, w, cos, cos, None, 64, 1e-6)
+
+
+def _fmha(s):
+    q = torch.randn(1, 4, s, 64, dtype=BF16)
+    kv = torch.randn(1, 2, s, 64, dtype=BF16)
+    lse = torch.empty(1, 4, s)
+    FM.launch_fwd(q, kv, kv, torch.empty_like(q), lse, True, 0, 0.125)
+    FM.launch_bwd(q, q, kv, kv, q, lse, torch.empty_like(q), torch.empty_like(kv),
+                  torch.empty_like(kv), torch.empty(4, s), True, 0, 0.125)
+
+
+def _grouped(t):
+    x, w = torch.randn(t, 64, dtype=BF16), torch.randn(4, 64, 96, dtype=BF16)
+    offs = torch.tensor([t // 4, t // 2, 3 * t // 4, t], dtype=torch.int32)
+    GG.launch(x, w, offs, torch.empty(t, 96, dtype=BF16))
+    GG.launch_k(x.t(), torch.randn(t, 96, dtype=BF16), offs, torch.empty(4, 64, 96, dtype=BF16))
+
+
+def _fp8(m):
+    e4m3 = torch.float8_e4m3fn
+    a, b = torch.zeros(m, 256, dtype=e4m3), torch.zeros(96, 256, dtype=e4m3).t()
+    c = torch.empty(m, 96, dtype=BF16)
+    F8.launch("row", a, b, torch.ones(m), torch.ones(96), c, False)
+    F8.launch("block", a, b, torch.ones(2, m).t(), torch.ones(2, 1).t(), c, False, 1, 128)
+    for g in F8.GRANULARITIES:
+        F8._quantize_raw(torch.randn(m, 256, dtype=BF16), g, e4m3)
+
+
+# two sizes of one tuning key whose grids differ
+OPS = {"rms_norm": (_rms_norm, 600, 1000), "rms_norm_wide_backward": (_rms_norm_wide_backward, 9, 12),
+       "rope": (_rope, 1, 2), "rms_norm_rope": (_rms_norm_rope, 20, 30),
+       "fmha": (_fmha, 600, 1000), "grouped_mm": (_grouped, 600, 1000), "fp8": (_fp8, 600, 1000)}
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_launch_keys_hold_every_size_of_the_grid(defaults, op):
+    run, small, large = OPS[op]
+    run(small)
+    n = len(defaults)
+    run(large)
+    run(small)
+    first, second, third = defaults[:n], defaults[n:2 * n], defaults[2 * n:]
+    assert [g for g, _, _ in first] == [g for g, _, _ in third]
+    assert [g for g, _, _ in first] != [g for g, _, _ in second]
+    tuned = {name: len(t.cache) for name, t in autotune.tuners().items() if t.cache}
+    assert tuned and all(v == 1 for v in tuned.values()), tuned    # one tuning key each
