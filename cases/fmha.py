@@ -12,9 +12,9 @@ from tiletune.ops import fmha as FM
 # ---------------------------------------------------------------------------------------------
 # Ahead-of-time compile cases (CI compiles each for sm_90 and sm_100). Inputs in HF's layout
 # ((B, S, H, D) storage seen as (B, H, S, D)), outputs laid out like their input, LSE2/delta
-# (B*H, S) float32. Every sm_90 config of the three kernels at B4 H32 S4096 D128 bf16 causal;
+# (B*H, S) float32 (rows padded to 16 bytes). Every sm_90 config of the three kernels at B4 H32 S4096 D128 bf16 causal;
 # the sm_100 and fallback configs not already in it; then each kernel's default for non-causal,
-# D64 fp16, a ragged Sq/Sk (1000/4097: no 16-divisible shapes, LSE rows without TMA), GQA 32/8,
+# D64 fp16, a ragged Sq/Sk (1000/4097: no 16-divisible shapes), GQA 32/8,
 # D256, and the forward for decode (Sq = 1) and D80 (zero-padded to 128).
 
 TUNERS = {"fwd": FM._fwd, "dq": FM._dq, "dkdv": FM._dkdv}
@@ -23,13 +23,14 @@ GENS = {"fwd": FM.fwd_configs, "dq": FM.dq_configs, "dkdv": FM.dkdv_configs}
 
 def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, heavy_first=False):
     """The signature the JIT specializes `kind`'s kernel on for inputs in HF's layout (outputs
-    laid out like their inputs, LSE2/delta (B*Hq, Sq) float32), constants in place."""
+    laid out like their inputs, LSE2/delta (B*Hq, Sq) float32 rows padded to 16 bytes), constants
+    in place."""
     i32 = ScalarConstraint(ct.int32)
 
     def hf(H, S):
         return jit_array(dt, (B, H, S, d), (S * H * d, d, H * d, 1))
     q, kv = hf(hq, sq), hf(hkv, sk)
-    rows = jit_array(torch.float32, (B * hq, sq))
+    rows = jit_array(torch.float32, (B * hq, sq), ((sq + 3) // 4 * 4, 1))   # as FM._rows
     tail = [tm, tn, FM.head_tile(d), causal]
     if kind == "fwd":
         return [q, kv, kv, q, rows, F32, i32] + tail + [heavy_first]

@@ -393,6 +393,15 @@ def _flat(t):
     return t.view(t.shape[0] * t.shape[1], t.shape[2])
 
 
+def _rows(*shape, like):
+    """A float32 array of per-row statistics (LSE2, delta) whose last dim S is a view of rows
+    padded to 16 bytes: the backward loads each (1, TM) slice with TMA. (Without the padding,
+    at S % 4 != 0, the compiler stages the slices through shared memory from every warp that
+    holds a copy, which racecheck reports as write/write hazards.)"""
+    *lead, s = shape
+    return like.new_empty((*lead, (s + 3) // 4 * 4), dtype=torch.float32)[..., :s]
+
+
 def launch_fwd(q, k, v, o, lse, causal, offset, scale):
     """o (like q) and lse (B, Hq, Sq) float32 written in place."""
     dev = q.get_device()
@@ -463,7 +472,7 @@ def _forward(q, k, v, causal, offset, scale):
     """(o laid out like q, lse (B, Hq, Sq) float32 in base 2)."""
     B, hq, sq, _ = q.shape
     o = torch.empty_like(q)
-    lse = torch.empty((B, hq, sq), device=q.device, dtype=torch.float32)
+    lse = _rows(B, hq, sq, like=q)
     if o.numel() == 0:
         return o, lse
     if k.shape[2] == 0:                  # no keys at all: every row is fully masked
@@ -481,7 +490,7 @@ def _backward(do, q, k, v, o, lse, causal, offset, scale):
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     B, hq, sq, _ = q.shape
-    delta = torch.empty((B * hq, sq), device=q.device, dtype=torch.float32)
+    delta = _rows(B * hq, sq, like=q)
     launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale)
     return dq, dk, dv
 
@@ -495,7 +504,7 @@ _fmha = TrainableOp(
     forward_schema="(Tensor q, Tensor k, Tensor v, bool causal, SymInt offset, float scale) "
                    "-> (Tensor, Tensor)",
     forward_fake=lambda q, k, v, causal, offset, scale: (
-        torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)),
+        torch.empty_like(q), _rows(*q.shape[:3], like=q)),
     save=lambda args, results: ((*args[:3], *results), args[3:]),
     backward=lambda needs, do, q, k, v, o, lse, causal, offset, scale: _backward(
         do, q, k, v, o, lse, causal, offset, scale),

@@ -213,7 +213,7 @@ _k_grouped = Autotuner(
     default=next(table(FIELDS, OTHER_SPACE)),
     space=lambda a, b, offs, out: dict(t=bucket(a.shape[1]), e=out.shape[0], m=a.shape[0],
                                        n=b.shape[1]),
-    grid=_k_grid, args=_args,
+    grid=_k_grid, args=_args, tune_key=bucketed(3),
     work=lambda a, b, offs, out: Work(flops=2.0 * a.shape[0] * a.shape[1] * b.shape[1]))
 TUNERS = (_grouped, _k_grouped)
 
@@ -229,8 +229,7 @@ def launch(x, w, offs, out):
 def launch_k(a, b, offs, out):
     """out[g] = a[:, rows_g] @ b[rows_g] (a (M, T), b (T, N), out (E, M, N))."""
     dev = a.get_device()
-    key = (out.shape[0], a.shape[0], b.shape[1], bucket(a.shape[1]), a.dtype, layout(a),
-           layout(b), dev)
+    key = (out.shape[0], a.shape[0], b.shape[1], a.shape[1], a.dtype, layout(a), layout(b), dev)
     _k_grouped.launch(key, dev, a, b, offs, out)
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import cuda.tile as ct
 
-from tiletune.autotune import Autotuner, Work, bucket
+from tiletune.autotune import Autotuner, Work, bucketed
 from tiletune.space import cdiv, product
 
 ZERO = ct.PaddingMode.ZERO
@@ -33,7 +33,7 @@ _column_sum = Autotuner(
     default=SimpleNamespace(tile_g=16, tile_n=64, occupancy=4),
     space=lambda partial, out: dict(n_cols=partial.shape[1]),
     grid=lambda c, dev, partial, out: (cdiv(partial.shape[1], c.tile_n),),
-    args=lambda c, partial, out: (partial, out, c.tile_g, c.tile_n),
+    args=lambda c, partial, out: (partial, out, c.tile_g, c.tile_n), tune_key=bucketed(1),
     work=lambda partial, out: Work(bytes=partial.numel() * 4 + out.numel() * out.element_size()))
 TUNERS = (_column_sum,)
 
@@ -42,4 +42,4 @@ def sum_rows(partial, out):
     """out (N,) = partial (G, N) float32 summed over G, in out's dtype."""
     G, N = partial.shape
     dev = partial.get_device()
-    _column_sum.launch((N, bucket(G), out.dtype, dev), dev, partial, out)
+    _column_sum.launch((N, G, out.dtype, dev), dev, partial, out)

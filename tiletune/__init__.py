@@ -17,14 +17,14 @@ TILETUNE_CACHE_DIR (persistent store; `off` disables), TILETUNE_LOG=1 (log each 
 import os as _os
 
 from tiletune.autotune import (Autotuner, TuningFailedError, TuningRecord, Work, bucket,
-                               clear_cache, disabled, records, tuners)
+                               bucketed, clear_cache, disabled, records, tuners)
 from tiletune.device import arch
 from tiletune.space import cdiv, next_pow2
 
 __version__ = "0.1.0"
 
-__all__ = ["Autotuner", "TuningFailedError", "TuningRecord", "Work", "arch", "bucket", "cdiv",
-           "clear_cache", "disabled", "next_pow2", "records", "tuners"]
+__all__ = ["Autotuner", "TuningFailedError", "TuningRecord", "Work", "arch", "bucket", "bucketed",
+           "cdiv", "clear_cache", "disabled", "next_pow2", "records", "tuners"]
 
 # In a source checkout, ops/, suites/ and cases/ sit beside this package and install as its
 # subpackages (pyproject's package-dir). When this folder is what Python imports (the repo root

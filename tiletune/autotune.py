@@ -221,11 +221,12 @@ class Autotuner:
              in-place kernels search their split-buffer twin (`search_kernel`, same body and
              traffic, separate input and output arrays) on scratch outputs, so the user's data
              is untouched until the one in-place launch with the winner.
-    tune_key(key) -> key: the tuning key (store, records, `cache`) of a launch key; default:
-             the launch key itself. A launch key holds every size the grid depends on (the
-             grid is computed once per launch key); the tuning key buckets dynamic sizes (one
-             search for every batch of tokens between two powers of two). With `scratch` or
-             `run` the grid is computed per call instead.
+    tune_key(key) -> key: the tuning key (store, records, `cache`) of a launch key, which
+             buckets its dynamic sizes (one search for every batch of tokens between two
+             powers of two); `bucketed(i, ...)` makes one. Given, the op promises that a launch
+             key holds every size its grid depends on, and the grid is computed once per launch
+             key (without `scratch` and `run`) instead of on every call. Default: the launch
+             key is the tuning key, and the grid is computed on every call.
     hints:   cfg -> hint dict for `replace_hints` (default: occupancy/num_ctas/warps/opt_level).
     """
 
@@ -244,6 +245,8 @@ class Autotuner:
         self._run, self._partly_timed, self._work = run, partly_timed, work
         self._search_inputs = search_inputs
         self.tune_key = tune_key or _same_key
+        # the grid is planned once per launch key only where the op says its keys are exact
+        self._plans_grid = tune_key is not None and scratch is None and run is None
         self._plans = {}         # launch key -> (kernel, grid, cfg): the fast path reads only this
         self.cache = _TuningCache(self._plans)  # tuning key -> (cfg, tuned kernel)
         self.records = {}        # key -> TuningRecord
@@ -258,9 +261,9 @@ class Autotuner:
     # -- the fast path ------------------------------------------------------------------------
     def _fast_path(self, checked=False):
         """`launch(key, dev, *inputs)`, built once with the op's functions bound as locals: a
-        hit costs a dict lookup, the arguments and `ct.launch`; the grid was computed on the
-        key's first launch (a plain launch's grid is a function of its key: see `tune_key`).
-        checked=True (tests): recompute the grid on every call and fail where it differs."""
+        hit costs a dict lookup, the arguments and `ct.launch`; with `tune_key` the grid too
+        was computed on the key's first launch. checked=True (tests): recompute the grid on
+        every call and fail where the planned one differs."""
         plan_get, first, name = self._plans.get, self._first_launch, self.name
         grid, args, scratch, run = self._grid, self._args, self._scratch, self._run
 
@@ -269,25 +272,35 @@ class Autotuner:
         # made small (no cost on the fast path when it does not happen).
         if scratch is None and run is None:
             def launch_config(cfg, kernel, dev, inputs, cfg_grid):
+                if cfg_grid is None:
+                    cfg_grid = grid(cfg, dev, *inputs)
                 try:
                     ct.launch(_device.current_stream(dev), cfg_grid, kernel, args(cfg, *inputs))
                 except OverflowError as e:
                     inputs = int32_strides(name, inputs, e)
                     ct.launch(_device.current_stream(dev), cfg_grid, kernel, args(cfg, *inputs))
 
-            def launch(key, dev, *inputs):
-                plan = plan_get(key)
-                if plan is None:
-                    return first(key, dev, inputs, launch_config)
-                kernel, cfg_grid, cfg = plan
-                try:
-                    ct.launch(_device.current_stream(dev), cfg_grid, kernel, args(cfg, *inputs))
-                except OverflowError as e:
-                    launch_config(cfg, kernel, dev, int32_strides(name, inputs, e), cfg_grid)
+            if self._plans_grid:
+                def launch(key, dev, *inputs):
+                    plan = plan_get(key)
+                    if plan is None:
+                        return first(key, dev, inputs, launch_config)
+                    kernel, cfg_grid, cfg = plan
+                    try:
+                        ct.launch(_device.current_stream(dev), cfg_grid, kernel,
+                                  args(cfg, *inputs))
+                    except OverflowError as e:
+                        launch_config(cfg, kernel, dev, int32_strides(name, inputs, e), cfg_grid)
+            else:
+                def launch(key, dev, *inputs):
+                    plan = plan_get(key)
+                    if plan is None:
+                        return first(key, dev, inputs, launch_config)
+                    launch_config(plan[2], plan[0], dev, inputs, None)
 
             def launch_checked(key, dev, *inputs):
                 plan = plan_get(key)
-                if plan is not None:
+                if plan is not None and plan[1] is not None:
                     _check_grid(name, key, plan[1], grid(plan[2], dev, *inputs))
                 return launch(key, dev, *inputs)
             return launch_checked if checked else launch
@@ -346,9 +359,7 @@ class Autotuner:
 
     def _launch_planned(self, key, tkey, entry, dev, inputs, launch_config):
         cfg, kernel = entry
-        cfg_grid = None
-        if self._scratch is None and self._run is None:
-            cfg_grid = self._grid(cfg, dev, *inputs)
+        cfg_grid = self._grid(cfg, dev, *inputs) if self._plans_grid else None
         result = launch_config(cfg, kernel, dev, inputs, cfg_grid)
         if self.cache.get(tkey) is entry:    # not a config picked during graph capture
             self._plans[key] = (kernel, cfg_grid, cfg)

@@ -96,8 +96,24 @@ def run_grouped_gemm():
     _grad_step(grouped_mm(x, w, offs), x, w)
 
 
+def run_fp8_gemm():
+    """Each quantizer at a ragged shape, then the GEMM in each scaling mode on its results
+    (K = 272: a partial 128-block; M, N not tile multiples)."""
+    from tiletune.ops.fp8_gemm import fp8_mm, quantize_fp8
+    M, N, K = 77, 95, 272
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    for a_g, b_g in (("tensor", "tensor"), ("row", "row"), ("block1x128", "block128x128"),
+                     ("block1x128", "block1x128")):
+        a, sa = quantize_fp8(x, a_g)
+        b, sb = quantize_fp8(w, b_g)
+        for fast in (False, True):
+            fp8_mm(a, b.t(), sa, sb.t(), fast_accum=fast)
+
+
 WORKLOADS = {"rms_norm": run_rms_norm, "rope": run_rope, "rms_norm_rope": run_rms_norm_rope,
-             "matmul": run_matmul, "fmha": run_fmha, "grouped_gemm": run_grouped_gemm}
+             "matmul": run_matmul, "fmha": run_fmha, "grouped_gemm": run_grouped_gemm,
+             "fp8_gemm": run_fp8_gemm}
 
 
 def workload(names):
@@ -115,7 +131,9 @@ def _run(cmd, env, log_path):
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     with open(log_path) as log:
         lines = log.read().splitlines()
-    summary = next((l for l in reversed(lines) if "ERROR SUMMARY" in l), lines[-1] if lines else "")
+    # memcheck/initcheck end in "ERROR SUMMARY", racecheck in "RACECHECK SUMMARY" (hazards,
+    # then errors and warnings)
+    summary = next((l for l in reversed(lines) if "SUMMARY" in l), lines[-1] if lines else "")
     return proc.returncode, summary
 
 

@@ -443,6 +443,17 @@ def test_launch_keys_in_one_bucket_share_a_tuning_and_plan_their_own_grid(env, m
     assert grids == [20]
 
 
+def test_without_a_tune_key_the_grid_is_computed_on_every_call(env, monkeypatch):
+    """The safe default for an op (or a user's kernel) that made no promise about its keys."""
+    x = torch.zeros(4)
+    t = _declared(env, monkeypatch, "per_call", grid=lambda c, dev, x, n: (n,),
+                  args=lambda c, x, n: (x, c.tile))
+    launch = t._fast_path()
+    for n in (20, 30):
+        launch(("k",), "cpu", x, n)
+    assert [g for _, g, _, _ in env.launches[-2:]] == [(20,), (30,)]
+
+
 def test_a_launch_key_missing_a_size_of_the_grid_fails_the_checked_fast_path(env, monkeypatch):
     x = torch.zeros(4)
     t = _declared(env, monkeypatch, "unplanned", tune_key=autotune.bucketed(1),
