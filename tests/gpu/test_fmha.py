@@ -238,8 +238,7 @@ def test_aot_signature_matches_jit():
         q, k, v = make(B, hq, hkv, sq, sk, d, dt)
         o, do, dq = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        lse = torch.empty(B * hq, sq, device="cuda")
-        delta = torch.empty_like(lse)
+        lse, delta = FM._rows(B * hq, sq, like=q), FM._rows(B * hq, sq, like=q)   # as the op
         td = FM.head_tile(d)
         args = {"fwd": (q, k, v, o, lse, 0.1, 0, 64, 64, td, True, False),
                 "dq": (q, k, v, o, do, lse, delta, dq, 0.1, 0.1, 0, 64, 64, td, True),
