@@ -226,9 +226,28 @@ def _quant_case(M, K, granularity):
                      ceiling=("copy", lambda: copy_out.copy_(x)), ceiling_scale=0.75)
 
 
+LINEAR_SHAPES = ((4096, 4096, 4096), (16384, 4096, 14336))      # tokens, in, out features
+
+
+def _linear_case(M, K, N, recipe):
+    """One training step of fp8_linear (forward, input and weight gradients) against the same
+    step of torch's bf16 linear."""
+    x = torch.randn(M, K, device="cuda", dtype=BF16, requires_grad=True)
+    w = (torch.randn(N, K, device="cuda", dtype=BF16) / K ** 0.5).requires_grad_()
+    dy = torch.randn(M, N, device="cuda", dtype=BF16)
+
+    def step(f):                   # grad(): no accumulation into .grad
+        return lambda: torch.autograd.grad(f(x, w), (x, w), dy)
+    ours = step(lambda x, w: F8.fp8_linear(x, w, recipe=recipe))
+    return BenchCase("fp8_gemm", f"fp8_linear {M}x{K}->{N} {recipe} bf16", "fwd+bwd", ours,
+                     {"torch_bf16_linear": step(torch.nn.functional.linear)},
+                     flops=6.0 * M * N * K)
+
+
 def bench_cases(full=False):
     if not full:
         return [_gemm_case(*shape, mode, fast) for shape, mode, fast in HEADLINE]
     cases = [_gemm_case(*shape, mode, fast) for shape in SHAPES for mode, fast in MODES]
     cases += [_quant_case(M, K, g) for M, K in QUANT_SHAPES for g in F8.GRANULARITIES]
+    cases += [_linear_case(*shape, r) for shape in LINEAR_SHAPES for r in F8.RECIPES]
     return cases

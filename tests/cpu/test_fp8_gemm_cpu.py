@@ -512,3 +512,92 @@ def test_bench_rows():
     assert {m for m, _ in CASES.MODES} == {"tensorwise", "rowwise", "block"}
     assert [s for s in CASES.SHAPES] == [(4096, 4096, 4096), (8192, 8192, 8192),
                                          (16384, 4096, 14336), (128, 4096, 4096)]
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8_linear: checks, and its autograd on CPU with the quantizer and the GEMM replaced by their
+# torch references (what each GEMM quantizes, along which dim, in which groups).
+
+def _expand(s, rows, cols):
+    s = s.double()
+    if s.numel() == 1:
+        return s.reshape(())
+    if s.shape[0] not in (1, rows):
+        s = s.repeat_interleave(128, 0)[:rows]
+    if s.shape[1] not in (1, cols):
+        s = s.repeat_interleave(128, 1)[:, :cols]
+    return s
+
+
+@pytest.fixture
+def reference_fp8(monkeypatch):
+    """quantize_fp8 / fp8_mm as float64 references on CPU; records (shape, granularity) of each
+    quantization."""
+    seen = []
+
+    def quantize(x, granularity):
+        seen.append((tuple(x.shape), granularity))
+        return quantize_fp8_reference(x, granularity)
+
+    def mm(a, b, sa, sb, out_dtype):
+        (M, K), N = a.shape, b.shape[1]
+        assert K % 16 == 0 and F8._scaling(M, N, K, sa, sb)
+        return ((a.double() * _expand(sa, M, K)) @ (b.double() * _expand(sb, K, N))).to(out_dtype)
+    monkeypatch.setattr(F8, "quantize_fp8", quantize)
+    monkeypatch.setattr(F8, "fp8_mm", mm)
+    return seen
+
+
+def _measure(x, y):
+    x, y = x.double(), y.double()
+    return (1 - 2 * (x * y).sum() / (x * x + y * y).sum()).item()
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "block"])
+def test_fp8_linear_autograd_quantizes_each_gemm_along_its_reduction(reference_fp8, recipe):
+    M, K, N = 77, 272, 144                     # tokens not a multiple of 16: wgrad pads to 80
+    x = torch.randn(M, K, dtype=BF16, requires_grad=True)
+    w = (torch.randn(N, K) / K ** 0.5).to(BF16).requires_grad_()
+    b = torch.randn(N, dtype=BF16, requires_grad=True)
+    y = F8._FP8Linear.apply(x, w, b, recipe)
+    dy = torch.randn(M, N, dtype=BF16)
+    dx, dw, db = torch.autograd.grad(y, (x, w, b), dy)
+    act, wt = F8.RECIPES[recipe]
+    grad_act = "block1x128" if recipe == "block" else act
+    assert reference_fp8 == [((M, K), act), ((N, K), wt),          # forward
+                             ((M, N), act), ((K, N), wt),          # dgrad: dy, w^T along N
+                             ((N, 80), grad_act), ((K, 80), grad_act)]   # wgrad: along tokens
+    xd, wd, dyd = x.double(), w.double(), dy.double()
+    assert (y.dtype, dx.dtype, dw.dtype, db.dtype) == (BF16,) * 4
+    assert _measure(y, xd @ wd.t() + b.double()) < 2e-3
+    assert _measure(dx, dyd @ wd) < 2e-3
+    assert _measure(dw, dyd.t() @ xd) < 2e-3
+    torch.testing.assert_close(db, dy.float().sum(0).to(BF16))
+
+
+def test_fp8_linear_computes_only_the_gradients_asked_for(reference_fp8):
+    x = torch.randn(32, 64, dtype=BF16)
+    w = torch.randn(16, 64, dtype=BF16, requires_grad=True)
+    (dw,) = torch.autograd.grad(F8._FP8Linear.apply(x, w, None, "rowwise"), (w,),
+                                torch.ones(32, 16, dtype=BF16))
+    assert dw.shape == w.shape and len(reference_fp8) == 4        # forward 2 + wgrad 2
+
+
+X, W = torch.zeros(8, 64, dtype=BF16), torch.zeros(32, 64, dtype=BF16)
+BAD_LINEAR = [
+    (([1.0], W), {}, TypeError, "x must be a torch.Tensor"),
+    ((X, W, 0.5), {}, TypeError, "bias must be a torch.Tensor"),
+    ((X, W), {"recipe": "tensorwise"}, ValueError, "recipe must be one of"),
+    ((X, torch.zeros(32, 48, dtype=BF16)), {}, ValueError, "must share K"),
+    ((X, W, torch.zeros(31, dtype=BF16)), {}, ValueError, r"bias must be \(N,\) = \(32,\)"),
+    ((torch.zeros(8, 40, dtype=BF16), torch.zeros(32, 40, dtype=BF16)), {}, ValueError,
+     r"K \(40\) and N \(32\) must be multiples of 16"),
+    ((X, torch.zeros(24, 64, dtype=BF16)), {}, ValueError, r"K \(64\) and N \(24\)"),
+    ((X, W), {}, ValueError, "x must be a CUDA tensor"),
+]
+
+
+@pytest.mark.parametrize("args,kw,error,message", BAD_LINEAR, ids=[b[3] for b in BAD_LINEAR])
+def test_fp8_linear_bad_input_is_refused_naming_the_argument(args, kw, error, message):
+    with pytest.raises(error, match="^fp8_linear: .*" + message):
+        F8.fp8_linear(*args, **kw)

@@ -311,3 +311,48 @@ def test_bad_input():
         fp8_mm(a[:, :120], b[:120], s, s)
     with pytest.raises(ValueError, match="match no scaling mode"):
         fp8_mm(a, b, torch.ones(64, 2, device="cuda"), torch.ones(2, 32, device="cuda"))
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8_linear: a training step against the same linear in float64.
+
+LINEAR_LIMIT = 2e-3                             # fp8_linear's stated bound (its docstring)
+
+
+@pytest.mark.parametrize("shape", [(77, 272, 144), (2, 300, 512, 1024)], ids=str)
+@pytest.mark.parametrize("recipe", ["rowwise", "block"])
+@pytest.mark.parametrize("disable", [False, True], ids=["tuned", "DISABLE_AUTOTUNE"])
+def test_fp8_linear_step_against_float64(fresh, monkeypatch, recipe, shape, disable):
+    """Odd token counts (77; 600 in a 3-D batch): the weight gradient pads them; bias; y, dx,
+    dw against float64 with DeepGEMM's measure, db exact; no-grad forward equals the step's."""
+    if disable:
+        disable_autotune(monkeypatch)
+    *lead, K, N = shape
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(*lead, K, device="cuda", generator=gen).to(BF16).requires_grad_()
+    w = (torch.randn(N, K, device="cuda", generator=gen) / K ** 0.5).to(BF16).requires_grad_()
+    b = torch.randn(N, device="cuda", generator=gen).to(BF16).requires_grad_()
+    dy = torch.randn(*lead, N, device="cuda", generator=gen).to(BF16)
+    poison_allocator(torch)
+    y = F8.fp8_linear(x, w, b, recipe=recipe)
+    dx, dw, db = torch.autograd.grad(y, (x, w, b), dy)
+    assert (y.shape, dx.shape, dw.shape) == ((*lead, N), x.shape, w.shape)
+    x64, w64, dy64 = x.double().reshape(-1, K), w.double(), dy.double().reshape(-1, N)
+    got = {"y": diff(y.reshape(-1, N), x64 @ w64.t() + b.double()),
+           "dx": diff(dx.reshape(-1, K), dy64 @ w64), "dw": diff(dw, dy64.t() @ x64)}
+    for name, d in got.items():
+        DIFFS[f"fp8_linear {recipe} {shape} {name}"] = d
+    assert all(d < LINEAR_LIMIT for d in got.values()), got
+    torch.testing.assert_close(db, dy.float().reshape(-1, N).sum(0).to(BF16))
+    with torch.no_grad():
+        assert torch.equal(F8.fp8_linear(x, w, b, recipe=recipe), y)
+    print(f"\nfp8_linear {recipe} {shape}: " + ", ".join(f"{k} {v:.2e}" for k, v in got.items()))
+
+
+def test_example_pair_runs_and_agrees():
+    """assets/examples/05: same result; the autotuned launch is not slower (5% timing slack)."""
+    from .conftest import run_example_pair
+    fixed, tuned = run_example_pair("05_fp8_block_scaled")
+    a, b = float(fixed["checksum"]), float(tuned["checksum"])
+    assert abs(a - b) <= 1e-3 * abs(a)
+    assert float(tuned["us"]) <= float(fixed["us"]) * 1.05, (fixed, tuned)
