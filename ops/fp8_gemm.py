@@ -98,7 +98,10 @@ def _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, W
     """sum over 128-K blocks kb of (a @ b)[tile, kb] * sa[row // A_GROUP, kb] *
     sb[kb, col // B_GROUP], each block's product promoted to the float32 accumulator.
     A K not a multiple of 128 ends in a partial block (zero padding): no block is wholly
-    outside a, so no load is out of bounds."""
+    outside a, so no load is out of bounds. Per-row (per-column) scales load as a (TM, 1)
+    ((1, TN)) tile: TMA where their strides are 16-byte multiples, as quantize_fp8 lays them
+    out (a gathered vector is copied to the accumulator's layout through shared memory by
+    every thread holding it, which racecheck reports)."""
     rows = m * TM + ct.arange(TM, dtype=ct.int32)
     a_rows = rows // A_GROUP
     acc = ct.zeros((TM, TN), ct.float32)
@@ -106,8 +109,13 @@ def _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, W
         at = ct.load(a, (m, kb), (TM, BLOCK), padding_mode=ZERO)
         bt = ct.load(b, (kb, n), (BLOCK, TN), padding_mode=ZERO)
         part = _mma(at, bt, ct.zeros((TM, TN), ct.float32), FAST_ACC, WIDEN)
-        s = ct.gather(sa, (a_rows, kb))[:, None]
-        if ct.static_eval(B_GROUP >= TN):
+        if ct.static_eval(A_GROUP == 1):
+            s = ct.load(sa, (m, kb), (TM, 1), padding_mode=ZERO)
+        else:
+            s = ct.gather(sa, (a_rows, kb))[:, None]
+        if ct.static_eval(B_GROUP == 1):
+            s = s * ct.load(sb, (kb, n), (1, TN), padding_mode=ZERO)
+        elif ct.static_eval(B_GROUP >= TN):
             # the tile lies in one column block: one scale_b, one FMA per element
             s = s * ct.gather(sb, (kb, (n * TN) // B_GROUP))
         else:
@@ -738,9 +746,10 @@ def _check_quantize(x, granularity, dtype):
 
 
 def _quantize_raw(x, granularity, dtype):
-    """(q, scales as stored): tensor (1,), row (M, 1), block1x128 (cdiv(K, 128), M) (its
-    transpose is the M-major scale_a), block128x128 (cdiv(M, 128), cdiv(K, 128) rounded up to
-    a multiple of 4: 16-byte rows, which torch._scaled_mm's 128x128 mode needs); all fresh,
+    """(q, scales as stored): tensor (1,), row (M, 1), block1x128 (cdiv(K, 128), M rounded up
+    to a multiple of 4) (its transpose is the M-major scale_a), block128x128 (cdiv(M, 128),
+    cdiv(K, 128) rounded up to a multiple of 4); block rows are padded to 16 bytes so that
+    fp8_mm loads them with TMA (torch._scaled_mm's 128x128 mode needs it too); all fresh,
     contiguous tensors (what a custom op may return)."""
     _check_arch("quantize_fp8", "x", x)
     M, K = x.shape
@@ -748,7 +757,7 @@ def _quantize_raw(x, granularity, dtype):
     if x.numel() == 0:            # no kernel: the reference's scales in fresh storage
         q, s = quantize_fp8_reference(x, granularity, dtype)
         storage = x.new_empty(_scale_storage(granularity, M, K), dtype=torch.float32)
-        _scales_view(granularity, storage, K).copy_(s)
+        _scales_view(granularity, storage, M, K).copy_(s)
         return q, storage
     dev = x.get_device()
     q = torch.empty((M, K), device=x.device, dtype=dtype)
@@ -757,8 +766,8 @@ def _quantize_raw(x, granularity, dtype):
         s = torch.empty((M, 1), device=x.device, dtype=torch.float32)
         _quantize_row.launch(key, dev, x, q, s, fp8_max)
     elif granularity == "block1x128":
-        s = torch.empty((cdiv(K, BLOCK), M), device=x.device, dtype=torch.float32)
-        _quantize_1x128.launch(key, dev, x, q, s, fp8_max)
+        s = torch.empty(_scale_storage(granularity, M, K), device=x.device, dtype=torch.float32)
+        _quantize_1x128.launch(key, dev, x, q, s[:, :M], fp8_max)
     elif granularity == "block128x128":
         s = torch.empty(_block_scale_storage(M, K), device=x.device, dtype=torch.float32)
         _quantize_128x128.launch(key, dev, x, q, s[:, :cdiv(K, BLOCK)], fp8_max)
@@ -770,23 +779,28 @@ def _quantize_raw(x, granularity, dtype):
     return q, s
 
 
+def _pad4(n):
+    """n rounded up to a multiple of 4: float32 rows of 16 bytes."""
+    return cdiv(n, 4) * 4
+
+
 def _block_scale_storage(M, K):
-    return (cdiv(M, BLOCK), cdiv(cdiv(K, BLOCK), 4) * 4)
+    return (cdiv(M, BLOCK), _pad4(cdiv(K, BLOCK)))
 
 
 def _scale_storage(granularity, M, K):
     """The shape _quantize_raw stores a granularity's scales in."""
-    return {"tensor": (1,), "row": (M, 1), "block1x128": (cdiv(K, BLOCK), M),
+    return {"tensor": (1,), "row": (M, 1), "block1x128": (cdiv(K, BLOCK), _pad4(M)),
             "block128x128": _block_scale_storage(M, K)}[granularity]
 
 
-def _scales_view(granularity, s, K):
+def _scales_view(granularity, s, M, K):
     """quantize_fp8's scales from their storage (_quantize_raw)."""
     if granularity == "tensor":
         return s.view(())
     if granularity == "block128x128":
         return s[:, :cdiv(K, BLOCK)]
-    return s.t() if granularity == "block1x128" else s
+    return s[:, :M].t() if granularity == "block1x128" else s
 
 
 @torch.library.custom_op("tiletune::quantize_fp8", mutates_args=(),
@@ -815,7 +829,8 @@ def quantize_fp8(x, granularity="tensor", dtype=torch.float8_e4m3fn):
       "row"           scales (M, 1): scale_a of a rowwise product; for b quantize the (N, K)
                       weight and pass b = w_fp8.t(), scale_b = scales.t() (1, N).
       "block1x128"    scales (M, cdiv(K, 128)), M-major (what torch._scaled_mm takes as
-                      scale_a): DeepSeek-V3's activation blocks.
+                      scale_a; columns padded to 16 bytes where M % 4 != 0): DeepSeek-V3's
+                      activation blocks.
       "block128x128"  scales (cdiv(M, 128), cdiv(K, 128)), rows 16-byte aligned: weight
                       blocks; for b pass b = w_fp8.t(), scale_b = scales.t().
     dtype: float8_e4m3fn (max 448) or float8_e5m2 (max 57344). A fused quantize-and-transpose
@@ -826,7 +841,7 @@ def quantize_fp8(x, granularity="tensor", dtype=torch.float8_e4m3fn):
         q, s = _quantize_op(x, granularity, dtype)
     else:
         q, s = _quantize_raw(x, granularity, dtype)
-    return q, _scales_view(granularity, s, x.shape[1])
+    return q, _scales_view(granularity, s, *x.shape)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -368,18 +368,23 @@ def test_empty_quantize_returns_the_references_scales_in_storage(monkeypatch):
             q, raw = F8._quantize_raw(x, g, E4M3)
             assert raw.shape == F8._scale_storage(g, *shape) and raw.is_contiguous()
             ref_q, ref_s = quantize_fp8_reference(x, g)
-            assert q.shape == shape and torch.equal(F8._scales_view(g, raw, shape[1]), ref_s)
+            assert q.shape == shape and torch.equal(F8._scales_view(g, raw, *shape), ref_s)
 
 
 def test_quantize_scales_views_and_storage():
     """The custom op returns fresh storage; the public scales are views of it: () for tensor,
-    an M-major (M, KB) for 1x128, (MB, KB) rows padded to 16 bytes for 128x128."""
-    assert F8._scales_view("tensor", torch.ones(1), 100).shape == ()
-    s = F8._scales_view("block1x128", torch.ones(8, 300), 1000)
+    an M-major (M, KB) for 1x128 (columns padded to 16 bytes), (MB, KB) rows padded to 16
+    bytes for 128x128: fp8_mm loads 16-byte-aligned scale rows with TMA."""
+    assert F8._scales_view("tensor", torch.ones(1), 1, 100).shape == ()
+    assert F8._scale_storage("block1x128", 300, 1000) == (8, 300)
+    s = F8._scales_view("block1x128", torch.ones(8, 300), 300, 1000)
     assert s.shape == (300, 8) and s.stride() == (1, 300)
+    assert F8._scale_storage("block1x128", 77, 272) == (3, 80)
+    s = F8._scales_view("block1x128", torch.ones(3, 80), 77, 272)
+    assert s.shape == (77, 3) and s.stride() == (1, 80)
     assert F8._block_scale_storage(300, 1000) == (3, 8)
     assert F8._block_scale_storage(300, 1300) == (3, 12)
-    s = F8._scales_view("block128x128", torch.ones(3, 12), 1300)
+    s = F8._scales_view("block128x128", torch.ones(3, 12), 300, 1300)
     assert s.shape == (3, 11) and s.stride() == (12, 1)
 
 
