@@ -828,9 +828,10 @@ def quantize_fp8(x, granularity="tensor", dtype=torch.float8_e4m3fn):
       "tensor"        scales () float32: fp8_mm's tensorwise scale for either operand.
       "row"           scales (M, 1): scale_a of a rowwise product; for b quantize the (N, K)
                       weight and pass b = w_fp8.t(), scale_b = scales.t() (1, N).
-      "block1x128"    scales (M, cdiv(K, 128)), M-major (what torch._scaled_mm takes as
-                      scale_a; columns padded to 16 bytes where M % 4 != 0): DeepSeek-V3's
-                      activation blocks.
+      "block1x128"    scales (M, cdiv(K, 128)), M-major: DeepSeek-V3's activation blocks.
+                      Where M % 4 != 0 its columns are padded to 16 bytes (fp8_mm loads them
+                      with TMA); torch._scaled_mm takes scale_a only unpadded, stride (1, M):
+                      pass it `scales.t().contiguous().t()` there.
       "block128x128"  scales (cdiv(M, 128), cdiv(K, 128)), rows 16-byte aligned: weight
                       blocks; for b pass b = w_fp8.t(), scale_b = scales.t().
     dtype: float8_e4m3fn (max 448) or float8_e5m2 (max 57344). A fused quantize-and-transpose
