@@ -7,6 +7,7 @@ from cuda.tile.compilation import ScalarConstraint
 from tiletune.aot import F32, CompileCase, jit_array
 from tiletune.autotune import bucket
 from tiletune.bench import BenchCase
+from tiletune.space import f32_row
 from tiletune.ops import fmha as FM
 
 # ---------------------------------------------------------------------------------------------
@@ -30,7 +31,7 @@ def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, heavy_first=Fals
     def hf(H, S):
         return jit_array(dt, (B, H, S, d), (S * H * d, d, H * d, 1))
     q, kv = hf(hq, sq), hf(hkv, sk)
-    rows = jit_array(torch.float32, (B * hq, sq), ((sq + 3) // 4 * 4, 1))   # as FM._rows
+    rows = jit_array(torch.float32, (B * hq, sq), (f32_row(sq), 1))   # as FM._rows
     tail = [tm, tn, FM.head_tile(d), causal]
     if kind == "fwd":
         return [q, kv, kv, q, rows, F32, i32] + tail + [heavy_first]

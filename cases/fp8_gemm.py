@@ -45,7 +45,7 @@ def _block_params(cfg, M, N, K, *, pairing=(1, KB), a_dt=E4M3, b_dt=E4M3, sa_m_m
     sb_cols = F8.cdiv(N, b_group)
     # the transposed weight scales: quantize_fp8's 128x128 (MB, KB) rows or 1x128 (N, KB) M-major
     sb = jit_array(torch.float32, (kb, sb_cols),
-                   (1, F8._pad4(kb)) if b_group > 1 else (F8._pad4(sb_cols), 1))
+                   (1, F8.f32_row(kb)) if b_group > 1 else (F8.f32_row(sb_cols), 1))
     a = jit_array(a_dt, (M, K))
     b = jit_array(b_dt, (K, N), (1, K))
     return list(F8._block_args(cfg, a, b, sa, sb, jit_array(BF16, (M, N)),
@@ -123,7 +123,7 @@ def _quant_params(kind, cfg, M, K, *, x_dt=BF16, q_dt=E4M3, x_t=False):
     elif kind == "row":
         params = args(cfg, x, q, jit_array(torch.float32, (M, 1)), fp8_max)
     elif kind == "block1x128":
-        params = args(cfg, x, q, jit_array(torch.float32, (kb, M), (F8._pad4(M), 1)), fp8_max)
+        params = args(cfg, x, q, jit_array(torch.float32, (kb, M), (F8.f32_row(M), 1)), fp8_max)
     else:       # the (cdiv(M, 128), kb) view of rows padded to a multiple of 4
         rows = F8._block_scale_storage(M, K)
         params = args(cfg, x, q, jit_array(torch.float32, (rows[0], kb), (rows[1], 1)), fp8_max)

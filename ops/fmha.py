@@ -29,7 +29,7 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import major
-from tiletune.space import cdiv, next_pow2, table
+from tiletune.space import cdiv, f32_row, next_pow2, table
 from tiletune.torch_op import TrainableOp
 
 ZERO = ct.PaddingMode.ZERO
@@ -399,7 +399,7 @@ def _rows(*shape, like):
     at S % 4 != 0, the compiler stages the slices through shared memory from every warp that
     holds a copy, which racecheck reports as write/write hazards.)"""
     *lead, s = shape
-    return like.new_empty((*lead, (s + 3) // 4 * 4), dtype=torch.float32)[..., :s]
+    return like.new_empty((*lead, f32_row(s)), dtype=torch.float32)[..., :s]
 
 
 def launch_fwd(q, k, v, o, lse, causal, offset, scale):

@@ -29,7 +29,7 @@ from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import arch as device_arch
 from tiletune.device import major, persistent_ctas
 from tiletune.ops.gemm_tiles import layout, tile_coords
-from tiletune.space import cdiv, next_pow2, table
+from tiletune.space import cdiv, f32_row, next_pow2, table
 
 ZERO = ct.PaddingMode.ZERO
 # Scale math rounds to nearest even, as torch's float32 division does: RoundingMode.FULL is
@@ -779,18 +779,13 @@ def _quantize_raw(x, granularity, dtype):
     return q, s
 
 
-def _pad4(n):
-    """n rounded up to a multiple of 4: float32 rows of 16 bytes."""
-    return cdiv(n, 4) * 4
-
-
 def _block_scale_storage(M, K):
-    return (cdiv(M, BLOCK), _pad4(cdiv(K, BLOCK)))
+    return (cdiv(M, BLOCK), f32_row(cdiv(K, BLOCK)))
 
 
 def _scale_storage(granularity, M, K):
     """The shape _quantize_raw stores a granularity's scales in."""
-    return {"tensor": (1,), "row": (M, 1), "block1x128": (cdiv(K, BLOCK), _pad4(M)),
+    return {"tensor": (1,), "row": (M, 1), "block1x128": (cdiv(K, BLOCK), f32_row(M)),
             "block128x128": _block_scale_storage(M, K)}[granularity]
 
 
@@ -857,8 +852,10 @@ def quantize_fp8(x, granularity="tensor", dtype=torch.float8_e4m3fn):
 # rowwise: one scale per row of each operand (per output row/column of the GEMM); block: 1x128
 # groups for activations and gradients, 128x128 blocks for the weight (DeepSeek-V3).
 
-RECIPES = {"rowwise": ("row", "row"), "block": ("block1x128", "block128x128")}
-_WGRAD_BLOCKS = ("block1x128", "block1x128")    # both wgrad operands are activations/gradients
+# recipe -> (groups of the forward's and dgrad's (activation-like, weight) operands, groups of
+# the wgrad's two operands, both activation-like)
+RECIPES = {"rowwise": (("row", "row"), ("row", "row")),
+           "block": (("block1x128", "block128x128"), ("block1x128", "block1x128"))}
 
 
 def _fp8_product(a, b_t, granularities, out_dtype):
@@ -876,12 +873,17 @@ def _zero_rows_to(t, multiple):
     return t if pad == 0 else torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
 
 
+def _linear_forward(x2, weight, bias, recipe):
+    y = _fp8_product(x2, weight, RECIPES[recipe][0], x2.dtype)
+    if bias is not None:
+        y += bias
+    return y
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, recipe):
-        y = _fp8_product(x2, weight, RECIPES[recipe], x2.dtype)
-        if bias is not None:
-            y += bias
+        y = _linear_forward(x2, weight, bias, recipe)
         ctx.save_for_backward(x2, weight)
         ctx.recipe, ctx.bias_dtype = recipe, None if bias is None else bias.dtype
         return y
@@ -890,14 +892,13 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, dy):
         x2, weight = ctx.saved_tensors
         need_x, need_w, need_b, _ = ctx.needs_input_grad
-        groups = RECIPES[ctx.recipe]
+        groups, wgrad_groups = RECIPES[ctx.recipe]
         dx = dw = db = None
         if need_x:
             dx = _fp8_product(dy, weight.t(), groups, x2.dtype)
         if need_w:
-            wgrad = _WGRAD_BLOCKS if ctx.recipe == "block" else groups
-            dw = _fp8_product(_zero_rows_to(dy, 16).t(), _zero_rows_to(x2, 16).t(), wgrad,
-                              weight.dtype)
+            dw = _fp8_product(_zero_rows_to(dy, 16).t(), _zero_rows_to(x2, 16).t(),
+                              wgrad_groups, weight.dtype)
         if need_b:
             db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return dx, dw, db, None
@@ -927,9 +928,7 @@ def fp8_linear(x, weight, bias=None, *, recipe="rowwise"):
                                        for t in (x, weight, bias)):
         y = _FP8Linear.apply(x2, weight, bias, recipe)
     else:
-        y = _fp8_product(x2, weight, RECIPES[recipe], x2.dtype)
-        if bias is not None:
-            y += bias
+        y = _linear_forward(x2, weight, bias, recipe)
     return y.reshape(*x.shape[:-1], N)
 
 

@@ -13,6 +13,12 @@ def cdiv(a, b):
     return -(-a // b)
 
 
+def f32_row(n):
+    """n float32 elements rounded up to a multiple of 16 bytes: the row stride TMA can load
+    (statistics and scales the kernels read in (1, T) slices are stored in such rows)."""
+    return cdiv(n, 4) * 4
+
+
 def product(default, **dims):
     """A config space: `default` first, then every combination of `dims` (name -> values) laid
     over it, without repeats. A value that is a dict sets several fields at once (tiles that

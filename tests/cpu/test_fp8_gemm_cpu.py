@@ -567,7 +567,7 @@ def test_fp8_linear_autograd_quantizes_each_gemm_along_its_reduction(reference_f
     y = F8._FP8Linear.apply(x, w, b, recipe)
     dy = torch.randn(M, N, dtype=BF16)
     dx, dw, db = torch.autograd.grad(y, (x, w, b), dy)
-    act, wt = F8.RECIPES[recipe]
+    (act, wt), _ = F8.RECIPES[recipe]
     grad_act = "block1x128" if recipe == "block" else act
     assert reference_fp8 == [((M, K), act), ((N, K), wt),          # forward
                              ((M, N), act), ((K, N), wt),          # dgrad: dy, w^T along N
