@@ -130,6 +130,9 @@ def _quant_params(kind, cfg, M, K, *, x_dt=BF16, q_dt=E4M3, x_t=False):
     return [F32 if isinstance(p, float) else p for p in params]
 
 
+LAYOUT_SPACES = ("row", "block1x128")       # quantizers whose space depends on x's layout
+
+
 def _quant_cases():
     for kind, (tuner, _, gen) in QUANT.items():
         shapes = [(4096, 4096)] + ([(4096, 14336)] if kind == "row" else [])
@@ -140,6 +143,11 @@ def _quant_cases():
                     seen.append(cfg)
                     yield CompileCase("fp8_gemm", tuner.build(cfg), _quant_params(kind, cfg, M, K),
                                       f"quantize {kind} space {M}x{K} bf16 {vars(cfg)}")
+        if kind in LAYOUT_SPACES:    # the transposed view has a space of its own
+            for cfg in gen("sm_90", 4096, 4096, col=True):
+                yield CompileCase("fp8_gemm", tuner.build(cfg),
+                                  _quant_params(kind, cfg, 4096, 4096, x_t=True),
+                                  f"quantize {kind} space transposed 4096x4096 bf16 {vars(cfg)}")
         for label, (M, K), kw in [("fp32", (4096, 4096), {"x_dt": torch.float32}),
                                   ("e5m2", (4096, 4096), {"q_dt": E5M2}),
                                   ("ragged 1000x1000", (1000, 1000), {}),
@@ -149,7 +157,8 @@ def _quant_cases():
                 continue                      # the amax launch writes no fp8
             if kind in ("amax", "tensor") and M == 1:
                 continue                      # the same tiles as the ragged case
-            cfg = next(gen("sm_90", M, K))
+            col = kind in LAYOUT_SPACES and kw.get("x_t", False)
+            cfg = next(gen("sm_90", M, K, col=True) if col else gen("sm_90", M, K))
             yield CompileCase("fp8_gemm", tuner.build(cfg), _quant_params(kind, cfg, M, K, **kw),
                               f"quantize {kind} {label} {vars(cfg)}")
 
@@ -217,13 +226,17 @@ def _gemm_case(M, N, K, mode, fast):
                      flops=2.0 * M * N * K)
 
 
-def _quant_case(M, K, granularity):
-    x = torch.randn(M, K, device="cuda", dtype=BF16)
+def _quant_case(M, K, granularity, transposed=False):
+    """transposed: x is the (M, K) transposed view of a row-major (K, M) tensor, as the weight
+    gradient of fp8_linear quantizes its operands."""
+    x = torch.randn(K, M, device="cuda", dtype=BF16).t() if transposed else \
+        torch.randn(M, K, device="cuda", dtype=BF16)
     copy_out = torch.empty_like(x)
     reference = lambda x=x: F8.quantize_fp8_reference(x, granularity)
     peers = {"torch": reference, "torch_compile": torch.compile(reference)}
     # read bf16, write fp8 (scales are noise): 3 bytes an element against a copy's 4
-    return BenchCase("fp8_gemm", f"quantize {granularity} {M}x{K} bf16", "fwd",
+    view = " transposed view" if transposed else ""
+    return BenchCase("fp8_gemm", f"quantize {granularity} {M}x{K} bf16{view}", "fwd",
                      lambda: F8.quantize_fp8(x, granularity), peers, bytes=3.0 * x.numel(),
                      ceiling=("copy", lambda: copy_out.copy_(x)), ceiling_scale=0.75)
 
@@ -251,5 +264,7 @@ def bench_cases(full=False):
         return [_gemm_case(*shape, mode, fast) for shape, mode, fast in HEADLINE]
     cases = [_gemm_case(*shape, mode, fast) for shape in SHAPES for mode, fast in MODES]
     cases += [_quant_case(M, K, g) for M, K in QUANT_SHAPES for g in F8.GRANULARITIES]
+    cases += [_quant_case(M, K, g, transposed=True) for M, K in QUANT_SHAPES
+              for g in ("row", "block1x128")]
     cases += [_linear_case(*shape, r) for shape in LINEAR_SHAPES for r in F8.RECIPES]
     return cases

@@ -29,7 +29,7 @@ from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import arch as device_arch
 from tiletune.device import major, persistent_ctas
 from tiletune.ops.gemm_tiles import layout, tile_coords
-from tiletune.space import cdiv, f32_row, next_pow2, table
+from tiletune.space import cdiv, f32_row, next_pow2, product, table
 
 ZERO = ct.PaddingMode.ZERO
 # Scale math rounds to nearest even, as torch's float32 division does: RoundingMode.FULL is
@@ -175,38 +175,41 @@ def _abs_max(t, axis):
 @ct.kernel
 def quantize_rows_kernel(x, q, s, fp8_max, TR: ct.Constant[int], TC: ct.Constant[int],
                          ONE_PASS: ct.Constant[bool]):
-    """Rowwise: s (M, 1). TR rows per CTA; ONE_PASS: the row fits one TC-wide tile (read
+    """Rowwise: s (M, 1). Each CTA strides over tiles of TR rows (a persistent grid, so loads
+    of the next tile overlap this one's math); ONE_PASS: the row fits one TC-wide tile (read
     once), else the row is read twice, TC columns at a time (amax, then quantize)."""
-    r = ct.bid(0)
-    if ONE_PASS:
-        xt = ct.load(x, (r, 0), (TR, TC), padding_mode=ZERO).astype(ct.float32)
-        scale = _fp8_scale(_abs_max(xt, 1), fp8_max)
-        ct.store(q, (r, 0), _fp8_cast(xt, scale, fp8_max, q.dtype))
-    else:
-        chunks = ct.cdiv(x.shape[1], TC)
-        amax = ct.zeros((TR, 1), ct.float32)
-        for c in range(chunks):
-            xt = ct.load(x, (r, c), (TR, TC), padding_mode=ZERO).astype(ct.float32)
-            amax = ct.maximum(amax, _abs_max(xt, 1), propagate_nan=True)
-        scale = _fp8_scale(amax, fp8_max)
-        for c in range(chunks):
-            xt = ct.load(x, (r, c), (TR, TC), padding_mode=ZERO).astype(ct.float32)
-            ct.store(q, (r, c), _fp8_cast(xt, scale, fp8_max, q.dtype))
-    ct.store(s, (r, 0), scale)
+    for r in range(ct.bid(0), ct.cdiv(x.shape[0], TR), ct.num_blocks(0)):
+        if ONE_PASS:
+            xt = ct.load(x, (r, 0), (TR, TC), padding_mode=ZERO).astype(ct.float32)
+            scale = _fp8_scale(_abs_max(xt, 1), fp8_max)
+            ct.store(q, (r, 0), _fp8_cast(xt, scale, fp8_max, q.dtype))
+        else:
+            chunks = ct.cdiv(x.shape[1], TC)
+            amax = ct.zeros((TR, 1), ct.float32)
+            for c in range(chunks):
+                xt = ct.load(x, (r, c), (TR, TC), padding_mode=ZERO).astype(ct.float32)
+                amax = ct.maximum(amax, _abs_max(xt, 1), propagate_nan=True)
+            scale = _fp8_scale(amax, fp8_max)
+            for c in range(chunks):
+                xt = ct.load(x, (r, c), (TR, TC), padding_mode=ZERO).astype(ct.float32)
+                ct.store(q, (r, c), _fp8_cast(xt, scale, fp8_max, q.dtype))
+        ct.store(s, (r, 0), scale)
 
 
 @ct.kernel
 def quantize_1x128_kernel(x, q, s_t, fp8_max, TR: ct.Constant[int], G: ct.Constant[int]):
-    """1x128 blocks: a (TR, G * 128) tile per CTA, grid (cdiv(M, TR), cdiv(K, G * 128)).
+    """1x128 blocks: (TR, G * 128) tiles, each CTA striding over them (a persistent grid).
     s_t (cdiv(K, 128), M): the scales stored M-major, as torch._scaled_mm takes scale_a."""
-    r = ct.bid(0)
-    c = ct.bid(1)
-    xt = ct.load(x, (r, c), (TR, G * BLOCK), padding_mode=ZERO).astype(ct.float32)
-    x3 = ct.reshape(xt, (TR, G, BLOCK))
-    scale = _fp8_scale(_abs_max(x3, 2), fp8_max)                      # (TR, G, 1)
-    qt = _fp8_cast(x3, scale, fp8_max, q.dtype)
-    ct.store(q, (r, c), ct.reshape(qt, (TR, G * BLOCK)))
-    ct.store(s_t, (c, r), ct.transpose(ct.reshape(scale, (TR, G))))
+    col_tiles = ct.cdiv(x.shape[1], G * BLOCK)
+    for t in range(ct.bid(0), ct.cdiv(x.shape[0], TR) * col_tiles, ct.num_blocks(0)):
+        r = t // col_tiles
+        c = t % col_tiles
+        xt = ct.load(x, (r, c), (TR, G * BLOCK), padding_mode=ZERO).astype(ct.float32)
+        x3 = ct.reshape(xt, (TR, G, BLOCK))
+        scale = _fp8_scale(_abs_max(x3, 2), fp8_max)                      # (TR, G, 1)
+        qt = _fp8_cast(x3, scale, fp8_max, q.dtype)
+        ct.store(q, (r, c), ct.reshape(qt, (TR, G * BLOCK)))
+        ct.store(s_t, (c, r), ct.transpose(ct.reshape(scale, (TR, G))))
 
 
 @ct.kernel
@@ -338,27 +341,41 @@ def _block_kernel(cfg):
 # ---------------------------------------------------------------------------------------------
 # Quantizer configs: memory-bound tiles of 4-16k elements; the default first.
 
-def row_configs(arch, m, k):
-    """(tr, tc, one_pass): TR rows per CTA, TC columns per tile; one_pass where a row fits one
-    tile (read once), else the row is read twice in TC-wide chunks."""
+def row_configs(arch, m, k, col=False):
+    """(tr, tc, one_pass, occupancy, num_worker_warps): TR rows x TC columns per tile; one_pass
+    where a row fits one tile (read once), else each row is read twice in TC-wide chunks. col: x
+    is the transposed view of a row-major tensor, whose contiguous dim is the tile's rows: tiles
+    16-32 rows tall (32-64 contiguous bytes; taller ones ran 2-3x slower on an H200). Measured
+    there (references/kernel-type-templates.md): persistent CTAs at occupancy 2-4 ran 1.5-2.5x
+    faster than one CTA per tile."""
     whole = next_pow2(k)
-    rows = []
-    if whole <= 8192:
-        rows += [(max(1, min(16, 4096 // whole)), whole), (max(1, min(32, 8192 // whole)), whole),
-                 (max(1, min(64, 16384 // whole)), whole)]
-    rows += [(4, 1024), (2, 2048), (8, 1024), (1, 4096)]
-    seen = []
-    for r in rows:
-        if r not in seen and r[1] <= whole:
-            seen.append(r)
-    yield from table(("tr", "tc", "one_pass"), [(tr, tc, k <= tc) for tr, tc in seen])
+    if col:
+        tiles = [(32, 256), (16, 512), (32, 128), (32, 512), (16, 1024)]
+    elif whole <= 16384:
+        tiles = sorted({(max(1, e // whole), whole) for e in (4096, 8192, 16384)})
+        tiles += [(1, 2048), (2, 2048), (4, 1024)] if whole > 8192 else []
+    else:                        # two passes
+        tiles = [(1, 2048), (2, 2048), (1, 4096), (4, 1024), (2, 4096)]
+    tr, tc = tiles[0]
+    # the H100 and H200 winners: 8 warps for one pass or the transposed view, else 4
+    # (16k-element tiles hold 64 floats a thread at 8 warps: occupancy 2 leaves them registers)
+    default = SimpleNamespace(tr=tr, tc=tc, one_pass=k <= tc,
+                              occupancy=2 if tr * tc >= 16384 else 4,
+                              num_worker_warps=8 if col or k <= tc else 4)
+    yield from product(default, tiles=[dict(tr=tr, tc=tc, one_pass=k <= tc) for tr, tc in tiles],
+                       occupancy=(2, 4), num_worker_warps=(4, 8))
 
 
-def block1x128_configs(arch, m, k):
-    """(tr, g): TR rows x G blocks of 128 columns per CTA."""
+def block1x128_configs(arch, m, k, col=False):
+    """(tr, g, occupancy, num_worker_warps): TR rows x G blocks of 128 columns per tile, on a
+    persistent grid (as the rowwise quantizer). col: x is a transposed view (its rows are
+    contiguous), where 32 x 128 tiles with 4 warps won by 1.6x on an H100."""
     blocks = cdiv(k, BLOCK)
     rows = [(16, 2), (8, 4), (32, 1), (4, 8), (16, 4), (64, 1)]
-    yield from table(("tr", "g"), [r for i, r in enumerate(rows) if i == 0 or r[1] <= blocks])
+    default = SimpleNamespace(tr=32, g=1, occupancy=4, num_worker_warps=4) if col else \
+        SimpleNamespace(tr=16, g=2, occupancy=4, num_worker_warps=8)
+    yield from product(default, tiles=[dict(tr=tr, g=g) for tr, g in rows if g <= blocks],
+                       occupancy=(2, 4), num_worker_warps=(4, 8))
 
 
 def block128x128_configs(arch, m, k):
@@ -420,6 +437,11 @@ def _quant_space(x, *rest):
     return dict(m=bucket(x.shape[0]), k=x.shape[1])
 
 
+def _layout_space(x, *rest):
+    """The rowwise and 1x128 spaces differ for a transposed view (contiguous rows)."""
+    return dict(m=bucket(x.shape[0]), k=x.shape[1], col=x.stride(0) == 1 and x.shape[1] > 1)
+
+
 def _quant_work(x, q, *rest):
     return Work(bytes=float(x.numel() * (x.element_size() + 1)))
 
@@ -429,7 +451,7 @@ def _tile_grid(cfg, dev, x, *rest):
 
 
 def _row_grid(cfg, dev, x, q, s, fp8_max):
-    return (cdiv(x.shape[0], cfg.tr),)
+    return (persistent_ctas(cdiv(x.shape[0], cfg.tr), dev, cfg.occupancy),)
 
 
 def _row_args(cfg, x, q, s, fp8_max):
@@ -437,7 +459,8 @@ def _row_args(cfg, x, q, s, fp8_max):
 
 
 def _1x128_grid(cfg, dev, x, q, s_t, fp8_max):
-    return (cdiv(x.shape[0], cfg.tr), cdiv(x.shape[1], cfg.g * BLOCK))
+    tiles = cdiv(x.shape[0], cfg.tr) * cdiv(x.shape[1], cfg.g * BLOCK)
+    return (persistent_ctas(tiles, dev, cfg.occupancy),)
 
 
 def _1x128_args(cfg, x, q, s_t, fp8_max):
@@ -461,11 +484,13 @@ def _tensor_args(cfg, x, bits, q, s, fp8_max):
 
 
 _quantize_row = Autotuner("quantize_fp8_row", quantize_rows_kernel, row_configs,
-                          default=SimpleNamespace(tr=4, tc=1024, one_pass=False),
-                          space=_quant_space, grid=_row_grid, args=_row_args, work=_quant_work,
+                          default=SimpleNamespace(tr=4, tc=1024, one_pass=False, occupancy=2,
+                                                  num_worker_warps=4),
+                          space=_layout_space, grid=_row_grid, args=_row_args, work=_quant_work,
                           tune_key=_BY_ROWS)
 _quantize_1x128 = Autotuner("quantize_fp8_1x128", quantize_1x128_kernel, block1x128_configs,
-                            default=SimpleNamespace(tr=16, g=2), space=_quant_space,
+                            default=SimpleNamespace(tr=16, g=2, occupancy=4,
+                                                    num_worker_warps=8), space=_layout_space,
                             grid=_1x128_grid, args=_1x128_args, work=_quant_work,
                             tune_key=_BY_ROWS)
 _quantize_128x128 = Autotuner("quantize_fp8_128x128", quantize_128x128_kernel,

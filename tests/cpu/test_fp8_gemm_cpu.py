@@ -70,10 +70,13 @@ QUANT_GENS = (F8.row_configs, F8.block1x128_configs, F8.block128x128_configs,
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("gen", QUANT_GENS, ids=lambda g: g.__name__)
-def test_quantizer_spaces(gen, arch):
+@pytest.mark.parametrize("col", [False, True], ids=["row-major", "transposed"])
+def test_quantizer_spaces(gen, arch, col):
+    if col and gen not in (F8.row_configs, F8.block1x128_configs):
+        pytest.skip("one space for both layouts")
     for m, k in [(4096, 4096), (16384, 14336), (1, 16), (1000, 1000), (7, 200), (128, 65536)]:
-        cfgs = list(gen(arch, m, k))
-        assert 1 <= len(cfgs) <= 12
+        cfgs = list(gen(arch, m, k, col=True) if col else gen(arch, m, k))
+        assert 1 <= len(cfgs) <= 24
         assert len({tuple(sorted(vars(c).items())) for c in cfgs}) == len(cfgs)
         for c in cfgs:
             for name in ("tr", "tc", "g"):
@@ -348,12 +351,15 @@ def test_quantizer_launches(launches, monkeypatch):
     cfg = next(F8.row_configs("sm_90", 512, 1000))
     monkeypatch.setitem(F8._quantize_row.cache, ("k", 512), (cfg, "kernel"))
     F8._quantize_row.launch(("k", 300), 0, x, q, s, 448.0)
-    assert launches[-1] == ((-(-300 // cfg.tr),), "kernel", (x, q, s, 448.0, cfg.tr, cfg.tc, True))
+    # persistent grids: at most SMs x occupancy CTAs striding over the tiles
+    ctas = F8.persistent_ctas(-(-300 // cfg.tr), 0, cfg.occupancy)
+    assert launches[-1] == ((ctas,), "kernel", (x, q, s, 448.0, cfg.tr, cfg.tc, True))
     s_t = torch.empty(8, 300)
     cfg = next(F8.block1x128_configs("sm_90", 512, 1000))
     monkeypatch.setitem(F8._quantize_1x128.cache, ("k", 512), (cfg, "kernel"))
     F8._quantize_1x128.launch(("k", 300), 0, x, q, s_t, 448.0)
-    assert launches[-1][0] == (-(-300 // cfg.tr), -(-1000 // (cfg.g * 128)))
+    tiles = -(-300 // cfg.tr) * -(-1000 // (cfg.g * 128))
+    assert launches[-1][0] == (F8.persistent_ctas(tiles, 0, cfg.occupancy),)
     cfg = next(F8.block128x128_configs("sm_90", 512, 1000))
     monkeypatch.setitem(F8._quantize_128x128.cache, ("k", 512), (cfg, "kernel"))
     F8._quantize_128x128.launch(("k", 300), 0, x, q, torch.empty(3, 8), 448.0)

@@ -257,9 +257,14 @@ def test_quantize_every_config_transposed_input_and_nan(fresh, monkeypatch, gran
     tuners = {"tensor": [F8._tensor_amax, F8._quantize_tensor], "row": [F8._quantize_row],
               "block1x128": [F8._quantize_1x128], "block128x128": [F8._quantize_128x128]}
     for tuner in tuners[granularity]:
-        for cfg in each_config(monkeypatch, tuner, list(tuner.configs("sm_90", 512, 1000))):
-            q, s = quantize_fp8(x, granularity)
-            assert torch.equal(s, rs) and same_bits(q, rq), vars(cfg)
+        # the rowwise and 1x128 quantizers have a space per layout: both, each on its layout
+        per_layout = tuner in (F8._quantize_row, F8._quantize_1x128)
+        for xi in [x, x.contiguous()] if per_layout else [x]:
+            space = dict(m=512, k=1000, col=xi.stride(0) == 1) if per_layout \
+                else dict(m=512, k=1000)
+            for cfg in each_config(monkeypatch, tuner, list(tuner.configs("sm_90", **space))):
+                q, s = quantize_fp8(xi, granularity)
+                assert torch.equal(s, rs) and same_bits(q, rq), vars(cfg)
     x = x.contiguous()
     x[5, 7] = float("nan")
     q, s = quantize_fp8(x, granularity)
