@@ -1,8 +1,47 @@
-"""Drop-in modules with Hugging Face attribute names, backed by tiletune ops."""
+"""Hugging Face transformers integration.
+
+`RMSNorm` (alias `LlamaRMSNorm`) is an HF-style module on tiletune's rms_norm and needs torch
+alone. `apply_tiletune` routes a Llama, Mistral, Qwen2, Qwen3 or Qwen3-MoE model through tiletune
+ops: its RMSNorms, rotary embedding, gated MLPs (SwiGLU / GeGLU), Qwen3's per-head QK-norm +
+RoPE (one fused kernel), Qwen3-MoE's experts and its attention (registered in transformers as
+`attn_implementation="tiletune"`). It imports transformers (>= 5.17, < 6: the `hf` extra) when
+called. `revert` undoes it.
+
+Two ways to patch:
+- a model class, a config class, a family name ("llama", "mistral", "qwen2", "qwen3",
+  "qwen3_moe") or nothing (every family): class level. The family's modeling module gets
+  tiletune subclasses of its RMSNorm, MLP, (Qwen3) attention and (Qwen3-MoE) experts classes, so
+  models built afterwards use them, and a tiletune `apply_rotary_pos_emb`, which the attention
+  looks up at call time, so models of that family that already exist use it too. With
+  attention=True, models of the family built afterwards default to "tiletune" attention (an
+  explicit `attn_implementation=` still wins).
+- a built model: instance level. Its existing modules change class in place to the same
+  tiletune subclasses (parameters, buffers and names untouched: state_dict keys, optimizers and
+  hooks are unaffected), and with attention=True its config's attention implementation becomes
+  "tiletune" (a config shared with other models changes for them too). Nothing outside the
+  model changes.
+
+The tiletune subclasses only override `forward`; `isinstance` against the HF class still holds.
+Patching twice is harmless; flags add (a second call with a flag off does not undo the first).
+"""
+import importlib
+import logging
+import weakref
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
+from tiletune.ops.fmha import scaled_dot_product_attention
+from tiletune.ops.moe import moe_experts
 from tiletune.ops.rms_norm import rms_norm
+from tiletune.ops.rms_norm_rope import rms_norm_rope
+from tiletune.ops.rope import apply_rope
+from tiletune.ops.swiglu import geglu, swiglu
+
+log = logging.getLogger("tiletune")
+
+ATTENTION_NAME = "tiletune"
 
 
 class RMSNorm(nn.Module):
@@ -23,3 +62,532 @@ class RMSNorm(nn.Module):
 
 
 LlamaRMSNorm = RMSNorm
+
+
+# The gated activations and the experts block, by module-level names (the CPU tests replace
+# them with torch stand-ins).
+
+_swiglu = swiglu
+_moe_experts = moe_experts
+
+
+def _geglu(gate, up, approximate):
+    return geglu(gate, up, approximate=approximate)
+
+
+# config.hidden_act values whose gated MLP has a tiletune kernel (GeGLU: with its GELU form);
+# other activations keep HF's.
+SWIGLU_ACTIVATIONS = ("silu", "swish")
+GEGLU_ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+_logged = set()
+
+
+def _log_once(message):
+    # Not while torch.compile traces: a logging call there is a graph break.
+    if message not in _logged and not torch.compiler.is_compiling():
+        _logged.add(message)
+        log.warning("%s", message)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: transformers calls `attention_forward(module, query, key, value, attention_mask,
+# dropout=, scaling=, is_causal=, ...)` with (B, H, S, D) query and (B, Hkv, Sk, D) key/value
+# and expects ((B, S, H, D) output, weights or None). The mask comes from `tiletune_mask`: None
+# where plain causal (or, for one query, full) attention is exact, else a 4-D boolean mask.
+
+def tiletune_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None,
+                  local_size=None, allow_is_causal_skip=True, **kwargs):
+    """transformers mask function "tiletune": None when no mask is needed, else what
+    `transformers.masking_utils.sdpa_mask` builds. No mask is needed when transformers allows
+    skipping it (nothing added to the causal pattern: no packed sequences, no overlays), there
+    is no 2-D padding mask, no sliding window reaches inside the keys, and the queries are the
+    whole sequence (q_length == kv_length, or an empty cache) or one decoding step.
+    `sdpa_mask` decides the same, but never while tracing, so under torch.compile every call
+    would get a mask. What still needs data to decide is left to `sdpa_mask`: a 2-D padding
+    mask (eagerly, an all-ones one needs no mask; under torch.compile it is materialized) and,
+    in forwards without a cache (use_cache=False), transformers' packed-sequence check on
+    position_ids (a mask under torch.compile)."""
+    from transformers.masking_utils import sdpa_mask
+    if allow_is_causal_skip and attention_mask is None and \
+            (local_size is None or kv_length < local_size) and \
+            (q_length == 1 or q_length == kv_length or
+             (isinstance(q_offset, int) and q_offset == 0)):
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                     q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,
+                     local_size=local_size, allow_is_causal_skip=allow_is_causal_skip,
+                     **kwargs)
+
+
+class AttentionRoute(NamedTuple):
+    use_kernel: bool      # True: tiletune FMHA; False: transformers' sdpa_attention_forward
+    causal: bool          # kernel only: causal (diagonal top-left, as torch SDPA)
+    key_length: int       # kernel only: keys attended (HF drops the unreachable tail of an
+                          # empty static cache at prefill; so do we)
+    reason: str           # why the kernel cannot serve the call ("" when it can)
+
+
+def attention_route(*, q_length, kv_length, head_dim, dtype, on_cuda, has_mask, is_causal,
+                    dropout, has_position_bias=False):
+    """Which attention serves one call: tiletune's FMHA where it computes exactly what
+    transformers' SDPA attention computes, else SDPA itself. A pure function of the call's
+    shapes and flags (no device work). The kernel serves: no attention mask (plain causal or,
+    at q_length 1 or is_causal False, full attention), dropout 0, bf16/fp16 CUDA tensors,
+    head_dim <= 256, no position bias. Anything else (a padding / sliding-window / packed-sequence
+    mask, attention dropout in training, float32, CPU) goes to SDPA."""
+    if has_mask:
+        reason = "an attention mask (padding, sliding window or packed sequences)"
+    elif dropout:
+        reason = f"attention dropout {dropout}"
+    elif has_position_bias:
+        reason = "a position bias"
+    elif not on_cuda:
+        reason = "tensors not on a CUDA device"
+    elif dtype not in (torch.bfloat16, torch.float16):
+        reason = f"dtype {dtype} (the kernel takes bfloat16/float16)"
+    elif head_dim > 256:
+        reason = f"head_dim {head_dim} > 256"
+    else:
+        causal = bool(is_causal) and q_length > 1
+        keys = q_length if causal and kv_length > q_length else kv_length
+        return AttentionRoute(True, causal, keys, "")
+    return AttentionRoute(False, False, kv_length, reason)
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                      is_causal=None, **kwargs):
+    """transformers attention function "tiletune": tiletune FMHA (GQA served directly, no
+    repeated key/value heads) where `attention_route` allows it; otherwise transformers'
+    `sdpa_attention_forward`, unchanged, with one warning per reason on the `tiletune` logger
+    (not while torch.compile traces). Padded batches, attention dropout > 0 in training,
+    float32 models, CPU tensors, and under torch.compile the calls `tiletune_mask` must leave a
+    mask on, take this path: never a different result, only a different kernel.
+    Returns ((B, S, H, D), None)."""
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    route = attention_route(
+        q_length=query.shape[2], kv_length=key.shape[2], head_dim=query.shape[3],
+        dtype=query.dtype, on_cuda=query.is_cuda, has_mask=attention_mask is not None,
+        is_causal=is_causal, dropout=dropout,
+        has_position_bias=kwargs.get("position_bias") is not None)
+    if not route.use_kernel:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        _log_once(f"tiletune attention: {route.reason}: using transformers' SDPA attention "
+                  "for such calls")
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, is_causal=is_causal,
+                                      **kwargs)
+    if route.key_length != key.shape[2]:
+        key, value = key[:, :, :route.key_length], value[:, :, :route.key_length]
+    out = scaled_dot_product_attention(query, key, value, is_causal=route.causal, scale=scaling,
+                                       enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention():
+    """Register `attention_forward` as attn_implementation "tiletune" and `tiletune_mask` as its
+    mask function (without one, transformers would pass no mask at all, padding or not).
+    Idempotent; `apply_tiletune` calls it."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    AttentionInterface.register(ATTENTION_NAME, attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, tiletune_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Patched forwards. Each is a mixin placed before the HF class in a generated subclass (see
+# `_tiletune_class`), so `super().forward` is HF's and the module's attributes are HF's.
+
+class _RMSNormForward:
+    def forward(self, hidden_states):
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+class _GatedMLPForward:
+    _tiletune_activations = SWIGLU_ACTIVATIONS + tuple(GEGLU_ACTIVATIONS)
+
+    def forward(self, x):
+        act = self.config.hidden_act
+        if act in SWIGLU_ACTIVATIONS:
+            return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
+        if act in GEGLU_ACTIVATIONS:
+            return self.down_proj(_geglu(self.gate_proj(x), self.up_proj(x),
+                                         GEGLU_ACTIVATIONS[act]))
+        _log_once(f"tiletune MLP: hidden_act {act!r} has no tiletune kernel: using "
+                  "transformers' MLP")
+        return super().forward(x)
+
+
+class _ExpertsForward:
+    _tiletune_activations = SWIGLU_ACTIVATIONS
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        act = self.config.hidden_act
+        if act not in SWIGLU_ACTIVATIONS:
+            _log_once(f"tiletune experts: hidden_act {act!r} has no tiletune kernel: using "
+                      "transformers' experts")
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+        return _moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
+                            self.down_proj)
+
+
+def _fusable_qk_norm(attn):
+    """(q_weight, k_weight, eps) when attn's q_norm and k_norm are tiletune RMSNorms with one
+    eps (then norm + RoPE run as one kernel), else None."""
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if not (isinstance(q_norm, _RMSNormForward) and isinstance(k_norm, _RMSNormForward)):
+        return None
+    if q_norm.variance_epsilon != k_norm.variance_epsilon or \
+            q_norm.weight.dtype != k_norm.weight.dtype:
+        return None
+    return q_norm.weight, k_norm.weight, q_norm.variance_epsilon
+
+
+class _AttentionForward:
+    """HF's decoder attention (projections, RoPE, cache update, the configured attention
+    function, output projection) with tiletune RoPE, fused with the per-head QK-norm where the
+    model has one (Qwen3) and its norms are tiletune's. The generated subclass sets
+    `_hf_module` (the family's modeling module: its eager attention and attention registry)
+    and `_sliding_window_kwarg` (how the family passes sliding_window)."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                past_key_values=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(hidden_shape)
+        key = self.k_proj(hidden_states).view(hidden_shape)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        cos, sin = position_embeddings
+        fused = _fusable_qk_norm(self)
+        if fused is not None:
+            q_weight, k_weight, eps = fused
+            query, key = rms_norm_rope(query.transpose(1, 2), key.transpose(1, 2), q_weight,
+                                       k_weight, cos, sin, eps=eps)
+        else:
+            if getattr(self, "q_norm", None) is not None:
+                query, key = self.q_norm(query), self.k_norm(key)
+            query, key = apply_rope(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+
+        modeling = self._hf_module
+        attention_interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, modeling.eager_attention_forward)
+        if self._sliding_window_kwarg == "module":
+            kwargs["sliding_window"] = self.sliding_window
+        elif self._sliding_window_kwarg == "config":
+            kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
+        attn_output, attn_weights = attention_interface(
+            self, query, key, value, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, **kwargs)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+
+def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)` on tiletune RoPE:
+    unsqueeze_dim=1 takes (B, H, S, D) q/k, unsqueeze_dim=2 (B, S, H, D); cos/sin (B, S, D)."""
+    if unsqueeze_dim == 1:
+        return apply_rope(q, k, cos, sin)
+    if unsqueeze_dim == 2:
+        q_out, k_out = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q_out.transpose(1, 2), k_out.transpose(1, 2)
+    raise ValueError(f"apply_rotary_pos_emb: unsqueeze_dim must be 1 or 2, got {unsqueeze_dim}")
+
+
+_generated = {}
+
+
+def _tiletune_class(original, mixin, **attrs):
+    """The tiletune subclass of HF class `original` with `mixin`'s forward (one per class)."""
+    cls = _generated.get(original)
+    if cls is None:
+        cls = type(f"Tiletune{original.__name__}", (mixin, original),
+                   {"__module__": __name__, "_tiletune_original": original, **attrs})
+        _generated[original] = cls
+    return cls
+
+
+def _original_class(cls):
+    """HF's class for a tiletune subclass, else None."""
+    return cls.__dict__.get("_tiletune_original")
+
+
+# ---------------------------------------------------------------------------------------------
+# The families: where their classes live and what each patch replaces.
+
+class _Family(NamedTuple):
+    name: str
+    module_name: str
+    prefix: str                       # class-name prefix: Llama, Mistral, Qwen2, Qwen3, Qwen3Moe
+    qk_norm: bool                     # per-head q_norm/k_norm in the attention
+    sliding_window_kwarg: str         # "none", "config" or "module": as HF's attention passes it
+    experts: bool
+
+    def module(self):
+        return importlib.import_module(self.module_name)
+
+
+FAMILIES = {f.name: f for f in (
+    _Family("llama", "transformers.models.llama.modeling_llama", "Llama", False, "none", False),
+    _Family("mistral", "transformers.models.mistral.modeling_mistral", "Mistral", False,
+            "config", False),
+    _Family("qwen2", "transformers.models.qwen2.modeling_qwen2", "Qwen2", False, "module",
+            False),
+    _Family("qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3", True, "module", False),
+    _Family("qwen3_moe", "transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe", True,
+            "module", True),
+)}
+
+_SUPPORTED = ", ".join(FAMILIES)
+
+# Class-level patches: family -> {(owner, attribute): what was there before}; _ABSENT where the
+# owner had no attribute of its own (a method inherited from PreTrainedModel).
+_class_patches = {}
+_ABSENT = object()
+
+# Models patched at instance level -> their attention implementation before patching.
+_patched_models = weakref.WeakKeyDictionary()
+
+
+def _hf_class(fam, mod, kind):
+    """HF's own class of `kind` ("RMSNorm", "MLP", "Attention", "Experts") for the family, even
+    while the module holds our subclass."""
+    cls = getattr(mod, fam.prefix + kind)
+    return _original_class(cls) or cls
+
+
+def _replace(fam, owner, attr, value):
+    patches = _class_patches.setdefault(fam.name, {})
+    if (owner, attr) in patches:
+        return                                    # patched already: keep the first original
+    patches[(owner, attr)] = vars(owner).get(attr, _ABSENT)
+    setattr(owner, attr, value)
+
+
+def _default_attention(get_correct_attn_implementation):
+    """A PreTrainedModel.get_correct_attn_implementation that reads "no choice" as tiletune's."""
+    def get_correct(self, requested_attention, is_init_check=False):
+        if requested_attention is None:
+            requested_attention = ATTENTION_NAME
+        return get_correct_attn_implementation(self, requested_attention, is_init_check)
+    return get_correct
+
+
+def _attention_class(fam, mod):
+    return _tiletune_class(_hf_class(fam, mod, "Attention"), _AttentionForward, _hf_module=mod,
+                           _sliding_window_kwarg=fam.sliding_window_kwarg)
+
+
+def _patch_classes(fam, *, rms_norm, rope, attention, mlp, experts):
+    mod = fam.module()
+    if rms_norm:
+        _replace(fam, mod, fam.prefix + "RMSNorm",
+                 _tiletune_class(_hf_class(fam, mod, "RMSNorm"), _RMSNormForward))
+    if mlp:
+        _replace(fam, mod, fam.prefix + "MLP",
+                 _tiletune_class(_hf_class(fam, mod, "MLP"), _GatedMLPForward))
+    if rope:
+        _replace(fam, mod, "apply_rotary_pos_emb", hf_apply_rotary_pos_emb)
+        if fam.qk_norm:      # norm + RoPE fused: needs the attention forward
+            _replace(fam, mod, fam.prefix + "Attention", _attention_class(fam, mod))
+    if experts and fam.experts:
+        _replace(fam, mod, fam.prefix + "Experts",
+                 _tiletune_class(_hf_class(fam, mod, "Experts"), _ExpertsForward))
+    if attention:
+        owner = getattr(mod, fam.prefix + "PreTrainedModel")
+        _replace(fam, owner, "get_correct_attn_implementation",
+                 _default_attention(owner.get_correct_attn_implementation))
+
+
+def _patch_instance(model, fam, *, rms_norm, rope, attention, mlp, experts):
+    mod = fam.module()
+    swaps = {}
+    if rms_norm:
+        cls = _hf_class(fam, mod, "RMSNorm")
+        swaps[cls] = _tiletune_class(cls, _RMSNormForward)
+    if mlp:
+        cls = _hf_class(fam, mod, "MLP")
+        swaps[cls] = _tiletune_class(cls, _GatedMLPForward)
+    if rope:
+        swaps[_hf_class(fam, mod, "Attention")] = _attention_class(fam, mod)
+    if experts and fam.experts:
+        cls = _hf_class(fam, mod, "Experts")
+        swaps[cls] = _tiletune_class(cls, _ExpertsForward)
+    for module in model.modules():
+        new = swaps.get(type(module))             # exact type: a user's subclass is left alone
+        if new is None:
+            continue
+        act = getattr(getattr(module, "config", None), "hidden_act", None)
+        supported = getattr(new, "_tiletune_activations", None)   # MLPs and experts
+        if supported is not None and act not in supported:
+            _log_once(f"apply_tiletune: {type(module).__name__} modules keep transformers' "
+                      f"forward: hidden_act {act!r} has no tiletune kernel")
+            continue
+        module.__class__ = new
+    top = _top_pretrained(model)
+    if attention and top is not None and top.config._attn_implementation != ATTENTION_NAME:
+        # the first patch that changes it saves what it was
+        _patched_models[model] = top.config._attn_implementation
+        top.set_attn_implementation(ATTENTION_NAME)
+    else:
+        _patched_models.setdefault(model, None)
+
+
+def _top_pretrained(model):
+    from transformers import PreTrainedModel
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def _family_of(op, obj):
+    """The family a model, model class, config (class) or family name belongs to."""
+    from transformers import PreTrainedConfig
+    if isinstance(obj, str):
+        name = obj.lower().replace("-", "_")
+    elif isinstance(obj, PreTrainedConfig) or \
+            (isinstance(obj, type) and issubclass(obj, PreTrainedConfig)):
+        name = obj.model_type
+    elif isinstance(obj, nn.Module):
+        top = _top_pretrained(obj)
+        name = getattr(getattr(top, "config", None), "model_type", None) or _module_family(obj)
+    elif isinstance(obj, type) and issubclass(obj, nn.Module):
+        name = _module_family(obj)
+    else:
+        raise TypeError(f"{op}: expected a model, a model or config class or a family name, got "
+                        f"{type(obj).__name__}")
+    if name not in FAMILIES:
+        what = obj if isinstance(obj, str) else getattr(obj, "__name__", type(obj).__name__)
+        raise ValueError(f"{op}: {what!r} (model type {name!r}) is not supported; supported "
+                         f"families: {_SUPPORTED}")
+    return FAMILIES[name]
+
+
+def _module_family(obj):
+    """Family name from where a class (or a module's class) is defined, else its config's
+    model_type, else None."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    cls = _original_class(cls) or cls
+    for fam in FAMILIES.values():
+        if cls.__module__ == fam.module_name:
+            return fam.name
+    return getattr(getattr(cls, "config_class", None), "model_type", None)
+
+
+def apply_tiletune(model_or_class=None, *, rms_norm=True, rope=True, attention=True, mlp=True,
+                   experts=True):
+    """Route a transformers model (or every model of a family built afterwards) through
+    tiletune ops. Returns the model for a model, else None.
+
+    model_or_class: a built model (instance level: its modules change class in place, nothing
+    else changes), or a model class, config (class) or family name ("llama", "mistral", "qwen2",
+    "qwen3", "qwen3_moe") (class level: the family's modeling module), or None (class level,
+    every family). Another model type raises ValueError listing the supported families.
+    rms_norm: every RMSNorm (Qwen3's q_norm/k_norm too). rope: the rotary embedding; in Qwen3
+    and Qwen3-MoE, with rms_norm, fused with the per-head QK-norm into one kernel. mlp: the gated
+    MLP (`down_proj(act(gate_proj(x)) * up_proj(x))`) for hidden_act silu/swish (SwiGLU),
+    gelu_pytorch_tanh and gelu (GeGLU, tanh and erf forms); MLPs with other activations keep
+    transformers' forward (logged once). experts: Qwen3-MoE's experts (SiLU) as one tiletune
+    MoE op. attention: the model's attention implementation becomes "tiletune"
+    (`attention_forward`: tiletune FMHA for unmasked causal or full attention without dropout;
+    masks it cannot serve, such as padded batches, and dropout > 0 go to transformers' SDPA,
+    logged once per reason; under torch.compile a 2-D attention_mask, or a forward without a
+    cache, always brings a mask: see `tiletune_mask`); at class level models built afterwards
+    default to it. Patching again is harmless; `revert` undoes it.
+    """
+    op = "apply_tiletune"
+    flags = dict(rms_norm=bool(rms_norm), rope=bool(rope), attention=bool(attention),
+                 mlp=bool(mlp), experts=bool(experts))
+    if attention:
+        register_attention()
+    if model_or_class is None:
+        for fam in FAMILIES.values():
+            _patch_classes(fam, **flags)
+        return None
+    fam = _family_of(op, model_or_class)
+    if isinstance(model_or_class, nn.Module):
+        _patch_instance(model_or_class, fam, **flags)
+        return model_or_class
+    _patch_classes(fam, **flags)
+    return None
+
+
+def _apply_to_family(op, family, model, **flags):
+    """`apply_tiletune` for one family: class level without a model, else on `model`, which
+    must be a built model of that family."""
+    if model is None:
+        return apply_tiletune(family, **flags)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{op}: model must be a built model (torch.nn.Module) or None, got "
+                        f"{type(model).__name__}")
+    fam = _family_of(op, model)
+    if fam.name != family:
+        raise ValueError(f"{op}: model is a {fam.name} model, not a {family} one")
+    return apply_tiletune(model, **flags)
+
+
+def _family_entry_point(family):
+    def apply(model=None, *, rms_norm=True, rope=True, attention=True, mlp=True, experts=True):
+        return _apply_to_family(f"apply_tiletune_to_{family}", family, model,
+                                rms_norm=rms_norm, rope=rope, attention=attention, mlp=mlp,
+                                experts=experts)
+
+    apply.__name__ = apply.__qualname__ = f"apply_tiletune_to_{family}"
+    apply.__doc__ = (f"`apply_tiletune` for {family} models: with `model` (a built "
+                     f"{family} model) at instance level, without it at class level. Same "
+                     "keywords; experts applies to Qwen3-MoE only.")
+    return apply
+
+
+apply_tiletune_to_llama = _family_entry_point("llama")
+apply_tiletune_to_mistral = _family_entry_point("mistral")
+apply_tiletune_to_qwen2 = _family_entry_point("qwen2")
+apply_tiletune_to_qwen3 = _family_entry_point("qwen3")
+apply_tiletune_to_qwen3_moe = _family_entry_point("qwen3_moe")
+
+
+def _revert_classes(fam):
+    for (owner, attr), original in _class_patches.pop(fam.name, {}).items():
+        if original is _ABSENT:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, original)
+
+
+def _revert_instance(model):
+    for module in model.modules():
+        original = _original_class(type(module))
+        if original is not None:
+            module.__class__ = original
+    attention = _patched_models.pop(model, None)
+    top = _top_pretrained(model)
+    if attention is not None and top is not None:
+        top.set_attn_implementation(attention)
+
+
+def revert(model_or_class=None):
+    """Undo `apply_tiletune`. A built model: its modules get their HF classes back (those built
+    from patched classes too) and its attention implementation what it was before patching.
+    A model class, config (class) or family name: that family's modeling module gets back
+    exactly the classes and functions it had. None: every family and every model patched at
+    instance level that is still alive. Models built while their family was patched keep the
+    tiletune modules until reverted themselves. The "tiletune" attention stays registered."""
+    if model_or_class is None:
+        for fam in FAMILIES.values():
+            _revert_classes(fam)
+        for model in list(_patched_models.keys()):
+            _revert_instance(model)
+        return
+    fam = _family_of("revert", model_or_class)
+    if isinstance(model_or_class, nn.Module):
+        _revert_instance(model_or_class)
+    else:
+        _revert_classes(fam)
+
+
+__all__ = ["ATTENTION_NAME", "AttentionRoute", "FAMILIES", "LlamaRMSNorm", "RMSNorm",
+           "apply_tiletune", "apply_tiletune_to_llama", "apply_tiletune_to_mistral",
+           "apply_tiletune_to_qwen2", "apply_tiletune_to_qwen3", "apply_tiletune_to_qwen3_moe",
+           "attention_forward", "attention_route", "hf_apply_rotary_pos_emb",
+           "register_attention", "revert", "tiletune_mask"]

@@ -8,9 +8,11 @@ from tiletune import autotune, device
 from tiletune.ops import fmha as FM
 from tiletune.ops import fp8_gemm as F8
 from tiletune.ops import grouped_gemm as GG
+from tiletune.ops import moe as MOE
 from tiletune.ops import rms_norm as R
 from tiletune.ops import rms_norm_rope as RR
 from tiletune.ops import rope as RP
+from tiletune.ops import swiglu as SW
 
 BF16 = torch.bfloat16
 
@@ -82,10 +84,26 @@ def _fp8(m):
         F8._quantize_raw(torch.randn(m, 256, dtype=BF16), g, e4m3)
 
 
+def _swiglu(n):
+    g = torch.randn(n, 256, dtype=BF16)
+    SW.launch_fwd(g, g, torch.empty_like(g), SW.SILU)
+    SW.launch_bwd(g, g, g, torch.empty_like(g), torch.empty_like(g), SW.GELU_ERF)
+
+
+def _moe(t):
+    x, idx = torch.randn(t, 256, dtype=BF16), torch.zeros(t, 4, dtype=torch.int32)
+    w, xs = torch.ones(t, 4), torch.empty(4 * t, 256, dtype=BF16)
+    MOE.launch_permute(x, idx, xs)
+    MOE.launch_unpermute(xs, idx, w, x)
+    MOE.launch_permute_bwd(xs, idx, x)
+    MOE.launch_unpermute_bwd(x, idx, w, xs, xs, w)
+
+
 # two sizes of one tuning key whose grids differ
 OPS = {"rms_norm": (_rms_norm, 600, 1000), "rms_norm_wide_backward": (_rms_norm_wide_backward, 9, 12),
        "rope": (_rope, 1, 2), "rms_norm_rope": (_rms_norm_rope, 20, 30),
-       "fmha": (_fmha, 600, 1000), "grouped_mm": (_grouped, 600, 1000), "fp8": (_fp8, 600, 1000)}
+       "fmha": (_fmha, 600, 1000), "grouped_mm": (_grouped, 600, 1000), "fp8": (_fp8, 600, 1000),
+       "swiglu": (_swiglu, 600, 1000), "moe": (_moe, 100, 120)}
 
 
 @pytest.mark.parametrize("op", OPS)

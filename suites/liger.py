@@ -1,0 +1,276 @@
+"""Liger-Kernel's names and call signatures on tiletune ops, so that code written against
+`liger_kernel.transformers` changes one import.
+
+Functions: `liger_rms_norm`, `liger_rotary_pos_emb` (= `liger_rope`), `liger_swiglu`,
+`liger_geglu`; `.apply`-style entry points `LigerRMSNormFunction`, `LigerRopeFunction`,
+`LigerSiLUMulFunction`, `LigerGELUMulFunction` (plain calls: the ops are differentiable
+already); modules `LigerRMSNorm`, `LigerSwiGLUMLP`, `LigerGEGLUMLP` (HF attribute names, so
+state_dicts load unchanged); model patching `apply_liger_kernel_to_llama / _mistral / _qwen2 /
+_qwen3 / _qwen3_moe`, `MODEL_TYPE_TO_APPLY_LIGER_FN`, `_apply_liger_kernel_to_instance`, which
+delegate to `tiletune.suites.hf.apply_tiletune` (attention left as the model has it, as Liger
+does).
+
+Differences, each raising ValueError naming the argument where a value asks for something
+tiletune does not compute:
+- RMSNorm: offset must be 0 (no Gemma-style `1 + weight`) and casting_mode "llama" (or 0);
+  statistics are float32 and the weight product is rounded once to the input dtype (Liger's
+  "llama" rounds the normalized input first: results differ by at most that one rounding).
+  in_place and row_mode are accepted and have no effect: tiletune's backward never writes into
+  the incoming gradient, so both in_place settings give the same results.
+- RoPE: position_ids is accepted and ignored (cos/sin are already per position, as in Liger).
+- The patch functions have no cross-entropy kernels: cross_entropy and
+  fused_linear_cross_entropy default to False here (Liger: fused_linear_cross_entropy=True) and
+  True raises.
+"""
+import inspect
+
+import torch
+from torch import nn
+
+from tiletune.ops.rms_norm import rms_norm
+from tiletune.ops.rope import apply_rope
+from tiletune.ops.swiglu import geglu, swiglu
+from tiletune.suites import hf
+
+# Liger's casting modes by name and number; tiletune computes the "llama" one.
+_LLAMA_CASTING = ("llama", 0)
+
+
+def _check_rms_norm_options(op, offset, casting_mode):
+    if offset != 0:
+        raise ValueError(f"{op}: offset={offset} is not supported (only 0.0: tiletune's RMSNorm "
+                         "multiplies by the weight itself, not 1 + weight)")
+    if isinstance(casting_mode, bool) or casting_mode not in _LLAMA_CASTING:
+        raise ValueError(f"{op}: casting_mode={casting_mode!r} is not supported (only 'llama': "
+                         "float32 statistics, output in the input's dtype)")
+
+
+_swiglu = swiglu          # module-level names: the CPU tests replace them with torch stand-ins
+
+
+def _geglu_tanh(gate, up):
+    return geglu(gate, up, approximate="tanh")
+
+
+def _rms_norm(X, W, eps):
+    if W is None:           # elementwise_affine=False: a unit weight
+        W = torch.ones(X.shape[-1], device=X.device, dtype=X.dtype)
+    return rms_norm(X, W, eps)
+
+
+def liger_rms_norm(X, W, eps, offset=0.0, casting_mode="llama", in_place=True):
+    """RMSNorm of X over its last dim times W (None: no weight). See the module docstring for
+    the options tiletune supports."""
+    _check_rms_norm_options("liger_rms_norm", offset, casting_mode)
+    return _rms_norm(X, W, eps)
+
+
+class LigerRMSNormFunction:
+    """`LigerRMSNormFunction.apply(X, W, eps, offset=0.0, casting_mode="llama", in_place=True,
+    row_mode=None)`: `liger_rms_norm`."""
+
+    @staticmethod
+    def apply(X, W, eps, offset=0.0, casting_mode="llama", in_place=True, row_mode=None):
+        _check_rms_norm_options("LigerRMSNormFunction", offset, casting_mode)
+        return _rms_norm(X, W, eps)
+
+
+class LigerRMSNorm(nn.Module):
+    """RMSNorm module with Liger's constructor: `weight` (ones, or zeros with init_fn="zeros";
+    None with elementwise_affine=False) and `variance_epsilon`."""
+
+    def __init__(self, hidden_size, eps=1e-6, offset=0.0, casting_mode="llama", init_fn="ones",
+                 in_place=True, row_mode=None, elementwise_affine=True):
+        super().__init__()
+        _check_rms_norm_options("LigerRMSNorm", offset, casting_mode)
+        if init_fn not in ("ones", "zeros"):
+            raise ValueError(f"LigerRMSNorm: init_fn must be 'ones' or 'zeros', got {init_fn!r}")
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            init = torch.ones if init_fn == "ones" else torch.zeros
+            self.weight = nn.Parameter(init(hidden_size))
+        else:
+            self.register_parameter("weight", None)
+        self.variance_epsilon = eps
+        self.offset, self.casting_mode, self.in_place, self.row_mode = (
+            offset, casting_mode, in_place, row_mode)
+
+    def forward(self, hidden_states):
+        return _rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+    def extra_repr(self):
+        shape = None if self.weight is None else tuple(self.weight.shape)
+        return f"weight_shape={shape}, eps={self.variance_epsilon}"
+
+
+def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rotary_dim=None):
+    """RoPE of q (B, Hq, S, D) and k (B, Hkv, S, D), "rotate half" convention; returns new
+    (q, k). cos/sin: (S, R), (1, S, R), (B, S, R), or 4-D with a singleton at unsqueeze_dim or
+    dim 1. The rotary width is rotary_dim, else cos's width (at most D). cos/sin may hold only
+    the first half of each row (width rotary_dim / 2, as GPT-OSS builds them).
+    position_ids is ignored."""
+    op = "liger_rotary_pos_emb"
+    if cos.dim() == 4:
+        dim = unsqueeze_dim if cos.shape[unsqueeze_dim] == 1 else 1
+        if cos.shape[dim] != 1:
+            raise ValueError(f"{op}: 4-D cos/sin need a singleton dim at unsqueeze_dim="
+                             f"{unsqueeze_dim} or 1, got {tuple(cos.shape)}")
+        cos, sin = cos.squeeze(dim), sin.squeeze(dim)
+    head_dim = q.shape[-1]
+    if rotary_dim is None:
+        rotary_dim = min(cos.shape[-1], head_dim)
+    elif cos.shape[-1] < rotary_dim:
+        if cos.shape[-1] < rotary_dim // 2:
+            raise ValueError(f"{op}: cos/sin have {cos.shape[-1]} columns, fewer than "
+                             f"rotary_dim / 2 = {rotary_dim // 2}")
+        half = rotary_dim // 2          # first halves only: the second half repeats them
+        cos = torch.cat((cos[..., :half], cos[..., :half]), -1)
+        sin = torch.cat((sin[..., :half], sin[..., :half]), -1)
+    return apply_rope(q, k, cos, sin, rotary_dim=rotary_dim)
+
+
+liger_rope = liger_rotary_pos_emb
+
+
+class LigerRopeFunction:
+    """`LigerRopeFunction.apply(q, k, cos, sin, position_ids=None, unsqueeze_dim=1,
+    rotary_dim=None)`: `liger_rotary_pos_emb`."""
+
+    @staticmethod
+    def apply(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rotary_dim=None):
+        return liger_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim, rotary_dim)
+
+
+def liger_swiglu(a, b):
+    """silu(a) * b."""
+    return _swiglu(a, b)
+
+
+class LigerSiLUMulFunction:
+    """`LigerSiLUMulFunction.apply(a, b, gate_multiplier=1.0, down_multiplier=1.0)`:
+    silu(a * gate_multiplier) * b * down_multiplier (multipliers other than 1 cost an
+    elementwise pass each)."""
+
+    @staticmethod
+    def apply(a, b, gate_multiplier=1.0, down_multiplier=1.0):
+        gate_multiplier, down_multiplier = float(gate_multiplier), float(down_multiplier)
+        out = _swiglu(a if gate_multiplier == 1.0 else a * gate_multiplier, b)
+        return out if down_multiplier == 1.0 else out * down_multiplier
+
+
+def liger_geglu(a, b):
+    """gelu(a, approximate="tanh") * b."""
+    return _geglu_tanh(a, b)
+
+
+class LigerGELUMulFunction:
+    """`LigerGELUMulFunction.apply(a, b)`: `liger_geglu`."""
+
+    @staticmethod
+    def apply(a, b):
+        return _geglu_tanh(a, b)
+
+
+class LigerSwiGLUMLP(nn.Module):
+    """`down_proj(silu(gate_proj(x)) * up_proj(x))` with bias-free projections; config.hidden_act
+    must be silu or swish."""
+
+    def __init__(self, config, intermediate_size=None):
+        super().__init__()
+        if config.hidden_act not in hf.SWIGLU_ACTIVATIONS:
+            raise ValueError(f"LigerSwiGLUMLP: config.hidden_act={config.hidden_act!r} is not "
+                             "supported (silu or swish)")
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = (config.intermediate_size if intermediate_size is None
+                                  else intermediate_size)
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+# tanh-approximated GELU under its transformers names
+_TANH_GELU_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new")
+
+
+class LigerGEGLUMLP(nn.Module):
+    """`down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))` with bias-free projections. The
+    config's activation (hidden_activation, else hidden_act), if set, must be a tanh GELU."""
+
+    def __init__(self, config):
+        super().__init__()
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        if act is not None and act not in _TANH_GELU_ACTIVATIONS:
+            raise ValueError(f"LigerGEGLUMLP: activation {act!r} is not supported "
+                             f"({', '.join(_TANH_GELU_ACTIVATIONS)})")
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = config.intermediate_size
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(_geglu_tanh(self.gate_proj(x), self.up_proj(x)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model patching with Liger's signatures.
+
+def _liger_entry_point(family):
+    op = f"apply_liger_kernel_to_{family}"
+
+    def apply(rope=True, cross_entropy=False, fused_linear_cross_entropy=False, rms_norm=True,
+              swiglu=True, model=None):
+        for name, value in (("cross_entropy", cross_entropy),
+                            ("fused_linear_cross_entropy", fused_linear_cross_entropy)):
+            if value:
+                raise ValueError(f"{op}: {name}=True is not supported (tiletune has no "
+                                 "cross-entropy kernel)")
+        hf._apply_to_family(op, family, model, rms_norm=rms_norm, rope=rope, attention=False,
+                            mlp=swiglu, experts=swiglu)
+
+    apply.__name__ = apply.__qualname__ = op
+    apply.__doc__ = (f"Liger's `{op}` on tiletune: RMSNorm, RoPE and the SwiGLU MLP"
+                     f"{' and experts' if family == 'qwen3_moe' else ''} of {family} models, "
+                     "at class level, or on `model` in place (see `tiletune.suites.hf.apply_"
+                     "tiletune`). Attention is left as it is.")
+    return apply
+
+
+apply_liger_kernel_to_llama = _liger_entry_point("llama")
+apply_liger_kernel_to_mistral = _liger_entry_point("mistral")
+apply_liger_kernel_to_qwen2 = _liger_entry_point("qwen2")
+apply_liger_kernel_to_qwen3 = _liger_entry_point("qwen3")
+apply_liger_kernel_to_qwen3_moe = _liger_entry_point("qwen3_moe")
+
+MODEL_TYPE_TO_APPLY_LIGER_FN = {
+    "llama": apply_liger_kernel_to_llama,
+    "mistral": apply_liger_kernel_to_mistral,
+    "qwen2": apply_liger_kernel_to_qwen2,
+    "qwen3": apply_liger_kernel_to_qwen3,
+    "qwen3_moe": apply_liger_kernel_to_qwen3_moe,
+}
+
+
+def _apply_liger_kernel_to_instance(model, **kwargs):
+    """Patch `model` in place by its config's model_type; keywords its family's function does not
+    take are dropped (as Liger does). Another model type raises ValueError."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if apply is None:
+        raise ValueError(f"_apply_liger_kernel_to_instance: model type {model_type!r} is not "
+                         f"supported ({', '.join(MODEL_TYPE_TO_APPLY_LIGER_FN)})")
+    accepted = inspect.signature(apply).parameters
+    apply(model=model, **{k: v for k, v in kwargs.items() if k in accepted})
+
+
+__all__ = ["LigerGELUMulFunction", "LigerGEGLUMLP", "LigerRMSNorm", "LigerRMSNormFunction",
+           "LigerRopeFunction", "LigerSiLUMulFunction", "LigerSwiGLUMLP",
+           "MODEL_TYPE_TO_APPLY_LIGER_FN", "apply_liger_kernel_to_llama",
+           "apply_liger_kernel_to_mistral", "apply_liger_kernel_to_qwen2",
+           "apply_liger_kernel_to_qwen3", "apply_liger_kernel_to_qwen3_moe", "liger_geglu",
+           "liger_rms_norm", "liger_rope", "liger_rotary_pos_emb", "liger_swiglu"]

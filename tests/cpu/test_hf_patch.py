@@ -1,0 +1,521 @@
+"""tiletune.suites.hf on CPU: what apply_tiletune replaces (class and instance level), that
+parameters and names stay, idempotence, revert, errors, the attention registration and routing.
+The kernels need a GPU, so the forwards run here with torch references in place of the ops:
+that checks the plumbing (layouts, which op gets which tensors) against transformers exactly."""
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from tiletune.suites import hf  # noqa: E402
+
+FAMILY_NAMES = list(hf.FAMILIES)
+
+
+def config(family, **kw):
+    """A tiny config of `family` (GQA: 4 query heads, 2 key/value heads)."""
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    if family == "llama":
+        return transformers.LlamaConfig(**common, **kw)
+    if family == "mistral":
+        return transformers.MistralConfig(**common, **kw)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common, **kw)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=16, **kw)
+    # layer 0 sparse (experts), layer 1 dense (MLP)
+    return transformers.Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=32,
+                                       num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                                       **kw)
+
+
+def build(family, **kw):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config(family, **kw))
+    with torch.no_grad():              # RMSNorm weights start at ones: make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def module_of(family):
+    return hf.FAMILIES[family].module()
+
+
+def hf_classes(family):
+    """HF's classes and functions a class-level patch may replace, by attribute name."""
+    mod, prefix = module_of(family), hf.FAMILIES[family].prefix
+    names = [prefix + k for k in ("RMSNorm", "MLP", "Attention", "Experts")] + \
+        ["apply_rotary_pos_emb"]
+    return {n: getattr(mod, n) for n in names if hasattr(mod, n)}
+
+
+@pytest.fixture(autouse=True)
+def unpatched():
+    """Every test starts and ends with transformers as shipped."""
+    hf.revert()
+    originals = {f: hf_classes(f) for f in FAMILY_NAMES}
+    yield
+    hf.revert()
+    for f in FAMILY_NAMES:
+        assert hf_classes(f) == originals[f]
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch references standing in for the kernels (each call counted).
+
+def ref_rms_norm(x, w, eps):
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), -1)
+
+
+def ref_rope(q, k, cos, sin):
+    assert q.dim() == 4 and cos.dim() == 3          # (B, H, S, D) and HF's (B, S, D)
+    cos, sin = cos[:, None], sin[:, None]
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def ref_moe(h, top_k_index, top_k_weights, gate_up_proj, down_proj):
+    gate, up = torch.einsum("th,tkih->tki", h, gate_up_proj[top_k_index]).chunk(2, -1)
+    y = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, down_proj[top_k_index])
+    return (y * top_k_weights[..., None]).sum(1)
+
+
+@pytest.fixture
+def ops(monkeypatch):
+    """Replace the ops the patched forwards call with torch references; route attention as if
+    on a GPU in bf16 (the route's mask/dropout rules still apply). Returns the call counts."""
+    calls = {k: 0 for k in ("rms_norm", "rope", "rms_norm_rope", "swiglu", "geglu", "moe",
+                            "attention")}
+
+    def counted(name, fn):
+        def wrapper(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+    def norm_rope(q, k, wq, wk, cos, sin, *, eps):
+        return ref_rope(ref_rms_norm(q, wq, eps), ref_rms_norm(k, wk, eps), cos, sin)
+
+    def sdpa(q, k, v, *, is_causal, scale, enable_gqa):
+        assert enable_gqa and k.shape[1] < q.shape[1]        # GQA reaches the kernel as is
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)
+
+    route = hf.attention_route
+    monkeypatch.setattr(hf, "rms_norm", counted("rms_norm", ref_rms_norm))
+    monkeypatch.setattr(hf, "apply_rope", counted("rope", ref_rope))
+    monkeypatch.setattr(hf, "rms_norm_rope", counted("rms_norm_rope", norm_rope))
+    monkeypatch.setattr(hf, "_swiglu", counted("swiglu", lambda g, u: F.silu(g) * u))
+    monkeypatch.setattr(hf, "_geglu", counted(
+        "geglu", lambda g, u, approximate: F.gelu(g, approximate=approximate) * u))
+    monkeypatch.setattr(hf, "_moe_experts", counted("moe", ref_moe))
+    monkeypatch.setattr(hf, "scaled_dot_product_attention", counted("attention", sdpa))
+    monkeypatch.setattr(hf, "attention_route", lambda **kw: route(
+        **{**kw, "on_cuda": True, "dtype": torch.bfloat16}))
+    monkeypatch.setattr(hf, "_logged", set())
+    return calls
+
+
+def loss_and_grads(model, ids, **kw):
+    model.zero_grad()
+    out = model(ids, labels=ids, **kw)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                 if p.grad is not None}
+
+
+def assert_same_training_step(model, reference, ids, **kw):
+    logits, grads = loss_and_grads(model, ids, **kw)
+    ref_logits, ref_grads = loss_and_grads(reference, ids, **kw)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=1e-4,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Instance level.
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_instance_patch_swaps_classes_in_place(family):
+    model = build(family)
+    params = [(n, id(p)) for n, p in model.named_parameters()]
+    buffers = [(n, id(b)) for n, b in model.named_buffers()]
+    keys = list(model.state_dict())
+    before = {n: type(m) for n, m in model.named_modules()}
+
+    assert hf.apply_tiletune(model) is model
+    fam = hf.FAMILIES[family]
+    patched = {n: type(m) for n, m in model.named_modules() if type(m) is not before[n]}
+    expected = {"RMSNorm", "MLP", "Attention"} | ({"Experts"} if fam.experts else set())
+    assert {t.__name__ for t in patched.values()} == {f"Tiletune{fam.prefix}{k}"
+                                                       for k in expected}
+    for name, cls in patched.items():
+        assert cls._tiletune_original is before[name] and issubclass(cls, before[name])
+    n_layers = 2
+    assert sum(n.endswith("self_attn") for n in patched) == n_layers
+    norms = sum("RMSNorm" in t.__name__ for t in patched.values())
+    assert norms == 2 * n_layers + 1 + (2 * n_layers if fam.qk_norm else 0)
+    assert [(n, id(p)) for n, p in model.named_parameters()] == params
+    assert [(n, id(b)) for n, b in model.named_buffers()] == buffers
+    assert list(model.state_dict()) == keys
+    assert model.config._attn_implementation == "tiletune"
+
+    hf.apply_tiletune(model)                                     # idempotent
+    assert {n: type(m) for n, m in model.named_modules() if type(m) is not before[n]} == patched
+
+    hf.revert(model)
+    assert {n: type(m) for n, m in model.named_modules()} == before
+    assert model.config._attn_implementation == "sdpa"
+    assert list(model.state_dict()) == keys
+
+
+def test_instance_patch_leaves_other_models_and_the_module_alone():
+    model, other = build("llama"), build("llama")
+    originals = hf_classes("llama")
+    hf.apply_tiletune(model)
+    assert hf_classes("llama") == originals
+    assert type(other.model.norm) is originals["LlamaRMSNorm"]
+    assert other.config._attn_implementation == "sdpa"
+
+
+def test_instance_flags_select_what_is_patched():
+    model = build("qwen3_moe")
+    hf.apply_tiletune(model, rms_norm=False, rope=False, attention=False, mlp=False,
+                      experts=False)
+    assert not any(type(m).__name__.startswith("Tiletune") for m in model.modules())
+    assert model.config._attn_implementation == "sdpa"
+    hf.apply_tiletune(model, rms_norm=False, rope=False, attention=False, experts=True)
+    names = {type(m).__name__ for m in model.modules()}
+    assert "TiletuneQwen3MoeExperts" in names and "Qwen3MoeRMSNorm" in names
+    hf.apply_tiletune(model, rope=False, attention=False)         # flags add up
+    names = {type(m).__name__ for m in model.modules()}
+    assert {"TiletuneQwen3MoeRMSNorm", "Qwen3MoeAttention"} <= names
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_unsupported_activation_keeps_hf_mlp(caplog, monkeypatch):
+    monkeypatch.setattr(hf, "_logged", set())
+    model = build("llama", hidden_act="relu")
+    with caplog.at_level(logging.WARNING, logger="tiletune"):
+        hf.apply_tiletune(model)
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert type(model.model.norm).__name__ == "TiletuneLlamaRMSNorm"
+    assert sum("hidden_act 'relu'" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_instance_patched_step_matches_hf(family, ops):
+    model = build(family)
+    reference = copy.deepcopy(model)
+    hf.apply_tiletune(model)
+    ids = torch.randint(0, 128, (2, 12))
+    assert_same_training_step(model, reference, ids)
+    layers = 2
+    if hf.FAMILIES[family].qk_norm:
+        assert ops["rms_norm_rope"] == layers and ops["rope"] == 0
+    else:
+        assert ops["rope"] == layers and ops["rms_norm_rope"] == 0
+    assert ops["rms_norm"] == 2 * layers + 1
+    assert ops["attention"] == layers
+    if family == "qwen3_moe":
+        assert ops["moe"] == 1 and ops["swiglu"] == 1
+    else:
+        assert ops["swiglu"] == layers and ops["moe"] == 0
+
+
+def test_qwen3_unfused_when_only_rope(ops):
+    model = build("qwen3")
+    reference = copy.deepcopy(model)
+    hf.apply_tiletune(model, rms_norm=False)
+    assert_same_training_step(model, reference, torch.randint(0, 128, (2, 12)))
+    assert ops["rope"] == 2 and ops["rms_norm_rope"] == 0 and ops["rms_norm"] == 0
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu"])
+def test_geglu_mlp(ops, act):
+    model = build("llama", hidden_act=act)
+    reference = copy.deepcopy(model)
+    hf.apply_tiletune(model)
+    assert_same_training_step(model, reference, torch.randint(0, 128, (2, 12)))
+    assert ops["geglu"] == 2 and ops["swiglu"] == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_padded_batch_goes_to_sdpa_once_logged(family, ops, caplog):
+    model = build(family)
+    reference = copy.deepcopy(model)
+    hf.apply_tiletune(model)
+    ids = torch.randint(0, 128, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :5] = 0                                             # left padding
+    with caplog.at_level(logging.WARNING, logger="tiletune"):
+        assert_same_training_step(model, reference, ids, attention_mask=mask)
+    assert ops["attention"] == 0
+    assert sum("attention mask" in r.getMessage() for r in caplog.records) == 1
+    ops["attention"] = 0                          # an all-ones mask needs none: the kernel
+    assert_same_training_step(model, reference, ids, attention_mask=torch.ones_like(mask))
+    assert ops["attention"] == 2
+
+
+def test_generation_with_cache_matches_hf(ops):
+    """Prefill (causal) then one-token decode steps (full attention over the cache)."""
+    model = build("qwen3").eval()
+    reference = copy.deepcopy(model)
+    hf.apply_tiletune(model)
+    ids = torch.randint(0, 128, (1, 7))
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, reference.generate(ids, max_new_tokens=4, do_sample=False))
+    assert ops["attention"] == 2 * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Class level.
+
+def spec_of(family):
+    """What a full class-level patch replaces in the family's modeling module."""
+    fam = hf.FAMILIES[family]
+    kinds = ["RMSNorm", "MLP"] + (["Attention"] if fam.qk_norm else []) + \
+        (["Experts"] if fam.experts else [])
+    return [fam.prefix + k for k in kinds]
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("how", ["name", "config class", "model class"])
+def test_class_patch_and_revert(family, how):
+    mod, fam = module_of(family), hf.FAMILIES[family]
+    originals = hf_classes(family)
+    pretrained = getattr(mod, fam.prefix + "PreTrainedModel")
+    target = {"name": family, "config class": type(config(family)),
+              "model class": getattr(mod, fam.prefix + "ForCausalLM")}[how]
+
+    assert hf.apply_tiletune(target) is None
+    replaced = {n: getattr(mod, n) for n in spec_of(family)}
+    for name, cls in replaced.items():
+        assert cls is not originals[name] and cls._tiletune_original is originals[name]
+    assert mod.apply_rotary_pos_emb is hf.hf_apply_rotary_pos_emb
+    assert "get_correct_attn_implementation" in vars(pretrained)
+    untouched = set(originals) - set(replaced) - {"apply_rotary_pos_emb"}
+    assert all(getattr(mod, n) is originals[n] for n in untouched)
+
+    model = transformers.AutoModelForCausalLM.from_config(config(family))
+    assert model.config._attn_implementation == "tiletune"
+    types = {type(m).__name__ for m in model.modules()}
+    assert {f"Tiletune{n}" for n in spec_of(family)} <= types
+    explicit = transformers.AutoModelForCausalLM.from_config(
+        config(family), attn_implementation="eager")
+    assert explicit.config._attn_implementation == "eager"
+
+    hf.apply_tiletune(target)                                    # idempotent
+    assert {n: getattr(mod, n) for n in spec_of(family)} == replaced
+
+    hf.revert(family)
+    assert hf_classes(family) == originals
+    assert "get_correct_attn_implementation" not in vars(pretrained)
+    fresh = transformers.AutoModelForCausalLM.from_config(config(family))
+    assert fresh.config._attn_implementation == "sdpa"
+    assert not any(type(m).__name__.startswith("Tiletune") for m in fresh.modules())
+    hf.revert(model)                       # a model built while patched: back to HF classes
+    assert not any(type(m).__name__.startswith("Tiletune") for m in model.modules())
+
+
+def test_class_patch_without_target_covers_every_family():
+    originals = {f: hf_classes(f) for f in FAMILY_NAMES}
+    hf.apply_tiletune()
+    for f in FAMILY_NAMES:
+        assert module_of(f).apply_rotary_pos_emb is hf.hf_apply_rotary_pos_emb
+        assert all(getattr(module_of(f), n) is not originals[f][n] for n in spec_of(f))
+    model = build("qwen2")
+    hf.apply_tiletune(model)                         # instance patch on top: nothing to do
+    hf.revert()
+    for f in FAMILY_NAMES:
+        assert hf_classes(f) == originals[f]
+    assert not any(type(m).__name__.startswith("Tiletune") for m in model.modules())
+
+
+def test_class_patch_flags():
+    originals = hf_classes("qwen3")
+    hf.apply_tiletune("qwen3", rms_norm=False, rope=False, attention=False, mlp=True)
+    current = hf_classes("qwen3")
+    assert current["Qwen3MLP"] is not originals["Qwen3MLP"]
+    assert all(current[n] is originals[n] for n in current if n != "Qwen3MLP")
+    assert "get_correct_attn_implementation" not in vars(module_of("qwen3").Qwen3PreTrainedModel)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_class_patched_model_matches_hf(family, ops):
+    reference = build(family)
+    hf.apply_tiletune(family)
+    model = transformers.AutoModelForCausalLM.from_config(config(family))
+    model.load_state_dict(reference.state_dict())
+    assert_same_training_step(model, reference, torch.randint(0, 128, (2, 12)))
+    assert ops["attention"] == 2
+    # HF's rotary function is looked up at call time: the reference model uses ours too now
+    assert ops["rope" if family == "llama" else "rms_norm_rope"] > 0
+
+
+def test_hf_apply_rotary_pos_emb_layouts(ops):
+    q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
+    cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    qo, ko = hf.hf_apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin,
+                                        unsqueeze_dim=2)
+    rq, rk = ref_rope(q, k, cos, sin)
+    torch.testing.assert_close(qo, rq.transpose(1, 2))
+    torch.testing.assert_close(ko, rk.transpose(1, 2))
+    with pytest.raises(ValueError, match="unsqueeze_dim"):
+        hf.hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors, per-family entry points.
+
+SUPPORTED = "llama, mistral, qwen2, qwen3, qwen3_moe"
+
+
+def tiny_gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32))
+
+
+@pytest.mark.parametrize("target", ["gpt2", transformers.GPT2Config, "gpt2 model class",
+                                    "gpt2 model"])
+def test_unsupported_model_lists_families(target):
+    if target == "gpt2 model class":
+        target = transformers.GPT2LMHeadModel
+    elif target == "gpt2 model":
+        target = tiny_gpt2()
+    with pytest.raises(ValueError, match=f"apply_tiletune: .*supported families: {SUPPORTED}"):
+        hf.apply_tiletune(target)
+    with pytest.raises(ValueError, match=f"revert: .*supported families: {SUPPORTED}"):
+        hf.revert(target)
+
+
+def test_bad_target_type_and_keywords():
+    with pytest.raises(TypeError, match="apply_tiletune: expected a model"):
+        hf.apply_tiletune(42)
+    with pytest.raises(TypeError):
+        hf.apply_tiletune(build("llama"), False)               # flags are keyword-only
+
+
+def test_family_entry_points():
+    for family in FAMILY_NAMES:
+        entry = getattr(hf, f"apply_tiletune_to_{family}")
+        assert entry.__name__ == f"apply_tiletune_to_{family}"
+    qwen2 = build("qwen2")
+    with pytest.raises(ValueError,
+                       match="apply_tiletune_to_llama: model is a qwen2 model, not a llama one"):
+        hf.apply_tiletune_to_llama(model=qwen2)
+    with pytest.raises(TypeError, match="apply_tiletune_to_llama: model must be"):
+        hf.apply_tiletune_to_llama("llama")
+    assert hf.apply_tiletune_to_qwen2(qwen2, attention=False) is qwen2
+    assert type(qwen2.model.norm).__name__ == "TiletuneQwen2RMSNorm"
+    assert qwen2.config._attn_implementation == "sdpa"
+    hf.apply_tiletune_to_mistral(mlp=False)
+    assert module_of("mistral").apply_rotary_pos_emb is hf.hf_apply_rotary_pos_emb
+    assert module_of("mistral").MistralMLP is hf_classes("mistral")["MistralMLP"]
+    assert module_of("llama").apply_rotary_pos_emb is not hf.hf_apply_rotary_pos_emb
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: registration and the routing rule.
+
+def test_attention_registered_by_name():
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    hf.register_attention()
+    assert ALL_ATTENTION_FUNCTIONS["tiletune"] is hf.attention_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS["tiletune"] is hf.tiletune_mask
+    model = transformers.AutoModelForCausalLM.from_config(
+        config("llama"), attn_implementation="tiletune")
+    assert model.config._attn_implementation == "tiletune"
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"      # registration patches nothing
+
+
+def test_attention_forward_on_cpu_is_sdpa(monkeypatch):
+    """Unpatched ops, CPU float32: every call takes the SDPA fallback, results unchanged."""
+    monkeypatch.setattr(hf, "_logged", set())
+    model = build("mistral")
+    reference = copy.deepcopy(model)
+    hf.apply_tiletune(model, rms_norm=False, rope=False, mlp=False)
+    assert model.config._attn_implementation == "tiletune"
+    assert_same_training_step(model, reference, torch.randint(0, 128, (2, 12)))
+
+
+def route(**kw):
+    base = dict(q_length=512, kv_length=512, head_dim=128, dtype=torch.bfloat16, on_cuda=True,
+                has_mask=False, is_causal=True, dropout=0.0)
+    return hf.attention_route(**{**base, **kw})
+
+
+def test_attention_route():
+    assert route() == (True, True, 512, "")
+    assert route(dtype=torch.float16, head_dim=256) == (True, True, 512, "")
+    assert route(q_length=1, kv_length=600) == (True, False, 600, "")      # decode
+    assert route(is_causal=False) == (True, False, 512, "")                # bidirectional
+    assert route(q_length=100, kv_length=4096) == (True, True, 100, "")    # empty static cache
+    for kw, reason in ((dict(has_mask=True), "attention mask"), (dict(dropout=0.1), "dropout"),
+                       (dict(on_cuda=False), "CUDA"), (dict(dtype=torch.float32), "float32"),
+                       (dict(head_dim=288), "head_dim"), (dict(has_position_bias=True), "bias")):
+        r = route(**kw)
+        assert not r.use_kernel and reason in r.reason, (kw, r)
+    assert not route(has_mask=True, on_cuda=False).use_kernel
+
+
+def test_tiletune_mask():
+    from transformers.masking_utils import (causal_mask_function, sdpa_mask,
+                                            sliding_window_causal_mask_function)
+
+    def both(**kw):
+        kw = {"batch_size": 2, "mask_function": causal_mask_function, **kw}
+        return hf.tiletune_mask(**kw), sdpa_mask(**kw)
+
+    for kw in (dict(q_length=8, kv_length=8), dict(q_length=1, kv_length=9, q_offset=8),
+               dict(q_length=8, kv_length=32),                           # empty static cache
+               dict(q_length=8, kv_length=8, local_size=16,
+                    mask_function=sliding_window_causal_mask_function(16)),
+               dict(q_length=8, kv_length=8, attention_mask=torch.ones(2, 8, dtype=torch.bool))):
+        ours, sdpa = both(**kw)
+        assert ours is None and sdpa is None, kw
+    padding = torch.ones(2, 8, dtype=torch.bool)
+    padding[0, :3] = False
+    for kw in (dict(q_length=8, kv_length=8, attention_mask=padding),
+               dict(q_length=4, kv_length=12, q_offset=8),                # chunked prefill
+               dict(q_length=8, kv_length=8, allow_is_causal_skip=False),
+               dict(q_length=8, kv_length=8, local_size=4,
+                    mask_function=sliding_window_causal_mask_function(4))):
+        ours, sdpa = both(**kw)
+        assert torch.equal(ours, sdpa), kw
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_compile_traces_kernels_without_graph_breaks(family, ops):
+    """torch.compile (dynamo) traces the patched forwards with no graph break, and the kernel
+    attention serves a forward with a cache (transformers' default); without one (use_cache=False)
+    transformers' packed-sequence check needs the data, so a mask is built: SDPA."""
+    model = build(family)
+    hf.apply_tiletune(model)
+    ids = torch.randint(0, 128, (2, 12))
+    torch._dynamo.reset()
+    try:
+        explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+        assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+        assert ops["attention"] == 2
+        ops["attention"] = 0
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids, use_cache=False)
+        assert explained.graph_break_count == 0 and ops["attention"] == 0
+    finally:
+        torch._dynamo.reset()

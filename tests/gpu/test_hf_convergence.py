@@ -1,0 +1,207 @@
+"""apply_tiletune on small random-init transformers models in bf16: patched and unpatched copies
+of one model train side by side and must agree (first step's logits and gradients, the loss at
+every step, top-k log-probs and parameters at the end); torch.compile sees no graph break from
+tiletune code; a left-padded batch (SDPA fallback for attention) matches.
+
+Kernels run with their default configs (DISABLE_AUTOTUNE=1): the per-op tests cover tuning, and
+searching every op here would take minutes. The store is a fresh folder for the module."""
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+import tiletune  # noqa: E402
+from tiletune.suites import hf  # noqa: E402
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
+# lr 1e-5 (the loss still falls by ~0.2 in 32 steps): at 1e-4 the loss falls from 10.6 to 6.3,
+# and rounding order alone (ops computing in float32 vs transformers' bf16 steps) moves the final
+# top-k log-probs apart by up to 0.1, past their 1e-2 tolerance (float32-internal stand-ins for
+# the kernels, on CPU).
+BATCH, SEQ, VOCAB, STEPS, LR = 2, 512, 32000, 32, 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def default_configs(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TILETUNE_CACHE_DIR", str(tmp_path_factory.mktemp("store")))
+        mp.setenv("DISABLE_AUTOTUNE", "1")
+        tiletune.clear_cache()
+        hf.revert()
+        yield
+        hf.revert()
+        tiletune.clear_cache()
+
+
+def config(family, layers=4):
+    common = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
+                  num_attention_heads=8, num_key_value_heads=2, vocab_size=VOCAB,
+                  max_position_embeddings=2048)
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    if family == "mistral":
+        return transformers.MistralConfig(**common)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=128)
+    return transformers.Qwen3MoeConfig(**common, head_dim=128, num_experts=8,
+                                       num_experts_per_tok=2, moe_intermediate_size=512)
+
+
+def model_pair(family, layers=4):
+    """(patched, reference): one random init, two bf16 CUDA copies (each with its own config);
+    the first patched in place with every tiletune op."""
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config(family, layers))
+    with torch.no_grad():            # norm weights start at ones: make them matter
+        for name, p in reference.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    reference = reference.to("cuda", torch.bfloat16)
+    patched = copy.deepcopy(reference)
+    hf.apply_tiletune(patched)
+    assert patched.config._attn_implementation == "tiletune"
+    assert reference.config._attn_implementation == "sdpa"
+    return patched, reference
+
+
+def tokens(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n, BATCH, SEQ), generator=g).cuda()
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def first_step(model, ids, forward=None):
+    """Logits and parameter gradients of one step of `model` (run through `forward` if
+    given, e.g. its compiled form)."""
+    out = (model if forward is None else forward)(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out.logits.detach(), grads
+
+
+def train(model, batches):
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        ids = batches[step % len(batches)]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_matches_unpatched(family):
+    patched, reference = model_pair(family)
+    batches = tokens(4, seed=1)       # four batches in turn: the loss falls as they are learned
+
+    logits, grads = first_step(patched, batches[0])
+    ref_logits, ref_grads = first_step(reference, batches[0])
+    assert rel(logits, ref_logits) < 5e-2      # bf16 rounding order alone: ~2e-2
+    assert grads.keys() == ref_grads.keys()
+    # Gradients against the same model in float32: ours no further from it than 0.1 or 1.5x
+    # transformers' own bf16 error. (bf16 alone moves Qwen3-MoE's router gradients 0.08-0.16
+    # from float32, so two bf16 runs can differ by ~0.2 there: a direct bound would be noise.)
+    exact = copy.deepcopy(reference).float()
+    _, exact_grads = first_step(exact, batches[0])
+    del exact
+    bad = {n: (rel(grads[n], exact_grads[n]), rel(ref_grads[n], exact_grads[n])) for n in grads
+           if rel(grads[n], exact_grads[n]) > max(0.1, 1.5 * rel(ref_grads[n], exact_grads[n]))}
+    assert not bad, bad
+
+    losses, ref_losses = train(patched, batches), train(reference, batches)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-2,
+                               rtol=5e-2)
+    assert ref_losses[-1] < ref_losses[0] - 0.05, ref_losses      # training did something
+
+    patched.eval()
+    reference.eval()
+    with torch.no_grad():
+        ids = batches[0]
+        logprobs = F.log_softmax(patched(input_ids=ids).logits.float(), -1)
+        ref_logprobs = F.log_softmax(reference(input_ids=ids).logits.float(), -1)
+    top, index = ref_logprobs.topk(20, dim=-1)
+    torch.testing.assert_close(logprobs.gather(-1, index), top, atol=1e-2, rtol=1e-2)
+
+    params = dict(reference.named_parameters())
+    for name, p in patched.named_parameters():
+        torch.testing.assert_close(p.float(), params[name].float(), atol=1e-2, rtol=1e-2,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def breaks_in_tiletune(explained):
+    """The graph breaks whose innermost frame is tiletune code (ops, suites, engine)."""
+    roots = [os.path.dirname(m.__file__) for m in (tiletune, tiletune.ops, tiletune.suites)]
+    return [r.reason for r in explained.break_reasons
+            if r.user_stack and any(r.user_stack[-1].filename.startswith(d) for d in roots)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_compile_no_graph_break_from_tiletune(family, monkeypatch):
+    patched, reference = model_pair(family, layers=2)
+    traced_kernel_calls = []
+    sdpa = hf.scaled_dot_product_attention
+    monkeypatch.setattr(hf, "scaled_dot_product_attention",
+                        lambda *a, **kw: traced_kernel_calls.append(1) or sdpa(*a, **kw))
+    ids = tokens(1, seed=2)[0]
+    torch._dynamo.reset()
+    # with transformers' default cache, tiletune_mask needs no data: the kernel serves attention
+    explained = torch._dynamo.explain(patched)(input_ids=ids, labels=ids)
+    assert len(traced_kernel_calls) == 2
+    torch._dynamo.reset()
+    ref_explained = torch._dynamo.explain(reference)(input_ids=ids, labels=ids)
+    assert not breaks_in_tiletune(explained), breaks_in_tiletune(explained)
+    assert explained.graph_break_count <= ref_explained.graph_break_count, \
+        [r.reason for r in explained.break_reasons]
+
+    # AOTAutograd through the custom ops' fake and backward registrations (no Inductor codegen)
+    torch._dynamo.reset()
+    eager_logits, eager_grads = first_step(patched, ids)
+    compiled = torch.compile(patched, backend="aot_eager", fullgraph=False)
+    logits, grads = first_step(patched, ids, forward=compiled)
+    torch._dynamo.reset()
+    assert rel(logits, eager_logits) < 2e-2
+    assert all(rel(grads[n], eager_grads[n]) < 5e-2 for n in eager_grads)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_left_padded_batch_matches_unpatched(family, monkeypatch):
+    patched, reference = model_pair(family, layers=2)
+    kernel_calls = []
+    sdpa = hf.scaled_dot_product_attention
+    monkeypatch.setattr(hf, "scaled_dot_product_attention",
+                        lambda *a, **kw: kernel_calls.append(1) or sdpa(*a, **kw))
+    ids = tokens(1, seed=3)[0]
+    mask = torch.ones_like(ids)
+    mask[0, :100] = 0                                 # first sequence: 100 pad tokens on the left
+    labels = ids.masked_fill(mask == 0, -100)
+
+    out = patched(input_ids=ids, attention_mask=mask, labels=labels)
+    ref = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    assert not kernel_calls                           # a padding mask goes to SDPA
+    valid = mask.bool()
+    assert rel(out.logits[valid], ref.logits[valid]) < 5e-2
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-2, rtol=1e-2)
+    out.loss.backward()
+    ref.loss.backward()
+    ref_params = dict(reference.named_parameters())
+    for name, p in patched.named_parameters():
+        assert rel(p.grad, ref_params[name].grad) < 0.1, name
+
+    full = torch.ones_like(mask)                     # no padding: the mask builder returns None
+    out = patched(input_ids=ids, attention_mask=full)
+    assert len(kernel_calls) == 2                     # one call per layer
+    assert rel(out.logits, reference(input_ids=ids, attention_mask=full).logits) < 5e-2

@@ -1,0 +1,288 @@
+"""SwiGLU/GeGLU on the GPU against a float64 torch reference on fresh random data: forward and
+backward, every dtype, odd and large shapes, chunk() halves of a fused projection and other
+layouts, tuned and DISABLE_AUTOTUNE=1, every config, torch.compile and CUDA graphs.
+
+Tolerances (`TOL`, per dtype): the kernels compute in float32 and round once to the dtype, so
+bfloat16/float16 results are within a few of their rounding steps (2^-9, 2^-11 relative) of the
+float64 reference; float32 results within the float32 exp/division error. Each result is checked
+twice: its relative norm error, and element by element (rtol TOL, atol TOL x the mean |ref|,
+for values where terms cancel)."""
+import cuda.tile as ct
+import cuda.tile.tune
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tiletune
+from tiletune.ops import swiglu as S
+from tiletune.ops.swiglu import geglu, swiglu
+
+from .conftest import disable_autotune, each_config, poison_allocator
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+DTYPES = [F32, F16, BF16]
+TOL = {F32: 2e-5, F16: 2e-3, BF16: 8e-3}
+
+ACTS = {"swiglu": (swiglu, F.silu),
+        "geglu_tanh": (lambda g, u: geglu(g, u, approximate="tanh"),
+                       lambda g: F.gelu(g, approximate="tanh")),
+        "geglu_none": (lambda g, u: geglu(g, u, approximate="none"), F.gelu)}
+
+
+def pair(*tensors):
+    return tensors
+
+
+def close(out, ref, dt, what):
+    out, ref = out.double(), ref.double()
+    assert out.shape == ref.shape, what
+    assert torch.isfinite(out).all(), f"{what}: non-finite values (unwritten output?)"
+    if not ref.numel():
+        return
+    scale = ref.norm().clamp_min(1e-30)
+    assert ((out - ref).norm() / scale).item() < TOL[dt], what
+    torch.testing.assert_close(out, ref, rtol=TOL[dt], atol=TOL[dt] * ref.abs().mean().item(),
+                               msg=lambda m: f"{what}: {m}")
+
+
+def make(shape, dt, seed=0):
+    """gate ~ 3 N(0, 1) (reaching both tails of the activation), up ~ N(0, 1)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    g = (torch.randn(shape, device="cuda", generator=gen) * 3).to(dt)
+    u = torch.randn(shape, device="cuda", generator=gen).to(dt)
+    return g, u
+
+
+def check(act, leaves, split=pair, grad=True):
+    """Run the op on `split(*leaves)` (views of the leaves: chunk(), transposes, ...), forward
+    and backward into the leaves, against float64 torch on the same values."""
+    ours, torch_act = ACTS[act]
+    dt = leaves[0].dtype
+    xs = [t.detach().clone().requires_grad_(grad) for t in leaves]
+    poison_allocator(torch)
+    gate, up = split(*xs)
+    y = ours(gate, up)
+    assert y.shape == gate.shape and y.dtype == dt and y.is_contiguous()
+    refs = [t.detach().double().requires_grad_(grad) for t in leaves]
+    rgate, rup = split(*refs)
+    ref = torch_act(rgate) * rup
+    close(y, ref, dt, f"{act} forward")
+    if grad:
+        dy = torch.randn_like(y)
+        grads = torch.autograd.grad(y, xs, dy)
+        ref_grads = torch.autograd.grad(ref, refs, dy.double())
+        for i, (a, b) in enumerate(zip(grads, ref_grads)):
+            assert a.dtype == dt
+            close(a, b, dt, f"{act} gradient of leaf {i}")
+    for x, leaf in zip(xs, leaves):
+        assert torch.equal(x.detach(), leaf)      # inputs untouched
+    return y
+
+
+SHAPES = [(1, 1), (3, 1001), (257, 4097), (4096, 14336), (2, 3, 8), (5, 64), (7, 2, 1001)]
+
+
+# Default configs (DISABLE_AUTOTUNE=1): every shape x every dtype (swiglu), and the gelu forms.
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+def test_disable_autotune_swiglu(fresh, monkeypatch, shape, dt):
+    disable_autotune(monkeypatch)
+    check("swiglu", make(shape, dt))
+    assert all(t.searches == 0 for t in tiletune.tuners().values())
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1001), (257, 4097), (6, 5, 64)], ids=str)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["geglu_tanh", "geglu_none"])
+def test_disable_autotune_geglu(fresh, monkeypatch, act, shape, dt):
+    disable_autotune(monkeypatch)
+    check(act, make(shape, dt))
+
+
+# Tuned (a search per key and direction): a few shapes, dtypes and activations.
+@pytest.mark.parametrize("act,shape,dt", [("swiglu", (257, 4097), BF16),
+                                          ("swiglu", (4096, 14336), BF16),
+                                          ("geglu_tanh", (3, 1001), F16),
+                                          ("geglu_none", (64, 11008), F32),
+                                          ("swiglu", (2, 50, 1001), F32)], ids=str)
+def test_tuned(fresh, act, shape, dt):
+    check(act, make(shape, dt))
+    assert S._fwd.searches == 1 and S._bwd.searches == 1
+    assert all(r.source == "search" for t in S.TUNERS for r in t.records.values())
+
+
+@pytest.mark.parametrize("N", [14336, 1001, 64], ids=str)
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+@pytest.mark.parametrize("tuned", [False, True], ids=["default", "tuned"])
+def test_chunk_halves_are_read_in_place(fresh, monkeypatch, N, dt, tuned):
+    """gate, up = gate_up.chunk(2, -1) of a (T, 2N) tensor (HF's fused projections, MoE experts):
+    the kernels read the halves where they are (row stride 2N, `up` 2N bytes into the row)."""
+    if not tuned:
+        disable_autotune(monkeypatch)
+    seen = []
+    real = S.launch_fwd
+
+    def spy(g, u, out, act):
+        seen.append((g, u))
+        real(g, u, out, act)
+    monkeypatch.setattr(S, "launch_fwd", spy)
+    gu = make((300, 2 * N), dt)[0]
+    check("swiglu", [gu], split=lambda t: t.chunk(2, dim=-1))
+    (g, u), = seen
+    assert g.stride() == (2 * N, 1) and u.stride() == (2 * N, 1)
+    assert u.data_ptr() - g.data_ptr() == N * gu.element_size()
+
+
+@pytest.mark.parametrize("dt", [BF16, F32], ids=str)
+def test_chunk_halves_of_3d_and_unaligned_views(fresh, monkeypatch, dt):
+    disable_autotune(monkeypatch)
+    gu = make((2, 33, 2 * 1024), dt)[0]
+    check("geglu_tanh", [gu], split=lambda t: t.chunk(2, dim=-1))
+    wide = make((77, 2 * 4096 + 3), dt)[0]      # views one element in: unaligned bases
+    check("swiglu", [wide], split=lambda t: (t[:, 1:4097], t[:, 4098:8194]))
+    check("geglu_none", [wide], split=lambda t: (t[:, 3:4099], t[:, 4099:8195]))
+
+
+def test_other_layouts(fresh, monkeypatch):
+    """Transposed and stepped gates are copied once; a stride-0 (expanded) up is read as is."""
+    disable_autotune(monkeypatch)
+    g, u = make((1001, 257), BF16)
+    check("swiglu", [g, u], split=lambda a, b: (a.t(), b.t().contiguous()))
+    g, u = make((64, 2 * 4096), F16)
+    check("geglu_none", [g, u], split=lambda a, b: (a[:, ::2], b[:, 1::2]))
+    g, _ = make((33, 4096), F32)
+    _, u = make((1, 4096), F32, seed=1)
+    check("swiglu", [g, u], split=lambda a, b: (a, b.expand(33, 4096)))
+
+
+@pytest.mark.parametrize("shape", [(0, 4096), (3, 0), (2, 0, 64)], ids=str)
+def test_empty_input(fresh, shape):
+    g = torch.randn(shape, device="cuda", requires_grad=True)
+    u = torch.randn(shape, device="cuda", requires_grad=True)
+    y = swiglu(g, u)
+    assert y.shape == g.shape
+    y.sum().backward()
+    assert g.grad.shape == u.grad.shape == shape
+
+
+def test_gradient_of_only_one_input(fresh, monkeypatch):
+    disable_autotune(monkeypatch)
+    g, u = make((65, 1001), BF16)
+    gr = g.clone().requires_grad_()
+    y = swiglu(gr, u)
+    (dg,) = torch.autograd.grad(y, gr, torch.ones_like(y))
+    g64 = g.double().requires_grad_()
+    (ref,) = torch.autograd.grad((F.silu(g64) * u.double()).sum(), g64)
+    close(dg, ref, BF16, "dgate")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,act,shape", [("fwd", "swiglu", (257, 1001)),
+                                            ("fwd", "geglu_none", (33, 4097)),
+                                            ("bwd", "swiglu", (33, 4097)),
+                                            ("bwd", "geglu_tanh", (257, 1001))], ids=str)
+def test_every_config_is_correct(fresh, monkeypatch, kind, act, shape):
+    """Each sm_90 config of one kernel (the other on its default), not only the searches'
+    winners: ragged rows, several column tiles per row, persistent and one-tile-per-CTA grids."""
+    tuner = S._fwd if kind == "fwd" else S._bwd
+    space = list(S.configs("sm_90", shape[-1]))
+    leaves = make(shape, BF16)
+    for cfg in each_config(monkeypatch, tuner, space):
+        check(act, leaves, grad=kind == "bwd")
+        (key_cfg, _), = tuner.cache.values()
+        assert key_cfg is cfg, vars(cfg)
+
+
+def test_second_call_does_not_search(fresh, monkeypatch):
+    g, u = make((64, 2048), BF16)
+    swiglu(g, u)
+    assert S._fwd.searches == 1
+    monkeypatch.setattr(ct.kernel, "replace_hints", lambda *a, **k: pytest.fail("replace_hints"))
+    monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", lambda *a, **k: pytest.fail("search"))
+    swiglu(g, u)
+    swiglu(*make((60, 2048), BF16, seed=1))     # same row bucket
+    assert S._fwd.searches == 1
+
+
+@pytest.mark.parametrize("act", ["swiglu", "geglu_tanh", "geglu_none"])
+def test_torch_compile_fullgraph(fresh, act):
+    ours, _ = ACTS[act]
+    gu = torch.randn(4, 50, 2 * 1024, device="cuda", dtype=BF16, requires_grad=True)
+
+    def f(gu):
+        g, u = (gu * 2).chunk(2, dim=-1)
+        return ours(g, u).float().sum()
+    eager = f(gu)
+    (ge,) = torch.autograd.grad(eager, gu)
+    compiled = torch.compile(f, fullgraph=True)
+    out = compiled(gu)
+    (gc,) = torch.autograd.grad(out, gu)
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(gc, ge)
+
+
+def test_cuda_graph_replay(fresh):
+    g, u = make((256, 4096), BF16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        swiglu(g, u)               # warm-up tunes outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = swiglu(g, u)
+    g.copy_(make((256, 4096), BF16, seed=1)[0])
+    graph.replay()
+    torch.cuda.synchronize()
+    close(y, F.silu(g.double()) * u.double(), BF16, "replayed forward")
+
+
+def test_bad_input():
+    g = torch.randn(4, 64, device="cuda")
+    with pytest.raises(ValueError, match="swiglu: gate must be a CUDA tensor"):
+        swiglu(g.cpu(), g)
+    with pytest.raises(ValueError, match="swiglu: up must be a CUDA tensor"):
+        swiglu(g, g.cpu())
+    with pytest.raises(TypeError, match="geglu: up dtype"):
+        geglu(g, g.half())
+    with pytest.raises(ValueError, match="swiglu: up shape"):
+        swiglu(g, g[:, :63])
+    with pytest.raises(TypeError, match="swiglu: gate dtype"):
+        swiglu(g.double(), g.double())
+    with pytest.raises(ValueError, match="geglu: approximate must be"):
+        geglu(g, g, approximate="erf")
+
+
+def test_more_than_2_31_elements(fresh, monkeypatch):
+    """chunk() halves spanning more than 2^31 - 1 elements go in int32-safe row chunks."""
+    disable_autotune(monkeypatch)
+    M, N = 33000, 32768                 # gate_up: 2.16e9 elements; each half spans as much
+    gu = torch.randn(M, 2 * N, device="cuda", dtype=BF16)
+    g, u = gu.chunk(2, dim=-1)
+    y = swiglu(g, u)
+    for rows in (slice(0, 8), slice(M // 2 - 4, M // 2 + 4), slice(M - 8, M)):
+        close(y[rows], F.silu(g[rows].double()) * u[rows].double(), BF16, f"rows {rows}")
+    del gu, g, u, y
+
+
+def test_aot_signature_matches_jit():
+    """The CI compile's signatures (cases/swiglu.py) equal what the JIT infers on the GPU, the
+    chunk() halves (aligned and not) included."""
+    from cuda.tile.compilation import CallingConvention, KernelSignature
+    from tiletune.aot import signature
+    from tiletune.cases.swiglu import _arrays
+    for M, N, dt, chunked in [(4096, 14336, BF16, False), (4096, 14336, BF16, True),
+                              (4096, 1001, BF16, True), (1, 1001, F16, False),
+                              (7, 4097, F32, True)]:
+        if chunked:
+            g, u = torch.randn(M, 2 * N, device="cuda", dtype=dt).chunk(2, dim=-1)
+        else:
+            g, u = torch.randn(M, N, device="cuda", dtype=dt), torch.randn(M, N, device="cuda",
+                                                                           dtype=dt)
+        o = torch.empty(M, N, device="cuda", dtype=dt)
+        for kernel, arrays, kind in ((S.glu_fwd, (g, u, o), "fwd"),
+                                     (S.glu_bwd, (o, g, u, o, o), "bwd")):
+            jit = KernelSignature.from_kernel_args(kernel, (*arrays, S.SILU, 1, 1024),
+                                                   CallingConvention.cutile_python_v2())
+            mine = signature([*_arrays(kind, dt, M, N, chunked), S.SILU, 1, 1024])
+            assert jit.parameters == mine.parameters, (M, N, dt, chunked, kind)
