@@ -250,7 +250,7 @@ class _AttentionForward:
     and `_sliding_window_kwarg` (how the family passes sliding_window)."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
-                past_key_values=None, **kwargs):
+                past_key_values=None, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query = self.q_proj(hidden_states).view(hidden_shape)
@@ -268,8 +268,9 @@ class _AttentionForward:
                 query, key = self.q_norm(query), self.k_norm(key)
             query, key = apply_rope(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
 
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        cache = past_key_values if cache is None else cache    # `cache`: its newer name
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
 
         modeling = self._hf_module
         attention_interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
