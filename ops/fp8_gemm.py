@@ -345,37 +345,40 @@ def row_configs(arch, m, k, col=False):
     """(tr, tc, one_pass, occupancy, num_worker_warps): TR rows x TC columns per tile; one_pass
     where a row fits one tile (read once), else each row is read twice in TC-wide chunks. col: x
     is the transposed view of a row-major tensor, whose contiguous dim is the tile's rows: tiles
-    16-32 rows tall (32-64 contiguous bytes; taller ones ran 2-3x slower on an H200). Measured
-    there (references/kernel-type-templates.md): persistent CTAs at occupancy 2-4 ran 1.5-2.5x
-    faster than one CTA per tile."""
+    16-32 rows tall (32-64 contiguous bytes; taller ones ran 2-3x slower on an H200). Persistent
+    CTAs at occupancy 2-4 ran 1.5-2.5x faster than one CTA per tile; one-pass tiles won with 8
+    warps on every H100 and H200 key, so 4 warps are searched only for the two-pass and the
+    transposed tiles (references/kernel-type-templates.md)."""
     whole = next_pow2(k)
     if col:
-        tiles = [(32, 256), (16, 512), (32, 128), (32, 512), (16, 1024)]
+        tiles = [(32, 256), (16, 512), (32, 512), (16, 1024)]
     elif whole <= 16384:
         tiles = sorted({(max(1, e // whole), whole) for e in (4096, 8192, 16384)})
         tiles += [(1, 2048), (2, 2048), (4, 1024)] if whole > 8192 else []
     else:                        # two passes
         tiles = [(1, 2048), (2, 2048), (1, 4096), (4, 1024), (2, 4096)]
-    tr, tc = tiles[0]
-    # the H100 and H200 winners: 8 warps for one pass or the transposed view, else 4
+    shapes = [dict(tr=tr, tc=tc, one_pass=k <= tc, num_worker_warps=w) for tr, tc in tiles
+              for w in ((8,) if k <= tc and not col else (8, 4))]
     # (16k-element tiles hold 64 floats a thread at 8 warps: occupancy 2 leaves them registers)
-    default = SimpleNamespace(tr=tr, tc=tc, one_pass=k <= tc,
-                              occupancy=2 if tr * tc >= 16384 else 4,
-                              num_worker_warps=8 if col or k <= tc else 4)
-    yield from product(default, tiles=[dict(tr=tr, tc=tc, one_pass=k <= tc) for tr, tc in tiles],
-                       occupancy=(2, 4), num_worker_warps=(4, 8))
+    first = shapes[0] if col or k <= tiles[0][1] else shapes[1]      # two-pass: 4 warps
+    default = SimpleNamespace(**first, occupancy=2 if first["tr"] * first["tc"] >= 16384 else 4)
+    yield from product(default, tiles=shapes, occupancy=(2, 4))
 
 
 def block1x128_configs(arch, m, k, col=False):
     """(tr, g, occupancy, num_worker_warps): TR rows x G blocks of 128 columns per tile, on a
-    persistent grid (as the rowwise quantizer). col: x is a transposed view (its rows are
-    contiguous), where 32 x 128 tiles with 4 warps won by 1.6x on an H100."""
+    persistent grid (as the rowwise quantizer). Row-major x: 8 warps (every H100 winner). col:
+    x is a transposed view (its rows are contiguous): tiles 16-64 rows tall, 4 or 8 warps; 32 x
+    128 with 4 warps won by 1.6x on an H100."""
     blocks = cdiv(k, BLOCK)
-    rows = [(16, 2), (8, 4), (32, 1), (4, 8), (16, 4), (64, 1)]
-    default = SimpleNamespace(tr=32, g=1, occupancy=4, num_worker_warps=4) if col else \
-        SimpleNamespace(tr=16, g=2, occupancy=4, num_worker_warps=8)
+    if col:
+        rows, warps = [(32, 1), (16, 2), (16, 4), (64, 1)], (4, 8)
+        default = SimpleNamespace(tr=32, g=1, occupancy=4, num_worker_warps=4)
+    else:
+        rows, warps = [(16, 2), (8, 4), (32, 1), (4, 8), (16, 4), (64, 1)], (8,)
+        default = SimpleNamespace(tr=16, g=2, occupancy=4, num_worker_warps=8)
     yield from product(default, tiles=[dict(tr=tr, g=g) for tr, g in rows if g <= blocks],
-                       occupancy=(2, 4), num_worker_warps=(4, 8))
+                       occupancy=(2, 4), num_worker_warps=warps)
 
 
 def block128x128_configs(arch, m, k):
