@@ -14,7 +14,6 @@ from tiletune import validate
 from tiletune.ops import fmha as FA
 from tiletune.ops import matmul as MM
 from tiletune.ops import rms_norm as RN
-from tiletune.ops import rope as RP
 from tiletune.validate import overlaps, self_overlaps
 
 
