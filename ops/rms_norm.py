@@ -10,7 +10,7 @@ from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucketed
 from tiletune.device import persistent_ctas, sm_count
 from tiletune.ops.partials import sum_rows
-from tiletune.space import cdiv, next_pow2, product
+from tiletune.space import INT32_MAX, cdiv, next_pow2, product, row_chunks
 from tiletune.torch_op import TrainableOp
 
 ZERO = ct.PaddingMode.ZERO
@@ -268,19 +268,7 @@ def launch_bwd(dy, x, w, rstd, dx, dw):
 # ---------------------------------------------------------------------------------------------
 # Host side: validation, flattening to rows, int32-safe row chunks.
 
-_MAX_CHUNK_ELEMS = 2**31 - 1   # kernels index with int32: launch at most this many elements
-
-
-def _row_chunks(M, N):
-    """(start, end) row ranges of at most _MAX_CHUNK_ELEMS elements each (N <= that bound:
-    _check refuses wider rows). Rows per chunk are a multiple of 16 where at least 16 fit (keeps
-    the views 16B-aligned); rows wider than 2^27 elements go fewer at a time, down to one."""
-    if M * N <= _MAX_CHUNK_ELEMS:
-        return ((0, M),)
-    rows = max(1, _MAX_CHUNK_ELEMS // N)
-    if rows >= 16:
-        rows = rows // 16 * 16
-    return tuple((s, min(s + rows, M)) for s in range(0, M, rows))
+_MAX_CHUNK_ELEMS = INT32_MAX   # kernels index with int32: launch at most this many elements
 
 
 def _check(x, weight, eps):
@@ -312,7 +300,7 @@ def _forward(x, weight, eps):
         if M * N <= _MAX_CHUNK_ELEMS:
             launch_fwd(x2, w, y, rstd, eps)
         else:
-            for s, e in _row_chunks(M, N):
+            for s, e in row_chunks(M, N):
                 launch_fwd(x2[s:e], w, y[s:e], rstd[s:e], eps)
     return (y if two_d else y.view(x.shape)), rstd
 
@@ -336,7 +324,7 @@ def _backward(dy, x, weight, rstd):
         dw = torch.empty_like(w)
         launch_bwd(dy2, x2, w, rstd, dx, dw)
         return (dx if two_d else dx.view(x.shape)), dw
-    chunks = _row_chunks(M, N)
+    chunks = row_chunks(M, N)
     dw32 = torch.zeros(N, device=x.device, dtype=torch.float32)   # f32 sum over row chunks
     part = torch.empty(N, device=x.device, dtype=torch.float32)
     for s, e in chunks:

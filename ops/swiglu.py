@@ -18,7 +18,7 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucketed
 from tiletune.device import persistent_ctas
-from tiletune.space import cdiv, next_pow2, product
+from tiletune.space import INT32_MAX, cdiv, next_pow2, product, row_chunks
 from tiletune.torch_op import TrainableOp
 
 ZERO = ct.PaddingMode.ZERO
@@ -222,19 +222,7 @@ def launch_bwd(dy, gate, up, dgate, dup, act):
 # ---------------------------------------------------------------------------------------------
 # Host side: validation, flattening to rows, int32-safe row chunks.
 
-_MAX_SPAN = 2**31 - 1   # kernels index with int32: a launch reaches at most this many elements
-
-
-def _row_chunks(M, N, stride):
-    """(start, end) row ranges whose arrays span at most _MAX_SPAN elements, given the largest
-    row stride (>= N) among them. Rows per chunk are a multiple of 16 where at least 16 fit (a
-    16-byte-aligned view stays aligned)."""
-    if (M - 1) * stride + N <= _MAX_SPAN:
-        return ((0, M),)
-    rows = (_MAX_SPAN - N) // stride + 1
-    if rows >= 16:
-        rows = rows // 16 * 16
-    return tuple((s, min(s + rows, M)) for s in range(0, M, rows))
+_MAX_SPAN = INT32_MAX   # kernels index with int32: a launch reaches at most this many elements
 
 
 def _rows(t, N):
@@ -251,7 +239,7 @@ def _launch_rows(launch, N, arrays):
     if (M - 1) * stride + N <= _MAX_SPAN:
         launch(*arrays)
         return
-    for s, e in _row_chunks(M, N, stride):
+    for s, e in row_chunks(M, N, stride, _MAX_SPAN):
         launch(*(a[s:e] for a in arrays))
 
 

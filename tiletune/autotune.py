@@ -35,6 +35,7 @@ import torch
 from tiletune import device as _device
 from tiletune import env
 from tiletune import precompile
+from tiletune.space import INT32_MAX
 from tiletune import store
 from tiletune import timing
 from tiletune.space import next_pow2
@@ -694,9 +695,6 @@ def _check_grid(name, key, planned, grid):
     if tuple(planned) != tuple(grid):
         raise AssertionError(f"{name}: launch key {key} planned grid {planned} but this call's "
                              f"grid is {grid}: the key misses a size the grid depends on")
-
-
-INT32_MAX = 2**31 - 1
 
 
 def int32_strides(name, inputs, error=None):

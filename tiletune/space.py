@@ -13,6 +13,23 @@ def cdiv(a, b):
     return -(-a // b)
 
 
+INT32_MAX = 2**31 - 1        # kernels index with int32
+
+
+def row_chunks(M, N, stride=None, limit=INT32_MAX):
+    """(start, end) row ranges of an (M, N) array with row stride `stride` (default N) whose
+    views each span at most `limit` elements (N <= limit): one range where the whole array fits.
+    Rows per range are a multiple of 16 where at least 16 fit (a 16-byte-aligned view stays
+    aligned); rows wider than limit / 16 go fewer at a time, down to one."""
+    stride = N if stride is None else stride
+    if (M - 1) * stride + N <= limit:
+        return ((0, M),)
+    rows = (limit - N) // stride + 1
+    if rows >= 16:
+        rows = rows // 16 * 16
+    return tuple((s, min(s + rows, M)) for s in range(0, M, rows))
+
+
 def f32_row(n):
     """n float32 elements rounded up to a multiple of 16 bytes: the row stride TMA can load
     (statistics and scales the kernels read in (1, T) slices are stored in such rows)."""

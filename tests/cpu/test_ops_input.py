@@ -14,6 +14,7 @@ from tiletune import validate
 from tiletune.ops import fmha as FA
 from tiletune.ops import matmul as MM
 from tiletune.ops import rms_norm as RN
+from tiletune.space import row_chunks
 from tiletune.validate import overlaps, self_overlaps
 
 
@@ -213,7 +214,7 @@ LIMIT = 2**31 - 1
                                  (3, 2**27), (17, 2**27), (40, 2**27 + 1), (100, 2**28),
                                  (10, 2**30), (3, LIMIT), (5, 2**31 // 3)])
 def test_row_chunks_hold_at_most_2_31_minus_1_elements(M, N):
-    chunks = RN._row_chunks(M, N)
+    chunks = row_chunks(M, N)
     assert chunks[0][0] == 0 and chunks[-1][1] == M
     assert all(s < e for s, e in chunks)
     assert all(e == s2 for (_, e), (s2, _) in zip(chunks, chunks[1:]))   # contiguous, in order
@@ -225,10 +226,10 @@ def test_row_chunks_hold_at_most_2_31_minus_1_elements(M, N):
 
 
 def test_row_chunks_of_wide_rows():
-    assert RN._row_chunks(100, 2**28) == tuple((s, min(s + 7, 100)) for s in range(0, 100, 7))
-    assert RN._row_chunks(10, 2**30) == tuple((s, s + 1) for s in range(10))
-    assert RN._row_chunks(64, 2**25) == ((0, 48), (48, 64))     # 63 fit: 48, a multiple of 16
-    assert RN._row_chunks(2, LIMIT) == ((0, 1), (1, 2))
+    assert row_chunks(100, 2**28) == tuple((s, min(s + 7, 100)) for s in range(0, 100, 7))
+    assert row_chunks(10, 2**30) == tuple((s, s + 1) for s in range(10))
+    assert row_chunks(64, 2**25) == ((0, 48), (48, 64))     # 63 fit: 48, a multiple of 16
+    assert row_chunks(2, LIMIT) == ((0, 1), (1, 2))
 
 
 def test_rms_norm_refuses_rows_over_2_31_minus_1(monkeypatch):

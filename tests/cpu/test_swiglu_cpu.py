@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from tiletune import autotune, device
 from tiletune.autotune import MAX_CONFIGS
 from tiletune.ops import swiglu as S
+from tiletune.space import row_chunks
 
 BF16 = torch.bfloat16
 ARCHS = ("sm_90", "sm_100", "sm_120", "sm_80")
@@ -294,13 +295,13 @@ def test_int32_row_chunks(emulated, monkeypatch):
 
 def test_row_chunks():
     L = S._MAX_SPAN
-    assert S._row_chunks(10, 100, 100) == ((0, 10),)
-    assert S._row_chunks(2**16 - 1, 2**15, 2**15) == ((0, 2**16 - 1),)
-    chunks = S._row_chunks(2**16 + 1, 2**15, 2**16)         # chunk() halves of 2^16-wide rows
+    assert row_chunks(10, 100, 100) == ((0, 10),)
+    assert row_chunks(2**16 - 1, 2**15, 2**15) == ((0, 2**16 - 1),)
+    chunks = row_chunks(2**16 + 1, 2**15, 2**16)         # chunk() halves of 2^16-wide rows
     assert chunks[0] == (0, 2**15) and chunks[-1] == (2**16, 2**16 + 1)
     for s, e in chunks:
         assert (e - s - 1) * 2**16 + 2**15 <= L and ((e - s) % 16 == 0 or e == 2**16 + 1)
-    assert S._row_chunks(3, 2**30, 2**31 - 1) == ((0, 1), (1, 2), (2, 3))
+    assert row_chunks(3, 2**30, 2**31 - 1) == ((0, 1), (1, 2), (2, 3))
 
 
 def test_keys_separate_aligned_and_unaligned_layouts(emulated):

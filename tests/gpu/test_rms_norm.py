@@ -12,6 +12,7 @@ import torch
 import tiletune
 from tiletune.ops import rms_norm as R
 from tiletune.ops.rms_norm import rms_norm
+from tiletune.space import row_chunks
 
 from .conftest import poison_allocator, run_example_pair
 
@@ -243,8 +244,8 @@ def test_module_hf_attributes(fresh):
 
 
 def test_int32_overflow_rows_are_chunked():
-    assert R._row_chunks(10, 100) == ((0, 10),)
-    chunks = R._row_chunks(70000, 65536)
+    assert row_chunks(10, 100) == ((0, 10),)
+    chunks = row_chunks(70000, 65536)
     assert chunks[0][0] == 0 and chunks[-1][1] == 70000
     assert all((e - s) * 65536 < 2**31 for s, e in chunks)
 
