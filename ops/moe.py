@@ -57,10 +57,16 @@ def _slot_rows(idx, tok, KP):
     return ct.expand_dims(rows, axis=2)
 
 
-def _slot_weights(w, tok, KP):
-    """(TILE_T, KP, 1) float32 routing weights, zero for padded slots."""
-    j = ct.arange(KP, dtype=ct.int32)
-    return ct.expand_dims(ct.gather(w, (tok[:, None], j[None, :])).astype(ct.float32), axis=2)
+def _token_block(idx, w, tb, TILE_T, KP, WEIGHTED):
+    """Token block tb: (tokens, their slots' rows (TILE_T, KP, 1), float32 slot weights
+    (TILE_T, KP, 1): w's, zero for padded slots, where WEIGHTED, else ones)."""
+    tok = _tokens(tb, TILE_T)
+    rows = _slot_rows(idx, tok, KP)
+    wt = ct.full((TILE_T, KP, 1), 1.0, ct.float32)
+    if WEIGHTED:
+        j = ct.arange(KP, dtype=ct.int32)
+        wt = ct.expand_dims(ct.gather(w, (tok[:, None], j[None, :])).astype(ct.float32), axis=2)
+    return tok, rows, wt
 
 
 def _columns(c, rows, TILE_H):
@@ -76,11 +82,7 @@ def moe_gather_kernel(src, idx, w, out, TILE_T: ct.Constant[int], KP: ct.Constan
     src (R, H), idx and w (T, k), out (T, H)."""
     num_chunks = ct.cdiv(out.shape[1], TILE_H)
     for tb in range(ct.bid(0), ct.cdiv(out.shape[0], TILE_T), ct.num_blocks(0)):
-        tok = _tokens(tb, TILE_T)
-        rows = _slot_rows(idx, tok, KP)
-        wt = ct.full((TILE_T, KP, 1), 1.0, ct.float32)
-        if WEIGHTED:
-            wt = _slot_weights(w, tok, KP)
+        _, rows, wt = _token_block(idx, w, tb, TILE_T, KP, WEIGHTED)
         for c in range(num_chunks):
             v = ct.gather(src, (rows, _columns(c, rows, TILE_H))).astype(ct.float32)
             ct.store(out, (tb, c), ct.sum(v * wt, axis=1).astype(out.dtype))
@@ -95,11 +97,7 @@ def moe_scatter_kernel(src, idx, w, y, dst, dw, TILE_T: ct.Constant[int],
     dst and dw like w. Arrays a variant does not use are not touched."""
     num_chunks = ct.cdiv(src.shape[1], TILE_H)
     for tb in range(ct.bid(0), ct.cdiv(src.shape[0], TILE_T), ct.num_blocks(0)):
-        tok = _tokens(tb, TILE_T)
-        rows = _slot_rows(idx, tok, KP)
-        wt = ct.full((TILE_T, KP, 1), 1.0, ct.float32)
-        if SCALED:
-            wt = _slot_weights(w, tok, KP)
+        tok, rows, wt = _token_block(idx, w, tb, TILE_T, KP, SCALED)
         acc = ct.zeros((TILE_T, KP), ct.float32)
         for c in range(num_chunks):
             cols = _columns(c, rows, TILE_H)
