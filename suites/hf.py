@@ -382,21 +382,32 @@ def _attention_class(fam, mod):
                            _sliding_window_kwarg=fam.sliding_window_kwarg)
 
 
+_MIXINS = {"RMSNorm": _RMSNormForward, "MLP": _GatedMLPForward, "Experts": _ExpertsForward}
+
+
+def _swaps(fam, mod, *, rms_norm, mlp, experts, attention_forward):
+    """{kind: (HF's class, its tiletune subclass)} for the kinds the flags select."""
+    kinds = [kind for kind, on in (("RMSNorm", rms_norm), ("MLP", mlp),
+                                   ("Experts", experts and fam.experts)) if on]
+    swaps = {}
+    for kind in kinds:
+        cls = _hf_class(fam, mod, kind)
+        swaps[kind] = (cls, _tiletune_class(cls, _MIXINS[kind]))
+    if attention_forward:
+        swaps["Attention"] = (_hf_class(fam, mod, "Attention"), _attention_class(fam, mod))
+    return swaps
+
+
 def _patch_classes(fam, *, rms_norm, rope, attention, mlp, experts):
     mod = fam.module()
-    if rms_norm:
-        _replace(fam, mod, fam.prefix + "RMSNorm",
-                 _tiletune_class(_hf_class(fam, mod, "RMSNorm"), _RMSNormForward))
-    if mlp:
-        _replace(fam, mod, fam.prefix + "MLP",
-                 _tiletune_class(_hf_class(fam, mod, "MLP"), _GatedMLPForward))
+    # the attention forward only where norm + RoPE are fused (transformers looks
+    # apply_rotary_pos_emb up at call time: replacing it serves the other families)
+    swaps = _swaps(fam, mod, rms_norm=rms_norm, mlp=mlp, experts=experts,
+                   attention_forward=rope and fam.qk_norm)
+    for kind, (_, new) in swaps.items():
+        _replace(fam, mod, fam.prefix + kind, new)
     if rope:
         _replace(fam, mod, "apply_rotary_pos_emb", hf_apply_rotary_pos_emb)
-        if fam.qk_norm:      # norm + RoPE fused: needs the attention forward
-            _replace(fam, mod, fam.prefix + "Attention", _attention_class(fam, mod))
-    if experts and fam.experts:
-        _replace(fam, mod, fam.prefix + "Experts",
-                 _tiletune_class(_hf_class(fam, mod, "Experts"), _ExpertsForward))
     if attention:
         owner = getattr(mod, fam.prefix + "PreTrainedModel")
         _replace(fam, owner, "get_correct_attn_implementation",
@@ -405,18 +416,8 @@ def _patch_classes(fam, *, rms_norm, rope, attention, mlp, experts):
 
 def _patch_instance(model, fam, *, rms_norm, rope, attention, mlp, experts):
     mod = fam.module()
-    swaps = {}
-    if rms_norm:
-        cls = _hf_class(fam, mod, "RMSNorm")
-        swaps[cls] = _tiletune_class(cls, _RMSNormForward)
-    if mlp:
-        cls = _hf_class(fam, mod, "MLP")
-        swaps[cls] = _tiletune_class(cls, _GatedMLPForward)
-    if rope:
-        swaps[_hf_class(fam, mod, "Attention")] = _attention_class(fam, mod)
-    if experts and fam.experts:
-        cls = _hf_class(fam, mod, "Experts")
-        swaps[cls] = _tiletune_class(cls, _ExpertsForward)
+    swaps = dict(_swaps(fam, mod, rms_norm=rms_norm, mlp=mlp, experts=experts,
+                        attention_forward=rope).values())
     for module in model.modules():
         new = swaps.get(type(module))             # exact type: a user's subclass is left alone
         if new is None:
