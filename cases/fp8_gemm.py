@@ -130,9 +130,6 @@ def _quant_params(kind, cfg, M, K, *, x_dt=BF16, q_dt=E4M3, x_t=False):
     return [F32 if isinstance(p, float) else p for p in params]
 
 
-LAYOUT_SPACES = ("row", "block1x128")       # quantizers whose space depends on x's layout
-
-
 def _quant_cases():
     for kind, (tuner, _, gen) in QUANT.items():
         shapes = [(4096, 4096)] + ([(4096, 14336)] if kind == "row" else [])
@@ -143,7 +140,7 @@ def _quant_cases():
                     seen.append(cfg)
                     yield CompileCase("fp8_gemm", tuner.build(cfg), _quant_params(kind, cfg, M, K),
                                       f"quantize {kind} space {M}x{K} bf16 {vars(cfg)}")
-        if kind in LAYOUT_SPACES:    # the transposed view has a space of its own
+        if tuner in F8.LAYOUT_TUNERS:    # the transposed view has a space of its own
             for cfg in gen("sm_90", 4096, 4096, col=True):
                 yield CompileCase("fp8_gemm", tuner.build(cfg),
                                   _quant_params(kind, cfg, 4096, 4096, x_t=True),
@@ -157,7 +154,7 @@ def _quant_cases():
                 continue                      # the amax launch writes no fp8
             if kind in ("amax", "tensor") and M == 1:
                 continue                      # the same tiles as the ragged case
-            col = kind in LAYOUT_SPACES and kw.get("x_t", False)
+            col = tuner in F8.LAYOUT_TUNERS and kw.get("x_t", False)
             cfg = next(gen("sm_90", M, K, col=True) if col else gen("sm_90", M, K))
             yield CompileCase("fp8_gemm", tuner.build(cfg), _quant_params(kind, cfg, M, K, **kw),
                               f"quantize {kind} {label} {vars(cfg)}")

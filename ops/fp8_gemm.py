@@ -509,6 +509,8 @@ _quantize_tensor = Autotuner("quantize_fp8_tensor", quantize_tensor_kernel, tens
                              default=SimpleNamespace(tr=16, tc=512), space=_quant_space,
                              grid=_tile_grid, args=_tensor_args, work=_quant_work,
                              tune_key=_BY_ROWS)
+# the quantizers with a space per layout of x (_layout_space)
+LAYOUT_TUNERS = (_quantize_row, _quantize_1x128)
 TUNERS = (_scaled_tuner, _block_tuner, _quantize_row, _quantize_1x128, _quantize_128x128,
           _tensor_amax, _quantize_tensor)
 

@@ -35,10 +35,9 @@ import torch
 from tiletune import device as _device
 from tiletune import env
 from tiletune import precompile
-from tiletune.space import INT32_MAX
 from tiletune import store
 from tiletune import timing
-from tiletune.space import next_pow2
+from tiletune.space import INT32_MAX, next_pow2
 
 log = logging.getLogger("tiletune")
 

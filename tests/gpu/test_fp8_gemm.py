@@ -258,7 +258,7 @@ def test_quantize_every_config_transposed_input_and_nan(fresh, monkeypatch, gran
               "block1x128": [F8._quantize_1x128], "block128x128": [F8._quantize_128x128]}
     for tuner in tuners[granularity]:
         # the rowwise and 1x128 quantizers have a space per layout: both, each on its layout
-        per_layout = tuner in (F8._quantize_row, F8._quantize_1x128)
+        per_layout = tuner in F8.LAYOUT_TUNERS
         for xi in [x, x.contiguous()] if per_layout else [x]:
             space = dict(m=512, k=1000, col=xi.stride(0) == 1) if per_layout \
                 else dict(m=512, k=1000)
