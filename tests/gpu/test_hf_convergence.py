@@ -112,14 +112,7 @@ def test_training_matches_unpatched(family):
     ref_logits, ref_grads = first_step(reference, batches[0])
     assert rel(logits, ref_logits) < 5e-2      # bf16 rounding order alone: ~2e-2
     assert grads.keys() == ref_grads.keys()
-    # Gradients against the same model in float32: ours no further from it than 0.1 or 1.5x
-    # transformers' own bf16 error. (bf16 alone moves Qwen3-MoE's router gradients 0.08-0.16
-    # from float32, so two bf16 runs can differ by ~0.2 there: a direct bound would be noise.)
-    exact = copy.deepcopy(reference).float()
-    _, exact_grads = first_step(exact, batches[0])
-    del exact
-    bad = {n: (rel(grads[n], exact_grads[n]), rel(ref_grads[n], exact_grads[n])) for n in grads
-           if rel(grads[n], exact_grads[n]) > max(0.1, 1.5 * rel(ref_grads[n], exact_grads[n]))}
+    bad = {n: rel(grads[n], ref_grads[n]) for n in grads if rel(grads[n], ref_grads[n]) > 0.1}
     assert not bad, bad
 
     losses, ref_losses = train(patched, batches), train(reference, batches)
