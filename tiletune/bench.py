@@ -34,6 +34,9 @@ class BenchCase:
     ceiling: tuple = None  # (label, () -> None): the ceiling, e.g. a copy of the same tensor
     ceiling_scale: float = 1.0   # ceiling time = scale x time of that callable
     extra: dict = field(default_factory=dict)
+    timing: dict = field(default_factory=dict)   # time_interleaved's rounds/reps/warmup
+    setup: object = None  # (case) -> None: fills in ours, baselines, ... when the row runs
+                          # (rows that allocate gigabytes, so --match can skip them cheaply)
 
 
 def host_us(fn, n=2000, reps=5):
@@ -87,7 +90,15 @@ def _error(e):
     return f"{type(e).__name__}: {str(e)[:120]}"
 
 
-def run_case(case):
+def run_case(case, skip_peers=(), seen_peers=None):
+    """Time one row. skip_peers: baseline labels not to time; seen_peers (a set): gets the
+    row's baseline labels, skipped ones included."""
+    if case.setup is not None:
+        case.setup(case)
+    if seen_peers is not None:
+        seen_peers.update(case.baselines)
+    for peer in skip_peers:
+        case.baselines.pop(peer, None)
     row = {"op": case.op, "case": case.name, "mode": case.mode}
     t0 = time.perf_counter()
     case.ours()                       # first call tunes (or loads the store)
@@ -101,7 +112,7 @@ def run_case(case):
     candidates += [(label, fn, None) for label, fn in case.baselines.items()]
     if case.ceiling:
         candidates.append((case.ceiling[0], case.ceiling[1], None))
-    us = time_interleaved(candidates)
+    us = time_interleaved(candidates, **case.timing)
     if isinstance(us["tuned"], Exception):
         raise us["tuned"]
     row["tuned_us"] = us["tuned"]
@@ -328,11 +339,8 @@ def main(ops=None, *, full=False, json_path=DEFAULT_JSON, plot_path=None, match=
             label = f"{case.name} {case.mode}".lower()
             if match and not any(_matches(label, m.lower()) for m in match):
                 continue
-            seen_peers.update(case.baselines)
-            for peer in skip_peers:
-                case.baselines.pop(peer, None)
             try:
-                row = run_case(case)
+                row = run_case(case, skip_peers, seen_peers)
             except Exception as e:
                 print(f"{op} {case.name} {case.mode}: FAILED {type(e).__name__}: {e}", flush=True)
                 continue

@@ -66,6 +66,58 @@ def test_run_case_times_every_candidate_in_turns(clock):
     assert blocks == ["tuned", "fixed", "peer", "copy"] * 5
 
 
+def test_run_case_sets_up_lazy_rows_and_skips_peers_after(clock):
+    """A row with `setup` builds its callables only when it runs; --skip-peer applies to the
+    baselines the setup made, and the caller still learns every label offered."""
+    def setup(case):
+        case.ours = lambda: clock.run("tuned", 20.0)
+        case.baselines = {"peer": lambda: clock.run("peer", 40.0),
+                          "slow": lambda: clock.run("slow", 90.0)}
+        case.extra["built"] = True
+
+    case = bench.BenchCase("op", "model", "step", None, {}, setup=setup,
+                           timing=dict(rounds=2, reps=3, warmup=1))
+    seen = set()
+    row = bench.run_case(case, skip_peers=("slow",), seen_peers=seen)
+    assert row["vs_peer"] == pytest.approx(2.0) and "vs_slow" not in row
+    assert row["built"] is True and seen == {"peer", "slow"}
+    assert clock.trace[-2 * 3 * 3:].count("peer") == 2 * 3       # rounds x reps, as asked
+
+
+def test_train_step_rows_are_full_only_and_lazy():
+    pytest.importorskip("transformers")
+    from tiletune.cases import train_step
+    assert list(train_step.bench_cases(full=False)) == []
+    rows = train_step.bench_cases(full=True)
+    assert [r.mode for r in rows] == ["step", "step"]
+    assert all(r.setup is not None and r.ours is None and not r.baselines for r in rows)
+
+
+def test_train_step_puts_back_module_state():
+    """What a peer's patch changed in a modeling module or transformers' registries is undone
+    before another model's step, and put back before its own."""
+    pytest.importorskip("transformers")
+    import types
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from tiletune.cases import train_step
+    module = types.ModuleType("modeling_fake")
+    module.apply_rotary_pos_emb = original = object()
+    clean = train_step._capture(module)
+    module.apply_rotary_pos_emb = patched = object()
+    module.added = 1
+    ALL_ATTENTION_FUNCTIONS["fake_peer"] = patched
+    state = train_step._capture(module)
+    train_step._restore(module, clean)
+    assert module.apply_rotary_pos_emb is original and not hasattr(module, "added")
+    assert "fake_peer" not in ALL_ATTENTION_FUNCTIONS
+    train_step._restore(module, state)
+    assert module.apply_rotary_pos_emb is patched and module.added == 1
+    assert ALL_ATTENTION_FUNCTIONS["fake_peer"] is patched
+    train_step._restore(module, clean)
+
+
 def test_match_patterns():
     label = "b4 h32 s4096 d128 bf16 causal fwd+bwd"
     assert bench._matches(label, "d128 bf16 causal fwd")

@@ -108,12 +108,23 @@ def test_training_matches_unpatched(family):
     patched, reference = model_pair(family)
     batches = tokens(4, seed=1)       # four batches in turn: the loss falls as they are learned
 
+    f32 = copy.deepcopy(reference).float()
     logits, grads = first_step(patched, batches[0])
     ref_logits, ref_grads = first_step(reference, batches[0])
+    _, f32_grads = first_step(f32, batches[0])
+    del f32
     assert rel(logits, ref_logits) < 5e-2      # bf16 rounding order alone: ~2e-2
     assert grads.keys() == ref_grads.keys()
-    bad = {n: rel(grads[n], ref_grads[n]) for n in grads if rel(grads[n], ref_grads[n]) > 0.1}
+    # Gradients against the float32 model: ours no further from it than transformers' own bf16
+    # (per parameter within 2x + 0.02, the worst within 1.25x + 0.01; a wrong kernel is ~1
+    # off). Not against the bf16 run: a router's top-k flips where bf16 rounding reorders close
+    # scores, and on an H100 both bf16 runs' Qwen3-MoE router gradients were 0.09-0.14 from
+    # float32 and 0.19 from each other (dense parameters: <= 0.03 from float32).
+    errors = {n: (rel(grads[n], f32_grads[n]), rel(ref_grads[n], f32_grads[n])) for n in grads}
+    bad = {n: e for n, e in errors.items() if e[0] > 2 * e[1] + 0.02}
     assert not bad, bad
+    worst, ref_worst = (max(e[i] for e in errors.values()) for i in (0, 1))
+    assert worst <= 1.25 * ref_worst + 0.01, (worst, ref_worst)
 
     losses, ref_losses = train(patched, batches), train(reference, batches)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-2,
@@ -198,3 +209,26 @@ def test_left_padded_batch_matches_unpatched(family, monkeypatch):
     out = patched(input_ids=ids, attention_mask=full)
     assert len(kernel_calls) == 2                     # one call per layer
     assert rel(out.logits, reference(input_ids=ids, attention_mask=full).logits) < 5e-2
+
+
+def test_example_06_trains_like_unpatched():
+    """assets/examples/06: the patched run's loss at every step matches the unpatched run's (a
+    small model, tuned as a user's first run would be)."""
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "assets", "examples",
+                          "06_hf_llama_patch", "train_llama.py")
+    env = {k: v for k, v in os.environ.items() if k != "DISABLE_AUTOTUNE"}
+    small = ["--hidden", "512", "--layers", "2", "--seq", "1024", "--steps", "6"]
+    losses = {}
+    for flag in ([], ["--unpatched"]):
+        o = subprocess.run([sys.executable, script, *small, *flag], capture_output=True,
+                           text=True, timeout=600, env=env)
+        assert o.returncode == 0, o.stderr[-2000:]
+        pairs = [word.split("=", 1) for word in o.stdout.split() if "=" in word]
+        values = dict(pairs)
+        assert float(values["tokens_per_s"]) > 0 and float(values["peak_GiB"]) > 0
+        losses[bool(flag)] = [float(v) for k, v in pairs if k == "loss"]
+    assert len(losses[False]) == 6
+    torch.testing.assert_close(torch.tensor(losses[False]), torch.tensor(losses[True]),
+                               atol=1e-2, rtol=1e-2)

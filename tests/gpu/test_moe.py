@@ -280,9 +280,11 @@ EXPERT_CASES = [(512, 256, 128, 16, 4, "random"), (64, 512, 192, 64, 2, "few"),
 def test_experts_match_transformers(fresh, monkeypatch, case):
     """Forward and the gradients of hidden_states, top_k_weights and both weights, bf16,
     against transformers' loop on the same parameters in bf16 and in float32. Tolerances
-    (relative Frobenius error): against the float32 loop 2e-2 forward and backward (bf16 inputs
-    and bf16 intermediates: the grouped GEMMs' outputs, swiglu's); no further than the bf16
-    loop is from it, plus 5e-3 (our weighting and sum over k are float32, the loop's bf16)."""
+    (relative Frobenius error) against the float32 loop: no further than the bf16 loop is from
+    it, plus 5e-3 (our weighting and sum over k are float32, the loop's bf16), and 3e-2 at
+    most. Over 12 seeds per case on an H100 every tensor was within 6e-3 of float32 except at
+    T = 1 the routing weights' 2-element gradient: ours up to 2.19e-2, the bf16 loop's up to
+    1.97e-2 (bf16 inputs and intermediates: the grouped GEMMs' outputs, swiglu's)."""
     disable_autotune(monkeypatch)
     T, H, I, E, k, kind = case
     bf = torch.bfloat16
@@ -313,8 +315,8 @@ def test_experts_match_transformers(fresh, monkeypatch, case):
     names = ("out", "d_hidden_states", "d_top_k_weights", "d_gate_up_proj", "d_down_proj")
     for name, a, b, r in zip(names, (ours, *g_ours), (hf, *g_hf), (ref, *g_ref)):
         ours_err, hf_err = rel(a, r), rel(b, r)
-        assert ours_err < 2e-2, (name, ours_err, hf_err)
         assert ours_err < hf_err + 5e-3, (name, ours_err, hf_err)
+        assert ours_err < 3e-2, (name, ours_err, hf_err)
         assert rel(a, b) < 3e-2, name
 
 
