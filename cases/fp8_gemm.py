@@ -18,10 +18,12 @@ KB = F8.BLOCK
 # (one-element scales), row-major B, e4m3 x e5m2 both ways (float16 path), fp32 out (fp16 compiles
 # as bf16 does), ragged sizes, decode (M = 1), the other two block pairings, K-major scale_a, K
 # not a multiple of 128.
-# Quantizers: every config of each kernel at 4096 x 4096 bf16 (the row space also at K 14336,
-# where rows are read in chunks), then the defaults for fp32 input (fp16 compiles as bf16 does),
-# e5m2 output, ragged and transposed x, and a single row. Arguments come from the op's own
-# `args` functions.
+# Quantizers: every config of each kernel at 4096 x 4096 bf16; the other keys with a space of
+# their own (the row space at K 14336, where rows are read in chunks, and the transposed-view
+# spaces) compile their default and each (tile, warps) pair once, at its highest occupancy:
+# occupancy only caps the registers (a tighter cap spills, it does not fail), and the GPU tests
+# run every config. Then the defaults for fp32 input (fp16 compiles as bf16 does), e5m2 output,
+# ragged and transposed x, and a single row. Arguments come from the op's own `args` functions.
 
 
 def _gemm_params(cfg, M, N, K, *, mode="row", a_dt=E4M3, b_dt=E4M3, b_col=True, out=BF16,
@@ -104,7 +106,7 @@ def _gemm_cases():
 QUANT = {"row": (F8._quantize_row, F8._row_args, F8.row_configs),
          "block1x128": (F8._quantize_1x128, F8._1x128_args, F8.block1x128_configs),
          "block128x128": (F8._quantize_128x128, F8._128x128_args, F8.block128x128_configs),
-         "amax": (F8._tensor_amax, F8._amax_args, F8.tensor_configs),
+         "amax": (F8._tensor_amax, F8._amax_args, F8.amax_configs),
          "tensor": (F8._quantize_tensor, F8._tensor_args, F8.tensor_configs)}
 
 
@@ -121,7 +123,8 @@ def _quant_params(kind, cfg, M, K, *, x_dt=BF16, q_dt=E4M3, x_t=False):
     elif kind == "tensor":
         params = args(cfg, x, bits, q, jit_array(torch.float32, (1,)), fp8_max)
     elif kind == "row":
-        params = args(cfg, x, q, jit_array(torch.float32, (M, 1)), fp8_max)
+        params = args(cfg, x, q, jit_array(torch.float32, (M, 1), unit_dims_constant=False),
+                      fp8_max)
     elif kind == "block1x128":
         params = args(cfg, x, q, jit_array(torch.float32, (kb, M), (F8.f32_row(M), 1)), fp8_max)
     else:       # the (cdiv(M, 128), kb) view of rows padded to a multiple of 4
@@ -130,18 +133,32 @@ def _quant_params(kind, cfg, M, K, *, x_dt=BF16, q_dt=E4M3, x_t=False):
     return [F32 if isinstance(p, float) else p for p in params]
 
 
+def tightest(cfgs):
+    """The first config (the default), then each other (tile, warps) pair once, at its highest
+    occupancy."""
+    cfgs = list(cfgs)
+    best = {}
+    for c in cfgs:
+        pair = tuple(sorted((k, v) for k, v in vars(c).items() if k != "occupancy"))
+        if pair not in best or c.occupancy > best[pair].occupancy:
+            best[pair] = c
+    return cfgs[:1] + [c for c in best.values() if c != cfgs[0]]
+
+
 def _quant_cases():
     for kind, (tuner, _, gen) in QUANT.items():
-        shapes = [(4096, 4096)] + ([(4096, 14336)] if kind == "row" else [])
-        seen = []
-        for M, K in shapes:
-            for cfg in gen("sm_90", M, K):
-                if cfg not in seen:
-                    seen.append(cfg)
-                    yield CompileCase("fp8_gemm", tuner.build(cfg), _quant_params(kind, cfg, M, K),
-                                      f"quantize {kind} space {M}x{K} bf16 {vars(cfg)}")
-        if tuner in F8.LAYOUT_TUNERS:    # the transposed view has a space of its own
-            for cfg in gen("sm_90", 4096, 4096, col=True):
+        seen = list(gen("sm_90", 4096, 4096))
+        for cfg in seen:
+            yield CompileCase("fp8_gemm", tuner.build(cfg), _quant_params(kind, cfg, 4096, 4096),
+                              f"quantize {kind} space 4096x4096 bf16 {vars(cfg)}")
+        if kind == "row":                 # rows read in chunks
+            for cfg in tightest(c for c in gen("sm_90", 4096, 14336) if c not in seen):
+                yield CompileCase("fp8_gemm", tuner.build(cfg),
+                                  _quant_params(kind, cfg, 4096, 14336),
+                                  f"quantize {kind} space 4096x14336 bf16 {vars(cfg)}")
+        per_layout = tuner in F8.LAYOUT_TUNERS
+        if per_layout:                    # the transposed view has a space of its own
+            for cfg in tightest(gen("sm_90", 4096, 4096, col=True)):
                 yield CompileCase("fp8_gemm", tuner.build(cfg),
                                   _quant_params(kind, cfg, 4096, 4096, x_t=True),
                                   f"quantize {kind} space transposed 4096x4096 bf16 {vars(cfg)}")
@@ -154,8 +171,9 @@ def _quant_cases():
                 continue                      # the amax launch writes no fp8
             if kind in ("amax", "tensor") and M == 1:
                 continue                      # the same tiles as the ragged case
-            col = tuner in F8.LAYOUT_TUNERS and kw.get("x_t", False)
-            cfg = next(gen("sm_90", M, K, col=True) if col else gen("sm_90", M, K))
+            if per_layout and "x_t" in kw:
+                continue                      # the transposed space's default, compiled above
+            cfg = next(gen("sm_90", M, K))
             yield CompileCase("fp8_gemm", tuner.build(cfg), _quant_params(kind, cfg, M, K, **kw),
                               f"quantize {kind} {label} {vars(cfg)}")
 
@@ -225,7 +243,8 @@ def _gemm_case(M, N, K, mode, fast):
 
 def _quant_case(M, K, granularity, transposed=False):
     """transposed: x is the (M, K) transposed view of a row-major (K, M) tensor, as the weight
-    gradient of fp8_linear quantizes its operands."""
+    gradient of fp8_linear quantizes its operands (and the block recipe's input gradient its
+    weight, in 128x128 blocks)."""
     x = torch.randn(K, M, device="cuda", dtype=BF16).t() if transposed else \
         torch.randn(M, K, device="cuda", dtype=BF16)
     copy_out = torch.empty_like(x)
@@ -262,6 +281,6 @@ def bench_cases(full=False):
     cases = [_gemm_case(*shape, mode, fast) for shape in SHAPES for mode, fast in MODES]
     cases += [_quant_case(M, K, g) for M, K in QUANT_SHAPES for g in F8.GRANULARITIES]
     cases += [_quant_case(M, K, g, transposed=True) for M, K in QUANT_SHAPES
-              for g in ("row", "block1x128")]
+              for g in ("row", "block1x128", "block128x128")]
     cases += [_linear_case(*shape, r) for shape in LINEAR_SHAPES for r in F8.RECIPES]
     return cases

@@ -212,37 +212,75 @@ def quantize_1x128_kernel(x, q, s_t, fp8_max, TR: ct.Constant[int], G: ct.Consta
         ct.store(s_t, (c, r), ct.transpose(ct.reshape(scale, (TR, G))))
 
 
-@ct.kernel
-def quantize_128x128_kernel(x, q, s, fp8_max, G: ct.Constant[int]):
-    """128x128 blocks: a (128, G * 128) tile per CTA; s (cdiv(M, 128), cdiv(K, 128))."""
-    r = ct.bid(0)
-    c = ct.bid(1)
-    xt = ct.load(x, (r, c), (BLOCK, G * BLOCK), padding_mode=ZERO).astype(ct.float32)
-    x3 = ct.reshape(xt, (BLOCK, G, BLOCK))
-    scale = _fp8_scale(_abs_max(x3, (0, 2)), fp8_max)                 # (1, G, 1)
+def _block_rows(x, r, c, TR, G):
+    """Rows [r * TR, (r + 1) * TR) x column blocks [c * G, (c + 1) * G) of x as (TR, G, 128)
+    float32."""
+    xt = ct.load(x, (r, c), (TR, G * BLOCK), padding_mode=ZERO).astype(ct.float32)
+    return ct.reshape(xt, (TR, G, BLOCK))
+
+
+def _store_block_rows(q, x3, scale, fp8_max, r, c, TR, G):
     qt = _fp8_cast(x3, scale, fp8_max, q.dtype)
-    ct.store(q, (r, c), ct.reshape(qt, (BLOCK, G * BLOCK)))
-    ct.store(s, (r, c), ct.reshape(scale, (1, G)))
+    ct.store(q, (r, c), ct.reshape(qt, (TR, G * BLOCK)))
+
+
+@ct.kernel
+def quantize_128x128_kernel(x, q, s, fp8_max, TR: ct.Constant[int], G: ct.Constant[int]):
+    """128x128 blocks: s (cdiv(M, 128), cdiv(K, 128)). Each CTA strides over tiles of 128 rows x
+    G blocks (a persistent grid). TR 128: the tile is read once; TR 16-64: it is read in chunks
+    of TR rows, twice (amax, then quantize: the block, 32 KiB in bf16, was just read into L2).
+    Chunks wholly below the last row are skipped (a load wholly outside x is undefined). The
+    amax is the same max in any grouping, so the results do not depend on TR."""
+    col_tiles = ct.cdiv(x.shape[1], G * BLOCK)
+    for t in range(ct.bid(0), ct.cdiv(x.shape[0], BLOCK) * col_tiles, ct.num_blocks(0)):
+        r = t // col_tiles
+        c = t % col_tiles
+        if ct.static_eval(TR == BLOCK):
+            x3 = _block_rows(x, r, c, BLOCK, G)
+            scale = _fp8_scale(_abs_max(x3, (0, 2)), fp8_max)             # (1, G, 1)
+            _store_block_rows(q, x3, scale, fp8_max, r, c, BLOCK, G)
+        else:
+            first = r * (BLOCK // TR)
+            chunks = ct.minimum(ct.cdiv(x.shape[0], TR) - first, BLOCK // TR)
+            amax = ct.zeros((1, G, 1), ct.float32)
+            for i in range(chunks):
+                x3 = _block_rows(x, first + i, c, TR, G)
+                amax = ct.maximum(amax, _abs_max(x3, (0, 2)), propagate_nan=True)
+            scale = _fp8_scale(amax, fp8_max)
+            for i in range(chunks):
+                x3 = _block_rows(x, first + i, c, TR, G)
+                _store_block_rows(q, x3, scale, fp8_max, first + i, c, TR, G)
+        ct.store(s, (r, c), ct.reshape(scale, (1, G)))
 
 
 @ct.kernel
 def amax_kernel(x, amax_bits, TR: ct.Constant[int], TC: ct.Constant[int]):
-    """Tensorwise, first launch: amax_bits[0] = max over all tiles of |x|, as the int32 bits of
-    the float32 (cuTile has no float atomic max; for floats >= 0, NaN included, the bit
-    patterns order as the values). amax_bits starts at 0 (= +0.0)."""
-    xt = ct.load(x, (ct.bid(0), ct.bid(1)), (TR, TC), padding_mode=ZERO).astype(ct.float32)
-    m = ct.max(ct.abs(xt), propagate_nan=True)
-    ct.atomic_max(amax_bits, 0, ct.bitcast(m, ct.int32))
+    """Tensorwise, first launch: amax_bits[0] = max over x of |x|, as the int32 bits of the
+    float32 (cuTile has no float atomic max; for floats >= 0, NaN included, the bit patterns
+    order as the values). amax_bits starts at 0 (= +0.0). Each CTA strides over (TR, TC) tiles
+    (a persistent grid) keeping an elementwise running max, reduces it once and takes one atomic
+    max: max is exact and order-free, so the result does not depend on the grid."""
+    col_tiles = ct.cdiv(x.shape[1], TC)
+    m = ct.zeros((TR, TC), ct.float32)
+    for t in range(ct.bid(0), ct.cdiv(x.shape[0], TR) * col_tiles, ct.num_blocks(0)):
+        xt = ct.load(x, (t // col_tiles, t % col_tiles), (TR, TC), padding_mode=ZERO)
+        m = ct.maximum(m, ct.abs(xt.astype(ct.float32)), propagate_nan=True)
+    ct.atomic_max(amax_bits, 0, ct.bitcast(ct.max(m, propagate_nan=True), ct.int32))
 
 
 @ct.kernel
 def quantize_tensor_kernel(x, amax_bits, q, s, fp8_max, TR: ct.Constant[int],
                            TC: ct.Constant[int]):
-    """Tensorwise, second launch: one scale from amax_bits; CTA (0, 0) writes it to s (1,)."""
+    """Tensorwise, second launch: one scale from amax_bits; each CTA strides over (TR, TC) tiles
+    (a persistent grid); CTA 0 writes the scale to s (1,)."""
     scale = _fp8_scale(ct.bitcast(ct.gather(amax_bits, 0), ct.float32), fp8_max)
-    xt = ct.load(x, (ct.bid(0), ct.bid(1)), (TR, TC), padding_mode=ZERO).astype(ct.float32)
-    ct.store(q, (ct.bid(0), ct.bid(1)), _fp8_cast(xt, scale, fp8_max, q.dtype))
-    if ct.bid(0) + ct.bid(1) == 0:
+    col_tiles = ct.cdiv(x.shape[1], TC)
+    for t in range(ct.bid(0), ct.cdiv(x.shape[0], TR) * col_tiles, ct.num_blocks(0)):
+        r = t // col_tiles
+        c = t % col_tiles
+        xt = ct.load(x, (r, c), (TR, TC), padding_mode=ZERO).astype(ct.float32)
+        ct.store(q, (r, c), _fp8_cast(xt, scale, fp8_max, q.dtype))
+    if ct.bid(0) == 0:
         ct.scatter(s, 0, scale)
 
 
@@ -339,7 +377,8 @@ def _block_kernel(cfg):
 
 
 # ---------------------------------------------------------------------------------------------
-# Quantizer configs: memory-bound tiles of 4-16k elements; the default first.
+# Quantizer configs: memory-bound tiles of 2-16k elements on persistent grids (SMs x occupancy
+# CTAs striding over the tiles), occupancy and worker warps searched; the default first.
 
 def row_configs(arch, m, k, col=False):
     """(tr, tc, one_pass, occupancy, num_worker_warps): TR rows x TC columns per tile; one_pass
@@ -381,17 +420,47 @@ def block1x128_configs(arch, m, k, col=False):
                        occupancy=(2, 4), num_worker_warps=warps)
 
 
-def block128x128_configs(arch, m, k):
-    """(g, num_worker_warps): a 128 x (G * 128) tile per CTA (G = 2, 256 float32 columns per
-    row of the tile, compiled 5x slower and is left out)."""
-    yield from table(("g", "num_worker_warps"), [(1, 8), (1, None)])
+def block128x128_configs(arch, m, k, col=False):
+    """(tr, g, occupancy, num_worker_warps): tiles of 128 rows x G blocks of 128 columns on a
+    persistent grid (as the rowwise and 1x128 quantizers). tr 128 reads the tile once: 16k floats
+    at 8 warps, occupancy 2 (the rowwise quantizer's rule for 16k tiles); tr 32 or 64 read it
+    twice in chunks of tr rows, which leaves registers for occupancy 4 or 4 warps (searched,
+    as for the rowwise quantizer, only on those two-pass tiles). col: x is a transposed view
+    (its rows are contiguous): chunks 16-32 rows tall first, 32 rows at 4 warps as the 1x128
+    quantizer's transposed winner. G = 2 (256 float32 columns per row of the tile) compiled 5x
+    slower and is left out."""
+    if col:
+        rows = [(32, 4, 4), (16, 4, 4), (32, 4, 8), (64, 2, 4), (64, 2, 8), (128, 2, 8)]
+    else:
+        rows = [(128, 2, 8), (64, 2, 8), (64, 4, 8), (32, 2, 8), (32, 4, 8), (32, 4, 4),
+                (64, 2, 4)]
+    yield from table(("tr", "occupancy", "num_worker_warps"), rows, g=1)
+
+
+def _flat_tiles(default, k, tiles):
+    """A tensorwise space: `default` first, then each (tr, tc) tile no wider than the row (next
+    power of two, at least 128) at 8 warps and occupancy 2 and 4, then 32 x 128 with 4 warps at
+    occupancy 4 for transposed views (the 1x128 quantizer's transposed winner)."""
+    whole = max(next_pow2(k), 128)
+    yield from product(default, tiles=[dict(tr=tr, tc=tc) for tr, tc in tiles if tc <= whole],
+                       occupancy=(4, 2))
+    yield SimpleNamespace(tr=32, tc=128, occupancy=4, num_worker_warps=4)
 
 
 def tensor_configs(arch, m, k):
-    """(tr, tc) tiles of the amax and quantize launches."""
-    rows = [(16, 512), (8, 1024), (32, 256), (4, 2048), (16, 1024)]
-    whole = max(next_pow2(k), 128)
-    yield from table(("tr", "tc"), [r for i, r in enumerate(rows) if i == 0 or r[1] <= whole])
+    """(tr, tc, occupancy, num_worker_warps) of the tensorwise quantize launch, on a persistent
+    grid: 4-8k-element tiles at 8 warps, 16 x 256 at occupancy 4 first (the 1x128 quantizer's
+    row-major default, whose math per element it shares)."""
+    yield from _flat_tiles(SimpleNamespace(tr=16, tc=256, occupancy=4, num_worker_warps=8), k,
+                           [(16, 256), (8, 512), (16, 512), (4, 1024)])
+
+
+def amax_configs(arch, m, k):
+    """(tr, tc, occupancy, num_worker_warps) of the tensorwise amax launch, on a persistent grid.
+    A CTA keeps a running max as large as its tile, so an 8k-element tile holds 64 floats a
+    thread at 8 warps: occupancy 2 first, as for the quantizers' 16k tiles."""
+    yield from _flat_tiles(SimpleNamespace(tr=16, tc=512, occupancy=2, num_worker_warps=8), k,
+                           [(16, 512), (8, 1024), (16, 256), (32, 256)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,7 +510,7 @@ def _quant_space(x, *rest):
 
 
 def _layout_space(x, *rest):
-    """The rowwise and 1x128 spaces differ for a transposed view (contiguous rows)."""
+    """The rowwise and block spaces differ for a transposed view (contiguous rows)."""
     return dict(m=bucket(x.shape[0]), k=x.shape[1], col=x.stride(0) == 1 and x.shape[1] > 1)
 
 
@@ -450,7 +519,8 @@ def _quant_work(x, q, *rest):
 
 
 def _tile_grid(cfg, dev, x, *rest):
-    return (cdiv(x.shape[0], cfg.tr), cdiv(x.shape[1], cfg.tc))
+    tiles = cdiv(x.shape[0], cfg.tr) * cdiv(x.shape[1], cfg.tc)
+    return (persistent_ctas(tiles, dev, cfg.occupancy),)
 
 
 def _row_grid(cfg, dev, x, q, s, fp8_max):
@@ -471,11 +541,12 @@ def _1x128_args(cfg, x, q, s_t, fp8_max):
 
 
 def _128x128_grid(cfg, dev, x, q, s, fp8_max):
-    return (cdiv(x.shape[0], BLOCK), cdiv(x.shape[1], cfg.g * BLOCK))
+    tiles = cdiv(x.shape[0], BLOCK) * cdiv(x.shape[1], cfg.g * BLOCK)
+    return (persistent_ctas(tiles, dev, cfg.occupancy),)
 
 
 def _128x128_args(cfg, x, q, s, fp8_max):
-    return (x, q, s, fp8_max, cfg.g)
+    return (x, q, s, fp8_max, cfg.tr, cfg.g)
 
 
 def _amax_args(cfg, x, bits):
@@ -497,20 +568,23 @@ _quantize_1x128 = Autotuner("quantize_fp8_1x128", quantize_1x128_kernel, block1x
                             grid=_1x128_grid, args=_1x128_args, work=_quant_work,
                             tune_key=_BY_ROWS)
 _quantize_128x128 = Autotuner("quantize_fp8_128x128", quantize_128x128_kernel,
-                              block128x128_configs, default=SimpleNamespace(g=1),
-                              space=_quant_space, grid=_128x128_grid, args=_128x128_args,
+                              block128x128_configs,
+                              default=SimpleNamespace(tr=128, g=1, occupancy=2,
+                                                      num_worker_warps=8),
+                              space=_layout_space, grid=_128x128_grid, args=_128x128_args,
                               work=_quant_work, tune_key=_BY_ROWS)
 # The amax launch accumulates with an atomic max, which a search may repeat: max is idempotent.
-_tensor_amax = Autotuner("quantize_fp8_amax", amax_kernel, tensor_configs,
-                         default=SimpleNamespace(tr=16, tc=512), space=_quant_space,
-                         grid=_tile_grid, args=_amax_args, tune_key=_BY_ROWS,
+_tensor_amax = Autotuner("quantize_fp8_amax", amax_kernel, amax_configs,
+                         default=SimpleNamespace(tr=16, tc=512, occupancy=2, num_worker_warps=8),
+                         space=_quant_space, grid=_tile_grid, args=_amax_args, tune_key=_BY_ROWS,
                          work=lambda x, bits: Work(bytes=float(x.numel() * x.element_size())))
 _quantize_tensor = Autotuner("quantize_fp8_tensor", quantize_tensor_kernel, tensor_configs,
-                             default=SimpleNamespace(tr=16, tc=512), space=_quant_space,
-                             grid=_tile_grid, args=_tensor_args, work=_quant_work,
-                             tune_key=_BY_ROWS)
+                             default=SimpleNamespace(tr=16, tc=256, occupancy=4,
+                                                     num_worker_warps=8),
+                             space=_quant_space, grid=_tile_grid, args=_tensor_args,
+                             work=_quant_work, tune_key=_BY_ROWS)
 # the quantizers with a space per layout of x (_layout_space)
-LAYOUT_TUNERS = (_quantize_row, _quantize_1x128)
+LAYOUT_TUNERS = (_quantize_row, _quantize_1x128, _quantize_128x128)
 TUNERS = (_scaled_tuner, _block_tuner, _quantize_row, _quantize_1x128, _quantize_128x128,
           _tensor_amax, _quantize_tensor)
 

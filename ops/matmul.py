@@ -32,10 +32,26 @@ def mainloop(a, b, z, m, n, acc, TM, TN, TK):
 def mainloop_range(a, b, z, m, n, acc, TM, TN, TK, k_first, k_end):
     """mainloop over the K tiles [k_first, k_end) only (split-K)."""
     for kk in range(k_first, k_end):
-        at = ct.reshape(ct.load(a, (z, m, kk), (1, TM, TK), padding_mode=ZERO), (TM, TK))
-        bt = ct.reshape(ct.load(b, (z, kk, n), (1, TK, TN), padding_mode=ZERO), (TK, TN))
-        acc = ct.mma(at, bt, acc)
+        acc = ct.mma(a_tile(a, z, m, kk, TM, TK), b_tile(b, z, kk, n, TK, TN), acc)
     return acc
+
+
+# The tile loads and the store, shared with ops/gated_mlp.py's two-accumulator kernel.
+
+def a_tile(a, z, m, kk, TM, TK):
+    """A's (TM, TK) tile (m, kk) of batch z, zeros past M and K."""
+    return ct.reshape(ct.load(a, (z, m, kk), (1, TM, TK), padding_mode=ZERO), (TM, TK))
+
+
+def b_tile(b, z, kk, n, TK, TN):
+    """B's (TK, TN) tile (kk, n) of batch z, zeros past K and N."""
+    return ct.reshape(ct.load(b, (z, kk, n), (1, TK, TN), padding_mode=ZERO), (TK, TN))
+
+
+def store_tile(c, z, m, n, acc):
+    """The float32 (TM, TN) tile acc into c[z] at tile (m, n), in c's dtype (the part past M
+    and N is dropped)."""
+    ct.store(c, (z, m, n), ct.reshape(acc.astype(c.dtype), (1, acc.shape[0], acc.shape[1])))
 
 
 @ct.kernel
@@ -47,7 +63,7 @@ def matmul_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Co
     num_n = ct.cdiv(b.shape[2], TN)
     m, n = tile_coords(ct.bid(0), num_m, num_n, GROUP_M)
     acc = mainloop(a, b, z, m, n, ct.zeros((TM, TN), ct.float32), TM, TN, TK)
-    ct.store(c, (z, m, n), ct.reshape(acc.astype(c.dtype), (1, TM, TN)))
+    store_tile(c, z, m, n, acc)
 
 
 @ct.kernel
@@ -62,7 +78,7 @@ def matmul_persistent_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int]
         z = t // tiles
         m, n = tile_coords(t - z * tiles, num_m, num_n, GROUP_M)
         acc = mainloop(a, b, z, m, n, ct.zeros((TM, TN), ct.float32), TM, TN, TK)
-        ct.store(c, (z, m, n), ct.reshape(acc.astype(c.dtype), (1, TM, TN)))
+        store_tile(c, z, m, n, acc)
 
 
 @ct.kernel

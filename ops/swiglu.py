@@ -73,8 +73,8 @@ def _normal_cdf(g):
     return ct.where(g >= 0.0, 1.0 - half_erfc, half_erfc)
 
 
-def _act(g, ACT):
-    """act(g) of a float32 tile."""
+def activation(g, ACT):
+    """act(g) of a float32 tile (also the epilogue of ops/gated_mlp.py)."""
     if ACT == SILU:
         return g * _sigmoid(g)
     if ACT == GELU_TANH:
@@ -105,7 +105,7 @@ def glu_fwd(gate, up, out, ACT: ct.Constant[int], TILE_M: ct.Constant[int],
         tm = t // col_tiles
         tn = t - tm * col_tiles
         g = _tile(gate, tm, tn, TILE_M, TILE_N)
-        y = _act(g, ACT) * _tile(up, tm, tn, TILE_M, TILE_N)
+        y = activation(g, ACT) * _tile(up, tm, tn, TILE_M, TILE_N)
         ct.store(out, (tm, tn), y.astype(out.dtype))
 
 
@@ -253,9 +253,10 @@ def _forward(gate, up, act):
     return out
 
 
-def _backward(dy, gate, up, act):
+def backward(dy, gate, up, act):
     """(dgate, dup), new contiguous tensors shaped like gate. Both are always computed (one
-    kernel reads dy, gate and up once for the pair)."""
+    kernel reads dy, gate and up once for the pair). Also the activation's part of
+    ops/gated_mlp.py's backward."""
     dgate = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
     dup = torch.empty(gate.shape, device=gate.device, dtype=gate.dtype)
     if gate.numel():
@@ -294,7 +295,7 @@ _glu = TrainableOp(
     forward_schema="(Tensor gate, Tensor up, int act) -> Tensor",
     forward_fake=lambda gate, up, act: _empty_like(gate),
     save=lambda args, results: ((args[0], args[1]), (args[2],)),
-    backward=lambda needs, dy, gate, up, act: _backward(dy, gate, up, act),
+    backward=lambda needs, dy, gate, up, act: backward(dy, gate, up, act),
     backward_schema="(bool[] needs, Tensor dy, Tensor gate, Tensor up, int act) "
                     "-> (Tensor, Tensor)",
     backward_fake=lambda needs, dy, gate, up, act: (_empty_like(gate), _empty_like(gate)))

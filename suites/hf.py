@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from tiletune.ops.fmha import scaled_dot_product_attention
+from tiletune.ops.gated_mlp import swiglu_linear
 from tiletune.ops.moe import moe_experts
 from tiletune.ops.rms_norm import rms_norm
 from tiletune.ops.rms_norm_rope import rms_norm_rope
@@ -68,6 +69,7 @@ LlamaRMSNorm = RMSNorm
 # them with torch stand-ins).
 
 _swiglu = swiglu
+_swiglu_linear = swiglu_linear
 _moe_experts = moe_experts
 
 
@@ -208,6 +210,9 @@ class _GatedMLPForward:
     def forward(self, x):
         act = self.config.hidden_act
         if act in SWIGLU_ACTIVATIONS:
+            if _fusable(x, self.gate_proj, self.up_proj):
+                return self.down_proj(_swiglu_linear(x, self.gate_proj.weight,
+                                                     self.up_proj.weight))
             return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
         if act in GEGLU_ACTIVATIONS:
             return self.down_proj(_geglu(self.gate_proj(x), self.up_proj(x),
@@ -215,6 +220,16 @@ class _GatedMLPForward:
         _log_once(f"tiletune MLP: hidden_act {act!r} has no tiletune kernel: using "
                   "transformers' MLP")
         return super().forward(x)
+
+
+def _fusable(x, *projections):
+    """The gate and up projections can go through swiglu_linear's one kernel: plain bias-free
+    nn.Linear layers (not LoRA or quantized wrappers) of x's dtype, bf16 or fp16, no
+    autocast (which would change the projections' dtype)."""
+    return (x.dtype in (torch.bfloat16, torch.float16)
+            and not torch.is_autocast_enabled(x.device.type)
+            and all(type(p) is nn.Linear and p.bias is None and p.weight.dtype == x.dtype
+                    for p in projections))
 
 
 class _ExpertsForward:

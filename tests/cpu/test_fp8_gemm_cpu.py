@@ -3,7 +3,8 @@ shapes, against torch._scaled_mm's own shape check; the input checks (everything
 on CPU tensors, then CPU tensors and old archs refused); what the host side hands the engine
 (layouts, scale vectors, keys) and what a cached launch passes to ct.launch; the torch reference
 of the quantizers (true float32 division, saturation, layouts, NaN, partial groups); the AOT
-cases cover every config."""
+cases cover every config of each space at 4096 x 4096, and each (tile, warps) pair of the
+quantizers' other keys."""
 import pytest
 import torch
 from torch._meta_registrations import _check_scaled_mm_sizes
@@ -65,16 +66,18 @@ def test_the_accumulation_modes_have_their_own_spaces():
 
 
 QUANT_GENS = (F8.row_configs, F8.block1x128_configs, F8.block128x128_configs,
-              F8.tensor_configs)
+              F8.tensor_configs, F8.amax_configs)
+LAYOUT_GENS = (F8.row_configs, F8.block1x128_configs, F8.block128x128_configs)
+QUANT_SHAPES = [(4096, 4096), (16384, 14336), (1, 16), (1000, 1000), (7, 200), (128, 65536)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("gen", QUANT_GENS, ids=lambda g: g.__name__)
 @pytest.mark.parametrize("col", [False, True], ids=["row-major", "transposed"])
 def test_quantizer_spaces(gen, arch, col):
-    if col and gen not in (F8.row_configs, F8.block1x128_configs):
+    if col and gen not in LAYOUT_GENS:
         pytest.skip("one space for both layouts")
-    for m, k in [(4096, 4096), (16384, 14336), (1, 16), (1000, 1000), (7, 200), (128, 65536)]:
+    for m, k in QUANT_SHAPES:
         cfgs = list(gen(arch, m, k, col=True) if col else gen(arch, m, k))
         assert 1 <= len(cfgs) <= 24
         assert len({tuple(sorted(vars(c).items())) for c in cfgs}) == len(cfgs)
@@ -82,10 +85,49 @@ def test_quantizer_spaces(gen, arch, col):
             for name in ("tr", "tc", "g"):
                 v = getattr(c, name, 1)
                 assert v >= 1 and v & (v - 1) == 0
-            assert default_hints(c).get("num_worker_warps", 4) in (4, 8)
+            # every quantizer runs on a persistent grid: occupancy and warps in every config
+            assert c.occupancy in (2, 4) and c.num_worker_warps in (4, 8)
             if gen is F8.row_configs:
                 assert c.one_pass == (k <= c.tc)
                 assert c.tr * c.tc <= 16384 or c.tr == 1
+
+
+@pytest.mark.parametrize("col", [False, True], ids=["row-major", "transposed"])
+def test_128x128_space(col):
+    """Tiles of 128 rows read once (tr 128) or in 16-64-row chunks; 6-12 configs; one-pass
+    tiles at 8 warps and occupancy 2 (16k floats: 64 a thread), 4 warps only on chunks; the
+    transposed view's default is 32-row chunks at 4 warps (the 1x128 transposed winner)."""
+    for m, k in QUANT_SHAPES:
+        cfgs = list(F8.block128x128_configs("sm_90", m, k, col=col))
+        assert 6 <= len(cfgs) <= 12
+        assert (cfgs[0].tr, cfgs[0].num_worker_warps) == ((32, 4) if col else (128, 8))
+        for c in cfgs:
+            assert c.g == 1 and c.tr in (16, 32, 64, 128)
+            if c.tr == 128:
+                assert (c.occupancy, c.num_worker_warps) == (2, 8)
+        assert {c.tr for c in cfgs} >= {32, 64, 128}
+        assert {c.occupancy for c in cfgs} == {2, 4} and {c.num_worker_warps for c in cfgs} \
+            == {4, 8}
+
+
+@pytest.mark.parametrize("gen", (F8.tensor_configs, F8.amax_configs), ids=lambda g: g.__name__)
+def test_tensorwise_spaces(gen):
+    """6-12 configs; the default first and kept where K is narrow; tiles no wider than the row
+    (next power of two, at least 128) otherwise; both occupancies, 4 warps for the transposed
+    view's 32 x 128 tile. The amax default keeps its running max in registers: an 8k-element
+    tile at occupancy 2."""
+    default = next(gen("sm_90", 4096, 4096))
+    assert default.num_worker_warps == 8
+    assert default.tr * default.tc * default.occupancy <= 16384
+    for m, k in QUANT_SHAPES:
+        cfgs = list(gen("sm_90", m, k))
+        assert cfgs[0] == default and len(cfgs) <= 12
+        assert len(cfgs) >= (6 if k >= 1024 else 2)
+        whole = max(F8.next_pow2(k), 128)
+        assert all(c.tc <= whole for c in cfgs[1:])
+        assert any(c.num_worker_warps == 4 and (c.tr, c.tc) == (32, 128) for c in cfgs)
+        if k >= 1024:
+            assert {c.occupancy for c in cfgs} == {2, 4}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,10 +402,27 @@ def test_quantizer_launches(launches, monkeypatch):
     F8._quantize_1x128.launch(("k", 300), 0, x, q, s_t, 448.0)
     tiles = -(-300 // cfg.tr) * -(-1000 // (cfg.g * 128))
     assert launches[-1][0] == (F8.persistent_ctas(tiles, 0, cfg.occupancy),)
-    cfg = next(F8.block128x128_configs("sm_90", 512, 1000))
-    monkeypatch.setitem(F8._quantize_128x128.cache, ("k", 512), (cfg, "kernel"))
-    F8._quantize_128x128.launch(("k", 300), 0, x, q, torch.empty(3, 8), 448.0)
-    assert launches[-1][0] == (3, -(-8 // cfg.g))
+    s_b = torch.empty(3, 8)
+    for cfg in F8.block128x128_configs("sm_90", 512, 1000):
+        monkeypatch.setitem(F8._quantize_128x128.cache, ("k", 512), (cfg, "kernel"))
+        F8._quantize_128x128.launch(("k", 300), 0, x, q, s_b, 448.0)
+        tiles = 3 * -(-1000 // (cfg.g * 128))
+        assert launches[-1] == ((F8.persistent_ctas(tiles, 0, cfg.occupancy),), "kernel",
+                                (x, q, s_b, 448.0, cfg.tr, cfg.g))
+    # the tensorwise launches: SMs x occupancy CTAs once the tiles outnumber them
+    big = torch.randn(4096, 4096, dtype=BF16)
+    bits, s1 = torch.zeros(1, dtype=torch.int32), torch.empty(1)
+    for tuner, args in [(F8._tensor_amax, (big, bits)),
+                        (F8._quantize_tensor, (big, bits, q, s1, 448.0))]:
+        for cfg in tuner.configs("sm_90", 4096, 4096):
+            monkeypatch.setitem(tuner.cache, ("k", 4096), (cfg, "kernel"))
+            tuner.launch(("k", 4096), 0, *args)
+            assert launches[-1][0] == (132 * cfg.occupancy,)
+            assert launches[-1][2] == (*args, cfg.tr, cfg.tc)
+        cfg = next(tuner.configs("sm_90", 4, 100))
+        monkeypatch.setitem(tuner.cache, ("k", 4), (cfg, "kernel"))
+        tuner.launch(("k", 4), 0, big[:4, :100], *args[1:])
+        assert launches[-1][0] == (1,)                      # one tile: one CTA
 
 
 def test_empty_quantize_returns_the_references_scales_in_storage(monkeypatch):
@@ -509,9 +568,24 @@ def test_aot_cases_cover_every_config():
                 for cfg in gen(arch, 4096, 4096, 4096, fast=fast):
                     assert any(lab.startswith(name) and f" {acc} space " in lab
                                and lab.endswith(str(vars(cfg))) for lab in labels), (arch, cfg)
-    for kind, (_, _, gen) in CASES.QUANT.items():
+    pairs = lambda cfgs: {tuple(sorted((k, v) for k, v in vars(c).items() if k != "occupancy"))
+                          for c in cfgs}
+    for kind, (tuner, _, gen) in CASES.QUANT.items():
         for cfg in gen("sm_90", 4096, 4096):
             assert f"quantize {kind} space 4096x4096 bf16 {vars(cfg)}" in labels
+        # the other keys: the default and each (tile, warps) pair at its highest occupancy
+        others = {"transposed 4096x4096": list(gen("sm_90", 4096, 4096, col=True))} \
+            if tuner in F8.LAYOUT_TUNERS else {}
+        if kind == "row":
+            others["4096x14336"] = list(gen("sm_90", 4096, 14336))
+        for key, cfgs in others.items():
+            compiled = CASES.tightest(cfgs)
+            assert compiled[0] == cfgs[0] and pairs(compiled) == pairs(cfgs)
+            for cfg in compiled:
+                top = max(c.occupancy for c in cfgs if pairs([c]) == pairs([cfg]))
+                assert cfg is cfgs[0] or cfg.occupancy == top
+                assert any(lab.startswith(f"quantize {kind} space") and
+                           lab.endswith(str(vars(cfg))) for lab in labels), (kind, key, cfg)
     assert len(labels) == len(set(labels))
     for want in ("tensorwise", "row-major b", "e4m3 x e5m2", "1x128 x 1x128", "128x128 x 1x128",
                  "K-major scale_a", "partial last block", "decode"):

@@ -96,8 +96,8 @@ def ref_moe(h, top_k_index, top_k_weights, gate_up_proj, down_proj):
 def ops(monkeypatch):
     """Replace the ops the patched forwards call with torch references; route attention as if
     on a GPU in bf16 (the route's mask/dropout rules still apply). Returns the call counts."""
-    calls = {k: 0 for k in ("rms_norm", "rope", "rms_norm_rope", "swiglu", "geglu", "moe",
-                            "attention")}
+    calls = {k: 0 for k in ("rms_norm", "rope", "rms_norm_rope", "swiglu", "swiglu_linear",
+                            "geglu", "moe", "attention")}
 
     def counted(name, fn):
         def wrapper(*a, **kw):
@@ -118,6 +118,8 @@ def ops(monkeypatch):
     monkeypatch.setattr(hf, "apply_rope", counted("rope", ref_rope))
     monkeypatch.setattr(hf, "rms_norm_rope", counted("rms_norm_rope", norm_rope))
     monkeypatch.setattr(hf, "_swiglu", counted("swiglu", lambda g, u: F.silu(g) * u))
+    monkeypatch.setattr(hf, "_swiglu_linear", counted(
+        "swiglu_linear", lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x, wu)))
     monkeypatch.setattr(hf, "_geglu", counted(
         "geglu", lambda g, u, approximate: F.gelu(g, approximate=approximate) * u))
     monkeypatch.setattr(hf, "_moe_experts", counted("moe", ref_moe))
@@ -235,6 +237,18 @@ def test_instance_patched_step_matches_hf(family, ops):
         assert ops["moe"] == 1 and ops["swiglu"] == 1
     else:
         assert ops["swiglu"] == layers and ops["moe"] == 0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_mlp_runs_gate_and_up_as_one_kernel(ops, bias):
+    """A bf16 model's SwiGLU MLP goes through swiglu_linear (gate and up projections and the
+    activation in one kernel); projections with a bias keep the separate linears + swiglu."""
+    model = build("llama", mlp_bias=bias).to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    hf.apply_tiletune(model)
+    ids = torch.randint(0, 128, (2, 12))
+    torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=0, rtol=0)
+    assert (ops["swiglu_linear"], ops["swiglu"]) == ((0, 2) if bias else (2, 0))
 
 
 def test_qwen3_unfused_when_only_rope(ops):

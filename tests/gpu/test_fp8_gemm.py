@@ -8,6 +8,7 @@ signatures against the JIT's."""
 import pytest
 import torch
 
+from tiletune.device import sm_count
 from tiletune.ops import fp8_gemm as F8
 from tiletune.ops.fp8_gemm import fp8_mm, quantize_fp8, quantize_fp8_reference
 
@@ -275,6 +276,37 @@ def test_quantize_every_config_transposed_input_and_nan(fresh, monkeypatch, gran
     assert torch.equal(q.float()[fin], rq.float()[fin])
 
 
+@pytest.mark.parametrize("granularity", ["block128x128", "tensor"])
+def test_quantize_every_config_strides_over_many_tiles(fresh, monkeypatch, granularity):
+    """The 128x128 and tensorwise quantizers on persistent grids: more tiles than CTAs at any
+    config (each CTA loops), ragged on both dims (partial blocks, 128x128 chunks past the last
+    row skipped), both layouts, the largest |x| in the last tile (the tensorwise amax reduces
+    across CTAs); every config bit-exact, then a NaN in the last tile reaches the scales."""
+    xs = [quant_input(2999, 4100, BF16), quant_input(2999, 4100, BF16, transposed=True)]
+    tuners = {"block128x128": [F8._quantize_128x128],
+              "tensor": [F8._tensor_amax, F8._quantize_tensor]}[granularity]
+    for x in xs:
+        x[-1, -1] = 1e6                                 # above everything quant_input draws
+        rq, rs = quantize_fp8_reference(x, granularity)
+        col = x.stride(0) == 1
+        for tuner in tuners:
+            space = dict(m=4096, k=4100, col=col) if tuner in F8.LAYOUT_TUNERS \
+                else dict(m=4096, k=4100)
+            for cfg in each_config(monkeypatch, tuner, list(tuner.configs("sm_90", **space))):
+                q, s = quantize_fp8(x, granularity)
+                assert torch.equal(s, rs) and same_bits(q, rq), (col, vars(cfg))
+                rows, cols = (128, 128 * cfg.g) if granularity == "block128x128" else \
+                    (cfg.tr, cfg.tc)
+                assert -(-2999 // rows) * -(-4100 // cols) > sm_count(0) * cfg.occupancy
+        x[-1, -1] = float("nan")
+        q, s = quantize_fp8(x, granularity)
+        rq, rs = quantize_fp8_reference(x, granularity)
+        assert torch.equal(torch.isnan(s), torch.isnan(rs)) and torch.isnan(s).any()
+        fin = ~torch.isnan(rq.float())
+        assert torch.equal(torch.isnan(q.float()), ~fin)
+        assert torch.equal(q.float()[fin], rq.float()[fin])
+
+
 def test_quantize_then_gemm_matches_bf16(fresh, monkeypatch):
     """DeepSeek-V3's recipe end to end: 1x128 activations, 128x128 weights."""
     x = torch.randn(1024, 2048, device="cuda", dtype=BF16)
@@ -304,6 +336,33 @@ def test_aot_signatures_match_the_jit():
                                                           1, 128),
                                            CallingConvention.cutile_python_v1())
     assert jit.parameters == signature(C._block_params(bcfg, 4096, 4096, 4096)).parameters
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["row-major", "transposed"])
+def test_quantizer_aot_signatures_match_the_jit(transposed):
+    """Each quantizer kernel's CI signature (cases/fp8_gemm.py, default config) equals what the
+    JIT infers from the tensors quantize_fp8 passes it."""
+    from cuda.tile.compilation import CallingConvention, KernelSignature
+    from tiletune.aot import signature
+    from tiletune.cases import fp8_gemm as C
+    M = K = 4096
+    x = quant_input(M, K, BF16, transposed=transposed)
+    q = torch.empty(M, K, device="cuda", dtype=E4M3)
+    bits = torch.zeros(1, device="cuda", dtype=torch.int32)
+
+    def f32(shape):
+        return torch.empty(shape, device="cuda", dtype=torch.float32)
+    inputs = {"row": (x, q, f32((M, 1)), 448.0),
+              "block1x128": (x, q, f32(F8._scale_storage("block1x128", M, K))[:, :M], 448.0),
+              "block128x128": (x, q, f32(F8._block_scale_storage(M, K))[:, :K // 128], 448.0),
+              "amax": (x, bits), "tensor": (x, bits, q, f32((1,)), 448.0)}
+    for kind, (tuner, args, gen) in C.QUANT.items():
+        col = transposed and tuner in F8.LAYOUT_TUNERS
+        cfg = next(gen("sm_90", M, K, col=True) if col else gen("sm_90", M, K))
+        jit = KernelSignature.from_kernel_args(tuner.build(cfg), args(cfg, *inputs[kind]),
+                                               CallingConvention.cutile_python_v1())
+        ci = signature(C._quant_params(kind, cfg, M, K, x_t=transposed))
+        assert jit.parameters == ci.parameters, kind
 
 
 def test_bad_input():

@@ -1,0 +1,274 @@
+# The gate and up projections of a gated MLP with the activation as their epilogue:
+#   y = act(x @ w_gate^T) * (x @ w_up^T)        (act = silu: SwiGLU, Llama/Mistral/Qwen)
+# x (M, K), w_gate and w_up (N, K) as nn.Linear stores them; the kernels read the weights through
+# their transposed (K, N) views (column-major: no copies). One CTA computes one (TM, TN) tile of
+# y: per K step it loads the x tile once and multiplies it with the gate and the up weight tiles
+# into two float32 accumulators, then computes act(g) * u in float32 and stores y in the input
+# dtype. Neither g nor u goes through memory unless the backward needs them.
+#
+# Training: the forward kernel also stores g and u (a constant flag, one compile each way), so the
+# backward does not run the two GEMMs again. The backward is ops/swiglu.py's (dgate, dup from g,
+# u and dy), then four GEMMs through ops/matmul.py: dx = dgate @ w_gate + dup @ w_up,
+# dw_gate = dgate^T x, dw_up = dup^T x; a gradient not needed is not computed.
+#
+# No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
+import math
+from types import SimpleNamespace
+
+import cuda.tile as ct
+import torch
+
+from tiletune import validate
+from tiletune.autotune import Autotuner, Work, bucket
+from tiletune.device import major, persistent_ctas
+from tiletune.ops import swiglu as glu
+from tiletune.ops.gemm_tiles import layout, tile_coords
+from tiletune.ops.matmul import _mm, a_tile, b_tile, store_tile
+from tiletune.ops.swiglu import SILU, activation
+from tiletune.space import cdiv, table
+from tiletune.torch_op import TrainableOp
+
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels. Arrays are 3-D with one batch (1, rows, cols), as matmul's: x (1, M, K), w_gate and
+# w_up (1, K, N) with any strides, y, gate and up (1, M, N). Tile order, loads (zero padding past
+# M, N and K) and stores are matmul's.
+
+def dual_mainloop(x, wg, wu, m, n, TM, TN, TK):
+    """(x @ wg, x @ wu) of output tile (m, n) in float32: each x tile is loaded once for both."""
+    g = ct.zeros((TM, TN), ct.float32)
+    u = ct.zeros((TM, TN), ct.float32)
+    for kk in range(ct.cdiv(x.shape[2], TK)):
+        xt = a_tile(x, 0, m, kk, TM, TK)
+        g = ct.mma(xt, b_tile(wg, 0, kk, n, TK, TN), g)
+        u = ct.mma(xt, b_tile(wu, 0, kk, n, TK, TN), u)
+    return g, u
+
+
+@ct.kernel
+def gated_mlp_kernel(x, wg, wu, y, gate, up, ACT: ct.Constant[int], TM: ct.Constant[int],
+                     TN: ct.Constant[int], TK: ct.Constant[int], GROUP_M: ct.Constant[int],
+                     SAVE: ct.Constant[bool]):
+    """One output tile per CTA (a 1-D grid over the tiles, grouped order): y's tile, and with
+    SAVE the pre-activations' (else gate and up are not touched)."""
+    num_m = ct.cdiv(x.shape[1], TM)
+    num_n = ct.cdiv(wg.shape[2], TN)
+    m, n = tile_coords(ct.bid(0), num_m, num_n, GROUP_M)
+    g, u = dual_mainloop(x, wg, wu, m, n, TM, TN, TK)
+    store_tile(y, 0, m, n, activation(g, ACT) * u)
+    if SAVE:
+        store_tile(gate, 0, m, n, g)
+        store_tile(up, 0, m, n, u)
+
+
+@ct.kernel
+def gated_mlp_persistent_kernel(x, wg, wu, y, gate, up, ACT: ct.Constant[int],
+                                TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Constant[int],
+                                GROUP_M: ct.Constant[int], SAVE: ct.Constant[bool]):
+    """SMs x occupancy CTAs (clusters), each looping over the output tiles in grouped order."""
+    num_m = ct.cdiv(x.shape[1], TM)
+    num_n = ct.cdiv(wg.shape[2], TN)
+    for t in range(ct.bid(0), num_m * num_n, ct.num_blocks(0)):
+        m, n = tile_coords(t, num_m, num_n, GROUP_M)
+        g, u = dual_mainloop(x, wg, wu, m, n, TM, TN, TK)
+        store_tile(y, 0, m, n, activation(g, ACT) * u)
+        if SAVE:
+            store_tile(gate, 0, m, n, g)
+            store_tile(up, 0, m, n, u)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs. Two float32 accumulators per CTA: a (TM, TN) tile here holds what a (TM, 2 TN) tile of
+# matmul holds in registers on sm_90 (and loads as many bytes per K step: one x tile, two weight
+# tiles), so each entry is the twin of a matmul entry with twice the width (ops/matmul.py's
+# notes: 4 worker warps hold 128x128 of float32 at most, 8 hold 128x256 without spilling). Hence
+# 128x128 needs 8 worker warps (with 4 its sm_90 cubin spills 512 B), and 128x64 / 64x128 are
+# the 4-warp tiles (255 registers, no stack). The default is the twin of matmul's 8-warp 128x256
+# tile (within 1-4% of the search winner on all six large matmul keys): 168 registers and no
+# stack on sm_90, the most headroom for the epilogue. The 2-CTA clusters split the M side
+# (128x128 per CTA) and multicast the two weight tiles, the larger part of each K step. Register
+# counts: CI cubins (references/parameter-space-design.md); no timing of this kernel yet.
+
+FIELDS = ("tm", "tn", "tk", "occupancy", "num_ctas", "num_worker_warps", "persistent")
+SM90_SPACE = [
+    (128, 128, 64, 1, 1, 8, False),          # the default (see above)
+    (128, 128, 64, 1, 1, 8, True),
+    (256, 128, 64, 1, 2, 8, False),          # 128x128 per CTA, pairs in a cluster
+    (256, 128, 64, 1, 2, 8, True),           # persistent clusters
+    (256, 64, 64, 1, 1, 8, False),
+    (128, 64, 64, 1, 1, None, False),
+    (128, 64, 64, 1, 1, None, True),
+    (128, 64, 64, 2, 1, None, False),
+    (64, 128, 64, 1, 1, None, False),        # few rows (decode, small batches)
+    (64, 64, 64, 1, 1, None, False),
+]
+# sm_100 (compile-checked only): accumulators live in tensor memory (2 x 128x128 float32 is half
+# of it), not registers; 4 worker warps and clusters, as matmul's sm_100 space.
+SM100_SPACE = [(128, 128, 64, 1, 1, None, False), (128, 128, 64, 1, 1, None, True),
+               (256, 128, 64, 1, 2, None, False)] + [e for e in SM90_SPACE if e[5] is None]
+# Anything else (no wgmma, less shared memory): a conservative pair, never measured.
+OTHER_SPACE = [(128, 64, 32, 1, 1, None, False), (64, 64, 32, 2, 1, None, False)]
+
+
+def configs(arch, m, n, k):
+    """The space for (m, k) rows times (k, n) weights on `arch`, default first (every entry
+    serves every shape: tiles past the ends are padded)."""
+    mj = major(arch)
+    yield from table(FIELDS, SM90_SPACE if mj == 9 else SM100_SPACE if mj == 10 else OTHER_SPACE,
+                     group_m=8)
+
+
+def kernel_for(cfg):
+    return gated_mlp_persistent_kernel if cfg.persistent else gated_mlp_kernel
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch. Inputs: x3 (1, M, K), wg3 and wu3 (1, K, N), y3 (1, M, N), gate3 and up3 (1, M, N)
+# (with save False, y3 stands in for both: not read, not written), act, save.
+
+def _grid(cfg, dev, x3, wg3, wu3, y3, g3, u3, act, save):
+    tiles = cdiv(x3.shape[1], cfg.tm) * cdiv(wg3.shape[2], cfg.tn)
+    if cfg.persistent:     # the grid counts clusters of num_ctas CTAs (one per logical tile)
+        return (persistent_ctas(tiles, dev, cfg.occupancy, cfg.num_ctas),)
+    return (tiles,)
+
+
+def _args(cfg, x3, wg3, wu3, y3, g3, u3, act, save):
+    return (x3, wg3, wu3, y3, g3, u3, act, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, save)
+
+
+_gated = Autotuner(
+    "gated_mlp", kernel_for, configs,
+    default=SimpleNamespace(tm=128, tn=128, tk=64, occupancy=1, num_ctas=1, num_worker_warps=8,
+                            group_m=8, persistent=False),
+    space=lambda x3, wg3, *rest: dict(m=bucket(x3.shape[1]), n=wg3.shape[2], k=x3.shape[2]),
+    grid=_grid, args=_args,
+    work=lambda x3, wg3, *rest: Work(flops=4.0 * x3.shape[1] * wg3.shape[2] * x3.shape[2]))
+TUNERS = (_gated,)
+
+
+def launch(x3, wg3, wu3, y3, g3, u3, act, save):
+    """y3 = act(x3 @ wg3) * (x3 @ wu3), and with `save` gate3 = x3 @ wg3, up3 = x3 @ wu3. The
+    key buckets M; the training variant (save) is tuned apart (it stores three times as much)."""
+    M, K = x3.shape[1], x3.shape[2]
+    dev = x3.get_device()
+    key = (bucket(M), wg3.shape[2], K, x3.dtype, layout(x3), layout(wg3), layout(wu3), act,
+           save, dev)
+    _gated.launch(key, dev, x3, wg3, wu3, y3, g3, u3, act, save)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side.
+
+def _rows(x):
+    """x (..., K) as (M, K): x itself when 2-D (any strides: the kernel reads them), else a view
+    where the leading dims allow one, else one copy."""
+    K = x.shape[-1]
+    return x.reshape(math.prod(x.shape[:-1]), K)
+
+
+def _forward(x, w_gate, w_up, act, save):
+    """(y (..., N), gate (M, N), up (M, N)); gate and up are empty unless `save`."""
+    x2 = _rows(x)
+    M, K = x2.shape
+    N = w_gate.shape[0]
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    gate = torch.empty((M, N) if save else (0,), device=x.device, dtype=x.dtype)
+    up = torch.empty((M, N) if save else (0,), device=x.device, dtype=x.dtype)
+    if y.numel():
+        if K == 0:       # empty products: gate = up = 0, y = act(0) * 0 = 0
+            for t in (y, gate, up):
+                t.zero_()
+        else:
+            y3 = y[None]
+            launch(x2[None], w_gate.t()[None], w_up.t()[None], y3,
+                   gate[None] if save else y3, up[None] if save else y3, act, save)
+    return y.view(*x.shape[:-1], N), gate, up
+
+
+def _backward(needs, dy, x, w_gate, w_up, gate, up, act):
+    """(dx, dw_gate, dw_up), None where not needed. dgate and dup come from the activation's
+    backward kernel (ops/swiglu.py), the rest from matmul's kernel on transposed views."""
+    dgate, dup = glu.backward(dy, gate, up, act)          # (M, N) each
+    dx = dw_gate = dw_up = None
+    if needs[0]:
+        dx = _mm(dgate, w_gate)
+        dx.add_(_mm(dup, w_up))
+        dx = dx.view(x.shape)
+    if needs[1] or needs[2]:
+        x2 = _rows(x)
+        if needs[1]:
+            dw_gate = _mm(dgate.t(), x2)
+        if needs[2]:
+            dw_up = _mm(dup.t(), x2)
+    return dx, dw_gate, dw_up
+
+
+def _forward_fake(x, w_gate, w_up, act, save):
+    M, N = math.prod(x.shape[:-1]), w_gate.shape[0]
+    return (x.new_empty((*x.shape[:-1], N)), x.new_empty((M, N) if save else (0,)),
+            x.new_empty((M, N) if save else (0,)))
+
+
+def _contiguous_like(t):
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+# Autograd and custom op: the backward keeps x, both weights and the pre-activations.
+_op = TrainableOp(
+    "tiletune::swiglu_linear", forward=_forward,
+    forward_schema="(Tensor x, Tensor w_gate, Tensor w_up, int act, bool save) "
+                   "-> (Tensor, Tensor, Tensor)",
+    forward_fake=_forward_fake,
+    save=lambda args, results: ((*args[:3], results[1], results[2]), (args[3],)),
+    backward=_backward,
+    backward_schema="(bool[] needs, Tensor dy, Tensor x, Tensor w_gate, Tensor w_up, "
+                    "Tensor gate, Tensor up, int act) -> (Tensor?, Tensor?, Tensor?)",
+    backward_fake=lambda needs, dy, x, w_gate, w_up, gate, up, act: (
+        _contiguous_like(x) if needs[0] else None,
+        _contiguous_like(w_gate) if needs[1] else None,
+        _contiguous_like(w_up) if needs[2] else None))
+
+
+def _check(op, x, w_gate, w_up):
+    validate.tensor(op, "x", x, dtypes=DTYPES)
+    validate.tensor(op, "w_gate", w_gate, device=x.device, dtypes=DTYPES)
+    validate.tensor(op, "w_up", w_up, device=x.device, dtypes=DTYPES)
+    for name, w in (("w_gate", w_gate), ("w_up", w_up)):
+        if w.dtype != x.dtype:
+            raise TypeError(f"{op}: {name} dtype {w.dtype} differs from x dtype {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError(f"{op}: x must have at least one dimension (..., K), got a 0-dim "
+                         "tensor")
+    if w_gate.dim() != 2:
+        raise ValueError(f"{op}: w_gate must be 2-D (N, K) as nn.Linear stores it, got shape "
+                         f"{tuple(w_gate.shape)}")
+    if w_up.shape != w_gate.shape:
+        raise ValueError(f"{op}: w_up shape {tuple(w_up.shape)} differs from w_gate shape "
+                         f"{tuple(w_gate.shape)}")
+    if w_gate.shape[1] != x.shape[-1]:
+        raise ValueError(f"{op}: w_gate is (N, K) = {tuple(w_gate.shape)} but x's last dim is "
+                         f"{x.shape[-1]}: K must match")
+
+
+def swiglu_linear(x, w_gate, w_up):
+    """`silu(x @ w_gate.T) * (x @ w_up.T)`: the gate and up projections of a Llama/Mistral/Qwen
+    MLP and its SwiGLU in one kernel (neither projection is written to memory in inference).
+
+    x: (..., K) CUDA tensor, bfloat16 or float16; leading dims are flattened to rows (a view
+    where possible, else one copy); a 2-D x is read with any strides (a transposed or sliced x
+    is not copied). w_gate, w_up: (N, K) as nn.Linear stores its weight (no bias), of x's dtype
+    and device, any strides (a fused (2N, K) gate_up weight: pass `w.chunk(2)`, no copy).
+    Float32 accumulation and activation; returns a new contiguous (..., N) tensor of x's dtype.
+
+    Differentiable in x, w_gate and w_up: with a gradient needed, the forward also keeps the
+    pre-activations x @ w_gate.T and x @ w_up.T (two (M, N) tensors) for the backward. Works
+    under torch.compile(fullgraph=True). Bad input raises TypeError / ValueError naming the
+    argument.
+    """
+    _check("swiglu_linear", x, w_gate, w_up)
+    save = torch.is_grad_enabled() and (x.requires_grad or w_gate.requires_grad
+                                        or w_up.requires_grad)
+    return _op(x, w_gate, w_up, SILU, save)
