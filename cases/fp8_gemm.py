@@ -123,8 +123,7 @@ def _quant_params(kind, cfg, M, K, *, x_dt=BF16, q_dt=E4M3, x_t=False):
     elif kind == "tensor":
         params = args(cfg, x, bits, q, jit_array(torch.float32, (1,)), fp8_max)
     elif kind == "row":
-        params = args(cfg, x, q, jit_array(torch.float32, (M, 1), unit_dims_constant=False),
-                      fp8_max)
+        params = args(cfg, x, q, jit_array(torch.float32, (M, 1)), fp8_max)
     elif kind == "block1x128":
         params = args(cfg, x, q, jit_array(torch.float32, (kb, M), (F8.f32_row(M), 1)), fp8_max)
     else:       # the (cdiv(M, 128), kb) view of rows padded to a multiple of 4

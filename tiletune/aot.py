@@ -29,13 +29,12 @@ def ct_dtype(torch_dtype):
     return TORCH_TO_CT[torch_dtype]
 
 
-def jit_array(dtype, shape, strides=None, *, base_aligned=True, index_dtype=ct.int32,
-              unit_dims_constant=True):
+def jit_array(dtype, shape, strides=None, *, base_aligned=True, index_dtype=ct.int32):
     """ArrayConstraint for an array of this dtype/shape/strides as the JIT would specialize it.
 
     `dtype` is a ct dtype or a torch dtype; `strides` default to C-contiguous (in elements).
-    unit_dims_constant=False: size-1 dims are not specialized, as the JIT on an H100 left the
-    trailing dim of a (M, 1) float32 column (the row quantizer's scales).
+    A size-1 dim is a constant 1 unless its stride is 1: what the JIT did on an H100 for a
+    (1, N) row (constant), a (M, 1) column and a (1,) buffer (not constant).
     """
     if not isinstance(dtype, ct.DType):
         dtype = ct_dtype(dtype)
@@ -56,7 +55,8 @@ def jit_array(dtype, shape, strides=None, *, base_aligned=True, index_dtype=ct.i
         # a stride-0 dim of size > 1 (an expanded tensor) makes elements share memory
         may_alias_internally=any(st == 0 and sh > 1 for st, sh in zip(strides, shape)),
         stride_constant=tuple(1 if st == 1 else None for st in strides),
-        shape_constant=tuple(1 if sh == 1 and unit_dims_constant else None for sh in shape),
+        shape_constant=tuple(1 if sh == 1 and st != 1 else None
+                             for sh, st in zip(shape, strides)),
         stride_divisible_by=tuple(elems_per_16b if (st * nbytes) % 16 == 0 and st != 1 else 1
                                   for st in strides),
         shape_divisible_by=tuple(16 if sh % 16 == 0 and sh != 1 else 1 for sh in shape),
