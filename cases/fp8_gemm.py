@@ -3,7 +3,7 @@ mode), the quantizers' rows (against a copy of the input and the torch reference
 ahead-of-time compile cases of both."""
 import torch
 
-from tiletune.aot import F32, CompileCase, jit_array
+from tiletune.aot import F32, CompileCase, jit_array, tightest
 from tiletune.bench import BenchCase
 from tiletune.ops import fp8_gemm as F8
 
@@ -130,18 +130,6 @@ def _quant_params(kind, cfg, M, K, *, x_dt=BF16, q_dt=E4M3, x_t=False):
         rows = F8._block_scale_storage(M, K)
         params = args(cfg, x, q, jit_array(torch.float32, (rows[0], kb), (rows[1], 1)), fp8_max)
     return [F32 if isinstance(p, float) else p for p in params]
-
-
-def tightest(cfgs):
-    """The first config (the default), then each other (tile, warps) pair once, at its highest
-    occupancy."""
-    cfgs = list(cfgs)
-    best = {}
-    for c in cfgs:
-        pair = tuple(sorted((k, v) for k, v in vars(c).items() if k != "occupancy"))
-        if pair not in best or c.occupancy > best[pair].occupancy:
-            best[pair] = c
-    return cfgs[:1] + [c for c in best.values() if c != cfgs[0]]
 
 
 def _quant_cases():

@@ -4,7 +4,7 @@ import warnings
 
 import torch
 
-from tiletune.aot import CompileCase, jit_array
+from tiletune.aot import CompileCase, jit_array, tightest
 from tiletune.bench import BenchCase
 from tiletune.ops import swiglu as S
 
@@ -39,8 +39,10 @@ def _arrays(kind, dt, rows, N, chunked=False):
 
 def compile_cases():
     bf16 = torch.bfloat16
-    for N in AOT_WIDTHS:
+    for N in AOT_WIDTHS:       # every config at the first width; aot.tightest at the other
         cfgs = list(S.configs("sm_90", N))
+        if N != AOT_WIDTHS[0]:
+            cfgs = tightest(cfgs)
         for kind in ("fwd", "bwd"):
             for cfg in cfgs:
                 yield _case(kind, cfg, _arrays(kind, bf16, M, N), S.SILU, f"N={N} bf16")

@@ -94,34 +94,56 @@ def fp8_mm_persistent_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Const
         ct.store(c, (m, n), out.astype(c.dtype))
 
 
-def _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, WIDEN):
+def _block_scale(sa, sb, m, n, kb, a_rows, TM, TN, A_GROUP, B_GROUP):
+    """The (TM, 1), (1, TN) or (TM, TN) float32 factor of 128-K block kb's product:
+    sa[row // A_GROUP, kb] * sb[kb, col // B_GROUP]. Per-row (per-column) scales load as a
+    (TM, 1) ((1, TN)) tile: TMA where their strides are 16-byte multiples, as quantize_fp8 lays
+    them out (a gathered vector is copied to the accumulator's layout through shared memory by
+    every thread holding it, which racecheck reports)."""
+    if ct.static_eval(A_GROUP == 1):
+        s = ct.load(sa, (m, kb), (TM, 1), padding_mode=ZERO)
+    else:
+        s = ct.gather(sa, (a_rows, kb))[:, None]
+    if ct.static_eval(B_GROUP == 1):
+        s = s * ct.load(sb, (kb, n), (1, TN), padding_mode=ZERO)
+    elif ct.static_eval(B_GROUP >= TN):
+        # the tile lies in one column block: one scale_b, one FMA per element
+        s = s * ct.gather(sb, (kb, (n * TN) // B_GROUP))
+    else:
+        cols = n * TN + ct.arange(TN, dtype=ct.int32)
+        s = s * ct.gather(sb, (kb, cols // B_GROUP))[None, :]
+    return s
+
+
+def _block_product(a, b, m, n, kb, TM, TN, FAST_ACC, WIDEN):
+    at = ct.load(a, (m, kb), (TM, BLOCK), padding_mode=ZERO)
+    bt = ct.load(b, (kb, n), (BLOCK, TN), padding_mode=ZERO)
+    return _mma(at, bt, ct.zeros((TM, TN), ct.float32), FAST_ACC, WIDEN)
+
+
+def _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, WIDEN, OVERLAP):
     """sum over 128-K blocks kb of (a @ b)[tile, kb] * sa[row // A_GROUP, kb] *
     sb[kb, col // B_GROUP], each block's product promoted to the float32 accumulator.
     A K not a multiple of 128 ends in a partial block (zero padding): no block is wholly
-    outside a, so no load is out of bounds. Per-row (per-column) scales load as a (TM, 1)
-    ((1, TN)) tile: TMA where their strides are 16-byte multiples, as quantize_fp8 lays them
-    out (a gathered vector is copied to the accumulator's layout through shared memory by
-    every thread holding it, which racecheck reports)."""
-    rows = m * TM + ct.arange(TM, dtype=ct.int32)
-    a_rows = rows // A_GROUP
+    outside a, so no load is out of bounds. OVERLAP: block kb + 1's product is issued before
+    block kb's is scaled into the accumulator, so the tensor cores work while the promotion
+    runs (one more float32 tile live)."""
+    a_rows = (m * TM + ct.arange(TM, dtype=ct.int32)) // A_GROUP
     acc = ct.zeros((TM, TN), ct.float32)
-    for kb in range(ct.cdiv(a.shape[1], BLOCK)):
-        at = ct.load(a, (m, kb), (TM, BLOCK), padding_mode=ZERO)
-        bt = ct.load(b, (kb, n), (BLOCK, TN), padding_mode=ZERO)
-        part = _mma(at, bt, ct.zeros((TM, TN), ct.float32), FAST_ACC, WIDEN)
-        if ct.static_eval(A_GROUP == 1):
-            s = ct.load(sa, (m, kb), (TM, 1), padding_mode=ZERO)
-        else:
-            s = ct.gather(sa, (a_rows, kb))[:, None]
-        if ct.static_eval(B_GROUP == 1):
-            s = s * ct.load(sb, (kb, n), (1, TN), padding_mode=ZERO)
-        elif ct.static_eval(B_GROUP >= TN):
-            # the tile lies in one column block: one scale_b, one FMA per element
-            s = s * ct.gather(sb, (kb, (n * TN) // B_GROUP))
-        else:
-            cols = n * TN + ct.arange(TN, dtype=ct.int32)
-            s = s * ct.gather(sb, (kb, cols // B_GROUP))[None, :]
-        acc = acc + part * s
+    blocks = ct.cdiv(a.shape[1], BLOCK)
+    if ct.static_eval(OVERLAP):
+        part = _block_product(a, b, m, n, 0, TM, TN, FAST_ACC, WIDEN)
+        for kb in range(1, blocks):
+            following = _block_product(a, b, m, n, kb, TM, TN, FAST_ACC, WIDEN)
+            acc = acc + part * _block_scale(sa, sb, m, n, kb - 1, a_rows, TM, TN, A_GROUP,
+                                            B_GROUP)
+            part = following
+        acc = acc + part * _block_scale(sa, sb, m, n, blocks - 1, a_rows, TM, TN, A_GROUP,
+                                        B_GROUP)
+    else:
+        for kb in range(blocks):
+            part = _block_product(a, b, m, n, kb, TM, TN, FAST_ACC, WIDEN)
+            acc = acc + part * _block_scale(sa, sb, m, n, kb, a_rows, TM, TN, A_GROUP, B_GROUP)
     return acc
 
 
@@ -129,12 +151,13 @@ def _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, W
 def fp8_mm_block_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[int],
                         GROUP_M: ct.Constant[int], A_GROUP: ct.Constant[int],
                         B_GROUP: ct.Constant[int], FAST_ACC: ct.Constant[bool],
-                        WIDEN: ct.Constant[bool]):
+                        WIDEN: ct.Constant[bool], OVERLAP: ct.Constant[bool]):
     """Block scaling, one CTA per output tile. sa (M or cdiv(M, 128), cdiv(K, 128)) and sb
     (cdiv(K, 128), cdiv(N, 128) or N), any strides; A_GROUP / B_GROUP: rows / columns per
     scale (1 or 128)."""
     m, n = tile_coords(ct.bid(0), ct.cdiv(a.shape[0], TM), ct.cdiv(b.shape[1], TN), GROUP_M)
-    acc = _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, WIDEN)
+    acc = _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, WIDEN,
+                                 OVERLAP)
     ct.store(c, (m, n), acc.astype(c.dtype))
 
 
@@ -142,13 +165,14 @@ def fp8_mm_block_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[i
 def fp8_mm_block_persistent_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[int],
                                    GROUP_M: ct.Constant[int], A_GROUP: ct.Constant[int],
                                    B_GROUP: ct.Constant[int], FAST_ACC: ct.Constant[bool],
-                                   WIDEN: ct.Constant[bool]):
+                                   WIDEN: ct.Constant[bool], OVERLAP: ct.Constant[bool]):
     """Block scaling on a persistent grid."""
     num_m = ct.cdiv(a.shape[0], TM)
     num_n = ct.cdiv(b.shape[1], TN)
     for t in range(ct.bid(0), num_m * num_n, ct.num_blocks(0)):
         m, n = tile_coords(t, num_m, num_n, GROUP_M)
-        acc = _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, WIDEN)
+        acc = _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, WIDEN,
+                                 OVERLAP)
         ct.store(c, (m, n), acc.astype(c.dtype))
 
 
@@ -322,35 +346,55 @@ SM90_FAST = [
     (64, 256, 128, 1, 1, None, False),
     (64, 64, 128, 2, 1, None, False),
 ]
-# Block scaling, exact: the same tiles, but 4-warp 128x64 only at occupancy 1.
-SM90_BLOCK_EXACT = [r if r[:2] != (128, 64) else (128, 64, 128, 1, 1, None, False)
-                    for r in SM90_EXACT]
+# Block spaces have one more field, overlap: the next block's product is issued before the
+# current one is scaled into the accumulator (_block_scaled_tile), keeping a third float32 tile
+# live, which the sm_90 SASS of these entries holds without spilling (168 registers at 8
+# warps). Exact mode, per config on an H100 (4096^3, 8192^3, 16384x4096x14336 and its
+# transpose, 128x4096x4096; BENCHMARKS.md): with 128x128 weight scales the overlapped 128x128
+# (alone or as a 2-CTA cluster) won every large key, 1.6-1.7x the same tile without overlap;
+# with per-column weight scales (1x128 x 1x128, the weight gradient's pairing) overlap did not
+# help and 64x128 at occupancy 2 won; 64x64 won at 128 rows. 4-warp 128x64 and 64x128 at
+# occupancy 1, 128x256 clusters and overlapped 64x256 never came within 10%: left out.
+BLOCK_FIELDS = FIELDS + ("overlap",)
+SM90_BLOCK_EXACT = [
+    (128, 128, 128, 1, 1, 8, False, True),     # the default
+    (256, 128, 128, 1, 2, 8, False, True),     # 128x128 per CTA, pairs in a cluster
+    (128, 128, 128, 1, 1, 8, True, True),
+    (128, 128, 128, 1, 1, 8, False, False),
+    (256, 128, 128, 1, 2, 8, True, False),
+    (64, 256, 128, 1, 1, 8, False, False),
+    (64, 128, 128, 2, 1, None, True, False),
+    (64, 64, 128, 2, 1, None, False, False),
+]
 SM90_BLOCK_FAST = [
-    (64, 256, 128, 1, 1, 8, False),           # the default
-    (64, 256, 128, 1, 1, 8, True),
-    (128, 256, 128, 1, 2, 8, False),
-    (64, 128, 128, 1, 1, 8, False),
-    (128, 64, 128, 1, 1, 8, False),
-    (128, 64, 128, 2, 1, None, True),
-    (64, 64, 128, 2, 1, None, False),
+    (64, 256, 128, 1, 1, 8, False, False),    # the default
+    (64, 256, 128, 1, 1, 8, True, False),
+    (128, 256, 128, 1, 2, 8, False, False),
+    (64, 128, 128, 1, 1, 8, False, False),
+    (128, 64, 128, 1, 1, 8, False, False),
+    (128, 64, 128, 2, 1, None, True, False),
+    (64, 64, 128, 2, 1, None, False, False),
+    (64, 256, 128, 1, 1, 8, False, True),      # overlap: not yet timed in fast mode
+    (128, 64, 128, 1, 1, 8, False, True),
 ]
 # sm_100 (compile-checked only; cuTile ignores use_fast_acc there, so one space serves both
 # modes): accumulators live in tensor memory; 4-warp tiles and a 4-warp cluster.
 SM100_SPACE = [(128, 128, 128, 1, 1, None, False), (128, 128, 128, 1, 1, None, True),
                (128, 256, 128, 1, 1, None, False), (256, 256, 128, 1, 2, None, False),
                (64, 128, 128, 2, 1, None, True), (64, 64, 128, 2, 1, None, False)]
-SM100_BLOCK_SPACE = [(128, 128, 128, 1, 1, None, False), (128, 128, 128, 1, 1, None, True),
-                     (256, 128, 128, 1, 2, None, False), (64, 128, 128, 2, 1, None, True),
-                     (64, 64, 128, 2, 1, None, False)]
+SM100_BLOCK_SPACE = [(*r, False) for r in (
+    (128, 128, 128, 1, 1, None, False), (128, 128, 128, 1, 1, None, True),
+    (256, 128, 128, 1, 2, None, False), (64, 128, 128, 2, 1, None, True),
+    (64, 64, 128, 2, 1, None, False))]
 # Anything else cuTile takes fp8 on (sm_12x: less shared memory, no wgmma): a conservative pair.
 OTHER_SPACE = [(128, 128, 128, 1, 1, None, False), (64, 128, 128, 1, 1, None, False)]
 
 
-def _gemm_space(arch, m, sm90, sm100):
+def _gemm_space(arch, m, sm90, sm100, other=OTHER_SPACE):
     """The arch's table; tiles taller than the rows there are (next power of two, at least 64)
     are mostly padding and are left out, except the default."""
     mj = major(arch)
-    rows = sm90 if mj == 9 else sm100 if mj == 10 else OTHER_SPACE
+    rows = sm90 if mj == 9 else sm100 if mj == 10 else other
     tall = max(64, next_pow2(m))
     return [r for i, r in enumerate(rows) if i == 0 or r[0] <= tall]
 
@@ -364,8 +408,9 @@ def fp8_configs(arch, m, n, k, fast=False):
 
 def fp8_block_configs(arch, m, n, k, fast=False):
     """The block-scaling space, default first (tk is the block, 128)."""
-    yield from table(FIELDS, _gemm_space(arch, m, SM90_BLOCK_FAST if fast else SM90_BLOCK_EXACT,
-                                         SM100_BLOCK_SPACE), group_m=8)
+    yield from table(BLOCK_FIELDS, _gemm_space(arch, m, SM90_BLOCK_FAST if fast else
+                                               SM90_BLOCK_EXACT, SM100_BLOCK_SPACE,
+                                               [(*r, False) for r in OTHER_SPACE]), group_m=8)
 
 
 def _gemm_kernel(cfg):
@@ -480,7 +525,8 @@ def _args(cfg, a, b, sa, sb, c, fast, widen):
 
 
 def _block_args(cfg, a, b, sa, sb, c, fast, widen, a_group, b_group):
-    return (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.group_m, a_group, b_group, fast, widen)
+    return (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.group_m, a_group, b_group, fast, widen,
+            getattr(cfg, "overlap", False))
 
 
 def _gemm_work(a, b, sa, sb, c, *flags):

@@ -67,6 +67,20 @@ def jit_array(dtype, shape, strides=None, *, base_aligned=True, index_dtype=ct.i
 F32 = ScalarConstraint(ct.float32)   # a Python float argument
 
 
+def tightest(cfgs):
+    """The first config (the default), then each other config that differs from it in more
+    than occupancy once, at its highest occupancy: occupancy only caps registers per thread, so
+    the tightest cap is the compile that can spill or fail. For the extra keys of an op's
+    compile cases (every config compiles at its main key)."""
+    cfgs = list(cfgs)
+    best = {}
+    for c in cfgs:
+        pair = tuple(sorted((k, v) for k, v in vars(c).items() if k != "occupancy"))
+        if pair not in best or c.occupancy > best[pair].occupancy:
+            best[pair] = c
+    return cfgs[:1] + [c for c in best.values() if c != cfgs[0]]
+
+
 signature = launch_signature
 
 

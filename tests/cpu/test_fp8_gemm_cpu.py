@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch._meta_registrations import _check_scaled_mm_sizes
 
+from tiletune.aot import tightest
 from tiletune.autotune import MAX_CONFIGS, default_hints
 from tiletune.cases import fp8_gemm as CASES
 from tiletune.ops import fp8_gemm as F8
@@ -384,7 +385,8 @@ def test_a_cached_launch_passes_the_config_and_the_mode(launches, monkeypatch):
     monkeypatch.setitem(F8._block_tuner.cache, ("k", 1, 1, 1024), (cfg, "kernel"))
     launches.clear()
     F8._block_tuner.launch(("k", 1, 1, 1000), 0, a, b, sa, sb, c, False, True, 128, 1)
-    assert launches[0][2] == (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.group_m, 128, 1, False, True)
+    assert launches[0][2] == (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.group_m, 128, 1, False, True,
+                              cfg.overlap)
 
 
 def test_quantizer_launches(launches, monkeypatch):
@@ -579,7 +581,7 @@ def test_aot_cases_cover_every_config():
         if kind == "row":
             others["4096x14336"] = list(gen("sm_90", 4096, 14336))
         for key, cfgs in others.items():
-            compiled = CASES.tightest(cfgs)
+            compiled = tightest(cfgs)
             assert compiled[0] == cfgs[0] and pairs(compiled) == pairs(cfgs)
             for cfg in compiled:
                 top = max(c.occupancy for c in cfgs if pairs([c]) == pairs([cfg]))
