@@ -11,8 +11,9 @@ tunes them is public, for your own cuTile kernels too:
     tuner.launch(key, x.get_device(), x, y)      # tunes on the first call of a key
 
 Environment: DISABLE_AUTOTUNE=1 (no search: each op's first, default config),
-TILETUNE_CACHE_DIR (persistent store; `off` disables), TILETUNE_LOG=1 (log each tuning at INFO;
-0: silent).
+TILETUNE_CACHE_DIR (persistent store; `off` disables), TILETUNE_SHIPPED (`off`: ignore the
+winners shipped with the package, used where the store has no row; a folder or .json file: read
+those instead), TILETUNE_LOG=1 (log each tuning at INFO; 0: silent).
 """
 import os as _os
 

@@ -1,4 +1,5 @@
-"""python -m tiletune {bench [ops...] | compile [--arch sm_90] [ops...] | cache show|clear|prune}
+"""python -m tiletune {bench [ops...] | compile [--arch sm_90] [ops...] | cache show|clear|prune |
+tune --preset NAME [--seq N ...] [--export PATH]}
 
 The ops are those registered in tiletune.registry (`--help` lists them)."""
 import argparse
@@ -152,11 +153,13 @@ def cmd_cache(args):
         return 0
     if d is None:
         print(f"store is off (TILETUNE_CACHE_DIR={os.environ.get('TILETUNE_CACHE_DIR', '')})")
+        _show_shipped()
         return 0
     found = {op: entries for op, entries in store.entries().items()
              if isinstance(entries, dict) and entries}
     if not found:
         print(f"store at {d} is empty")
+        _show_shipped()
         return 0
     total = sum(len(e) for e in found.values())
     print(f"store at {d}: {total} entr{'y' if total == 1 else 'ies'}")
@@ -168,7 +171,47 @@ def cmd_cache(args):
         for key, e in entries.items():
             for line in _entry_lines(key, e, args.verbose):
                 print(line)
+    print()
+    _show_shipped()
     return 0
+
+
+def _entries(n):
+    return f"{n} entr{'y' if n == 1 else 'ies'}"
+
+
+def _show_shipped():
+    """`cache show`'s count of the shipped winners (read-only, used where the store has no
+    row): per file, per GPU and software they were tuned with, and per op."""
+    source = store.shipped_source()
+    if source is None:
+        print(f"shipped winners: off (TILETUNE_SHIPPED={os.environ.get('TILETUNE_SHIPPED')})")
+        return
+    files = store.shipped_files()
+    total = sum(len(rows) for _, _, rows in files)
+    if not total:
+        print(f"shipped winners: none at {source}")
+        return
+    cuda_tile, tileiras = _installed_versions()
+    usable = sum(1 for _, _, rows in files for _, key, _ in rows
+                 if (store.key_facts(key) or ("",) * 4)[2:] == (cuda_tile, tileiras))
+    print(f"shipped winners (read-only; the store's own rows win) at {source}: "
+          f"{_entries(total)} in {len(files)} file{'' if len(files) == 1 else 's'}, {usable} "
+          f"for the installed cuda-tile {cuda_tile or '?'} / tileiras {tileiras}")
+    per_op = {}
+    for path, _, rows in files:
+        groups = {}
+        for op, key, _ in rows:
+            facts = store.key_facts(key)
+            label = "other keys" if facts is None else \
+                f"{facts[0]} {facts[1]} cuda-tile {facts[2]} tileiras {facts[3]}"
+            groups[label] = groups.get(label, 0) + 1
+            per_op[op] = per_op.get(op, 0) + 1
+        for label, n in sorted(groups.items()):
+            print(f"  {os.path.basename(path)}: {label}: {_entries(n)}")
+    width = max(len(op) for op in per_op)
+    for op, n in sorted(per_op.items()):
+        print(f"  {op.ljust(width)}  {n}")
 
 
 def _dumps(value):
@@ -243,12 +286,98 @@ def cmd_bench(args):
                       skip_peers=args.skip_peer or ())
 
 
+def _positive(text):
+    """argparse type of the model's sizes: an integer >= 1."""
+    try:
+        n = int(text, 10)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"not an integer >= 1: {text!r}")
+    return n
+
+
+def _tune_specs(parser, args):
+    """The model specs `tune` was given, or a parser error (exit 2) saying what is wrong."""
+    from tiletune import pretune
+    shape = {k: getattr(args, k) for k in pretune.SHAPE_FLAGS}
+    try:
+        specs = pretune.specs(args.preset, **shape)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.all and not args.export:
+        parser.error("--all goes with --export PATH (it exports every row of this GPU)")
+    return specs
+
+
+def cmd_tune(args):
+    """Tune every key of the given model shapes on this GPU, save them to the store, and
+    optionally export the winners as a shipped file."""
+    import torch
+    from tiletune import autotune, pretune
+
+    def fail(message):
+        print(f"tiletune tune: {message}", file=sys.stderr, flush=True)
+        return 2
+
+    if not torch.cuda.is_available():
+        return fail("no CUDA GPU here: tune runs the model's kernels on one to time them; "
+                    "nothing was tuned. Run it on the GPU model the winners are for.")
+    if autotune.disabled():
+        return fail("DISABLE_AUTOTUNE=1 is set: nothing would be searched. Unset it to tune.")
+    path = store.db_path()
+    if path is None:
+        return fail(f"the store is off (TILETUNE_CACHE_DIR="
+                    f"{os.environ.get('TILETUNE_CACHE_DIR', '')}): the winners would not be "
+                    "saved. Point TILETUNE_CACHE_DIR at a folder.")
+    import importlib.util
+    if importlib.util.find_spec("transformers") is None:
+        return fail("tune builds transformers models, and transformers is not installed: "
+                    "pip install 'tiletune[hf]'")
+    if args.export and os.path.exists(args.export):
+        try:                          # before the searches: the file is merged into at the end
+            store.read_shipped(args.export)
+        except (OSError, ValueError) as e:
+            return fail(f"cannot export to {args.export}: {type(e).__name__}: {e}")
+    from tiletune import device
+    gpu = device.gpu_name(torch.cuda.current_device())
+    arch = device.arch()
+    seqs = list(dict.fromkeys(args.seq))
+    print(f"tuning on {gpu} ({arch}) at batch {args.batch} x seq "
+          f"{', '.join(map(str, seqs))}, {args.dtype}, "
+          f"{'forward only' if args.no_backward else 'forward + backward'}; store: {path}",
+          flush=True)
+    for spec in args.specs:
+        print(f"  {spec.describe()}", flush=True)
+    try:
+        report = pretune.run(args.specs, seqs, args.batch, pretune.DTYPES[args.dtype],
+                             not args.no_backward, out=lambda line: print(line, flush=True))
+    except autotune.TuningFailedError as e:
+        print(e, file=sys.stderr)
+        return 1
+    n = report.count("search")
+    print(f"{n} key{'' if n == 1 else 's'} tuned in {report.search_s():.1f}s of search "
+          f"({report.count('store')} already in the store, {report.count(store.SHIPPED)} "
+          f"shipped); {report.wall_s:.1f}s in all; store: {path}")
+    if args.export:
+        cuda_tile, tileiras = _installed_versions()
+        rows = (pretune.gpu_rows(gpu, arch, cuda_tile, tileiras) if args.all
+                else pretune.used_rows())
+        try:
+            written, kept = pretune.export(args.export, rows)
+        except (OSError, ValueError) as e:
+            return fail(f"cannot export to {args.export}: {type(e).__name__}: {e}")
+        print(f"exported {_entries(len(rows))} to {args.export} ({written} rows in the file"
+              + (f", {kept} of them kept from it" if kept else "") + ")")
+    return 0
+
+
 def parser():
     p = _Parser(prog="python -m tiletune", epilog=_ops_epilog,
                 description="cuTile kernels that tune once per shape: benchmarks, ahead-of-time "
                             "compiles and the store of tuned configs.")
     p.add_argument("--version", action="version", version=f"tiletune {tiletune.__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{bench,compile,cache}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{bench,compile,cache,tune}")
     b = sub.add_parser("bench", epilog=_ops_epilog,
                        help="A/B benchmarks on this GPU (tuned vs fixed default vs peers)",
                        description="Time each op's rows on this GPU: tuned vs its fixed default "
@@ -283,7 +412,47 @@ def parser():
     c.add_argument("-v", "--verbose", action="store_true", help="every timing and failure")
     c.add_argument("--older-than", type=_days, default=None, metavar="DAYS",
                    help="prune: also delete entries saved more than DAYS days ago")
-    return p, {"bench": b, "compile": k, "cache": c}
+    t = _tune_parser(sub)
+    return p, {"bench": b, "compile": k, "cache": c, "tune": t}
+
+
+def _tune_parser(sub):
+    from tiletune import pretune
+    t = sub.add_parser(
+        "tune", help="tune every key of a transformers model's shape on this GPU ahead of "
+                     "training (saved to the store; --export writes a shipped file)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Build the model's family with one decoder layer and a small vocabulary\n"
+                    "on this GPU, patch it with apply_tiletune, and run a forward and backward\n"
+                    "at each --seq: every op key of that shape is searched once and saved to\n"
+                    "the store (keys do not depend on the number of layers or the vocabulary).",
+        epilog="presets:\n" + "\n".join(f"  {s.describe()}" for s in pretune.PRESETS.values()))
+    t.add_argument("--preset", nargs="+", choices=list(pretune.PRESETS), metavar="NAME",
+                   help=f"one or more of: {', '.join(pretune.PRESETS)}")
+    t.add_argument("--model", type=pretune.family, metavar="FAMILY",
+                   help=f"the model family: {', '.join(pretune.FAMILIES)}")
+    for flag, what in (("--hidden", "hidden size"), ("--intermediate", "MLP intermediate size"),
+                       ("--heads", "attention heads"),
+                       ("--kv-heads", "key/value heads (default: --heads)"),
+                       ("--head-dim", "head dim (default: hidden / heads)"),
+                       ("--experts", "qwen3_moe: experts"),
+                       ("--top-k", "qwen3_moe: experts per token"),
+                       ("--moe-intermediate", "qwen3_moe: an expert's intermediate size")):
+        t.add_argument(flag, type=_positive, metavar="N", help=what)
+    t.add_argument("--seq", nargs="+", type=_positive, default=[4096], metavar="N",
+                   help="sequence lengths, each tuned (default 4096)")
+    t.add_argument("--batch", type=_positive, default=1, metavar="N", help="batch (default 1)")
+    t.add_argument("--dtype", choices=list(pretune.DTYPES), default="bf16",
+                   help="model dtype (default bf16)")
+    t.add_argument("--no-backward", action="store_true",
+                   help="forward only, without gradients (the keys inference meets)")
+    t.add_argument("--export", metavar="PATH",
+                   help="write the winners this run resolved to PATH as a shipped file "
+                        "(rows already there are kept unless replaced)")
+    t.add_argument("--all", action="store_true",
+                   help="with --export: every store row of this GPU and the installed "
+                        "cuda-tile / tileiras, not only this run's")
+    return t
 
 
 def main(argv=None):
@@ -293,7 +462,10 @@ def main(argv=None):
         subs["compile"].error(f"--jobs must be >= 1 (got {args.jobs})")
     if args.cmd in ("bench", "compile"):
         args.ops = _ops(subs[args.cmd], args.ops)
-    return {"bench": cmd_bench, "cache": cmd_cache, "compile": cmd_compile}[args.cmd](args)
+    if args.cmd == "tune":
+        args.specs = _tune_specs(subs["tune"], args)
+    return {"bench": cmd_bench, "cache": cmd_cache, "compile": cmd_compile,
+            "tune": cmd_tune}[args.cmd](args)
 
 
 if __name__ == "__main__":

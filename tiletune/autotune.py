@@ -33,6 +33,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune import device as _device
+from tiletune import distributed
 from tiletune import env
 from tiletune import precompile
 from tiletune import store
@@ -169,13 +170,18 @@ class TuningRecord:
     op: str
     key: tuple
     config: dict
-    source: str                  # "search", "store", "default" (DISABLE_AUTOTUNE), "capture"
+    source: str                  # "search", "store", "shipped" (the package's winners),
+                                 # "default" (DISABLE_AUTOTUNE), "capture", "agreed"
+                                 # (another rank of the job decided; nothing timed here)
     timings: list = dataclasses.field(default_factory=list)   # [{config, mean_us, ...}] fastest first
     failures: list = dataclasses.field(default_factory=list)  # [{config, error, message}]
     search_s: float = 0.0
     best_us: Optional[float] = None
     rates: dict = dataclasses.field(default_factory=dict)
     final: list = dataclasses.field(default_factory=list)    # [{config, median_us}] fastest first
+    # with a process group (tiletune.distributed): how the job agreed on this key ({ranks, rank,
+    # mode, how, by, role, timed, wait_s, took_over}); empty in a process tuning on its own
+    agreement: dict = dataclasses.field(default_factory=dict)
 
     def to_json(self):
         d = dataclasses.asdict(self)
@@ -425,10 +431,18 @@ class Autotuner:
         return h.hexdigest()[:16]
 
     def store_key(self, key, dev, cfgs):
-        parts = [str(k) for k in key] + [
+        """The persistent store's key: the job key (device-neutral) and what makes a winner
+        stale elsewhere (GPU model, arch, versions, the config space and kernel code)."""
+        parts = [str(k) for k in job_key(key, dev)] + [
             _device.gpu_name(dev), _device.arch(dev), f"cuda-tile {ct.__version__}",
             f"tileiras {_tileiras_version()}", f"space {self._fingerprint(cfgs)}"]
         return " | ".join(parts)
+
+    def agreement_name(self, key, dev, cfgs):
+        """How every rank of a job names this key: op, job key and config space (the part of
+        the store key that does not depend on which GPU of the model a rank drives)."""
+        return " | ".join([self.name] + [str(k) for k in job_key(key, dev)]
+                          + [f"space {self._fingerprint(cfgs)}"])
 
     def _find(self, cfgs, stored):
         """The config equal to a stored one, compared as JSON sees them (tuples are lists)."""
@@ -461,9 +475,13 @@ class Autotuner:
             skey = self.store_key(key, dev, cfgs)
             stored = store.load(self.name, skey) if use_store else None
             cfg = self._find(cfgs, stored.get("config")) if isinstance(stored, dict) else None
+            agreement = distributed.current()
+            if agreement is not None:
+                return self._tune_agreed(agreement, key, dev, cfgs, skey, cfg, stored, search,
+                                         use_store)
             if cfg is not None:
                 self._unproven[key] = skey       # until its first launch succeeds
-                record = TuningRecord(self.name, key, config_dict(cfg), "store",
+                record = TuningRecord(self.name, key, config_dict(cfg), store.source_of(stored),
                                       stored.get("timings") or [], stored.get("failures") or [],
                                       stored.get("search_s") or 0.0, stored.get("best_us"),
                                       stored.get("rates") or {}, stored.get("final") or [])
@@ -471,39 +489,98 @@ class Autotuner:
             if not isinstance(search, Search):
                 search = search(cfgs)
             cfg, record = self._search(key, dev, cfgs, search)
-            store.save(self.name, skey, _as_json({"config": record.config, "best_us": record.best_us,
-                                         "search_s": round(record.search_s, 3),
-                                         "rates": record.rates, "timings": record.timings,
-                                         "final": record.final, "failures": record.failures,
-                                         "saved": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+            store.save(self.name, skey, _entry(record))
             return self._finish(key, cfg, record, search, dev)
 
-    def _search(self, key, dev, cfgs, search):
-        from cuda.tile.tune import exhaustive_search
-        self.searches += 1
-        stream = torch.cuda.current_stream(dev)
+    def _tune_agreed(self, agreement, key, dev, cfgs, skey, cfg, stored, search, use_store):
+        """A miss in a job of several ranks (tiletune/distributed.py): the ranks agree on one
+        config, each timing a share of the configs; the rank whose decision stands writes the
+        store. Called under the device's search lock, after DISABLE_AUTOTUNE and the store."""
         t0 = time.perf_counter()
+        built = []
+
+        def the_search():
+            if not built:
+                built.append(search if isinstance(search, Search) else search(cfgs))
+            return built[0]
+
+        def measure(indices):
+            if not built:
+                self.searches += 1       # this rank times configs of the key
+            return self._measure(key, dev, cfgs, indices, the_search())
+
+        def conclude(timings, failures):
+            try:
+                return _entry(self._conclude(key, dev, cfgs, timings, failures, the_search(),
+                                             t0)[1])
+            except TuningFailedError as e:
+                return {"failed": [list(f) for f in e.failures]}
+
+        mine = None
+        if cfg is not None:       # this rank's stored winner: published as the decision
+            mine = _as_json(dict(stored, config=config_dict(cfg)))
+        outcome = agreement.agree(self.agreement_name(key, dev, cfgs), len(cfgs), measure,
+                                  conclude, stored=mine, fresh=not use_store)
+        entry = outcome.entry
+        if "failed" in entry:
+            error = self._failed[key] = TuningFailedError(
+                self.name, key, [tuple(f) for f in entry["failed"]])
+            raise error
+        decided = self._find(cfgs, entry.get("config"))
+        if decided is None:
+            raise distributed.DistributedTuningError(
+                f"tiletune: {self.name} {key}: rank {outcome.by}'s decision "
+                f"{entry.get('config')} is not a config of this rank's space")
+        if cfg is not None and decided == cfg:   # the winner this rank's store holds
+            source = store.source_of(stored)
+            self._unproven[key] = skey           # until its first launch succeeds
+        else:
+            source = "search" if outcome.timed else "agreed"
+            if outcome.decided_here:             # once per job: the rank whose decision stands
+                store.save(self.name, skey, dict(entry, saved=time.strftime("%Y-%m-%dT%H:%M:%S")))
+        record = TuningRecord(self.name, key, entry["config"], source, entry.get("timings") or [],
+                              entry.get("failures") or [], entry.get("search_s") or 0.0,
+                              entry.get("best_us"), entry.get("rates") or {},
+                              entry.get("final") or [], outcome.info(agreement))
+        return self._finish(key, decided, record, built[0] if built else None, dev)
+
+    def _search(self, key, dev, cfgs, search):
+        """Time every config, then the final round: (winning cfg, record)."""
+        t0 = time.perf_counter()
+        self.searches += 1
+        timings, failures = self._measure(key, dev, cfgs, range(len(cfgs)), search)
+        return self._conclude(key, dev, cfgs, timings, failures, search, t0)
+
+    def _measure(self, key, dev, cfgs, indices, search):
+        """Compile and time the configs at `indices`: ([{i, mean_us, error_us, samples}],
+        [{i, error, message}]), `i` being the config's index in `cfgs`. When every one of them
+        fails, each is launched alone for its own error."""
+        from cuda.tile.tune import exhaustive_search
+        indices = list(indices)
+        subset = [cfgs[i] for i in indices]
+        stream = torch.cuda.current_stream(dev)
         rejected = {}
-        if len(cfgs) > 1 and precompile.enabled():
+        if len(subset) > 1 and precompile.enabled():
             # compile every config at once in worker processes; the search then hits the disk
             # cache. Configs the compiler rejects are failures already: the search skips them.
             rejected = precompile.precompile(
-                [(self.search_kernel(c), self.hints(c), search.args_fn(c)) for c in cfgs],
+                [(self.search_kernel(c), self.hints(c), search.args_fn(c)) for c in subset],
                 _device.arch(dev), COMPILE_TIMEOUT_SEC)
         # A compile timeout in a loaded parallel precompile is no verdict on the config: the
         # search compiles it again, alone. So does every config if the precompile rejected all.
-        rejected = {i: e for i, e in rejected.items() if e[0] != "CompilerTimeoutError"}
-        if len(rejected) == len(cfgs):
+        rejected = {j: e for j, e in rejected.items() if e[0] != "CompilerTimeoutError"}
+        if rejected and len(rejected) == len(subset):
             log.warning("tiletune: %s %s: the parallel precompile rejected every config; "
                         "compiling them one at a time", self.name, key)
             rejected = {}
-        pre_failed = [(cfgs[i], *rejected[i]) for i in sorted(rejected)]
-        candidates = [c for i, c in enumerate(cfgs) if i not in rejected]
+        failures = [{"i": indices[j], "error": rejected[j][0], "message": rejected[j][1]}
+                    for j in sorted(rejected)]
+        candidates = [(indices[j], c) for j, c in enumerate(subset) if j not in rejected]
         result = None
         if candidates:
             try:
                 with ct.compiler_timeout(COMPILE_TIMEOUT_SEC):
-                    result = exhaustive_search(candidates, stream, search.grid_fn,
+                    result = exhaustive_search([c for _, c in candidates], stream, search.grid_fn,
                                                self.search_kernel, search.args_fn, self.hints,
                                                quiet=True)
             except ValueError as e:
@@ -511,24 +588,47 @@ class Autotuner:
                     raise
         if result is None:
             # exhaustive_search keeps only the first error when all fail: find each one's error.
-            failures = [(config_dict(c), etype, msg) for c, etype, msg in pre_failed]
-            failures += [(config_dict(c), *self._probe(c, search)) for c in candidates]
-            error = self._failed[key] = TuningFailedError(self.name, key, failures)
-            raise error
-        timings = sorted(({"config": config_dict(m.config), "mean_us": m.mean_us,
-                           "error_us": m.error_margin_us, "samples": m.num_samples}
-                          for m in result.successes), key=lambda t: t["mean_us"])
-        failures = [{"config": config_dict(c), "error": etype, "message": msg}
-                    for c, etype, msg in pre_failed]
-        failures += [{"config": config_dict(c), "error": t.__name__, "message": msg}
+            for i, c in candidates:
+                etype, msg = self._probe(c, search)
+                failures.append({"i": i, "error": etype, "message": msg})
+            return [], failures
+        ids = {id(c): i for i, c in candidates}
+
+        def where(c):        # the search hands back the configs it was given
+            i = ids.get(id(c))
+            return i if i is not None else next(i for i, d in candidates if d == c)
+        timings = [{"i": where(m.config), "mean_us": m.mean_us, "error_us": m.error_margin_us,
+                    "samples": m.num_samples} for m in result.successes]
+        failures += [{"i": where(c), "error": t.__name__, "message": msg}
                      for c, t, msg in result.failures]
-        ranked = sorted(result.successes, key=lambda m: m.mean_us)
+        return timings, failures
+
+    def _conclude(self, key, dev, cfgs, timings, failures, search, t0):
+        """From the timings of `_measure` (of one process, or merged over a job's ranks): the
+        ranking, the final round of the close finishers on this GPU, the record. Raises
+        TuningFailedError when nothing was timed. Ties go to the earlier config."""
+        if not timings:
+            error = self._failed[key] = TuningFailedError(
+                self.name, key, [(config_dict(cfgs[f["i"]]), f["error"], f["message"])
+                                 for f in failures])
+            raise error
+        ranked = sorted((SimpleNamespace(config=cfgs[t["i"]], mean_us=t["mean_us"], t=t)
+                         for t in sorted(timings, key=lambda t: t["i"])),
+                        key=lambda m: m.mean_us)
+        extra = ("rank", "ranks")        # who timed it, in a job of several ranks
+        record_timings = [dict({"config": config_dict(m.config), "mean_us": m.mean_us,
+                                "error_us": m.t["error_us"], "samples": m.t["samples"]},
+                               **{k: m.t[k] for k in extra if k in m.t}) for m in ranked]
+        record_failures = [dict({"config": config_dict(cfgs[f["i"]]), "error": f["error"],
+                                 "message": f["message"]}, **{k: f[k] for k in extra if k in f})
+                           for f in failures]
         # A partly timed config (its search time is a lower bound) wins only in the final round.
         anchor = next((m for m in ranked
                        if not (search.partly_timed and search.partly_timed(m.config))), ranked[0])
         best, best_us, final = anchor.config, anchor.mean_us, []
         finalists = self._finalists(ranked, anchor, cfgs[0])
         if len(finalists) > 1:
+            stream = torch.cuda.current_stream(dev)
             try:
                 with torch.cuda.device(dev):
                     final = self._final_round(finalists, search, stream, best_us)
@@ -543,8 +643,8 @@ class Autotuner:
             final = [{"config": config_dict(c), "median_us": us} for c, us in final]
         elapsed = time.perf_counter() - t0
         rates = search.work.rates(best_us) if search.work else {}
-        record = TuningRecord(self.name, key, config_dict(best), "search", timings,
-                              failures, elapsed, best_us, rates, final)
+        record = TuningRecord(self.name, key, config_dict(best), "search", record_timings,
+                              record_failures, elapsed, best_us, rates, final)
         return best, record
 
     @staticmethod
@@ -626,7 +726,12 @@ class Autotuner:
             self._warned_capture = True
         cfgs = self.config_list(_device.arch(dev), shape)
         cfg = None
-        if not disabled():
+        agreement = None if disabled() else distributed.current()
+        if agreement is not None:         # a decision the job has made already
+            decided = agreement.decision(self.agreement_name(key, dev, cfgs))
+            if isinstance(decided, dict) and "config" in decided:
+                cfg = self._find(cfgs, decided["config"])
+        if cfg is None and not disabled():
             stored = store.load(self.name, self.store_key(key, dev, cfgs))
             cfg = self._find(cfgs, stored.get("config")) if isinstance(stored, dict) else None
         cfg = cfg or cfgs[0]
@@ -720,6 +825,27 @@ def int32_strides(name, inputs, error=None):
         raise ValueError(f"{name}: the launch was refused: {error} (cuTile kernels index sizes "
                          "and strides up to 2^31 - 1 elements)") from error
     return tuple(out)
+
+
+def job_key(key, dev):
+    """The key as the whole job names it. An op's launch key ends with its device index
+    (`x.get_device()`), kept in memory so that cuda:1 never launches a kernel resolved for
+    cuda:0; the store and the ranks of a job read that index as 0, so a winner found on one GPU
+    serves every GPU of the model (0 keeps the keys of stores written on one GPU)."""
+    if key and not isinstance(dev, bool) and type(key[-1]) is type(dev) and key[-1] == dev:
+        if isinstance(dev, int) and dev > 0:
+            return (*key[:-1], 0)
+        if isinstance(dev, torch.device) and dev.index:
+            return (*key[:-1], torch.device(dev.type, 0))
+    return key
+
+
+def _entry(record):
+    """The store entry (and a job's published decision) of a searched record."""
+    return _as_json({"config": record.config, "best_us": record.best_us,
+                     "search_s": round(record.search_s, 3), "rates": record.rates,
+                     "timings": record.timings, "final": record.final,
+                     "failures": record.failures, "saved": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
 def _as_json(value):

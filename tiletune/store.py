@@ -16,6 +16,17 @@ Nothing here raises for I/O or database problems: the store is an optimization. 
 cannot be opened or written (read-only folder, permission denied), or a file at its path that is
 not a tiletune sqlite database (corrupt, foreign), is left as it is: loads return None and saves
 are skipped, with one warning per path.
+
+Shipped winners: package data, `tiletune/shipped/*.json` (format tiletune-shipped-1: rows of
+op, full store key and entry, as `python -m tiletune tune --export` writes them), read-only.
+`load` consults them only where the user's store has no row for the (op, key): the user's own
+winners always win, and nothing ever writes the shipped files. The lookup takes the same full
+key, so a shipped row of another GPU, arch, cuda-tile or tileiras version, or config space and
+kernel code is never found. One relaxation: a row tuned on CUDA device 0 also serves the same
+key on device N (the device index, the last part of every op's key, names no property of the
+GPU; its name and arch are in the key).
+TILETUNE_SHIPPED=off turns them off; TILETUNE_SHIPPED=<folder or .json file> reads those
+instead of the package's (to try an exported file before shipping it).
 """
 import contextlib
 import json
@@ -35,6 +46,9 @@ BUSY_TIMEOUT_S = 10.0
 
 _lock = threading.RLock()           # guards _conns and every use of a cached connection
 _conns = {}                         # path -> (pid, (st_dev, st_ino), sqlite3.Connection)
+# (op, full key) -> "store", "shipped" or "search": where this process's loads found a winner
+# and which rows it saved (`used`; `tune --export` writes these rows).
+_used = {}
 
 
 def cache_dir():
@@ -139,6 +153,21 @@ def _setup(conn, folder):
             os.replace(path, path + ".imported")
 
 
+def _to_wal(conn):
+    """PRAGMA journal_mode = WAL. sqlite answers "database is locked" at once, without waiting
+    the busy timeout, when another process switches the same new database at the same moment
+    (every rank of a job opens the store at its first miss): retried for up to BUSY_TIMEOUT_S."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
+
+
 def _open(path):
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
@@ -149,7 +178,7 @@ def _open(path):
     try:
         conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-            conn.execute("PRAGMA journal_mode = WAL")
+            _to_wal(conn)
         conn.execute("PRAGMA synchronous = NORMAL")
         _setup(conn, folder)
         st = os.stat(path)
@@ -201,7 +230,21 @@ def close():
 
 
 def load(op, key):
-    """The stored entry for this op and full key string, or None."""
+    """The entry for this op and full key string: the user's store's row, else a shipped
+    winner's (a `ShippedEntry`), else None."""
+    entry = load_own(op, key)
+    if entry is not None:
+        _used[(op, key)] = "store"
+        return entry
+    entry = shipped(op, key)
+    if entry is not None:
+        _used[(op, key)] = SHIPPED
+    return entry
+
+
+def load_own(op, key):
+    """The user's store's entry for this op and full key string, or None (shipped winners are
+    not consulted)."""
     path = db_path()
     if path is None:
         return None
@@ -236,10 +279,14 @@ def save(op, key, entry):
                          "VALUES (?, ?, ?, ?)", (op, key, text, time.time()))
     except (OSError, sqlite3.Error) as e:
         _trouble(path, e)
+        return
+    _used[(op, key)] = "search"
 
 
 def delete(op, key):
-    """Remove one entry (a winner that no longer launches); never raises for I/O problems."""
+    """Remove one entry (a winner that no longer launches); never raises for I/O problems.
+    (A shipped winner is not removed: the search that follows saves a row that overrides it.)"""
+    _used.pop((op, key), None)
     path = db_path()
     if path is None:
         return
@@ -329,3 +376,185 @@ def prune(cuda_tile=None, tileiras=None, older_than_s=None):
     for op, _ in stale:
         out[op] = out.get(op, 0) + 1
     return dict(sorted(out.items()))
+
+
+def used():
+    """{(op, full key): "store" | "shipped" | "search"}: the winners this process loaded (from
+    the user's store or the shipped files) and the rows it saved after a search."""
+    return dict(_used)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shipped winners (read-only package data)
+
+SHIPPED = "shipped"
+SHIPPED_FORMAT = "tiletune-shipped-1"
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shipped")
+# The parts every store key ends with (Autotuner.store_key): GPU name, arch, cuda-tile,
+# tileiras, space fingerprint; the op's key before them ends with the CUDA device index.
+_SUFFIX = 5
+
+_shipped_cache = {}                 # source path -> (signature of its files, index, summaries)
+
+
+class ShippedEntry(dict):
+    """An entry that came from the shipped files (a plain dict otherwise)."""
+
+
+def source_of(entry):
+    """"shipped" for an entry `load` took from the shipped files, else "store"."""
+    return SHIPPED if isinstance(entry, ShippedEntry) else "store"
+
+
+def shipped_source():
+    """The folder (or .json file) shipped winners are read from, or None when TILETUNE_SHIPPED
+    is off (off, 0, no, none, false, disable). Unset, blank or on (1, yes, true, ...): the
+    package's `tiletune/shipped`."""
+    value = os.environ.get("TILETUNE_SHIPPED")
+    if value is None or not value.strip() or env.flag_on(value):
+        return SHIPPED_DIR
+    if env.flag_off(value):
+        return None
+    return os.path.expanduser(value.strip())
+
+
+def _any_device(key):
+    """The full key with its CUDA device index (the op key's last part, just before the GPU
+    name) as "*", or None for a key not of the store key's shape."""
+    parts = key.split(" | ")
+    if len(parts) > _SUFFIX + 1 and parts[-_SUFFIX - 1].isdigit() and \
+            parts[-3].startswith("cuda-tile ") and parts[-2].startswith("tileiras ") and \
+            parts[-1].startswith("space "):
+        parts[-_SUFFIX - 1] = "*"
+        return " | ".join(parts)
+    return None
+
+
+def _shipped_files(source):
+    """[(path, mtime_ns, size)] of the .json files at `source` (a folder or one file), sorted."""
+    if os.path.isfile(source):
+        paths = [source]
+    else:
+        try:
+            paths = [os.path.join(source, n) for n in sorted(os.listdir(source))
+                     if n.endswith(".json") and not n.startswith(".")]
+        except OSError:
+            return []
+    out = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        out.append((p, st.st_mtime_ns, st.st_size))
+    return out
+
+
+def read_shipped(path):
+    """(header, rows) of one shipped file: header is the file's top-level fields but rows; rows
+    [(op, key, entry)] are its well-formed rows. Raises ValueError for a file that is not a
+    tiletune-shipped-1 file, OSError where it cannot be read."""
+    with open(path, "rb") as f:
+        try:
+            data = json.load(f)
+        except RecursionError as e:
+            raise ValueError("nested too deep") from e
+    if not isinstance(data, dict) or data.get("format") != SHIPPED_FORMAT or \
+            not isinstance(data.get("rows"), list):
+        raise ValueError(f"not a {SHIPPED_FORMAT} file")
+    rows = []
+    for row in data["rows"]:
+        if isinstance(row, dict) and isinstance(row.get("op"), str) and \
+                isinstance(row.get("key"), str) and isinstance(row.get("entry"), dict):
+            rows.append((row["op"], row["key"], row["entry"]))
+    return {k: v for k, v in data.items() if k != "rows"}, rows
+
+
+def _shipped_index(source):
+    """({op: {key: entry}}, [(file, header, rows)]) of the files at `source`; read again when a
+    file changes. A row tuned on device 0 is also indexed under its key with the device index
+    as "*" (see `shipped`). A file that cannot be read or is not a shipped file is left out
+    with one warning; where two rows share a key, the first file (by name) wins."""
+    files = _shipped_files(source)
+    signature = tuple(files)
+    cached = _shipped_cache.get(source)
+    if cached is not None and cached[0] == signature:
+        return cached[1], cached[2]
+    index, summaries = {}, []
+    for path, _, _ in files:
+        try:
+            header, rows = read_shipped(path)
+        except (OSError, ValueError) as e:
+            env.warn_once(("tiletune.shipped", path),
+                          f"tiletune: not using the shipped winners in {path} "
+                          f"({type(e).__name__}: {str(e)[:200]})")
+            continue
+        for op, key, entry in rows:
+            keys = index.setdefault(op, {})
+            keys.setdefault(key, entry)
+            alias = _any_device(key)
+            if alias is not None and key.split(" | ")[-_SUFFIX - 1] == "0":
+                keys.setdefault(alias, entry)
+        summaries.append((path, header, rows))
+    _shipped_cache[source] = (signature, index, summaries)
+    return index, summaries
+
+
+def shipped(op, key):
+    """The shipped winner for this op and full key as a `ShippedEntry`, or None (none, or
+    TILETUNE_SHIPPED=off). A key on CUDA device N > 0 also finds the row of the same key tuned
+    on device 0: the index names no property of the GPU (its name and arch are in the key)."""
+    source = shipped_source()
+    if source is None:
+        return None
+    keys = _shipped_index(source)[0].get(op, {})
+    entry = keys.get(key)
+    if entry is None:
+        alias = _any_device(key)
+        entry = None if alias is None else keys.get(alias)
+    return None if entry is None else ShippedEntry(json.loads(json.dumps(entry)))
+
+
+def shipped_files():
+    """[(path, header, rows)] of the shipped files in use (empty when off or there are none)."""
+    source = shipped_source()
+    return [] if source is None else list(_shipped_index(source)[1])
+
+
+def key_facts(key):
+    """(GPU name, arch, cuda-tile version, tileiras version) a full store key names, or None
+    for a key not of the store key's shape."""
+    parts = key.split(" | ")
+    if len(parts) <= _SUFFIX or not parts[-3].startswith("cuda-tile ") or \
+            not parts[-2].startswith("tileiras ") or not parts[-1].startswith("space "):
+        return None
+    return parts[-5], parts[-4], parts[-3][len("cuda-tile "):], parts[-2][len("tileiras "):]
+
+
+def write_shipped(path, rows, header=None):
+    """Write rows [(op, key, entry)] to `path` as a shipped file (one row a line, sorted; the
+    file is replaced at once). Rows already in a shipped file at `path` are kept unless a new
+    row has their op and key. Returns (rows written, rows kept from the file). Raises
+    ValueError where `path` holds something else than a shipped file, OSError where it cannot
+    be read or written."""
+    new = {(op, key): entry for op, key, entry in rows}
+    merged = {}
+    if os.path.exists(path):
+        merged = {(op, key): entry for op, key, entry in read_shipped(path)[1]}
+    kept = sum(1 for k in merged if k not in new)
+    merged.update(new)
+    head = json.dumps({"format": SHIPPED_FORMAT, **(header or {})}, indent=1)
+    lines = [json.dumps({"op": op, "key": key, "entry": entry}, sort_keys=True)
+             for (op, key), entry in sorted(merged.items(), key=lambda r: r[0])]
+    text = head[:-2] + ',\n "rows": [' + ",".join("\n  " + line for line in lines) + "\n ]\n}\n"
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+    return len(merged), kept

@@ -108,11 +108,45 @@ def test_help_says_why_the_registry_cannot_load(monkeypatch, capsys):
 
 def test_cache_show_empty_and_off(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "store"))
+    monkeypatch.setenv("TILETUNE_SHIPPED", str(tmp_path / "shipped"))
     assert main(["cache", "show"]) == 0
-    assert capsys.readouterr().out.strip() == f"store at {tmp_path / 'store'} is empty"
+    assert capsys.readouterr().out.splitlines() == [
+        f"store at {tmp_path / 'store'} is empty",
+        f"shipped winners: none at {tmp_path / 'shipped'}"]
     monkeypatch.setenv("TILETUNE_CACHE_DIR", "off")
+    monkeypatch.setenv("TILETUNE_SHIPPED", "off")
     assert main(["cache", "show"]) == 0
-    assert capsys.readouterr().out.strip() == "store is off (TILETUNE_CACHE_DIR=off)"
+    assert capsys.readouterr().out.splitlines() == [
+        "store is off (TILETUNE_CACHE_DIR=off)", "shipped winners: off (TILETUNE_SHIPPED=off)"]
+
+
+def test_cache_show_counts_the_shipped_winners_apart(monkeypatch, tmp_path, capsys):
+    from tiletune.__main__ import _installed_versions
+    ct_v, ti_v = _installed_versions()
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "store"))
+    monkeypatch.setenv("TILETUNE_SHIPPED", str(tmp_path / "shipped"))
+
+    def key(i, gpu="NVIDIA H100 80GB HBM3", ct=ct_v):
+        return f"{i} | 0 | {gpu} | sm_90 | cuda-tile {ct} | tileiras {ti_v} | space 0123"
+    e = {"config": {"tile": 64}, "best_us": 1.0, "timings": [], "failures": []}
+    store.write_shipped(str(tmp_path / "shipped" / "h100.json"),
+                        [("matmul", key(1), e), ("matmul", key(2), e), ("rope", key(1), e),
+                         ("rope", key(3, ct="0.1"), e)])
+    store.write_shipped(str(tmp_path / "shipped" / "h200.json"),
+                        [("matmul", key(1, "NVIDIA H200"), e)])
+    store.save("matmul", key(1), e)
+    assert main(["cache", "show"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [f"store at {tmp_path / 'store'}: 1 entry", "  matmul  1"]
+    start = next(i for i, line in enumerate(lines) if line.startswith("shipped winners"))
+    assert lines[start:] == [
+        f"shipped winners (read-only; the store's own rows win) at {tmp_path / 'shipped'}: "
+        f"5 entries in 2 files, 4 for the installed cuda-tile {ct_v} / tileiras {ti_v}",
+        f"  h100.json: NVIDIA H100 80GB HBM3 sm_90 cuda-tile 0.1 tileiras {ti_v}: 1 entry",
+        f"  h100.json: NVIDIA H100 80GB HBM3 sm_90 cuda-tile {ct_v} tileiras {ti_v}: 3 entries",
+        f"  h200.json: NVIDIA H200 sm_90 cuda-tile {ct_v} tileiras {ti_v}: 1 entry",
+        "  matmul  3", "  rope    2"]
+    assert store.entries() == {"matmul": {key(1): e}}       # the shipped rows stay apart
 
 
 def test_cache_show_counts_per_op_then_entries(monkeypatch, tmp_path, capsys):
@@ -223,3 +257,111 @@ def test_bench_says_when_no_headline_row_matches(ops, clock, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "no row matched zzz (of 1 headline rows; --full has more)" in out
     assert "--plot ignored: no rows to plot" in out and not (tmp_path / "p.png").exists()
+
+
+# -- tune: presets and argument checks (tests/cpu/test_shipped_store.py runs it on a stand-in
+# GPU) ------------------------------------------------------------------------------------------
+
+def test_presets_parse_into_one_layer_configs():
+    from tiletune import pretune
+    assert pretune.specs(["llama3-8b"]) == [pretune.ModelSpec(
+        "llama", 4096, 14336, 32, 8, 128, name="llama3-8b")]
+    moe = pretune.specs(["qwen3-30b-a3b"])[0]
+    assert (moe.family, moe.experts, moe.top_k, moe.moe_intermediate, moe.kv_heads) == \
+        ("qwen3_moe", 128, 8, 768, 4)
+    assert [s.name for s in pretune.specs(["qwen3-8b", "mistral-7b", "qwen3-8b"])] == \
+        ["qwen3-8b", "mistral-7b"]
+    for name, spec in pretune.PRESETS.items():
+        assert spec.problems() == [] and spec.name == name
+        c = pretune.model_config(spec, 8192)
+        assert c.model_type == spec.family and c.num_hidden_layers == 1
+        assert (c.hidden_size, c.intermediate_size, c.num_attention_heads,
+                c.num_key_value_heads, c.head_dim) == (spec.hidden, spec.intermediate,
+                                                       spec.heads, spec.kv_heads, spec.head_dim)
+        assert c.vocab_size == pretune.VOCAB and c.max_position_embeddings == 8192
+    assert pretune.model_config(pretune.PRESETS["mistral-7b"], 4096).sliding_window is None
+
+
+def test_a_preset_with_changes_and_a_custom_model():
+    from tiletune import pretune
+    (s,) = pretune.specs(["llama3-8b"], hidden=2048, kv_heads=4)
+    assert (s.hidden, s.kv_heads, s.intermediate, s.name) == \
+        (2048, 4, 14336, "llama3-8b (modified)")
+    (s,) = pretune.specs(["qwen3-30b-a3b"], model="qwen3")      # dense: the experts go
+    assert s.family == "qwen3" and s.experts is None
+    (s,) = pretune.specs(None, model="qwen2", hidden=896, intermediate=4864, heads=14)
+    assert (s.kv_heads, s.head_dim, s.name) == (14, 64, "custom")
+    (s,) = pretune.specs(None, model=pretune.family("Qwen3-MoE"), hidden=1024,
+                         intermediate=3072, heads=16, kv_heads=8, head_dim=128, experts=64,
+                         top_k=4, moe_intermediate=512)
+    assert s.family == "qwen3_moe" and s.describe().endswith("64 experts of 512, top-4")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"])
+def test_each_familys_one_layer_model_builds_from_its_config(family):
+    """A tiny model of each family builds on the CPU from model_config, with one decoder layer
+    of the family's own classes (the MoE layer sparse)."""
+    from transformers import AutoModelForCausalLM
+    from tiletune import pretune
+    moe = dict(experts=4, top_k=2, moe_intermediate=16) if family == "qwen3_moe" else {}
+    spec = pretune.ModelSpec(family, 64, 96, 4, 2, 16, **moe)
+    model = AutoModelForCausalLM.from_config(pretune.model_config(spec, 32))
+    layers = model.model.layers
+    assert len(layers) == 1 and model.config.vocab_size == pretune.VOCAB
+    assert ("Sparse" in type(layers[0].mlp).__name__) == (family == "qwen3_moe")
+    ids = torch.randint(0, pretune.VOCAB, (1, 8))
+    assert model(input_ids=ids, labels=ids, use_cache=False).loss.isfinite()
+
+
+def test_tune_without_a_gpu_exits_2_and_says_why(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "store"))
+    path = tmp_path / "out.json"
+    assert main(["tune", "--preset", "llama3-8b", "--seq", "1024", "2048",
+                 "--export", str(path)]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith("tiletune tune: no CUDA GPU here")
+    assert "nothing was tuned" in out.err
+    assert not path.exists() and not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "give --preset NAME (llama3-8b, llama3.2-1b, qwen3-8b, qwen3-30b-a3b, mistral-7b) or "
+         "--model FAMILY"),
+    (["--preset", "llama4"], "argument --preset: invalid choice: 'llama4'"),
+    (["--model", "llama", "--hidden", "4096"], "--model llama needs --intermediate, --heads"),
+    (["--model", "gpt2", "--hidden", "64", "--intermediate", "96", "--heads", "4"],
+     "model 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, qwen3_moe"),
+    (["--model", "llama", "--hidden", "100", "--intermediate", "96", "--heads", "3"],
+     "--hidden 100 is not a multiple of --heads 3: give --head-dim"),
+    (["--preset", "llama3-8b", "--kv-heads", "5"],
+     "--heads 32 is not a multiple of --kv-heads 5"),
+    (["--preset", "llama3-8b", "--experts", "8"],
+     "--experts, --top-k and --moe-intermediate are for qwen3_moe models (this one is llama)"),
+    (["--preset", "llama3-8b", "--model", "qwen3_moe", "--experts", "8"],
+     "a qwen3_moe model needs --top-k, --moe-intermediate"),
+    (["--preset", "qwen3-30b-a3b", "--top-k", "200"], "--top-k 200 is more than --experts 128"),
+    (["--preset", "llama3-8b", "qwen3-8b", "--hidden", "1024"],
+     "--hidden cannot change several presets at once: give one --preset to change it"),
+    (["--preset", "llama3-8b", "--all"], "--all goes with --export PATH"),
+    (["--preset", "llama3-8b", "--seq", "0"], "argument --seq: not an integer >= 1: '0'"),
+    (["--preset", "llama3-8b", "--batch", "two"], "argument --batch: not an integer >= 1: 'two'"),
+    (["--preset", "llama3-8b", "--dtype", "fp32"], "argument --dtype: invalid choice: 'fp32'"),
+])
+def test_tune_argument_errors_are_one_clear_line_before_any_work(argv, message, monkeypatch,
+                                                                  capsys):
+    monkeypatch.setattr(torch.cuda, "is_available",
+                        lambda: pytest.fail("checked the GPU before the arguments"))
+    code, out, err = _exit(["tune", *argv], capsys)
+    assert code == 2 and not out and err.count("error:") == 1
+    assert message in err, err
+
+
+def test_tune_help_lists_the_presets(capsys):
+    code, out, _ = _exit(["tune", "--help"], capsys)
+    assert code == 0 and "--export PATH" in out and "--no-backward" in out
+    from tiletune import pretune
+    for spec in pretune.PRESETS.values():
+        assert "  " + spec.describe() in out
+    code, out, _ = _exit(["--help"], capsys)
+    assert "{bench,compile,cache,tune}" in out

@@ -345,3 +345,32 @@ def test_cache_show_prints_what_it_can_of_malformed_entries(folder, capsys):
     assert main(["cache", "show"]) == 0
     out = capsys.readouterr().out
     assert out.count("malformed entry skipped") == 2 and "malformed timing skipped" not in out
+
+
+# 9. several processes creating the store at once (every rank of a job at its first miss)
+
+def test_switching_a_new_store_to_wal_waits_for_a_process_doing_the_same(folder, monkeypatch):
+    """sqlite answers "database is locked" at once, without the busy timeout, to `PRAGMA
+    journal_mode = WAL` while another process switches the same new database (seen with 2-4
+    processes opening a new store at the same instant): the switch is retried, no warning."""
+    real_connect = store.sqlite3.connect
+    refusals = []
+
+    class Switching:
+        def __init__(self, conn):
+            self._conn = conn
+
+        def execute(self, sql, *args):
+            if sql == "PRAGMA journal_mode = WAL" and len(refusals) < 3:
+                refusals.append(sql)
+                raise sqlite3.OperationalError("database is locked")
+            return self._conn.execute(sql, *args)
+
+        def __getattr__(self, name):
+            return getattr(self._conn, name)
+
+    with monkeypatch.context() as m:
+        m.setattr(store.sqlite3, "connect", lambda *a, **k: Switching(real_connect(*a, **k)))
+        (_, warned) = recorded(store.save, OP, skey(1), {"config": {"tile": 1}})
+    assert len(refusals) == 3 and warned == []
+    assert stored(folder) == {skey(1): {"config": {"tile": 1}}}

@@ -10,6 +10,15 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.gpu)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def no_shipped_winners():
+    """The GPU tests count searches: winners shipped with the package must not answer their
+    keys (subprocesses inherit the setting)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TILETUNE_SHIPPED", "off")
+        yield
+
+
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """Empty in-memory caches and an empty store for one test; autotuning on."""

@@ -1,0 +1,498 @@
+"""Multi-GPU tuning (tiletune/distributed.py) on CPU: the agreement protocol with threads as ranks
+over one c10d HashStore; the engine with a stand-in search in one process (devices kept apart, the
+store shared by every device of a model); every op's keys carry the device; and a job of two
+processes over gloo running the engine's real miss path (tests/cpu/dist_worker.py)."""
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import cuda.tile as ct
+import cuda.tile.tune
+import pytest
+import torch
+import torch.distributed as dist
+
+from tiletune import autotune, device, distributed, precompile, store, timing
+from tiletune.autotune import Autotuner, Search, job_key
+from tiletune.distributed import Agreement, DistributedTuningError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# -- the protocol: threads as ranks over one store ------------------------------------------------
+
+def ranks(world, store=None, **kw):
+    store = store or dist.HashStore()
+    return [Agreement(store, r, world, prefix="t", **kw) for r in range(world)]
+
+
+def fake_measure(rank, log, delay=0.0, fail=()):
+    """measure(indices): config i takes 10 + i + rank us (so a rank alone would pick config 0),
+    those in `fail` fail; logs (rank, i) of what it timed."""
+    def measure(indices):
+        time.sleep(delay)
+        log.extend((rank, i) for i in indices)
+        timings = [{"i": i, "mean_us": 10.0 + i + rank, "error_us": 0.1, "samples": 5}
+                   for i in indices if i not in fail]
+        return timings, [{"i": i, "error": "RuntimeError", "message": "boom"}
+                         for i in indices if i in fail]
+    return measure
+
+
+def conclude(timings, failures):
+    """The engine's conclude, reduced: the fastest merged timing wins, ties to the earlier."""
+    best = min(timings, key=lambda t: (t["mean_us"], t["i"]))
+    return {"config": {"i": best["i"]}, "timings": timings, "failures": failures}
+
+
+def together(fns):
+    """Run fns at once, one thread each; their results (or exceptions) in order."""
+    results, gate = [None] * len(fns), threading.Barrier(len(fns))
+
+    def run(k):
+        gate.wait()
+        try:
+            results[k] = fns[k]()
+        except Exception as e:
+            results[k] = e
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(fns))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    return results
+
+
+def test_ranks_share_the_configs_and_take_one_decision():
+    log, job = [], ranks(3)
+    out = together([lambda a=a: a.agree("k", 7, fake_measure(a.rank, log, 0.2), conclude)
+                    for a in job])
+    assert all(o.entry == out[0].entry for o in out)
+    timed = sorted(i for _, i in log)
+    assert timed == list(range(7))                      # every config timed once in the job
+    assert {r for r, _ in log} == {0, 1, 2}             # by all three ranks
+    assert sum(o.decided_here for o in out) == 1 and {o.how for o in out} == {"search"}
+    assert sorted(o.role for o in out) == ["finisher", "helper", "helper"]
+    finisher = next(o for o in out if o.role == "finisher")
+    assert [t["i"] for t in finisher.entry["timings"]] == list(range(7))
+
+
+def test_a_key_one_rank_meets_costs_it_no_wait_and_the_others_take_its_decision():
+    log, job = [], ranks(2, timeout=5.0)
+    t0 = time.perf_counter()
+    alone = job[1].agree("x", 4, fake_measure(1, log), conclude)
+    assert time.perf_counter() - t0 < 1.0 and alone.wait_s < 0.5
+    assert alone.how == "alone" and alone.decided_here and sorted(alone.timed) == [0, 1, 2, 3]
+    assert alone.entry["config"] == {"i": 0}
+    later = job[0].agree("x", 4, fake_measure(0, log), conclude)
+    assert later.role == "adopted" and later.timed == [] and later.entry == alone.entry
+    assert len(log) == 4
+
+
+def test_keys_met_in_opposite_orders_do_not_wait_for_each_other():
+    log, job = [], ranks(2, timeout=30.0)
+
+    def walk(a, names):
+        return [a.agree(n, 4, fake_measure(a.rank, log, 0.2), conclude) for n in names]
+    t0 = time.perf_counter()
+    r0, r1 = together([lambda: walk(job[0], "AB"), lambda: walk(job[1], "BA")])
+    assert time.perf_counter() - t0 < 5.0                # no timeout in the way
+    assert r0[0].entry == r1[1].entry and r0[1].entry == r1[0].entry
+    per_key = {}
+    for o, name in zip(r0 + r1, "ABBA"):
+        per_key.setdefault(name, []).extend(o.timed)
+    assert all(sorted(v) == [0, 1, 2, 3] for v in per_key.values())   # each key searched once
+
+
+def test_a_stored_winner_published_mid_search_is_the_decision():
+    log, job = [], ranks(2)
+    stored = {"config": {"i": 3}, "timings": []}
+
+    def late_store():
+        time.sleep(0.1)
+        return job[0].agree("s", 4, fake_measure(0, log), conclude, stored=stored)
+    searching, publishing = together([
+        lambda: job[1].agree("s", 4, fake_measure(1, log, 0.4), conclude), late_store])
+    assert publishing.role == "store" and publishing.decided_here
+    assert searching.entry == stored and searching.how == "store" and not searching.decided_here
+
+
+def test_a_rank_waiting_for_a_stopped_finisher_takes_over():
+    """Rank 0 took every chunk, published their timings and claimed the final round, then
+    stopped: rank 1 waits `timeout`, then decides from the published timings."""
+    job = ranks(2, timeout=0.3)
+    ns = job[0]._namespace("d", False)
+    job[0].store.add(ns + "/next", 2)
+    for c in range(2):
+        job[0].store.set(f"{ns}/c{c}", json.dumps({"timings": [
+            {"i": i, "mean_us": 20.0 - i, "error_us": 0.1, "samples": 5, "rank": 0}
+            for i in range(c, 4, 2)], "failures": []}))
+    job[0].store.compare_set(ns + "/fin", "", "0")
+    log = []
+    out = job[1].agree("d", 4, fake_measure(1, log), conclude)
+    assert out.took_over and out.decided_here and 0.3 <= out.wait_s < 1.0
+    assert log == [] and out.entry["config"] == {"i": 3}     # rank 0's timings, none retimed
+
+
+def test_a_finisher_times_a_chunk_whose_rank_stopped_or_raises_if_told():
+    for policy in ("local", "raise"):
+        job = ranks(2, timeout=0.3, on_timeout=policy)
+        job[0].store.add(job[0]._namespace("c", False) + "/next", 1)   # chunk 0, never timed
+        log = []
+        if policy == "raise":
+            with pytest.raises(DistributedTuningError, match="waited 0 s for the timings"):
+                job[1].agree("c", 4, fake_measure(1, log), conclude)
+            continue
+        out = job[1].agree("c", 4, fake_measure(1, log), conclude)
+        assert out.took_over and sorted(i for _, i in log) == [0, 1, 2, 3]
+
+
+def test_a_rank_whose_search_raises_publishes_its_configs_as_failed():
+    """Nobody waits for the timings of a rank that raised: its configs count as failures."""
+    job, log = ranks(2, timeout=10.0), []
+
+    def broken(indices):
+        raise RuntimeError("device lost")
+    t0 = time.perf_counter()
+    bad, good = together([lambda: job[0].agree("e", 4, broken, conclude),
+                          lambda: job[1].agree("e", 4, fake_measure(1, log, 0.3), conclude)])
+    assert isinstance(bad, RuntimeError) and time.perf_counter() - t0 < 5.0
+    assert sorted(f["error"] for f in good.entry["failures"]) == ["RuntimeError"] * 2
+    assert {t["i"] for t in good.entry["timings"]} == {i for _, i in log}
+
+
+def test_fresh_opens_a_new_round():
+    job, log = ranks(1), []
+    first = job[0].agree("f", 2, fake_measure(0, log), conclude)
+    again = job[0].agree("f", 2, fake_measure(0, log), conclude)
+    assert again.role == "adopted" and len(log) == 2
+    fresh = job[0].agree("f", 2, fake_measure(0, log), conclude, fresh=True)
+    assert fresh.decided_here and len(log) == 4 and first.entry == fresh.entry
+
+
+def test_replicate_mode_merges_every_ranks_means():
+    log, job = [], ranks(2, mode="replicate")
+    out = together([lambda a=a: a.agree("r", 3, fake_measure(a.rank, log, 0.3, fail={2}
+                                                             if a.rank else ()), conclude)
+                    for a in job])
+    assert out[0].entry == out[1].entry and sorted(log) == [(r, i) for r in (0, 1)
+                                                            for i in range(3)]
+    timings = out[0].entry["timings"]
+    assert [(t["i"], t["mean_us"], t["ranks"]) for t in timings] == [(0, 10.5, [0, 1]),
+                                                                    (1, 11.5, [0, 1])]
+    assert [(f["i"], f["ranks"]) for f in out[0].entry["failures"]] == [(2, [1])]
+
+
+def test_set_process_group_checks_its_arguments():
+    with pytest.raises(ValueError, match="mode"):
+        distributed.set_process_group(mode="gather")
+    with pytest.raises(ValueError, match="on_timeout"):
+        distributed.set_process_group(on_timeout="hang")
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            distributed.set_process_group()
+    with pytest.raises(ValueError, match="not a member"):
+        distributed.set_process_group(store=dist.HashStore(), rank=2, world_size=2)
+    assert distributed.get_process_group() is None
+
+
+# -- the engine in one process ----------------------------------------------------------------------
+
+@ct.kernel
+def _k(x, T: ct.Constant[int]):
+    ct.store(x, (ct.bid(0),), ct.load(x, (ct.bid(0),), (T,)))
+
+
+def _space(arch, n):
+    for occ in (1, 2, 4):
+        yield SimpleNamespace(tile=n, occupancy=occ)
+
+
+@pytest.fixture
+def engine(monkeypatch, tmp_path):
+    """The engine with the GPU stood in for: occupancy 2 wins the search and the final round."""
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "store"))
+    monkeypatch.delenv("DISABLE_AUTOTUNE", raising=False)
+    monkeypatch.setattr(device, "arch", lambda d=None: "sm_90")
+    monkeypatch.setattr(device, "gpu_name", lambda d: "Fake H100")
+    monkeypatch.setattr(device, "current_stream", lambda dev: "stream")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # devices 0 and 1
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(precompile, "enabled", lambda: False)
+    launches, searched = [], []
+    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args: launches.append(kernel))
+
+    def search(space, stream, grid_fn, kernel, args_fn, hints_fn=None, **kw):
+        searched.append([c.occupancy for c in space])
+        ok = [cuda.tile.tune.Measurement(config=c, mean_us=10.0 + abs(c.occupancy - 2),
+                                         num_samples=5, error_margin_us=0.1) for c in space]
+        return cuda.tile.tune.TuningResult(best=ok[0], successes=ok, failures=[])
+    monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", search)
+    # the final round (the winner and the default) agrees with the search
+    monkeypatch.setattr(timing, "time_interleaved", lambda c, **kw: {i: 10.0 + i for i, _, _ in c})
+    monkeypatch.setattr(distributed, "_agreement", None)
+    t = Autotuner(f"dist_engine_{id(tmp_path)}", _k, _space,
+                  default=SimpleNamespace(tile=8, occupancy=1),
+                  space=lambda x, n: dict(n=n), grid=lambda c, dev, x, n: (1,),
+                  args=lambda c, x, n: (x, c.tile))
+    monkeypatch.setitem(autotune._registry, t.name, t)
+    yield SimpleNamespace(tuner=t, launches=launches, searched=searched)
+
+
+def test_job_key_reads_the_device_index_an_op_puts_last_as_0():
+    assert job_key((4096, torch.bfloat16, 3), 3) == (4096, torch.bfloat16, 0)
+    assert job_key((4096, 0), 0) == (4096, 0)
+    assert job_key((4096, 7), 3) == (4096, 7)            # not its device: kept
+    assert job_key((4096, True), 1) == (4096, True)       # a flag, not an index
+    assert job_key(("k", torch.device("cuda", 2)), torch.device("cuda", 2)) == \
+        ("k", torch.device("cuda", 0))
+    assert job_key((), 1) == ()
+
+
+def test_a_second_gpu_gets_its_own_kernel_and_the_first_gpus_stored_winner(engine):
+    """Keys on cuda:1 never reuse what was resolved for cuda:0 in memory (own cache entry, own
+    kernel object, own launch plan); the store serves both (one search, one row)."""
+    t, x = engine.tuner, torch.zeros(4)
+    t.launch((16, 0), 0, x, 16)
+    t.launch((16, 1), 1, x, 16)
+    assert len(engine.searched) == 1 and t.records[(16, 1)].source == "store"
+    (cfg0, k0), (cfg1, k1) = t.cache[(16, 0)], t.cache[(16, 1)]
+    assert cfg0 == cfg1 and k0 is not k1
+    engine.launches.clear()
+    for dev in (0, 1, 1, 0):
+        t.launch((16, dev), dev, x, 16)
+    assert engine.launches == [k0, k1, k1, k0]
+    assert t._plans[(16, 0)][0] is k0 and t._plans[(16, 1)][0] is k1
+    (skey,) = store.entries(t.name)[t.name]
+    assert skey.startswith("16 | 0 | Fake H100")
+
+
+def test_a_hit_never_consults_the_process_group(engine, monkeypatch):
+    t, x = engine.tuner, torch.zeros(4)
+    t.launch((16, 0), 0, x, 16)
+    monkeypatch.setattr(distributed, "current", lambda: pytest.fail("consulted on a hit"))
+    t.launch((16, 0), 0, x, 16)
+    assert len(engine.launches) == 3          # warm launch after the search, then two calls
+
+
+def test_a_job_of_one_rank_tunes_stores_once_and_records_the_agreement(engine):
+    t, x = engine.tuner, torch.zeros(4)
+    distributed.set_process_group(store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t.launch((32, 0), 0, x, 32)
+        rec = t.records[(32, 0)]
+        assert rec.source == "search" and rec.config == {"tile": 32, "occupancy": 2}
+        assert rec.agreement["how"] == "alone" and rec.agreement["role"] == "finisher"
+        assert [tm["rank"] for tm in rec.timings] == [0, 0, 0]
+        assert len(store.entries(t.name)[t.name]) == 1
+        t.clear()                           # the job's decision stands: nothing timed again
+        store.clear()
+        t.launch((32, 0), 0, x, 32)
+        assert t.records[(32, 0)].source == "agreed" and len(engine.searched) == 1
+        assert store.entries() == {}         # adopting a decision writes nothing
+    finally:
+        distributed.clear_process_group()
+
+
+def test_capture_takes_the_jobs_decision(engine, monkeypatch):
+    t, x = engine.tuner, torch.zeros(4)
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", "off")
+    distributed.set_process_group(store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t.launch((64, 0), 0, x, 64)
+        t.clear()
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        with pytest.warns(UserWarning, match="capture"):
+            cfg, _ = t.tune((64, 0), 0, Search(dict(n=64), lambda c: (1,), lambda c: ()))
+        assert cfg.occupancy == 2 and len(engine.searched) == 1
+    finally:
+        distributed.clear_process_group()
+
+
+# -- every op keys its launches by device ------------------------------------------------------------
+
+def _device_runs():
+    from tests.cpu import test_launch_plans as plans
+    from tiletune.ops import gated_mlp as GM
+    from tiletune.ops import matmul as MM
+    bf16 = torch.bfloat16
+
+    def matmul(m):
+        a, b = torch.randn(1, m, 64, dtype=bf16), torch.randn(1, 64, 96, dtype=bf16)
+        MM.launch(a, b, torch.empty(1, m, 96, dtype=bf16))
+
+    def gated(m):
+        x, w = torch.randn(1, m, 64, dtype=bf16), torch.randn(1, 64, 96, dtype=bf16)
+        y = torch.empty(1, m, 96, dtype=bf16)
+        GM.launch(x, w, w, y, y, y, 0, False)
+    runs = {op: (run, small) for op, (run, small, _) in plans.OPS.items()
+            if op != "rms_norm_wide_backward"}       # that entry passes a key by hand
+    runs.update(matmul=(matmul, 100), gated_mlp=(gated, 100))
+    return runs
+
+
+DEVICE_RUNS = _device_runs()
+
+
+@pytest.mark.parametrize("op", DEVICE_RUNS)
+def test_every_op_keys_its_launches_by_device(launches, monkeypatch, op):
+    """The op runs as if on cuda:0, then on cuda:1 (ct.launch stubbed): each tuner it uses
+    resolves a key per device, the keys differ only in their last part, the device index (which
+    the store and a job read as 0), and the cuda:1 run launches only kernels resolved for it."""
+    from tiletune.ops import fp8_gemm as F8
+
+    def resolve(self, key, dev, inputs, use_store=True):
+        cfg = self.config_list("sm_90", self._space(*inputs))[0]
+        return self.cache.setdefault(key, (cfg, f"{self.name} kernel for {dev}"))
+    monkeypatch.setattr(autotune.Autotuner, "_resolve", resolve)
+    monkeypatch.setattr(F8, "device_arch", lambda dev: "sm_90")
+    autotune.clear_cache()
+    run, size = DEVICE_RUNS[op]
+    try:
+        for dev in (0, 1):
+            monkeypatch.setitem(device._SM_COUNT, dev, 132)
+            monkeypatch.setattr(torch.Tensor, "get_device", lambda self, d=dev: d)
+            del launches[:]
+            run(size)
+            assert launches and all(k.endswith(f"for {dev}") for _, k, _ in launches)
+        tuned = {name: list(t.cache) for name, t in autotune.tuners().items() if t.cache}
+        assert tuned
+        for name, keys in tuned.items():
+            assert sorted(k[-1] for k in keys) == [0, 1], (name, keys)
+            k0, k1 = sorted(keys, key=lambda k: k[-1])
+            assert k0[:-1] == k1[:-1] and job_key(k1, 1) == k0, (name, keys)
+    finally:
+        autotune.clear_cache()
+
+
+# -- a job of two processes over gloo --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """Both ranks of tests/cpu/dist_worker.py, run once: {rank: what it saw}."""
+    folder = tmp_path_factory.mktemp("job")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TILETUNE_CACHE_DIR", "DISABLE_AUTOTUNE", "TILETUNE_LOG")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    worker = os.path.join(ROOT, "tests", "cpu", "dist_worker.py")
+    procs = [subprocess.Popen([sys.executable, worker, str(r), "2", str(folder)], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=120)[0].decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = {}
+    for r in range(2):
+        path = folder / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote nothing:\n{outputs[r][-3000:]}"
+        results[r] = json.loads(path.read_text())
+        assert "error" not in results[r], results[r].get("error")
+    results["folder"] = folder
+    results["output"] = outputs
+    return results
+
+
+def _same(job, name):
+    a, b = job[0][name], job[1][name]
+    return a["config"] == b["config"], a, b
+
+
+def test_job_ranks_that_would_disagree_alone_launch_one_config(job):
+    for n in range(2):
+        a, b = job[0]["same_order"][n], job[1]["same_order"][n]
+        assert a["config"] == b["config"]
+        ra, rb = a["record"], b["record"]
+        assert (ra["config"], ra["timings"], ra["final"], ra["failures"]) == \
+            (rb["config"], rb["timings"], rb["final"], rb["failures"])
+        assert {t["rank"] for t in ra["timings"]} == {0, 1}      # timed by both ranks
+        assert ra["agreement"]["how"] == "search" and ra["agreement"]["by"] in (0, 1)
+    for n, tile in enumerate((16, 32)):                 # each config timed once in the job
+        timed = [o for r in (0, 1) for t, o in job[r]["same_order_timed"] if t == tile]
+        assert sorted(timed) == [1, 2, 4, 8]
+        roles = sorted(job[r]["same_order"][n]["record"]["agreement"]["role"] for r in (0, 1))
+        assert roles == ["finisher", "helper"]
+
+
+def test_job_stores_each_decision_once(job):
+    saves = job[0]["saves"] + job[1]["saves"]
+    assert len(saves) == len({tuple(s) for s in saves})
+    shared = [s for s in saves if s[1].split(" | ")[0] in ("16", "32")]
+    assert len(shared) == 2 and all(" | 0 | Fake H100 |" in s[1] for s in shared)
+
+
+def test_job_a_key_only_one_rank_meets_does_not_hang(job):
+    extra = job[1]["extra"]
+    assert extra["seconds"] < 2.0 and extra["record"]["agreement"]["how"] == "alone"
+    assert extra["record"]["agreement"]["wait_s"] < 0.5 and "extra" not in job[0]
+
+
+def test_job_keys_met_in_opposite_orders_agree_without_waiting(job):
+    for n in ("128", "256"):
+        assert job[0]["opposite"][n]["config"] == job[1]["opposite"][n]["config"]
+        timed = [o for r in (0, 1) for t, o in job[r]["opposite_timed"] if str(t) == n]
+        assert sorted(timed) == [1, 2, 4, 8]            # one search per key in the job
+    assert max(job[0]["opposite_s"], job[1]["opposite_s"]) < 5.0
+
+
+def test_job_warm_starts_from_a_store_written_on_one_gpu(job):
+    same, a, b = _same(job, "warm")
+    assert same and job[0]["warm_timed"] == [] and job[1]["warm_timed"] == []
+    assert a["record"]["key"] == ["512", "0"] and b["record"]["key"] == ["512", "1"]
+    assert {a["record"]["source"], b["record"]["source"]} == {"store"}
+
+
+def test_job_one_ranks_stored_winner_is_the_jobs_decision(job):
+    same, a, b = _same(job, "own_store")
+    assert same and a["config"]["occupancy"] == 4
+    assert a["record"]["source"] == "store" and b["record"]["source"] == "agreed"
+    assert job[1]["own_store_timed"] == [] and job[1]["own_store_rows"] == 0
+
+
+def test_job_a_rank_that_stopped_mid_search_costs_the_timeout_then_its_configs(job):
+    dead = job[1]["dead"]
+    assert dead["record"]["agreement"]["took_over"] and 2.0 <= dead["seconds"] < 10.0
+    assert dead["record"]["agreement"]["timed"] and len(dead["record"]["timings"]) == 4
+    assert job[1]["dead_log"] and "on_timeout='local'" in job[1]["dead_log"][0]
+    assert "waited 2 s" in job[1]["raise"] and "on_timeout='raise'" in job[1]["raise"]
+    assert 2.0 <= job[1]["raise_s"] < 10.0
+
+
+def test_job_replicate_mode_times_everything_everywhere_and_agrees(job):
+    same, a, b = _same(job, "replicate")
+    assert same
+    for r in (0, 1):
+        assert sorted(o for _, o in job[r]["replicate_timed"]) == [1, 2, 4, 8]
+    assert all(t["ranks"] == [0, 1] for t in a["record"]["timings"])
+
+
+def test_job_every_config_failing_fails_every_rank_alike(job):
+    assert job[0]["all_fail"] == job[1]["all_fail"] and len(job[0]["all_fail"]) == 4
+
+
+def test_the_two_gpu_script_passes_its_dry_run(tmp_path):
+    """tests/gpu/distributed_2gpu.py (what the 2-GPU test runs under torchrun) on CPU over gloo,
+    torch math behind stand-in tuners: its checks pass with the agreement on."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DISABLE_AUTOTUNE", "TILETUNE_LOG")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         os.path.join(ROOT, "tests", "gpu", "distributed_2gpu.py"), "--dry-run", "--dir",
+         str(tmp_path), "--steps", "2", "--hidden", "64", "--heads", "4", "--inter", "128",
+         "--vocab", "256", "--watchdog", "100"],
+        capture_output=True, text=True, timeout=150, cwd=ROOT, env=env)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0 and "RESULT: PASS" in text, text[-4000:]
+    assert text.count("PASS") >= 8 and "FAIL" not in text

@@ -1,0 +1,366 @@
+"""Shipped winners (read-only package data consulted where the user's store has no row) and
+`python -m tiletune tune` on a stand-in GPU: the lookup on hand-written files, then through the
+engine's real code with a stand-in search (tests/cpu/test_engine.py's), and the export format
+read back by the lookup."""
+import json
+import os
+import re
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tiletune import autotune, device, env as tt_env, pretune, store
+from tiletune.__main__ import main
+from tests.cpu import test_engine
+
+env = test_engine.env        # the engine with a stand-in search, launch and final round
+
+OP = "matmul"
+SPACE = "space 0123456789abcdef"
+
+
+def skey(i=0, dev=0, gpu="NVIDIA H100 80GB HBM3", arch="sm_90", ct="1.7.0", ti="13.4.92",
+         space=SPACE):
+    return (f"{4096 * (i + 1)} | 14336 | torch.bfloat16 | {dev} | {gpu} | {arch} | "
+            f"cuda-tile {ct} | tileiras {ti} | {space}")
+
+
+def entry(tile=64):
+    return {"config": {"tile": tile}, "best_us": 9.5, "search_s": 1.0, "timings": [],
+            "failures": [{"config": {"tile": 512}, "error": "TileCompilerError",
+                          "message": "shared memory exceeds limit\n(232448 bytes)\n" * 40}]}
+
+
+@pytest.fixture
+def shipped(monkeypatch, tmp_path):
+    """An empty store and an empty folder of shipped files (TILETUNE_SHIPPED points there)."""
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "store"))
+    folder = tmp_path / "shipped"
+    folder.mkdir()
+    monkeypatch.setenv("TILETUNE_SHIPPED", str(folder))
+    monkeypatch.setattr(tt_env, "_warned", set())
+    monkeypatch.setattr(store, "_used", {})
+    return folder
+
+
+def ship(folder, rows, name="h100.json"):
+    path = folder / name
+    store.write_shipped(str(path), rows, {"tiletune": "test"})
+    return path
+
+
+# -- the lookup --------------------------------------------------------------------------------
+
+def test_a_shipped_winner_answers_where_the_store_has_no_row(shipped):
+    ship(shipped, [(OP, skey(), entry(64))])
+    got = store.load(OP, skey())
+    assert got == entry(64) and isinstance(got, store.ShippedEntry)
+    assert store.source_of(got) == "shipped" and store.used() == {(OP, skey()): "shipped"}
+    assert store.load(OP, skey(1)) is None and store.load("rope", skey()) is None
+    assert store.entries() == {}                    # nothing copied into the user's store
+
+
+def test_the_users_own_row_wins(shipped):
+    ship(shipped, [(OP, skey(), entry(64))])
+    store.save(OP, skey(), entry(128))
+    got = store.load(OP, skey())
+    assert got["config"] == {"tile": 128} and store.source_of(got) == "store"
+    store.delete(OP, skey())                        # back to the shipped one
+    assert store.load(OP, skey())["config"] == {"tile": 64}
+
+
+@pytest.mark.parametrize("stale", [dict(gpu="NVIDIA H200"), dict(gpu="NVIDIA H100 PCIe"),
+                                   dict(arch="sm_100"), dict(ct="1.8.0"), dict(ti="13.5.0"),
+                                   dict(space="space fedcba9876543210")])
+def test_a_stale_shipped_row_is_never_found(shipped, stale):
+    """Every part of the full key must match: GPU name, arch, cuda-tile, tileiras, config space
+    and kernel code."""
+    ship(shipped, [(OP, skey(**stale), entry())])
+    assert store.load(OP, skey()) is None
+    assert store.load(OP, skey(**stale)) is not None
+
+
+def test_a_row_tuned_on_device_0_serves_every_device_index(shipped):
+    """The device index (an op key's last part) names no property of the GPU: a winner tuned on
+    device 0 serves the same key at index 3. A row of another index serves that index only, and
+    a size differing is another key."""
+    ship(shipped, [(OP, skey(dev=0), entry(64)), (OP, skey(1, dev=2), entry(32))])
+    assert store.load(OP, skey(dev=3)) == entry(64)
+    assert store.load(OP, skey(1, dev=2)) == entry(32)
+    assert store.load(OP, skey(1, dev=3)) is None and store.load(OP, skey(1, dev=0)) is None
+    assert store.load(OP, skey(2, dev=3)) is None
+    # the part before the GPU name, where it is a number, of a key of the store key's shape
+    assert store._any_device("a | 1 | b") is None
+    assert store._any_device(skey(dev=7)) == store._any_device(skey(dev=0)) != skey(dev=0)
+    assert store._any_device(skey(dev=7)) != store._any_device(skey(1, dev=7))
+
+
+@pytest.mark.parametrize("value", ["off", "0", "no", "False", "disable"])
+def test_tiletune_shipped_off_turns_them_off(shipped, monkeypatch, value):
+    ship(shipped, [(OP, skey(), entry())])
+    monkeypatch.setenv("TILETUNE_SHIPPED", value)
+    assert store.shipped_source() is None and store.load(OP, skey()) is None
+    assert store.shipped_files() == []
+
+
+@pytest.mark.parametrize("value", [None, "", " ", "1", "on", "yes"])
+def test_unset_or_on_reads_the_package_folder(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("TILETUNE_SHIPPED", raising=False)
+    else:
+        monkeypatch.setenv("TILETUNE_SHIPPED", value)
+    assert store.shipped_source() == store.SHIPPED_DIR
+    assert store.SHIPPED_DIR == os.path.join(os.path.dirname(store.__file__), "shipped")
+
+
+def test_the_package_folder_holds_only_well_formed_shipped_files(monkeypatch):
+    monkeypatch.delenv("TILETUNE_SHIPPED", raising=False)
+    names = [n for n in os.listdir(store.SHIPPED_DIR) if n.endswith(".json")]
+    for name in names:
+        header, rows = store.read_shipped(os.path.join(store.SHIPPED_DIR, name))
+        assert rows and all(store.key_facts(key) for _, key, _ in rows), name
+
+
+def test_a_single_file_can_be_named(shipped, monkeypatch):
+    path = ship(shipped, [(OP, skey(), entry())], name="try.json")
+    monkeypatch.setenv("TILETUNE_SHIPPED", str(path))
+    assert store.load(OP, skey()) == entry()
+
+
+def test_the_shipped_file_is_never_written(shipped):
+    path = ship(shipped, [(OP, skey(), entry(64)), (OP, skey(1), entry(32))])
+    before = (path.read_bytes(), os.stat(path).st_mtime_ns)
+    store.load(OP, skey())
+    store.save(OP, skey(), entry(128))
+    store.delete(OP, skey(1))
+    store.clear()
+    store.prune(cuda_tile="9.9", tileiras="9.9", older_than_s=0.0)
+    store.load(OP, skey(1))
+    assert (path.read_bytes(), os.stat(path).st_mtime_ns) == before
+    assert sorted(os.listdir(shipped)) == ["h100.json"]
+
+
+def test_a_bad_shipped_file_is_left_out_with_one_warning(shipped):
+    ship(shipped, [(OP, skey(), entry())], name="good.json")
+    (shipped / "broken.json").write_text("{not json")
+    (shipped / "foreign.json").write_text(json.dumps({"format": "other", "rows": []}))
+    (shipped / "notes.txt").write_text("not read")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert store.load(OP, skey()) == entry()
+        assert store.load(OP, skey(1)) is None
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 2
+    assert "broken.json" in messages[0] and "foreign.json" in messages[1]
+    assert "not a tiletune-shipped-1 file" in messages[1]
+
+
+def test_malformed_rows_are_skipped_and_a_changed_file_is_read_again(shipped):
+    path = shipped / "h100.json"
+    rows = [{"op": OP, "key": skey(), "entry": entry(64)}, {"op": OP, "key": 5, "entry": {}},
+            {"op": OP, "key": skey(1), "entry": [1]}, "junk"]
+    path.write_text(json.dumps({"format": store.SHIPPED_FORMAT, "rows": rows}))
+    assert store.load(OP, skey()) == entry(64) and store.load(OP, skey(1)) is None
+    ship(shipped, [(OP, skey(1), entry(16))])       # merged: the old row stays
+    assert store.load(OP, skey(1)) == entry(16) and store.load(OP, skey()) == entry(64)
+
+
+# -- the export format -------------------------------------------------------------------------
+
+def test_export_merges_and_writes_one_row_a_line(shipped, tmp_path):
+    path = tmp_path / "out" / "h100.json"
+    assert store.write_shipped(str(path), [(OP, skey(), entry(64))]) == (1, 0)
+    written, kept = store.write_shipped(
+        str(path), [(OP, skey(), entry(128)), ("rope", skey(), entry(8))], {"x": 1})
+    assert (written, kept) == (2, 0)                # the same key: replaced
+    data = json.loads(path.read_text())
+    assert data["format"] == store.SHIPPED_FORMAT and data["x"] == 1
+    assert [(r["op"], r["entry"]["config"]) for r in data["rows"]] == [
+        (OP, {"tile": 128}), ("rope", {"tile": 8})]
+    assert path.read_text().count("\n  {") == 2      # one row a line
+    assert store.write_shipped(str(path), [(OP, skey(1), entry())]) == (3, 2)
+    bad = tmp_path / "notes.json"
+    bad.write_text('{"a": 1}')
+    with pytest.raises(ValueError, match="not a tiletune-shipped-1 file"):
+        store.write_shipped(str(bad), [(OP, skey(), entry())])
+    assert bad.read_text() == '{"a": 1}'
+
+
+def test_exported_entries_keep_only_the_first_line_of_failure_messages():
+    slim = pretune._slim(entry())
+    assert slim["failures"][0]["message"] == "shared memory exceeds limit"
+    assert slim["config"] == {"tile": 64} and entry()["failures"][0]["message"].count("\n") == 80
+
+
+def test_gpu_rows_are_this_gpus_and_softwares(shipped):
+    store.save(OP, skey(), entry(1))
+    store.save(OP, skey(1, dev=1), entry(2))
+    store.save(OP, skey(2, gpu="NVIDIA H200"), entry(3))
+    store.save(OP, skey(3, ct="1.6.0"), entry(4))
+    store.save("rope", "not a store key", entry(5))
+    rows = pretune.gpu_rows("NVIDIA H100 80GB HBM3", "sm_90", "1.7.0", "13.4.92")
+    assert sorted(e["config"]["tile"] for _, _, e in rows) == [1, 2]
+
+
+# -- through the engine ------------------------------------------------------------------------
+
+def _store_key(t, key, n=16):
+    return t.store_key(key, 0, t.config_list("sm_90", dict(n=n)))
+
+
+def test_the_engine_launches_a_shipped_winner_without_searching(env, shipped):
+    t = env.make()
+    ship(shipped, [(t.name, _store_key(t, ("k", 1)), {"config": {"tile": 16, "occupancy": 4},
+                                                      "best_us": 7.0})])
+    cfg, kernel = test_engine.resolve(t, ("k", 1))
+    rec = t.records[("k", 1)]
+    assert cfg.occupancy == 4 and env.fake.calls == 0 and rec.source == "shipped"
+    assert rec.best_us == 7.0 and kernel._compiler_options.occupancy == 4
+    assert store.entries() == {}
+    # the user's row overrides it; a shipped winner outside today's space is stale: search
+    store.save(t.name, _store_key(t, ("k", 1)), {"config": {"tile": 16, "occupancy": 1}})
+    t.clear()
+    cfg, _ = test_engine.resolve(t, ("k", 1))
+    assert cfg.occupancy == 1 and t.records[("k", 1)].source == "store" and env.fake.calls == 0
+    ship(shipped, [(t.name, _store_key(t, ("k", 2)), {"config": {"tile": 16, "occupancy": 64}})])
+    cfg, _ = test_engine.resolve(t, ("k", 2))
+    assert env.fake.calls == 1 and t.records[("k", 2)].source == "search"
+
+
+def test_the_engine_ignores_a_shipped_row_of_another_space(env, shipped):
+    t = env.make()
+    key = _store_key(t, ("k", 1)).rsplit(" | ", 1)[0] + " | space 0000000000000000"
+    ship(shipped, [(t.name, key, {"config": {"tile": 16, "occupancy": 4}})])
+    cfg, _ = test_engine.resolve(t, ("k", 1))
+    assert env.fake.calls == 1 and cfg.occupancy == 2 and t.records[("k", 1)].source == "search"
+
+
+def test_a_shipped_winner_that_fails_to_launch_is_searched_and_saved(env, shipped, monkeypatch):
+    x = torch.zeros(4)
+    t = autotune.Autotuner(f"failing_{id(env)}", test_engine._k, test_engine._space,
+                           default=SimpleNamespace(tile=8, occupancy=1),
+                           space=lambda x, n: dict(n=n), grid=lambda c, dev, x, n: (1,),
+                           args=lambda c, x, n: (x, c.occupancy))
+    monkeypatch.setitem(autotune._registry, t.name, t)
+    path = ship(shipped, [(t.name, t.store_key(("k",), "cpu", t.config_list("sm_90", dict(n=32))),
+                           {"config": {"tile": 32, "occupancy": 4}})])
+    before = path.read_bytes()
+
+    def launch(stream, grid, kernel, args):
+        if args[1] == 4:
+            raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")
+        env.launches.append(args)
+    monkeypatch.setattr(test_engine.ct, "launch", launch)
+    t.launch(("k",), "cpu", x, 32)
+    assert env.fake.calls == 1 and t.cache[("k",)][0].occupancy == 2
+    (saved,) = store.entries(t.name)[t.name].values()
+    assert saved["config"]["occupancy"] == 2 and path.read_bytes() == before
+    t.clear()                                       # the next process: the user's row wins
+    t.launch(("k",), "cpu", x, 32)
+    assert env.fake.calls == 1 and t.records[("k",)].source == "store"
+
+
+# -- `tune` on a stand-in GPU, and its export read back -----------------------------------------
+
+@pytest.fixture
+def gpu(env, shipped, monkeypatch):
+    """`tune` with a stand-in GPU: building the model makes a stand-in; a step resolves two keys
+    of a stand-in op per sequence length (one shared by every length)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(device, "gpu_name", lambda d: "Fake H200")
+    t = env.make("tuned")
+    built = []
+
+    def build_model(spec, max_seq, dtype):
+        built.append((spec.name, max_seq, dtype))
+        return SimpleNamespace(spec=spec)
+
+    def step(model, batch, seq, backward):
+        test_engine.resolve(t, ("fwd", model.spec.hidden, batch * seq))
+        test_engine.resolve(t, ("shared", model.spec.hidden))
+    monkeypatch.setattr(pretune, "build_model", build_model)
+    monkeypatch.setattr(pretune, "step", step)
+    return SimpleNamespace(tuner=t, built=built, store=shipped.parent / "store", env=env)
+
+
+def test_tune_prints_each_key_and_a_summary_and_saves_them(gpu, capsys):
+    assert main(["tune", "--preset", "llama3.2-1b", "--seq", "1024", "2048"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    db = gpu.store / store.DB_NAME
+    assert out[0] == (f"tuning on Fake H200 (sm_90) at batch 1 x seq 1024, 2048, bf16, "
+                      f"forward + backward; store: {db}")
+    assert out[1] == "  " + pretune.PRESETS["llama3.2-1b"].describe()
+    tuned = [line for line in out if line.startswith("tuned ")]
+    name = gpu.tuner.name
+    assert len(tuned) == 3 and all(f" {name} (" in line for line in tuned)
+    assert any(re.fullmatch(rf"tuned   {name} \(fwd, 2048, 1024\) in \d+\.\ds: "
+                            r"\{'tile': 16, 'occupancy': 2\} 10\.00 us \(3 configs, 0 failed\)",
+                            line) for line in tuned), tuned
+    assert "llama3.2-1b batch 1 x seq 2048: 1 new key in" in "\n".join(out)
+    assert re.fullmatch(r"3 keys tuned in \d+\.\ds of search \(0 already in the store, "
+                        rf"0 shipped\); \d+\.\ds in all; store: {re.escape(str(db))}", out[-1])
+    assert gpu.built == [("llama3.2-1b", 2048, torch.bfloat16)]
+    assert len(store.entries()[name]) == 3
+
+    # a second process: every key is in the store, nothing searched
+    autotune.clear_cache()
+    gpu.env.fake.calls = 0
+    assert main(["tune", "--preset", "llama3.2-1b", "--seq", "1024", "2048",
+                 "--no-backward", "--dtype", "fp16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert gpu.env.fake.calls == 0 and "forward only" in out[0]
+    assert sum(line.startswith("store ") and "(in the store)" in line for line in out) == 3
+    assert out[-1].startswith("0 keys tuned in 0.0s of search (3 already in the store, 0 shipped)")
+
+
+def test_tune_export_round_trips_into_the_shipped_lookup(gpu, monkeypatch, tmp_path, capsys):
+    path = tmp_path / "export" / "fake-h200.json"
+    assert main(["tune", "--preset", "qwen3-8b", "--seq", "4096", "--export", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"exported 2 entries to {path} (2 rows in the file)" in out
+    header, rows = store.read_shipped(str(path))
+    assert header["format"] == store.SHIPPED_FORMAT and header["tiletune"]
+    assert {store.key_facts(k)[0] for _, k, _ in rows} == {"Fake H200"}
+    # another machine: a fresh store, these winners shipped
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "other_store"))
+    monkeypatch.setenv("TILETUNE_SHIPPED", str(path))
+    autotune.clear_cache()
+    gpu.env.fake.calls = 0
+    assert main(["tune", "--preset", "qwen3-8b", "--seq", "4096"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert gpu.env.fake.calls == 0
+    assert sum(line.startswith("shipped ") and "(a shipped winner)" in line for line in out) == 2
+    assert "(0 already in the store, 2 shipped)" in out[-1]
+    assert store.entries() == {}
+    # --all: every row of this GPU and software in the store, merged into the file
+    monkeypatch.setenv("TILETUNE_SHIPPED", "off")
+    autotune.clear_cache()
+    assert main(["tune", "--preset", "llama3-8b", "--seq", "128", "--export", str(path),
+                 "--all"]) == 0
+    assert f"exported 2 entries to {path} (3 rows in the file, 1 of them kept from it)" in \
+        capsys.readouterr().out          # this store's two; ("shared", 4096) replaced
+    assert len(store.read_shipped(str(path))[1]) == 3
+
+
+def test_tune_refuses_without_autotuning_or_a_store(gpu, monkeypatch, capsys):
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    assert main(["tune", "--preset", "llama3-8b"]) == 2
+    assert "DISABLE_AUTOTUNE=1 is set" in capsys.readouterr().err
+    monkeypatch.delenv("DISABLE_AUTOTUNE")
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", "off")
+    assert main(["tune", "--preset", "llama3-8b"]) == 2
+    assert "the store is off (TILETUNE_CACHE_DIR=off)" in capsys.readouterr().err
+    assert gpu.built == []
+
+
+def test_tune_export_to_a_foreign_file_fails_and_leaves_it(gpu, tmp_path, capsys):
+    path = tmp_path / "mine.json"
+    path.write_text("[]")
+    assert main(["tune", "--preset", "llama3-8b", "--export", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot export to {path}: ValueError: not a tiletune-shipped-1 file" in err
+    assert path.read_text() == "[]" and gpu.built == []           # refused before tuning

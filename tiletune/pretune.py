@@ -1,0 +1,281 @@
+"""Tuning a transformers model's keys ahead of training: `python -m tiletune tune`.
+
+A model's op keys depend on its layer shapes, the batch and sequence length and the dtype, never
+on its number of layers or its vocabulary (the embedding and the LM head are not tiletune ops).
+So `tune` builds the family's model with one decoder layer and a small vocabulary on the GPU,
+patches it with `apply_tiletune`, and runs one forward (and backward) at each (batch, seq): every
+key a training run of that shape meets is searched once and saved to the user's store, and the
+run itself starts with zero searches. `export` writes the winners in the shipped-file format
+(tiletune/store.py) that the package can carry as read-only defaults.
+"""
+import dataclasses
+import time
+from typing import Optional
+
+import torch
+
+from tiletune import autotune, store
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+                  "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
+# The embedding and LM head are plain torch: a small vocabulary keeps them cheap.
+VOCAB = 512
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The layer shapes that decide a model's op keys."""
+    family: str
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: Optional[int] = None
+    top_k: Optional[int] = None
+    moe_intermediate: Optional[int] = None
+    name: str = "custom"
+
+    def problems(self):
+        """What makes this spec unusable, as messages (empty when it is fine)."""
+        out = []
+        if self.family not in FAMILIES:
+            out.append(f"model {self.family!r} is not supported; supported: "
+                       f"{', '.join(FAMILIES)}")
+        if self.heads % self.kv_heads:
+            out.append(f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads}")
+        moe = (self.experts, self.top_k, self.moe_intermediate)
+        if self.family == "qwen3_moe":
+            missing = [flag for flag, v in zip(("--experts", "--top-k", "--moe-intermediate"), moe)
+                       if v is None]
+            if missing:
+                out.append(f"a qwen3_moe model needs {', '.join(missing)}")
+            elif self.top_k > self.experts:
+                out.append(f"--top-k {self.top_k} is more than --experts {self.experts}")
+        elif any(v is not None for v in moe):
+            out.append("--experts, --top-k and --moe-intermediate are for qwen3_moe models "
+                       f"(this one is {self.family})")
+        return out
+
+    def describe(self):
+        text = (f"{self.family}: hidden {self.hidden}, intermediate {self.intermediate}, "
+                f"heads {self.heads}/{self.kv_heads} of {self.head_dim}")
+        if self.family == "qwen3_moe":
+            text += (f", {self.experts} experts of {self.moe_intermediate}, "
+                     f"top-{self.top_k}")
+        return text if self.name == "custom" else f"{self.name} [{text}]"
+
+
+# From the models' public config.json files (vocabulary and layer count left out: no key
+# depends on them). mistral-7b is v0.3 (no sliding window).
+PRESETS = {
+    "llama3-8b": ModelSpec("llama", 4096, 14336, 32, 8, 128, name="llama3-8b"),
+    "llama3.2-1b": ModelSpec("llama", 2048, 8192, 32, 8, 64, name="llama3.2-1b"),
+    "qwen3-8b": ModelSpec("qwen3", 4096, 12288, 32, 8, 128, name="qwen3-8b"),
+    "qwen3-30b-a3b": ModelSpec("qwen3_moe", 2048, 6144, 32, 4, 128, experts=128, top_k=8,
+                               moe_intermediate=768, name="qwen3-30b-a3b"),
+    "mistral-7b": ModelSpec("mistral", 4096, 14336, 32, 8, 128, name="mistral-7b"),
+}
+
+SHAPE_FLAGS = {"model": "--model", "hidden": "--hidden", "intermediate": "--intermediate",
+               "heads": "--heads", "kv_heads": "--kv-heads", "head_dim": "--head-dim",
+               "experts": "--experts", "top_k": "--top-k",
+               "moe_intermediate": "--moe-intermediate"}
+
+
+def family(name):
+    """A family name as the CLI takes it: llama, mistral, qwen2, qwen3, qwen3_moe (also
+    qwen3-moe), any case."""
+    return name.strip().lower().replace("-", "_")
+
+
+def specs(presets=None, **shape):
+    """The ModelSpecs the CLI's flags describe: `presets` (names), or a model given by its
+    family and shape (`model`, `hidden`, ... as in SHAPE_FLAGS). With one preset, the shape
+    flags given override its values. Raises ValueError with a message naming the flags."""
+    given = {k: v for k, v in shape.items() if v is not None}
+    unknown = set(given) - set(SHAPE_FLAGS)
+    if unknown:
+        raise TypeError(f"unknown shape arguments {sorted(unknown)}")
+    if presets:
+        presets = list(dict.fromkeys(presets))
+        bad = [p for p in presets if p not in PRESETS]
+        if bad:
+            raise ValueError(f"unknown preset {', '.join(bad)}; presets: {', '.join(PRESETS)}")
+        if len(presets) > 1 and given:
+            raise ValueError(f"{', '.join(SHAPE_FLAGS[k] for k in given)} cannot change "
+                             "several presets at once: give one --preset to change it")
+        if len(presets) > 1:
+            return [PRESETS[p] for p in presets]
+        base = PRESETS[presets[0]]
+        if given:
+            fields = {("family" if k == "model" else k): v for k, v in given.items()}
+            if fields.get("family", base.family) != "qwen3_moe":
+                fields.update({k: fields.get(k) for k in ("experts", "top_k",
+                                                          "moe_intermediate")})
+            base = dataclasses.replace(base, name=f"{base.name} (modified)", **fields)
+        spec = base
+    else:
+        if "model" not in given:
+            raise ValueError("give --preset NAME (" + ", ".join(PRESETS) + ") or --model "
+                             "FAMILY with --hidden, --intermediate and --heads (--kv-heads, "
+                             "--head-dim optional)")
+        missing = [SHAPE_FLAGS[k] for k in ("hidden", "intermediate", "heads") if k not in given]
+        if missing:
+            raise ValueError(f"--model {given['model']} needs {', '.join(missing)}")
+        heads = given["heads"]
+        head_dim = given.get("head_dim")
+        if head_dim is None:
+            if given["hidden"] % heads:
+                raise ValueError(f"--hidden {given['hidden']} is not a multiple of --heads "
+                                 f"{heads}: give --head-dim")
+            head_dim = given["hidden"] // heads
+        spec = ModelSpec(given["model"], given["hidden"], given["intermediate"], heads,
+                         given.get("kv_heads", heads), head_dim, given.get("experts"),
+                         given.get("top_k"), given.get("moe_intermediate"))
+    problems = spec.problems()
+    if problems:
+        raise ValueError("; ".join(problems))
+    return [spec]
+
+
+def model_config(spec, max_seq):
+    """The transformers config of `spec` with one decoder layer and a small vocabulary."""
+    import transformers
+    kw = dict(hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+              num_hidden_layers=1, num_attention_heads=spec.heads,
+              num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, vocab_size=VOCAB,
+              max_position_embeddings=max_seq, hidden_act="silu", tie_word_embeddings=False)
+    if spec.family == "mistral":
+        kw["sliding_window"] = None
+    if spec.family == "qwen3_moe":
+        kw.update(num_experts=spec.experts, num_experts_per_tok=spec.top_k,
+                  moe_intermediate_size=spec.moe_intermediate, decoder_sparse_step=1,
+                  mlp_only_layers=[])
+    return getattr(transformers, CONFIG_CLASSES[spec.family])(**kw)
+
+
+def build_model(spec, max_seq, dtype):
+    """The one-layer model of `spec` on the current CUDA device in `dtype`, patched with
+    apply_tiletune."""
+    from transformers import AutoModelForCausalLM
+    from tiletune.suites.hf import apply_tiletune
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(model_config(spec, max_seq), dtype=dtype)
+    apply_tiletune(model)
+    return model
+
+
+def step(model, batch, seq, backward):
+    """One forward (and backward) at (batch, seq): what a training (or inference) step of this
+    shape launches."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+    if backward:
+        model.train()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+    else:
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    torch.cuda.synchronize()
+
+
+def _resolved():
+    return {(op, key) for op, recs in autotune.records().items() for key in recs}
+
+
+def record_line(rec):
+    """One line for a key resolved during `tune`: op, key, seconds and the winner."""
+    key = "(" + ", ".join(map(str, rec.key)) + ")"
+    if rec.source == "search":
+        us = f" {rec.best_us:.2f} us" if rec.best_us is not None else ""
+        return (f"tuned   {rec.op} {key} in {rec.search_s:.1f}s: {rec.config}{us} "
+                f"({len(rec.timings)} configs, {len(rec.failures)} failed)")
+    where = {"store": "in the store", store.SHIPPED: "a shipped winner"}.get(rec.source,
+                                                                             rec.source)
+    return f"{rec.source:7} {rec.op} {key}: {rec.config} ({where})"
+
+
+@dataclasses.dataclass
+class Report:
+    records: list = dataclasses.field(default_factory=list)   # TuningRecords, in order
+    wall_s: float = 0.0
+
+    def count(self, source):
+        return sum(1 for r in self.records if r.source == source)
+
+    def search_s(self):
+        return sum(r.search_s for r in self.records if r.source == "search")
+
+
+def run(model_specs, seqs, batch, dtype, backward, out=print):
+    """Build each spec's model and step it at each sequence length; print a line per key
+    resolved (searched, or found in the store or the shipped winners) and one per step.
+    Returns a Report."""
+    report = Report()
+    t0 = time.perf_counter()
+    for spec in model_specs:
+        model = build_model(spec, max(seqs), dtype)
+        try:
+            for seq in seqs:
+                before = _resolved()
+                t = time.perf_counter()
+                step(model, batch, seq, backward)
+                recs = autotune.records()
+                new = [recs[op][key] for op, key in sorted(_resolved() - before, key=str)]
+                for rec in new:
+                    out(record_line(rec))
+                report.records += new
+                out(f"{spec.name} batch {batch} x seq {seq}: {len(new)} new "
+                    f"key{'' if len(new) == 1 else 's'} in {time.perf_counter() - t:.1f}s")
+        finally:
+            del model
+            torch.cuda.empty_cache()
+    report.wall_s = time.perf_counter() - t0
+    return report
+
+
+def _slim(entry):
+    """An entry as it ships: failure messages cut to their first line (compiler logs are long)."""
+    entry = dict(entry)
+    failures = entry.get("failures")
+    if isinstance(failures, list):
+        entry["failures"] = [
+            {**f, "message": str(f.get("message") or "").strip().split("\n")[0][:300]}
+            if isinstance(f, dict) else f for f in failures]
+    return entry
+
+
+def used_rows():
+    """[(op, full key, entry)] of every winner this process resolved through the store: the
+    rows it searched and saved, found in the user's store, or took from the shipped files."""
+    rows = []
+    for (op, key), source in store.used().items():
+        entry = store.shipped(op, key) if source == store.SHIPPED else store.load_own(op, key)
+        if isinstance(entry, dict):
+            rows.append((op, key, _slim(dict(entry))))
+    return rows
+
+
+def gpu_rows(gpu, arch, cuda_tile, tileiras):
+    """[(op, full key, entry)] of the user's store rows for this GPU and software."""
+    rows = []
+    for op, entries in store.entries().items():
+        for key, entry in entries.items():
+            if isinstance(entry, dict) and store.key_facts(key) == (gpu, arch, cuda_tile,
+                                                                    tileiras):
+                rows.append((op, key, _slim(entry)))
+    return rows
+
+
+def export(path, rows):
+    """Write `rows` to the shipped file `path` (merged with the rows it has). Returns what
+    store.write_shipped returns."""
+    import tiletune
+    header = {"tiletune": tiletune.__version__, "torch": torch.__version__,
+              "created": time.strftime("%Y-%m-%d")}
+    return store.write_shipped(path, rows, header)
