@@ -304,13 +304,9 @@ class Agreement:
         keys = [f"{ns}/c{c}" for c in range(chunks)]
         if self._set_once(ns + "/fin", str(self.rank)) == str(self.rank):
             out.role = "finisher"
-            found = self._wait(lambda: self._decided(ns) or (True if self.store.check(keys)
-                                                              else None),
-                               out, time.monotonic() + self.timeout)
+            found = self._await_all(ns, keys, out, "the timings of configs another rank took")
             if isinstance(found, dict):
                 return self._adopt(found, out, "finisher")
-            if found is None:
-                self._timed_out("the timings of configs another rank took")
             return self._finish(ns, chunk, keys, measure, conclude, out)
         out.role = "helper" if out.timed else "waiter"
         found = self._wait(lambda: self._decided(ns), out, time.monotonic() + self.timeout)
@@ -319,6 +315,17 @@ class Agreement:
         self._timed_out("the decision of the finishing rank")
         out.took_over = True
         return self._finish(ns, chunk, keys, measure, conclude, out)
+
+    def _await_all(self, ns, keys, out, what):
+        """Wait until every store key in `keys` is set (True) or the key is decided (the
+        decision, a dict); on timeout, `_timed_out(what)` (raises, or returns None to go on
+        locally)."""
+        found = self._wait(lambda: self._decided(ns) or (True if self.store.check(keys)
+                                                          else None),
+                           out, time.monotonic() + self.timeout)
+        if found is None:
+            self._timed_out(what)
+        return found
 
     def _finish(self, ns, chunk, keys, measure, conclude, out):
         """Merge every chunk's timings (timing here those still missing), conclude, decide."""
@@ -368,13 +375,9 @@ class Agreement:
         out.role = "finisher"
         members = self.store.add(ns + "/members", 0)    # those that started before this point
         keys = [f"{ns}/m{m}" for m in range(1, members + 1)]
-        found = self._wait(lambda: self._decided(ns) or (True if self.store.check(keys)
-                                                          else None),
-                           out, time.monotonic() + self.timeout)
+        found = self._await_all(ns, keys, out, "the timings of ranks that started on this key")
         if isinstance(found, dict):
             return self._adopt(found, out, "finisher")
-        if found is None:
-            self._timed_out("the timings of ranks that started on this key")
         parts = [json.loads(text) for text in map(self._get, keys) if text is not None]
         return self._conclude(ns, *_mean_of([(p["timings"], p["failures"]) for p in parts]),
                               conclude, out)
