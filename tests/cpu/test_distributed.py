@@ -238,11 +238,11 @@ def engine(monkeypatch, tmp_path):
     # the final round (the winner and the default) agrees with the search
     monkeypatch.setattr(timing, "time_interleaved", lambda c, **kw: {i: 10.0 + i for i, _, _ in c})
     monkeypatch.setattr(distributed, "_agreement", None)
+    monkeypatch.setattr(autotune, "_registry", dict(autotune._registry))   # dropped after
     t = Autotuner(f"dist_engine_{id(tmp_path)}", _k, _space,
                   default=SimpleNamespace(tile=8, occupancy=1),
                   space=lambda x, n: dict(n=n), grid=lambda c, dev, x, n: (1,),
                   args=lambda c, x, n: (x, c.tile))
-    monkeypatch.setitem(autotune._registry, t.name, t)
     yield SimpleNamespace(tuner=t, launches=launches, searched=searched)
 
 

@@ -402,9 +402,10 @@ def test_without_a_final_round_a_partly_timed_config_does_not_win(env):
 # -- the launch idiom: an op declares grid, arguments, scratch and run once ---------------------
 
 def _declared(env, monkeypatch, name, **hooks):
+    # a registry of the test's own: an id() reused by a later test cannot collide
+    monkeypatch.setattr(autotune, "_registry", dict(autotune._registry))
     t = Autotuner(f"{name}_{id(env)}", _k, _space, default=SimpleNamespace(tile=8, occupancy=1),
                   space=lambda x, n, *rest: dict(n=n), **hooks)
-    monkeypatch.setitem(autotune._registry, t.name, t)
     return t
 
 
