@@ -98,17 +98,13 @@ def cmd_compile(args):
 
 def _installed_versions():
     """(cuda-tile version or None, tileiras version): what Autotuner.store_key puts in keys."""
-    import importlib.metadata
     try:
         import cuda.tile as ct
         cuda_tile = ct.__version__
     except Exception:
-        cuda_tile = None
-    try:
-        tileiras = importlib.metadata.version("nvidia-cuda-tileiras")
-    except importlib.metadata.PackageNotFoundError:
-        tileiras = "unknown"
-    return cuda_tile, tileiras
+        return None, "unknown"
+    from tiletune.autotune import tileiras_version
+    return cuda_tile, tileiras_version()
 
 
 def _prune(d, older_than_days):

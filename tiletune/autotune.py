@@ -435,7 +435,7 @@ class Autotuner:
         stale elsewhere (GPU model, arch, versions, the config space and kernel code)."""
         parts = [str(k) for k in job_key(key, dev)] + [
             _device.gpu_name(dev), _device.arch(dev), f"cuda-tile {ct.__version__}",
-            f"tileiras {_tileiras_version()}", f"space {self._fingerprint(cfgs)}"]
+            f"tileiras {tileiras_version()}", f"space {self._fingerprint(cfgs)}"]
         return " | ".join(parts)
 
     def agreement_name(self, key, dev, cfgs):
@@ -873,10 +873,25 @@ def _kernel_code(fn):
 
 
 @functools.lru_cache(maxsize=None)
-def _tileiras_version():
+@functools.lru_cache(maxsize=None)
+def tileiras_version():
+    """The version of the tileiras cuTile compiles with, as store keys name it ("13.4.92"): the
+    pip package's, else what the compiler binary cuTile finds (a CUDA toolkit's) reports, else
+    "unknown". Asked once per process, on the first miss."""
     try:
         return importlib.metadata.version("nvidia-cuda-tileiras")
     except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        import re
+        import subprocess
+
+        from cuda.tile._compile import _find_compiler_bin
+        out = subprocess.run([_find_compiler_bin().path, "--version"], capture_output=True,
+                             text=True, timeout=30).stdout
+        found = re.search(r"\bV(\d+\.\d+\.\d+)", out)
+        return found.group(1) if found else "unknown"
+    except Exception:
         return "unknown"
 
 

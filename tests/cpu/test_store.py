@@ -374,3 +374,34 @@ def test_switching_a_new_store_to_wal_waits_for_a_process_doing_the_same(folder,
         (_, warned) = recorded(store.save, OP, skey(1), {"config": {"tile": 1}})
     assert len(refusals) == 3 and warned == []
     assert stored(folder) == {skey(1): {"config": {"tile": 1}}}
+
+
+def test_tileiras_version_comes_from_the_compiler_without_the_pip_package(monkeypatch):
+    """Store keys name the tileiras version; where the compiler is a CUDA toolkit's rather than
+    the pip package's (found on PATH or under CUDA_HOME), the binary's own `--version` says it,
+    so its keys match those of a pip install of the same version."""
+    import importlib.metadata
+    import os
+    import re
+
+    from cuda.tile import _compile
+
+    from tiletune import autotune
+    real = importlib.metadata.version
+    binary = _compile._find_compiler_bin().path          # the pip package's, here
+
+    def no_pip_tileiras(name):
+        if name == "nvidia-cuda-tileiras":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+    monkeypatch.setattr(importlib.metadata, "version", no_pip_tileiras)
+    monkeypatch.setenv("PATH", os.path.dirname(binary) + os.pathsep + os.environ["PATH"])
+    for cached in (autotune.tileiras_version, _compile._find_compiler_bin):
+        cached.cache_clear()
+    try:
+        found = autotune.tileiras_version()
+        assert _compile._find_compiler_bin().path == binary     # now found on PATH
+    finally:
+        for cached in (autotune.tileiras_version, _compile._find_compiler_bin):
+            cached.cache_clear()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", found) and found == real("nvidia-cuda-tileiras")
