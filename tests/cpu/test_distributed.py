@@ -21,6 +21,8 @@ from tiletune import autotune, device, distributed, precompile, store, timing
 from tiletune.autotune import Autotuner, Search, job_key
 from tiletune.distributed import Agreement, DistributedTuningError
 
+from tests.cpu import test_engine
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -203,14 +205,7 @@ def test_set_process_group_checks_its_arguments():
 
 # -- the engine in one process ----------------------------------------------------------------------
 
-@ct.kernel
-def _k(x, T: ct.Constant[int]):
-    ct.store(x, (ct.bid(0),), ct.load(x, (ct.bid(0),), (T,)))
-
-
-def _space(arch, n):
-    for occ in (1, 2, 4):
-        yield SimpleNamespace(tile=n, occupancy=occ)
+_k, _space = test_engine._k, test_engine._space    # the stand-in kernel and its space
 
 
 @pytest.fixture
