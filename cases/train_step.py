@@ -25,23 +25,22 @@ import warnings
 import torch
 
 from tiletune.bench import BenchCase
+from tiletune.pretune import ModelSpec, model_config
 
 BATCH, SEQ = 2, 4096
 
 
+DENSE = ModelSpec("llama", hidden=2048, intermediate=8192, heads=16, kv_heads=8, head_dim=128)
+MOE = ModelSpec("qwen3_moe", hidden=2048, intermediate=6144, heads=32, kv_heads=4, head_dim=128,
+                experts=128, top_k=8, moe_intermediate=768)
+
+
 def _dense_config():
-    from transformers import LlamaConfig
-    return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       vocab_size=32000, max_position_embeddings=SEQ, hidden_act="silu")
+    return model_config(DENSE, SEQ, layers=16, vocab=32000)
 
 
 def _moe_config():
-    from transformers import Qwen3MoeConfig
-    return Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                          num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
-                          head_dim=128, num_experts=128, num_experts_per_tok=8,
-                          vocab_size=32000, max_position_embeddings=SEQ, hidden_act="silu")
+    return model_config(MOE, SEQ, layers=4, vocab=32000)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -141,12 +141,13 @@ def specs(presets=None, **shape):
     return [spec]
 
 
-def model_config(spec, max_seq):
-    """The transformers config of `spec` with one decoder layer and a small vocabulary."""
+def model_config(spec, max_seq, layers=1, vocab=VOCAB):
+    """The transformers config of `spec`; by default one decoder layer and a small vocabulary
+    (what decides the op keys)."""
     import transformers
     kw = dict(hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-              num_hidden_layers=1, num_attention_heads=spec.heads,
-              num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, vocab_size=VOCAB,
+              num_hidden_layers=layers, num_attention_heads=spec.heads,
+              num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, vocab_size=vocab,
               max_position_embeddings=max_seq, hidden_act="silu", tie_word_embeddings=False)
     if spec.family == "mistral":
         kw["sliding_window"] = None
