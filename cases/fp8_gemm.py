@@ -13,8 +13,8 @@ KB = F8.BLOCK
 # ---------------------------------------------------------------------------------------------
 # Ahead-of-time compile cases. GEMM: every config of both kernel families at 4096^3, rowwise /
 # 1x128 x 128x128, e4m3, B column-major, bf16 out: the exact-accumulation spaces of sm_90, sm_100
-# and other archs (each config once) and sm_90's fast-accumulation spaces (use_fast_acc changes
-# the kernel); then the exact default in every other variant the op launches: tensorwise
+# and other archs (each config once) and sm_90's fast-accumulation space of the rowwise kernel
+# (use_fast_acc changes the kernel; block scaling has one mode); then the exact default in every other variant the op launches: tensorwise
 # (one-element scales), row-major B, e4m3 x e5m2 both ways (float16 path), fp32 out (fp16 compiles
 # as bf16 does), ragged sizes, decode (M = 1), the other two block pairings, K-major scale_a, K
 # not a multiple of 128.
@@ -36,8 +36,7 @@ def _gemm_params(cfg, M, N, K, *, mode="row", a_dt=E4M3, b_dt=E4M3, b_col=True, 
                           a_dt != b_dt))
 
 
-def _block_params(cfg, M, N, K, *, pairing=(1, KB), a_dt=E4M3, b_dt=E4M3, sa_m_major=True,
-                  fast=False):
+def _block_params(cfg, M, N, K, *, pairing=(1, KB), a_dt=E4M3, b_dt=E4M3, sa_m_major=True):
     """pairing (a_group, b_group): (1, 128) 1x128 x 128x128, (1, 1) 1x128 x 1x128, (128, 1)
     128x128 x 1x128. scale_a M-major as torch wants it (sa_m_major) or K-major."""
     a_group, b_group = pairing
@@ -50,14 +49,14 @@ def _block_params(cfg, M, N, K, *, pairing=(1, KB), a_dt=E4M3, b_dt=E4M3, sa_m_m
                    (1, F8.f32_row(kb)) if b_group > 1 else (F8.f32_row(sb_cols), 1))
     a = jit_array(a_dt, (M, K))
     b = jit_array(b_dt, (K, N), (1, K))
-    return list(F8._block_args(cfg, a, b, sa, sb, jit_array(BF16, (M, N)),
-                                fast and a_dt == b_dt, a_dt != b_dt, a_group, b_group))
+    return list(F8._block_args(cfg, a, b, sa, sb, jit_array(BF16, (M, N)), False,
+                                a_dt != b_dt, a_group, b_group))
 
 
-def _each_once(gen, archs, *shape, fast):
+def _each_once(gen, archs, *shape, **kw):
     seen = []
     for arch in archs:
-        for cfg in gen(arch, *shape, fast=fast):
+        for cfg in gen(arch, *shape, **kw):
             if cfg not in seen:
                 seen.append(cfg)
                 yield arch, cfg
@@ -73,11 +72,9 @@ def _gemm_cases():
             yield CompileCase("fp8_gemm", F8._scaled_tuner.build(cfg),
                               _gemm_params(cfg, *sq, fast=fast),
                               f"fp8_mm {arch} {acc} space 4096^3 rowwise {vars(cfg)}")
-        for arch, cfg in _each_once(F8.fp8_block_configs, archs, *sq, fast=fast):
-            yield CompileCase("fp8_gemm", F8._block_tuner.build(cfg),
-                              _block_params(cfg, *sq, fast=fast),
-                              f"fp8_mm block {arch} {acc} space 4096^3 1x128 x 128x128 "
-                              f"{vars(cfg)}")
+    for arch, cfg in _each_once(F8.fp8_block_configs, ("sm_90", "sm_100", "sm_120"), *sq):
+        yield CompileCase("fp8_gemm", F8._block_tuner.build(cfg), _block_params(cfg, *sq),
+                          f"fp8_mm block {arch} space 4096^3 1x128 x 128x128 {vars(cfg)}")
     gemm = list(F8.fp8_configs("sm_90", *sq))
     block = list(F8.fp8_block_configs("sm_90", *sq))
     cfg = gemm[0]
@@ -179,7 +176,7 @@ def compile_cases():
 
 SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 14336), (128, 4096, 4096))
 MODES = (("tensorwise", True), ("rowwise", True), ("tensorwise", False), ("rowwise", False),
-         ("block", False))
+         ("block", False), ("block", True))
 HEADLINE = (((4096, 4096, 4096), "rowwise", False), ((4096, 4096, 4096), "block", False))
 GRAN = {"tensorwise": ("tensor", "tensor"), "rowwise": ("row", "row"),
         "block": ("block1x128", "block128x128")}

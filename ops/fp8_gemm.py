@@ -314,10 +314,10 @@ def quantize_tensor_kernel(x, amax_bits, q, s, fp8_max, TR: ct.Constant[int],
 # searches beat them by 1.1x (rowwise) and 1.5x (block) at 4096^3 (BENCHMARKS.md). The spill pattern depends on
 # the accumulation mode: exact accumulation (use_fast_acc=False) keeps a second float32 tile for
 # its own promotion, so exact-mode 128x256 / 256x128 tiles per CTA, 4-warp 128x128 and
-# 4-warp occupancy-2 128x128 spill while fast mode does not; block scaling adds the per-block
-# product tile, and there fast mode spills at 8-warp 128x128 (alone or as a cluster) and 4-warp
-# 64x128. Each mode therefore has its own space (the mode is in the key: a search never mixes
-# them). K tiles are 128 fp8 elements (128-byte rows); block scaling's K tile is the block.
+# 4-warp occupancy-2 128x128 spill while fast mode does not. Each mode therefore has its own
+# space (the mode is in the key: a search never mixes them). K tiles are 128 fp8 elements
+# (128-byte rows), so exact mode promotes every 128 products, as torch._scaled_mm does (equal
+# bf16 outputs on an H100). Block scaling's K tile is the block and has one mode (below).
 
 FIELDS = ("tm", "tn", "tk", "occupancy", "num_ctas", "num_worker_warps", "persistent")
 SM90_EXACT = [
@@ -355,8 +355,13 @@ SM90_FAST = [
 # with per-column weight scales (1x128 x 1x128, the weight gradient's pairing) overlap did not
 # help and 64x128 at occupancy 2 won; 64x64 won at 128 rows. 4-warp 128x64 and 64x128 at
 # occupancy 1, 128x256 clusters and overlapped 64x256 never came within 10%: left out.
+# Block scaling has one accumulation mode: every block's product starts from zero, so the
+# tensor cores sum at most 128 products before the float32 promotion whichever mode is asked
+# (exact mode's own promotion falls on the same boundary; the sm_90 SASS is four chained
+# QGMMAs per block either way). Fast mode's code waited on every QGMMA and spilled at 8-warp
+# 128x128, 1.2-1.4x slower than this space on an H100, so fast_accum=True runs this space.
 BLOCK_FIELDS = FIELDS + ("overlap",)
-SM90_BLOCK_EXACT = [
+SM90_BLOCK = [
     (128, 128, 128, 1, 1, 8, False, True),     # the default
     (256, 128, 128, 1, 2, 8, False, True),     # 128x128 per CTA, pairs in a cluster
     (128, 128, 128, 1, 1, 8, True, True),
@@ -365,17 +370,6 @@ SM90_BLOCK_EXACT = [
     (64, 256, 128, 1, 1, 8, False, False),
     (64, 128, 128, 2, 1, None, True, False),
     (64, 64, 128, 2, 1, None, False, False),
-]
-SM90_BLOCK_FAST = [
-    (64, 256, 128, 1, 1, 8, False, False),    # the default
-    (64, 256, 128, 1, 1, 8, True, False),
-    (128, 256, 128, 1, 2, 8, False, False),
-    (64, 128, 128, 1, 1, 8, False, False),
-    (128, 64, 128, 1, 1, 8, False, False),
-    (128, 64, 128, 2, 1, None, True, False),
-    (64, 64, 128, 2, 1, None, False, False),
-    (64, 256, 128, 1, 1, 8, False, True),      # overlap: not yet timed in fast mode
-    (128, 64, 128, 1, 1, 8, False, True),
 ]
 # sm_100 (compile-checked only; cuTile ignores use_fast_acc there, so one space serves both
 # modes): accumulators live in tensor memory; 4-warp tiles and a 4-warp cluster.
@@ -406,10 +400,9 @@ def fp8_configs(arch, m, n, k, fast=False):
                                          SM100_SPACE), group_m=8)
 
 
-def fp8_block_configs(arch, m, n, k, fast=False):
-    """The block-scaling space, default first (tk is the block, 128)."""
-    yield from table(BLOCK_FIELDS, _gemm_space(arch, m, SM90_BLOCK_FAST if fast else
-                                               SM90_BLOCK_EXACT, SM100_BLOCK_SPACE,
+def fp8_block_configs(arch, m, n, k):
+    """The block-scaling space, default first (tk is the block, 128); one for both modes."""
+    yield from table(BLOCK_FIELDS, _gemm_space(arch, m, SM90_BLOCK, SM100_BLOCK_SPACE,
                                                [(*r, False) for r in OTHER_SPACE]), group_m=8)
 
 
@@ -537,13 +530,17 @@ def _gemm_space_args(a, b, sa, sb, c, fast, *rest):
     return dict(m=bucket(a.shape[0]), n=b.shape[1], k=a.shape[1], fast=fast)
 
 
+def _block_space_args(a, b, sa, sb, c, *rest):
+    return dict(m=bucket(a.shape[0]), n=b.shape[1], k=a.shape[1])
+
+
 _DEFAULT = SimpleNamespace(tm=128, tn=128, tk=128, occupancy=1, num_ctas=1, persistent=False,
                            group_m=8)
 _scaled_tuner = Autotuner("fp8_mm", _gemm_kernel, fp8_configs, default=_DEFAULT,
                           space=_gemm_space_args, grid=_grid, args=_args, work=_gemm_work,
                           tune_key=bucketed(1))
 _block_tuner = Autotuner("fp8_mm_block", _block_kernel, fp8_block_configs, default=_DEFAULT,
-                          space=_gemm_space_args, grid=_grid, args=_block_args, work=_gemm_work,
+                          space=_block_space_args, grid=_grid, args=_block_args, work=_gemm_work,
                           tune_key=bucketed(3))
 
 
@@ -645,6 +642,7 @@ def launch(mode, a, b, sa, sb, c, fast, a_group=1, b_group=1):
     dev = a.get_device()
     M, K = a.shape
     if mode == "block":
+        fast = False       # one mode: each block is promoted from zero either way (the space)
         key = ("block", a_group, b_group, M, b.shape[1], K, a.dtype, b.dtype, layout(b), c.dtype,
                fast, dev)
         _block_tuner.launch(key, dev, a, b, sa, sb, c, fast, widen, a_group, b_group)
@@ -813,9 +811,11 @@ def fp8_mm(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, fast_accum=False
     still have cdiv(K, 128) columns).
 
     fast_accum: cuTile's `ct.mma(..., use_fast_acc=True)`, Hopper's fast FP8 accumulation
-    (fewer accumulator bits, higher throughput), only when asked; False accumulates in full
-    float32. The two modes never share a tuning key. It has no effect for a mixed e4m3/e5m2
-    pair (float16 path) or off Hopper (cuTile ignores it there).
+    (the whole K summed in the tensor cores' narrower accumulator, higher throughput), only
+    when asked; False promotes the sum into float32 every 128 products, as torch._scaled_mm
+    does. The two modes never share a tuning key. It has no effect with block scaling (each
+    128-K block is promoted from zero in both modes; torch refuses it there), for a mixed
+    e4m3/e5m2 pair (float16 path) or off Hopper (cuTile ignores it there).
 
     `out`, if given, receives the result: exactly (M, N), out_dtype, on a's device, not
     overlapping an input. Needs compute capability 9.0 or newer (ValueError below). Not

@@ -5,6 +5,8 @@ on CPU tensors, then CPU tensors and old archs refused); what the host side hand
 of the quantizers (true float32 division, saturation, layouts, NaN, partial groups); the AOT
 cases cover every config of each space at 4096 x 4096, and each (tile, warps) pair of the
 quantizers' other keys."""
+import inspect
+
 import pytest
 import torch
 from torch._meta_registrations import _check_scaled_mm_sizes
@@ -21,14 +23,15 @@ ARCHS = ("sm_90", "sm_100", "sm_120", "sm_80")
 # ---------------------------------------------------------------------------------------------
 # Config spaces.
 
-GEMM_GENS = (F8.fp8_configs, F8.fp8_block_configs)
+# (generator, whether it takes the accumulation mode): block scaling has one space
+GEMM_GENS = (F8.fp8_configs, lambda arch, *shape, fast: F8.fp8_block_configs(arch, *shape))
 GEMM_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 14336), (128, 4096, 4096),
                (1, 4096, 4096), (1000, 1999, 784)]
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast_accum"])
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("gen", GEMM_GENS, ids=lambda g: g.__name__)
+@pytest.mark.parametrize("gen", GEMM_GENS, ids=["rowwise", "block"])
 def test_gemm_spaces_are_small_valid_and_default_first(gen, arch, fast):
     default = next(gen(arch, 4096, 4096, 4096, fast=fast))
     for shape in GEMM_SHAPES:
@@ -51,19 +54,18 @@ def test_gemm_spaces_are_small_valid_and_default_first(gen, arch, fast):
 
 def test_the_accumulation_modes_have_their_own_spaces():
     """Exact accumulation spills 128x256 per CTA on sm_90 (its own promotion tile), fast mode
-    does not; block scaling's fast mode spills 8-warp 128x128. Elsewhere fast is ignored."""
+    does not. Block scaling has one space (each block promoted from zero in either mode), led
+    by the overlapped 8-warp 128x128. Off sm_90 fast is ignored."""
     exact = list(F8.fp8_configs("sm_90", 4096, 4096, 4096))
     fast = list(F8.fp8_configs("sm_90", 4096, 4096, 4096, fast=True))
     assert not any(c.tm * c.tn // c.num_ctas > 128 * 128 for c in exact)
     assert any(c.tm * c.tn // c.num_ctas == 128 * 256 for c in fast)
-    block_fast = list(F8.fp8_block_configs("sm_90", 4096, 4096, 4096, fast=True))
-    assert (block_fast[0].tm, block_fast[0].tn) == (64, 256)
-    spilled = {(128, 128, 1, 8), (256, 128, 2, 8), (64, 128, 1, None)}   # (tm, tn, ctas, warps)
-    assert not any((c.tm, c.tn, c.num_ctas, getattr(c, "num_worker_warps", None)) in spilled
-                   for c in block_fast if c.occupancy == 1)
-    for gen in GEMM_GENS:
-        assert list(gen("sm_100", 4096, 4096, 4096)) == \
-            list(gen("sm_100", 4096, 4096, 4096, fast=True))
+    block = list(F8.fp8_block_configs("sm_90", 4096, 4096, 4096))
+    assert (block[0].tm, block[0].tn, block[0].num_worker_warps, block[0].overlap) == \
+        (128, 128, 8, True)
+    assert "fast" not in inspect.signature(F8.fp8_block_configs).parameters
+    assert list(F8.fp8_configs("sm_100", 4096, 4096, 4096)) == \
+        list(F8.fp8_configs("sm_100", 4096, 4096, 4096, fast=True))
 
 
 QUANT_GENS = (F8.row_configs, F8.block1x128_configs, F8.block128x128_configs,
@@ -563,13 +565,16 @@ def test_reference_empty_inputs():
 
 def test_aot_cases_cover_every_config():
     labels = [c.label for c in CASES.compile_cases()]
-    for gen, name in ((F8.fp8_configs, "fp8_mm "), (F8.fp8_block_configs, "fp8_mm block ")):
-        for fast, archs in ((False, ("sm_90", "sm_100", "sm_120")), (True, ("sm_90",))):
-            acc = "fast_accum" if fast else "exact"
-            for arch in archs:
-                for cfg in gen(arch, 4096, 4096, 4096, fast=fast):
-                    assert any(lab.startswith(name) and f" {acc} space " in lab
-                               and lab.endswith(str(vars(cfg))) for lab in labels), (arch, cfg)
+    for fast, archs in ((False, ("sm_90", "sm_100", "sm_120")), (True, ("sm_90",))):
+        acc = "fast_accum" if fast else "exact"
+        for arch in archs:
+            for cfg in F8.fp8_configs(arch, 4096, 4096, 4096, fast=fast):
+                assert any(lab.startswith("fp8_mm ") and f" {acc} space " in lab
+                           and lab.endswith(str(vars(cfg))) for lab in labels), (arch, cfg)
+    for arch in ("sm_90", "sm_100", "sm_120"):
+        for cfg in F8.fp8_block_configs(arch, 4096, 4096, 4096):
+            assert any(lab.startswith("fp8_mm block ") and " space " in lab
+                       and lab.endswith(str(vars(cfg))) for lab in labels), (arch, cfg)
     pairs = lambda cfgs: {tuple(sorted((k, v) for k, v in vars(c).items() if k != "occupancy"))
                           for c in cfgs}
     for kind, (tuner, _, gen) in CASES.QUANT.items():

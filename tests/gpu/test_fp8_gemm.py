@@ -116,9 +116,9 @@ def test_every_config_is_correct(fresh, monkeypatch, fast):
     """Each config of the sm_90 spaces of both kernels, in this accumulation mode, on a ragged
     problem (tiles overhanging M, N and a partial last K block; persistent grids, clusters)."""
     M, N, K = 200, 270, 400
+    block_space = lambda arch, *shape, fast: F8.fp8_block_configs(arch, *shape)   # one mode
     for scaling, tuner, gen in [("rowwise", F8._scaled_tuner, F8.fp8_configs),
-                                ("block 1x128 x 128x128", F8._block_tuner,
-                                 F8.fp8_block_configs)]:
+                                ("block 1x128 x 128x128", F8._block_tuner, block_space)]:
         a, b, sa, sb = operands(M, N, K, scaling)
         ref = reference(a, b, sa, sb)
         for cfg in each_config(monkeypatch, tuner, list(gen("sm_90", 256, N, K, fast=fast))):
@@ -152,6 +152,19 @@ def test_against_torch_scaled_mm(fresh, monkeypatch, scaling, fast):
     DIFFS[f"{scaling} {M}x{N}x{K} {'fast' if fast else 'exact'} ours, torch"] = (d_ours, d_theirs)
     assert d_ours < LIMIT and d_ours <= 4 * d_theirs + 1e-6, (d_ours, d_theirs)
     assert diff(ours, theirs) < LIMIT
+
+
+@pytest.mark.parametrize("tuned", [False, True], ids=["fixed", "tuned"])
+def test_block_scaling_has_one_accumulation_mode(fresh, monkeypatch, tuned):
+    """Every 128-K block is promoted from zero in both modes: fast_accum gives the same bits
+    through the same key (one search)."""
+    if not tuned:
+        monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    a, b, sa, sb = operands(300, 512, 1000, "block 1x128 x 128x128")
+    exact = fp8_mm(a, b, sa, sb)
+    assert torch.equal(fp8_mm(a, b, sa, sb, fast_accum=True), exact)
+    assert diff(exact, reference(a, b, sa, sb)) < LIMIT
+    assert len(F8._block_tuner.cache) == 1 and F8._block_tuner.searches == int(tuned)
 
 
 def test_fast_accumulation_at_long_k_is_measured(fresh, monkeypatch):
