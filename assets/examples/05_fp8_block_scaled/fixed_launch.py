@@ -1,7 +1,8 @@
 """Before: the block-scaled FP8 GEMM of a DeepSeek-V3-like projection (4096 tokens, 7168 -> 2048,
 e4m3, 1x128 activation scales, 128x128 weight scales, each 128-K product promoted to float32)
 launched with one hand-picked config: the 128x128 tile that suits a bf16 GEMM of this size, 8
-worker warps, occupancy 1, one CTA per output tile."""
+worker warps, occupancy 1, one CTA per output tile, each block's product scaled into the
+accumulator before the next one starts."""
 import cuda.tile as ct
 import torch
 
@@ -24,7 +25,7 @@ grid = (-(-M // TM) * -(-N // TN),)
 
 def run():
     ct.launch(torch.cuda.current_stream(), grid, kernel,
-              (a, b, scale_a, scale_b, out, TM, TN, GROUP_M, 1, 128, False, False))
+              (a, b, scale_a, scale_b, out, TM, TN, GROUP_M, 1, 128, False, False, False))
 
 
 run()
