@@ -359,7 +359,7 @@ SM90_FAST = [
 # tensor cores sum at most 128 products before the float32 promotion whichever mode is asked
 # (exact mode's own promotion falls on the same boundary; the sm_90 SASS is four chained
 # QGMMAs per block either way). Fast mode's code waited on every QGMMA and spilled at 8-warp
-# 128x128, 1.2-1.4x slower than this space on an H100, so fast_accum=True runs this space.
+# 128x128, 1.2-1.5x slower than this space on an H100, so fast_accum=True runs this space.
 BLOCK_FIELDS = FIELDS + ("overlap",)
 SM90_BLOCK = [
     (128, 128, 128, 1, 1, 8, False, True),     # the default
