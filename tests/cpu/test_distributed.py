@@ -2,7 +2,6 @@
 over one c10d HashStore; the engine with a stand-in search in one process (devices kept apart, the
 store shared by every device of a model); every op's keys carry the device; and a job of two
 processes over gloo running the engine's real miss path (tests/cpu/dist_worker.py)."""
-import contextlib
 import json
 import os
 import subprocess
@@ -17,11 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tiletune import autotune, device, distributed, precompile, store, timing
+from tiletune import autotune, device, distributed, store, timing
 from tiletune.autotune import Autotuner, Search, job_key
 from tiletune.distributed import Agreement, DistributedTuningError
 
 from tests.cpu import test_engine
+from tests.cpu.stand_ins import resolve_misses_to_default, stand_in_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -211,16 +211,8 @@ _k, _space = test_engine._k, test_engine._space    # the stand-in kernel and its
 @pytest.fixture
 def engine(monkeypatch, tmp_path):
     """The engine with the GPU stood in for: occupancy 2 wins the search and the final round."""
-    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "store"))
-    monkeypatch.delenv("DISABLE_AUTOTUNE", raising=False)
-    monkeypatch.setattr(device, "arch", lambda d=None: "sm_90")
-    monkeypatch.setattr(device, "gpu_name", lambda d: "Fake H100")
-    monkeypatch.setattr(device, "current_stream", lambda dev: "stream")
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    stand_in_gpu(monkeypatch, tmp_path / "store", "Fake H100")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # devices 0 and 1
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(precompile, "enabled", lambda: False)
     launches, searched = [], []
     monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args: launches.append(kernel))
 
@@ -343,10 +335,7 @@ def test_every_op_keys_its_launches_by_device(launches, monkeypatch, op):
     the store and a job read as 0), and the cuda:1 run launches only kernels resolved for it."""
     from tiletune.ops import fp8_gemm as F8
 
-    def resolve(self, key, dev, inputs, use_store=True):
-        cfg = self.config_list("sm_90", self._space(*inputs))[0]
-        return self.cache.setdefault(key, (cfg, f"{self.name} kernel for {dev}"))
-    monkeypatch.setattr(autotune.Autotuner, "_resolve", resolve)
+    resolve_misses_to_default(monkeypatch, lambda tuner, dev: f"{tuner.name} kernel for {dev}")
     monkeypatch.setattr(F8, "device_arch", lambda dev: "sm_90")
     autotune.clear_cache()
     run, size = DEVICE_RUNS[op]

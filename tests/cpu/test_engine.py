@@ -1,5 +1,4 @@
 """The engine's own logic, driven through its real code; a stand-in replaces only the GPU search."""
-import contextlib
 import json
 import logging
 import os
@@ -15,8 +14,10 @@ import cuda.tile.tune
 import pytest
 import torch
 
-from tiletune import autotune, device, precompile, store, timing
+from tiletune import autotune, precompile, store, timing
 from tiletune.autotune import Autotuner, Search, TuningFailedError, Work, bucket
+
+from tests.cpu.stand_ins import stand_in_gpu
 
 
 @ct.kernel
@@ -71,21 +72,13 @@ class FakeFinalRound:
 
 @pytest.fixture
 def env(monkeypatch, tmp_path):
-    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "store"))
-    monkeypatch.delenv("DISABLE_AUTOTUNE", raising=False)
-    monkeypatch.setattr(device, "arch", lambda d=None: "sm_90")
-    monkeypatch.setattr(device, "gpu_name", lambda d: "Fake H200")
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
-    monkeypatch.setattr(device, "current_stream", lambda dev: "stream")
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    stand_in_gpu(monkeypatch, tmp_path / "store", "Fake H200")
     launches = []
     monkeypatch.setattr(ct, "launch", lambda *a, **k: launches.append(a))   # the GPU stand-in
-    monkeypatch.setattr(precompile, "enabled", lambda: False)   # tests below opt in
     fake = FakeSearch()
     monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", fake)
     final = FakeFinalRound()
     monkeypatch.setattr(timing, "time_interleaved", final)
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     made = []
 
     def make(name="op", configs=_space):

@@ -14,6 +14,7 @@ from tiletune import autotune, device
 from tiletune.autotune import MAX_CONFIGS, default_hints
 from tiletune.ops import gated_mlp as G
 from tiletune.ops.gated_mlp import swiglu_linear
+from tests.cpu.stand_ins import resolve_misses_to_default
 
 BF16 = torch.bfloat16
 ARCHS = ("sm_90", "sm_100", "sm_120", "sm_80")
@@ -143,10 +144,7 @@ def _silu(t):
 
 @pytest.fixture
 def emulated(launches, monkeypatch):
-    def resolve(self, key, dev, inputs, use_store=True):
-        cfg = self.config_list("sm_90", self._space(*inputs))[0]
-        return self.cache.setdefault(key, (cfg, self.name))
-    monkeypatch.setattr(autotune.Autotuner, "_resolve", resolve)
+    resolve_misses_to_default(monkeypatch, lambda tuner, dev: tuner.name)
     monkeypatch.setitem(device._SM_COUNT, -1, 132)      # a CPU tensor's device index
     calls = []
 

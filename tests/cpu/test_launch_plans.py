@@ -13,6 +13,7 @@ from tiletune.ops import rms_norm as R
 from tiletune.ops import rms_norm_rope as RR
 from tiletune.ops import rope as RP
 from tiletune.ops import swiglu as SW
+from tests.cpu.stand_ins import resolve_misses_to_default
 
 BF16 = torch.bfloat16
 
@@ -20,10 +21,7 @@ BF16 = torch.bfloat16
 @pytest.fixture
 def defaults(launches, monkeypatch):
     """A miss resolves to the shape's first (default) config with a stand-in kernel."""
-    def resolve(self, key, dev, inputs, use_store=True):
-        cfg = self.config_list("sm_90", self._space(*inputs))[0]
-        return self.cache.setdefault(key, (cfg, f"{self.name} kernel"))
-    monkeypatch.setattr(autotune.Autotuner, "_resolve", resolve)
+    resolve_misses_to_default(monkeypatch, lambda tuner, dev: f"{tuner.name} kernel")
     monkeypatch.setitem(device._SM_COUNT, -1, 132)      # a CPU tensor's device index
     monkeypatch.setattr(F8, "device_arch", lambda dev: "sm_90")
     autotune.clear_cache()

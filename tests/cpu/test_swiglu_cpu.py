@@ -13,6 +13,7 @@ from tiletune import autotune, device
 from tiletune.autotune import MAX_CONFIGS
 from tiletune.ops import swiglu as S
 from tiletune.space import row_chunks
+from tests.cpu.stand_ins import resolve_misses_to_default
 
 BF16 = torch.bfloat16
 ARCHS = ("sm_90", "sm_100", "sm_120", "sm_80")
@@ -165,10 +166,7 @@ def _autograd_act_grad(g, act):
 @pytest.fixture
 def emulated(launches, monkeypatch):
     """The kernels, run by torch on the arrays they are given; records each launch's arrays."""
-    def resolve(self, key, dev, inputs, use_store=True):
-        cfg = self.config_list("sm_90", self._space(*inputs))[0]
-        return self.cache.setdefault(key, (cfg, self.name))
-    monkeypatch.setattr(autotune.Autotuner, "_resolve", resolve)
+    resolve_misses_to_default(monkeypatch, lambda tuner, dev: tuner.name)
     monkeypatch.setitem(device._SM_COUNT, -1, 132)      # a CPU tensor's device index
     calls = []
 

@@ -1,0 +1,30 @@
+"""What CPU tests stand in for the GPU with, shared by the test modules that need it."""
+import contextlib
+
+import torch
+
+from tiletune import autotune, device, precompile
+
+
+def resolve_misses_to_default(monkeypatch, kernel):
+    """A miss resolves to the shape's first (default) config, with kernel(tuner, dev) as its
+    stand-in kernel; no search, no store."""
+    def resolve(self, key, dev, inputs, use_store=True):
+        cfg = self.config_list("sm_90", self._space(*inputs))[0]
+        return self.cache.setdefault(key, (cfg, kernel(self, dev)))
+    monkeypatch.setattr(autotune.Autotuner, "_resolve", resolve)
+
+
+def stand_in_gpu(monkeypatch, store_dir, gpu_name):
+    """An sm_90 device named gpu_name on the current stream "stream", a fresh store in
+    store_dir, autotuning on, no precompile workers (tests opt in). ct.launch, the search and
+    the final round are each test's own."""
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(store_dir))
+    monkeypatch.delenv("DISABLE_AUTOTUNE", raising=False)
+    monkeypatch.setattr(device, "arch", lambda d=None: "sm_90")
+    monkeypatch.setattr(device, "gpu_name", lambda d: gpu_name)
+    monkeypatch.setattr(device, "current_stream", lambda dev: "stream")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(precompile, "enabled", lambda: False)
