@@ -1,5 +1,7 @@
 """FMHA's benchmark rows (against torch SDPA's flash, cuDNN and efficient backends, and TileGym's
 cuTile attention when installed) and its ahead-of-time compile cases."""
+import itertools
+
 import cuda.tile as ct
 import torch
 from cuda.tile.compilation import ScalarConstraint
@@ -22,26 +24,59 @@ TUNERS = {"fwd": FM._fwd, "dq": FM._dq, "dkdv": FM._dkdv}
 GENS = {"fwd": FM.fwd_configs, "dq": FM.dq_configs, "dkdv": FM.dkdv_configs}
 
 
-def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, heavy_first=False):
+def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, heavy_first=False,
+               packed=False):
     """The signature the JIT specializes `kind`'s kernel on for inputs in HF's layout (outputs
     laid out like their inputs, LSE2/delta (B*Hq, Sq) float32 rows padded to 16 bytes), constants
-    in place."""
+    in place. packed: a packed batch of B sequences, sq and sk tokens in all, contiguous
+    (T, H, D) tensors seen as (1, H, T, D); the unread offsets of a dense launch are (1,)."""
+    i32 = ScalarConstraint(ct.int32)
+
+    def hf(H, S):
+        if packed:
+            return jit_array(dt, (1, H, S, d), (H * d, d, H * d, 1))
+        return jit_array(dt, (B, H, S, d), (S * H * d, d, H * d, 1))
+    q, kv = hf(hq, sq), hf(hkv, sk)
+    rows = jit_array(torch.float32, (hq if packed else B * hq, sq), (f32_row(sq), 1))  # FM._rows
+    cu = jit_array(torch.int32, (B + 1,) if packed else (1,))
+    tail = [tm, tn, FM.head_tile(d), causal]
+    if kind == "fwd":
+        return [q, kv, kv, q, rows, cu, cu, F32, i32] + tail + [heavy_first, packed]
+    if kind == "dq":
+        return [q, kv, kv, q, q, rows, rows, q, cu, cu, F32, F32, i32] + tail + [packed]
+    return [q, kv, kv, q, rows, rows, kv, kv, cu, cu, F32, F32, i32] + tail + [packed]
+
+
+def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
+    """The decode family's signature for `cfg` (a split config: the decode kernel; "plain": the
+    forward's) on HF-layout inputs; with it, for splits > 1, the combine kernel's."""
+    if cfg.kind == "plain":
+        return aot_params("fwd", cfg.tm, cfg.tn, dt, B, hq, hkv, sq, sk, d, causal), None
     i32 = ScalarConstraint(ct.int32)
 
     def hf(H, S):
         return jit_array(dt, (B, H, S, d), (S * H * d, d, H * d, 1))
     q, kv = hf(hq, sq), hf(hkv, sk)
-    rows = jit_array(torch.float32, (B * hq, sq), (f32_row(sq), 1))   # as FM._rows
-    tail = [tm, tn, FM.head_tile(d), causal]
-    if kind == "fwd":
-        return [q, kv, kv, q, rows, F32, i32] + tail + [heavy_first]
-    if kind == "dq":
-        return [q, kv, kv, q, q, rows, rows, q, F32, F32, i32] + tail
-    return [q, kv, kv, q, rows, rows, kv, kv, F32, F32, i32] + tail
+    rows = jit_array(torch.float32, (B * hq, sq), (f32_row(sq), 1))
+    used = jit_array(torch.int32, (B,) if lengths else (1,))
+    group = hq // hkv
+    tg, tq = FM.decode_rows(group, sq)
+    td = FM.head_tile(d)
+    o_part = lse_part = kv
+    if cfg.splits > 1:
+        lead = (cfg.splits, B, hkv, tg * tq)
+        o_part = jit_array(torch.float32, (*lead, td))
+        lse_part = jit_array(torch.float32, lead)     # follows o_part in the scratch buffer
+    kernel = [q, kv, kv, used, q, rows, o_part, lse_part, F32, i32, group, tg, tq, cfg.tn, td,
+              causal, lengths, cfg.splits > 1]
+    combine = None
+    if cfg.splits > 1:
+        combine = [o_part, lse_part, q, rows, group, tq, *FM.combine_tiles(cfg.splits, tq, td)]
+    return kernel, combine
 
 
-def _params(kind, cfg, *shape):
-    return aot_params(kind, cfg.tm, cfg.tn, *shape, getattr(cfg, "heavy_first", False))
+def _params(kind, cfg, *shape, packed=False):
+    return aot_params(kind, cfg.tm, cfg.tn, *shape, getattr(cfg, "heavy_first", False), packed)
 
 
 def compile_cases():
@@ -73,6 +108,56 @@ def compile_cases():
             cfg = next(GENS[kind]("sm_90", FM.head_tile(d), bucket(sq), bucket(sk)))
             yield CompileCase("fmha", TUNERS[kind].build(cfg), _params(kind, cfg, *shape),
                               f"fmha {kind} {label} default {vars(cfg)}")
+    for label, kinds, shape in [
+            ("packed B8 T8000 H32/8 D128 causal", ("fwd", "dq", "dkdv"),
+             (bf, 8, 32, 8, 8000, 8000, 128, True)),
+            ("packed B3 Tq100 Tk4097 H8 D64 fp16", ("fwd",), (f16, 3, 8, 8, 100, 4097, 64, False))]:
+        dt, B, hq, hkv, sq, sk, d, causal = shape
+        for kind in kinds:
+            cfg = next(GENS[kind]("sm_90", FM.head_tile(d), 4096, 4096, causal=causal))
+            yield CompileCase("fmha", TUNERS[kind].build(cfg),
+                              _params(kind, cfg, *shape, packed=True),
+                              f"fmha {kind} {label} default {vars(cfg)}")
+    yield from decode_cases()
+
+
+def decode_cases():
+    """Decode at B32 Hq32/8 Sq1 Sk4096 D128 bf16 with cache lengths: each compile of the sm_90
+    space (key tile x split or not: the number of splits is a runtime value), the sm_100
+    default and the combine; then the default for causal Sq 5, MQA 16/1 fp16 D64, and a group
+    of 7 (Qwen2-7B), each with its combine. The plain entries are the forward's, compiled
+    above."""
+    head = (torch.bfloat16, 32, 32, 8, 1, 4096, 128, False)
+    seen, combined = set(), False
+    cfgs = [c for c in FM.decode_configs("sm_90", 128, 1, 4096, kv_heads=256, used=True)]
+    cfgs.append(next(FM.decode_configs("sm_100", 128, 1, 4096, kv_heads=256, used=True)))
+    for cfg in cfgs:
+        compiled = (cfg.tn, cfg.splits > 1, cfg.num_worker_warps if hasattr(
+            cfg, "num_worker_warps") else None)
+        if compiled in seen:
+            continue
+        seen.add(compiled)
+        kernel, combine = decode_params(cfg, *head, True)
+        yield CompileCase("fmha", FM._decode.build(cfg), kernel,
+                          f"fmha decode space B32 H32/8 Sq1 Sk4096 D128 bf16 cache lengths "
+                          f"{vars(cfg)}")
+        if combine is not None and not combined:
+            combined = True
+            yield CompileCase("fmha", FM.fmha_decode_combine_kernel, combine,
+                              f"fmha decode combine B32 H32/8 Sq1 D128 bf16 {vars(cfg)}")
+    for label, shape, lengths in [
+            ("causal Sq5 GQA 32/8", (torch.bfloat16, 4, 32, 8, 5, 1000, 128, True), False),
+            ("MQA 16/1 fp16 D64", (torch.float16, 8, 16, 1, 1, 777, 64, False), True),
+            ("group 7 D128 causal", (torch.bfloat16, 2, 28, 4, 1, 3000, 128, True), True)]:
+        dt, B, hq, hkv, sq, sk, d, causal = shape
+        cfg = next(FM.decode_configs("sm_90", FM.head_tile(d), sq, bucket(sk),
+                                     kv_heads=bucket(B * hkv), causal=causal, used=lengths))
+        kernel, combine = decode_params(cfg, *shape, lengths)
+        yield CompileCase("fmha", FM._decode.build(cfg), kernel,
+                          f"fmha decode {label} default {vars(cfg)}")
+        if combine is not None:
+            yield CompileCase("fmha", FM.fmha_decode_combine_kernel, combine,
+                              f"fmha decode combine {label} {vars(cfg)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,4 +226,119 @@ def bench_cases(full=False):
         cases.append(BenchCase("fmha", name, "fwd+bwd", step(ours),
                                {lb: step(f) for lb, f in bwd_peers.items()},
                                flops=3.5 * flops))
+    return cases + _decode_cases(full) + _varlen_cases(full)
+
+
+# Decode rows (Sq = 1, bf16 D128, KV in HF's layout): bytes count K and V once. Peers: SDPA's
+# backends (GQA through enable_gqa) and TileGym's split-KV decode where installed. A kv_cache
+# row with per-sequence lengths of a quarter to all of Sk (seqused_k) runs ours only against the
+# same backends on the full cache.
+DECODE_SHAPES = (  # B, Hq, Hkv, Sk
+    (32, 32, 8, 1024), (32, 32, 8, 4096), (32, 32, 8, 16384), (8, 32, 8, 32768),
+    (1, 32, 8, 32768), (32, 32, 1, 4096), (4, 32, 1, 32768))
+DECODE_HEADLINE = (32, 32, 8, 4096)
+# Packed variable-length rows: B sequences of random lengths up to S (mean about half: the 50%
+# fill), causal, H32/8 D128 bf16; peers run the padded (B, H, S, D) batch: SDPA's backends and
+# ours (what padding costs). FLOPs count the packed sequences' visible pairs.
+VARLEN_SHAPES = ((16, 4096), (64, 1024))     # B, S
+
+
+def _decode_cases(full):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    backends = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
+    try:
+        from tilegym.ops.cutile.flash_decode import fmha_decode as tg_decode
+    except Exception:
+        tg_decode = None
+    cases = []
+    for B, hq, hkv, sk in DECODE_SHAPES if full else (DECODE_HEADLINE,):
+        d, dt = 128, torch.bfloat16
+        name = f"decode B{B} H{hq}/{hkv} Sq1 Sk{sk} D{d} bf16"
+
+        def setup(case, B=B, hq=hq, hkv=hkv, sk=sk):
+            q = torch.randn(B, 1, hq, d, device="cuda", dtype=dt).transpose(1, 2)
+            k = torch.randn(B, sk, hkv, d, device="cuda", dtype=dt).transpose(1, 2)
+            v = torch.randn(B, sk, hkv, d, device="cuda", dtype=dt).transpose(1, 2)
+            case.ours = lambda: FM.fmha(q, k, v)
+            for label, b in backends.items():
+                def f(b=b):
+                    with sdpa_kernel(b):
+                        return sdpa(q, k, v, enable_gqa=hkv != hq)
+                case.baselines[label] = f
+            if tg_decode is not None:
+                case.baselines["tilegym"] = lambda: tg_decode(q, k, v, 1.0 / d ** 0.5)
+        cases.append(BenchCase("fmha", name, "fwd", None, {}, setup=setup,
+                               bytes=2.0 * B * hkv * sk * d * 2))
+    if full:
+        B, hq, hkv, sk, d, dt = 32, 32, 8, 8192, 128, torch.bfloat16
+
+        def setup_cache(case):
+            q = torch.randn(B, 1, hq, d, device="cuda", dtype=dt).transpose(1, 2)
+            k = torch.randn(B, sk, hkv, d, device="cuda", dtype=dt).transpose(1, 2)
+            v = torch.randn(B, sk, hkv, d, device="cuda", dtype=dt).transpose(1, 2)
+            g = torch.Generator().manual_seed(0)
+            used = torch.randint(sk // 4, sk + 1, (B,), generator=g, dtype=torch.int32).cuda()
+            case.ours = lambda: FM.fmha(q, k, v, seqused_k=used)
+            for label, b in backends.items():
+                def f(b=b):
+                    with sdpa_kernel(b):
+                        return sdpa(q, k, v, enable_gqa=True)
+                case.baselines[label + "_full_cache"] = f
+        cases.append(BenchCase("fmha", f"decode B{B} H{hq}/{hkv} Sq1 Sk{sk} seqused_k 1/4..1 "
+                               f"D{d} bf16", "fwd", None, {}, setup=setup_cache))
     return cases
+
+
+def _varlen_cases(full):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    backends = {"sdpa_flash_padded": SDPBackend.FLASH_ATTENTION,
+                "sdpa_cudnn_padded": SDPBackend.CUDNN_ATTENTION}
+    cases = []
+    hq, hkv, d, dt = 32, 8, 128, torch.bfloat16
+    for B, S in VARLEN_SHAPES if full else VARLEN_SHAPES[:1]:
+        g = torch.Generator().manual_seed(B)
+        lens = torch.randint(1, S + 1, (B,), generator=g).tolist()
+        name = f"varlen B{B} max{S} fill {sum(lens) / (B * S):.0%} H{hq}/{hkv} D{d} bf16 causal"
+        pairs = sum(L * (L + 1) // 2 for L in lens)
+        for mode in ("fwd", "fwd+bwd"):
+            def setup(case, B=B, S=S, lens=lens, mode=mode):
+                T = sum(lens)
+                cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32,
+                                  device="cuda")
+                q, k, v = (torch.randn(T, h, d, device="cuda", dtype=dt, requires_grad=True)
+                           for h in (hq, hkv, hkv))
+                qp = torch.randn(B, S, hq, d, device="cuda", dtype=dt).transpose(1, 2)
+                kp, vp = (torch.randn(B, S, hkv, d, device="cuda", dtype=dt).transpose(1, 2)
+                          for _ in range(2))
+                qp, kp, vp = (t.detach().requires_grad_() for t in (qp, kp, vp))
+                do, dop = torch.randn_like(q), torch.randn(B, hq, S, d, device="cuda", dtype=dt)
+
+                def run(f, args, grad):
+                    if mode == "fwd":
+                        return _no_grad(lambda: f(*args))
+                    return lambda: torch.autograd.grad(f(*args), args, grad)
+
+                def with_backend(b):
+                    def f(q, k, v):
+                        with sdpa_kernel(b):
+                            return sdpa(q, k, v, is_causal=True, enable_gqa=True)
+                    return f
+                case.ours = run(lambda q, k, v: FM.fmha_varlen(q, k, v, cu, cu, S, S,
+                                                               causal=True), (q, k, v), do)
+                padded = {label: with_backend(b) for label, b in backends.items()}
+                padded["tiletune_padded"] = lambda q, k, v: FM.fmha(q, k, v, causal=True)
+                for label, f in padded.items():
+                    case.baselines[label] = run(f, (qp, kp, vp), dop)
+            flops = 4.0 * hq * d * pairs * (3.5 if mode == "fwd+bwd" else 1.0)
+            cases.append(BenchCase("fmha", name, mode, None, {}, setup=setup, flops=flops))
+    return cases
+
+
+def _no_grad(fn):
+    def f():
+        with torch.no_grad():
+            return fn()
+    return f

@@ -46,6 +46,12 @@ MAX_HEAD_DIM = 256
 # dropped by the store). LSE2 and delta are (B*Hq, Sq) float32. The kernels' own index math is
 # sequence positions and tile indices (< 2^31); element offsets come from the compiler, from the
 # tile indices and the arrays' strides (ct.launch itself rejects shapes/strides past int32).
+# PACKED (variable-length batches in FlashAttention-2's varlen layout): the arrays hold one
+# packed batch, q/o (1, Hq, Tq, D), k/v (1, Hkv, Tk, D), LSE2/delta (Hq, Tq); the grid's batch
+# index is the sequence b, whose rows [cu_q[b], cu_q[b+1]) and keys [cu_k[b], cu_k[b+1]) the
+# kernels slice out, so their loads zero-pad at its ends as at a dense batch's; causal is
+# bottom-right per sequence. A CTA whose tile lies past its sequence's end returns at once (the
+# grid covers the longest). Dense launches pass PACKED False and cu_q/cu_k unread.
 
 def _heads(bh, q, k):
     """Flat batch*head block index -> (b, q head, kv head) for GQA/MQA (group = Hq // Hkv)."""
@@ -78,10 +84,23 @@ def _row(a, bh, i, TI):
     return ct.load(a, (bh, i), (1, TI), padding_mode=ZERO)
 
 
+def _span(cu, seq):
+    """[start, end) of sequence `seq` in a packed batch (cu: int32 cumulative offsets)."""
+    return ct.gather(cu, seq), ct.gather(cu, seq + 1)
+
+
+def _part(a, axis, start, end):
+    """a's rows [start, end) along `axis` (zero-padded past end by the loads). A slice must
+    start inside the array: an empty span at its very end gives a one-row view instead, which
+    the caller never reads (its loops run over the span's own length)."""
+    first = min(start, a.shape[axis] - 1)
+    return a.slice(axis, first, max(end, first))
+
+
 @ct.kernel
-def fmha_fwd_kernel(q, k, v, o, lse, qk_scale, offset, TM: ct.Constant[int],
+def fmha_fwd_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.Constant[int],
                     TN: ct.Constant[int], TD: ct.Constant[int], CAUSAL: ct.Constant[bool],
-                    HEAVY_FIRST: ct.Constant[bool]):
+                    HEAVY_FIRST: ct.Constant[bool], PACKED: ct.Constant[bool]):
     """o = softmax(scale q k^T, masked) v and lse (B*Hq, Sq) = LSE2 per row.
     Grid (cdiv(Sq, TM), B*Hq). qk_scale = scale * log2(e) > 0. HEAVY_FIRST: each head's query
     tiles run last to first; under a causal mask the last see the most keys, so the light
@@ -93,6 +112,17 @@ def fmha_fwd_kernel(q, k, v, o, lse, qk_scale, offset, TM: ct.Constant[int],
     bh = ct.bid(1)
     b, h, hk = _heads(bh, q, k)
     sk = k.shape[2]
+    if PACKED:
+        q0, q1 = _span(cu_q, b)
+        if m * TM >= q1 - q0:
+            return
+        k0, k1 = _span(cu_k, b)
+        sk = k1 - k0
+        if CAUSAL:
+            offset = sk - (q1 - q0)
+        q, o, lse = q.slice(2, q0, q1), o.slice(2, q0, q1), lse.slice(1, q0, q1)
+        k, v = _part(k, 2, k0, k1), _part(v, 2, k0, k1)
+        b, bh = 0, h
     qt = _tile(q, b, h, m, TM, TD)                                    # [TM, TD]
     n_end, n_mask = _key_tiles(m, sk, offset, TM, TN, CAUSAL)
     last_key = m * TM + ct.arange(TM, dtype=ct.int32)[:, None] + offset  # [TM, 1]
@@ -125,9 +155,9 @@ def fmha_fwd_kernel(q, k, v, o, lse, qk_scale, offset, TM: ct.Constant[int],
 
 
 @ct.kernel
-def fmha_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, qk_scale, scale, offset,
+def fmha_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, cu_q, cu_k, qk_scale, scale, offset,
                        TM: ct.Constant[int], TN: ct.Constant[int], TD: ct.Constant[int],
-                       CAUSAL: ct.Constant[bool]):
+                       CAUSAL: ct.Constant[bool], PACKED: ct.Constant[bool]):
     """delta (B*Hq, Sq) = rowsum(dO * O) and dq = scale * dS k for one query tile.
     Grid (cdiv(Sq, TM), B*Hq). Rows past Sq and keys past Sk need no mask: their q/dO (resp.
     k/v) tiles are zero-padded, so they add exactly 0 (LSE2/delta pad with 0: finite P)."""
@@ -135,6 +165,19 @@ def fmha_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, qk_scale, scale, offset,
     bh = ct.bid(1)
     b, h, hk = _heads(bh, q, k)
     sk = k.shape[2]
+    if PACKED:
+        q0, q1 = _span(cu_q, b)
+        if m * TM >= q1 - q0:
+            return
+        k0, k1 = _span(cu_k, b)
+        sk = k1 - k0
+        if CAUSAL:
+            offset = sk - (q1 - q0)
+        q, o, do, dq = q.slice(2, q0, q1), o.slice(2, q0, q1), do.slice(2, q0, q1), \
+            dq.slice(2, q0, q1)
+        lse, delta = lse.slice(1, q0, q1), delta.slice(1, q0, q1)
+        k, v = _part(k, 2, k0, k1), _part(v, 2, k0, k1)
+        b, bh = 0, h
     qt = _tile(q, b, h, m, TM, TD)
     dot = _tile(do, b, h, m, TM, TD)
     ot = _tile(o, b, h, m, TM, TD)
@@ -160,12 +203,12 @@ def fmha_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, qk_scale, scale, offset,
 
 
 @ct.kernel
-def fmha_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, qk_scale, scale, offset,
+def fmha_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, scale, offset,
                          TM: ct.Constant[int], TN: ct.Constant[int], TD: ct.Constant[int],
-                         CAUSAL: ct.Constant[bool]):
+                         CAUSAL: ct.Constant[bool], PACKED: ct.Constant[bool]):
     """dk = scale * dS^T q and dv = P^T dO for one key tile of one kv head, summed over the query
     tiles of every q head in its group (one flat loop over (head, query tile)).
-    Grid (cdiv(Sk, TN), B*Hkv)."""
+    Grid (cdiv(Sk, TN), B*Hkv). Keys with no query (an empty query sequence) get zeros."""
     n = ct.bid(0)
     bhk = ct.bid(1)
     hkv = k.shape[1]
@@ -174,6 +217,19 @@ def fmha_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, qk_scale, scale, offse
     b = bhk // hkv
     hk = bhk - b * hkv
     sq = q.shape[2]
+    if PACKED:
+        k0, k1 = _span(cu_k, b)
+        if n * TN >= k1 - k0:
+            return
+        q0, q1 = _span(cu_q, b)
+        sq = q1 - q0
+        if CAUSAL:
+            offset = (k1 - k0) - sq
+        k, v, dk, dv = k.slice(2, k0, k1), v.slice(2, k0, k1), dk.slice(2, k0, k1), \
+            dv.slice(2, k0, k1)
+        q, do = _part(q, 2, q0, q1), _part(do, 2, q0, q1)
+        lse, delta = _part(lse, 1, q0, q1), _part(delta, 1, q0, q1)
+        b = 0
     kt = _tile(k, b, hk, n, TN, TD)                                    # [TN, TD]
     vt = _tile(v, b, hk, n, TN, TD)
     num_m = ct.cdiv(sq, TM)
@@ -208,6 +264,113 @@ def fmha_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, qk_scale, scale, offse
         dk_acc = ct.mma(ds_t.astype(q.dtype), qt, dk_acc)
     ct.store(dk, (b, hk, n, 0), ct.reshape((dk_acc * scale).astype(dk.dtype), (1, 1, TN, TD)))
     ct.store(dv, (b, hk, n, 0), ct.reshape(dv_acc.astype(dv.dtype), (1, 1, TN, TD)))
+
+
+# Decode (Sq <= 16): one CTA owns the Sq query rows of every q head of one kv head's group
+# (rows packed g-major: row r = g * TQ + i, head g of the group, query i) and one of `splits`
+# slices of the key range, so a GQA group reads its K/V once and short queries still fill the
+# GPU. With splits > 1 each CTA writes its slice's normalized output and LSE2 (-inf: no key) as
+# float32 partials, which the combine kernel merges; splits = 1 writes o and LSE2 directly.
+# USED: batch b sees only keys [0, used[b]) (a cache's filled length; causal is bottom-right on
+# it): k and v are sliced to it, so whatever the cache holds past it is never read.
+
+@ct.kernel
+def fmha_decode_kernel(q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset,
+                       GROUP: ct.Constant[int], TG: ct.Constant[int], TQ: ct.Constant[int],
+                       TN: ct.Constant[int], TD: ct.Constant[int], CAUSAL: ct.Constant[bool],
+                       USED: ct.Constant[bool], SPLIT: ct.Constant[bool]):
+    """Grid (splits, B*Hkv). TG >= GROUP and TQ >= Sq are powers of two; o_part (splits, B,
+    Hkv, TG*TQ, TD) and lse_part (splits, B, Hkv, TG*TQ) float32 are written where SPLIT, o
+    and lse (B*Hq, Sq) otherwise."""
+    s = ct.bid(0)
+    splits = ct.num_blocks(0)
+    bhk = ct.bid(1)
+    hkv = k.shape[1]
+    b = bhk // hkv
+    hk = bhk - b * hkv
+    sq = q.shape[2]
+    sk = k.shape[2]
+    if USED:
+        sk = min(max(ct.gather(used, b), 0), sk)
+        k = k.slice(2, 0, sk)
+        v = v.slice(2, 0, sk)
+        if CAUSAL:
+            offset = sk - sq
+    r = ct.arange(TG * TQ, dtype=ct.int32)[:, None]                    # [TR, 1]
+    g = r // TQ
+    i = r - g * TQ
+    h = hk * GROUP + g
+    cols_d = ct.arange(TD, dtype=ct.int32)[None, :]
+    real = (g < GROUP) & (i < sq)                                      # rows that exist
+    qt = ct.gather(q, (b, h, i, cols_d), mask=real & (cols_d < q.shape[3]))    # [TR, TD]
+    hi = sk                                                            # keys < hi are seen
+    if CAUSAL:
+        hi = min(max(sq + offset, 0), sk)
+    n_tiles = ct.cdiv(hi, TN)
+    per = ct.cdiv(n_tiles, splits)
+    n0 = s * per
+    n1 = min(n0 + per, n_tiles)
+    last_key = i + offset                                              # [TR, 1]
+    cols = ct.arange(TN, dtype=ct.int32)[None, :]
+    m_i = ct.full((TG * TQ, 1), NEG_INF, ct.float32)
+    l_i = ct.zeros((TG * TQ, 1), ct.float32)
+    acc = ct.zeros((TG * TQ, TD), ct.float32)
+    for n in range(n0, n1):
+        kt = ct.load(k, (b, hk, 0, n), (1, 1, TD, TN), order=(0, 1, 3, 2), padding_mode=ZERO)
+        sc = ct.mma(qt, ct.reshape(kt, (TD, TN)), ct.zeros((TG * TQ, TN), ct.float32))
+        key = n * TN + cols
+        ok = key < hi
+        if CAUSAL:
+            ok = ok & (key <= last_key)
+        sc = ct.where(ok, sc, NEG_INF)
+        m_new = ct.maximum(m_i, ct.max(sc, axis=1, keepdims=True) * qk_scale)
+        m_use = ct.where(m_new == NEG_INF, 0.0, m_new)
+        p = ct.exp2(sc * qk_scale - m_use, flush_to_zero=True)
+        alpha = ct.exp2(m_i - m_use, flush_to_zero=True)
+        l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
+        acc = ct.mma(p.astype(q.dtype), _tile(v, b, hk, n, TN, TD), acc * alpha)
+        m_i = m_new
+    live = l_i > 0.0
+    out = acc * ct.where(live, 1.0 / l_i, 0.0)
+    if SPLIT:
+        ct.store(o_part, (s, b, hk, 0, 0), ct.reshape(out, (1, 1, 1, TG * TQ, TD)))
+        lse2 = ct.where(live, m_i + ct.log2(l_i), NEG_INF)
+        ct.store(lse_part, (s, b, hk, 0), ct.reshape(lse2, (1, 1, 1, TG * TQ)))
+    else:
+        ct.scatter(o, (b, h, i, cols_d), out.astype(o.dtype), mask=real & (cols_d < o.shape[3]))
+        lse2 = ct.where(live, m_i + ct.log2(l_i), POS_INF)
+        ct.scatter(lse, (b * q.shape[1] + h, i), lse2, mask=real)
+
+
+@ct.kernel
+def fmha_decode_combine_kernel(o_part, lse_part, o, lse, GROUP: ct.Constant[int],
+                               TQ: ct.Constant[int], SP: ct.Constant[int],
+                               TDC: ct.Constant[int]):
+    """o and lse (B*Hq, Sq) of one q head from the splits' partials: each split's output
+    weighted by 2^(its LSE2 - the total's). Every split is loaded at once (SP >= splits, a
+    power of two; LSE2 pads with -inf, weight 0) so the loads are in flight together; each CTA
+    takes TDC columns of the head dim. Grid (B*Hq, cdiv(TD, TDC))."""
+    bh = ct.bid(0)
+    c = ct.bid(1)
+    hq = o.shape[1]
+    b = bh // hq
+    h = bh - b * hq
+    hk = h // GROUP
+    g = h - hk * GROUP
+    part_lse = ct.reshape(ct.load(lse_part, (0, b, hk, g), (SP, 1, 1, TQ),
+                                  padding_mode=ct.PaddingMode.NEG_INF), (SP, TQ, 1))
+    m = ct.max(part_lse, axis=0, keepdims=True)                        # [1, TQ, 1]
+    m_use = ct.where(m == NEG_INF, 0.0, m)
+    w = ct.exp2(part_lse - m_use, flush_to_zero=True)                  # [SP, TQ, 1]
+    total = ct.sum(w, axis=0)                                          # [TQ, 1]
+    part = ct.reshape(ct.load(o_part, (0, b, hk, g, c), (SP, 1, 1, TQ, TDC), padding_mode=ZERO),
+                      (SP, TQ, TDC))
+    live = total > 0.0
+    out = ct.sum(w * part, axis=0) * ct.where(live, 1.0 / total, 0.0)  # [TQ, TDC]
+    ct.store(o, (b, h, 0, c), ct.reshape(out.astype(o.dtype), (1, 1, TQ, TDC)))
+    if c == 0:
+        lse2 = ct.where(live, ct.reshape(m_use, (TQ, 1)) + ct.log2(total), POS_INF)
+        ct.store(lse, (bh, 0), ct.reshape(lse2, (1, TQ)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,6 +478,60 @@ def dkdv_configs(arch, td, sq=4096, sk=4096, causal=False):
     yield from _entries("dkdv", arch, td, sq, sk)
 
 
+
+# Decode (Sq <= DECODE_MAX_SQ, group rows TG * TQ <= DECODE_MAX_ROWS, TD <= 128): key tile and
+# number of key-range splits, default first; where no cache lengths are given, the plain
+# forward's 64-row entries join, so the search decides between them. Splits stop at one key
+# tile each and at DECODE_MAX_CTAS CTAs in all (the partials are float32 rows of TD).
+DECODE_MAX_SQ = 16
+DECODE_MAX_ROWS = 128
+DECODE_MAX_CTAS = 2048
+DECODE_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+DECODE_FIELDS = ("tn", "splits", "num_worker_warps", "occupancy")
+
+
+# The combine's tile: every split's [TQ, TDC] piece at once, at most COMBINE_TILE elements.
+COMBINE_TILE = 4096
+
+
+def combine_tiles(splits, tq, td):
+    """(SP, TDC): splits padded to a power of two, and the head-dim columns per combine CTA."""
+    sp = next_pow2(splits)
+    return sp, max(8, min(td, COMBINE_TILE // (sp * tq)))
+
+
+def decode_rows(group, sq):
+    """(TG, TQ): the padded group and query rows a decode CTA packs, at least 16 rows in all
+    (the MMA's smallest M)."""
+    tg = next_pow2(group)
+    return tg, max(next_pow2(sq), cdiv(16, tg))
+
+
+def decodes(group, sq, td):
+    """Whether the decode kernel takes this shape."""
+    tg, tq = decode_rows(group, sq)
+    return sq <= DECODE_MAX_SQ and tg * tq <= DECODE_MAX_ROWS and td <= 128
+
+
+def decode_configs(arch, td, sq=1, sk=4096, kv_heads=32, causal=False, used=False):
+    """kv_heads: B * Hkv (CTAs per split). The default takes the fewest splits that give two
+    CTAs per SM of an H100 (264), at most one per key tile."""
+    mj = major(arch)
+    warps = 4 if mj == 9 else None
+    rows = []
+    for tn in (128, 64):
+        for splits in DECODE_SPLITS:
+            if splits == 1 or (splits <= cdiv(sk, tn) and splits * kv_heads <= DECODE_MAX_CTAS):
+                rows.append((tn, splits, warps, 1))
+    want = next((s for s in DECODE_SPLITS if s * kv_heads >= 264), DECODE_SPLITS[-1])
+    best = max((r for r in rows if r[0] == 128 and r[1] <= want), key=lambda r: r[1])
+    rows.remove(best)
+    yield from table(DECODE_FIELDS, [best, *rows], kind="split")
+    if not used:
+        for c in _entries("fwd", arch, td, sq, sk):
+            if c.tm == 64 and c.num_ctas == 1:
+                yield SimpleNamespace(**vars(c), kind="plain")
+
 # ---------------------------------------------------------------------------------------------
 # Launches. A tuner's inputs are its kernel's arguments without the tile sizes, in the kernel's
 # order (so offset is third from the end, then td and causal); its grid and arguments are
@@ -332,43 +549,61 @@ def visible_pairs(sq, sk, causal, offset):
     return n * (lo + offset + 1) + n * (n - 1) // 2 + (sq - full) * sk
 
 
+# The last input, `packed`, is None for a dense batch and (B, max_seqlen_q, max_seqlen_k) for a
+# packed one, whose arrays are the (1, H, T, D) views the kernels take with PACKED.
+
 def _shape(q, k, *rest):
     """The config generators' arguments."""
-    td, causal = rest[-2:]
-    return dict(td=td, sq=bucket(q.shape[2]), sk=bucket(k.shape[2]), causal=causal)
+    td, causal, packed = rest[-3:]
+    sq, sk = packed[1:] if packed else (q.shape[2], k.shape[2])
+    return dict(td=td, sq=bucket(sq), sk=bucket(sk), causal=causal)
 
 
 def _pair_work(flops):
-    """Work of a launch that does `flops` x D FLOPs per visible (query, key) pair and q head."""
+    """Work of a launch that does `flops` x D FLOPs per visible (query, key) pair and q head
+    (None for a packed batch: its lengths live on the device)."""
     def work(q, k, *rest):
         B, hq, sq, d = q.shape
-        offset, causal = rest[-3], rest[-1]
+        offset, causal, packed = rest[-4], rest[-2], rest[-1]
+        if packed:
+            return None
         return Work(flops=flops * B * hq * d * visible_pairs(sq, k.shape[2], causal, offset))
     return work
 
 
 def _query_grid(c, dev, q, *rest):
+    packed = rest[-1]
+    if packed:
+        return (cdiv(packed[1], c.tm), packed[0] * q.shape[1])
     return (cdiv(q.shape[2], c.tm), q.shape[0] * q.shape[1])
 
 
 def _key_grid(c, dev, q, k, *rest):
+    packed = rest[-1]
+    if packed:
+        return (cdiv(packed[2], c.tn), packed[0] * k.shape[1])
     return (cdiv(k.shape[2], c.tn), k.shape[0] * k.shape[1])
 
 
-def _fwd_args(c, q, k, v, o, lse, qk_scale, offset, td, causal):
-    return (q, k, v, o, lse, qk_scale, offset, c.tm, c.tn, td, causal,
-            getattr(c, "heavy_first", False))
+def _fwd_args(c, q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, td, causal, packed):
+    return (q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, c.tm, c.tn, td, causal,
+            getattr(c, "heavy_first", False), packed is not None)
 
 
-def _dq_args(c, q, k, v, o, do, lse, delta, dq, qk_scale, scale, offset, td, causal):
-    return (q, k, v, o, do, lse, delta, dq, qk_scale, scale, offset, c.tm, c.tn, td, causal)
+def _dq_args(c, q, k, v, o, do, lse, delta, dq, cu_q, cu_k, qk_scale, scale, offset, td, causal,
+             packed):
+    return (q, k, v, o, do, lse, delta, dq, cu_q, cu_k, qk_scale, scale, offset, c.tm, c.tn, td,
+            causal, packed is not None)
 
 
-def _dkdv_args(c, q, k, v, do, lse, delta, dk, dv, qk_scale, scale, offset, td, causal):
-    return (q, k, v, do, lse, delta, dk, dv, qk_scale, scale, offset, c.tm, c.tn, td, causal)
+def _dkdv_args(c, q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, scale, offset, td,
+               causal, packed):
+    return (q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, scale, offset, c.tm, c.tn, td,
+            causal, packed is not None)
 
 
-# Launch keys: (B * Hq, Sq, Sk, D, diagonal, group, dtype, device); tuning buckets the first three.
+# Launch keys: (B * Hq, Sq, Sk, D, diagonal, group, dtype, device), for a packed batch with the
+# maximum lengths as Sq and Sk and "packed" in the diagonal; tuning buckets the first three.
 _BY_SIZES = bucketed(0, 1, 2)
 _fwd = Autotuner("fmha_fwd", fmha_fwd_kernel, fwd_configs, default=DEFAULT, space=_shape,
                  grid=_query_grid, args=_fwd_args, work=_pair_work(4.0), tune_key=_BY_SIZES)
@@ -377,15 +612,22 @@ _dq = Autotuner("fmha_bwd_dq", fmha_bwd_dq_kernel, dq_configs, default=DEFAULT, 
 _dkdv = Autotuner("fmha_bwd_dkdv", fmha_bwd_dkdv_kernel, dkdv_configs, default=DEFAULT,
                   space=_shape, grid=_key_grid, args=_dkdv_args, work=_pair_work(8.0),
                   tune_key=_BY_SIZES)
-TUNERS = (_fwd, _dq, _dkdv)
 
 
-def _key(q, k, causal, offset, dev):
-    B, hq, sq, d = q.shape
-    sk = k.shape[2]
-    diag = None if not causal else ("bottom_right" if offset == sk - sq else
+def _diagonal(causal, offset, sq, sk):
+    return None if not causal else ("bottom_right" if offset == sk - sq else
                                     "top_left" if offset == 0 else "offset")
-    return (B * hq, sq, sk, d, diag, hq // k.shape[1], q.dtype, dev)
+
+
+def _key(q, k, causal, offset, dev, packed):
+    B, hq, sq, d = q.shape
+    if packed:
+        B, sq, sk = packed
+        diagonal = "packed bottom_right" if causal else "packed"
+    else:
+        sk = k.shape[2]
+        diagonal = _diagonal(causal, offset, sq, sk)
+    return (B * hq, sq, sk, d, diagonal, hq // k.shape[1], q.dtype, dev)
 
 
 def _flat(t):
@@ -402,22 +644,129 @@ def _rows(*shape, like):
     return like.new_empty((*lead, f32_row(s)), dtype=torch.float32)[..., :s]
 
 
-def launch_fwd(q, k, v, o, lse, causal, offset, scale):
-    """o (like q) and lse (B, Hq, Sq) float32 written in place."""
-    dev = q.get_device()
-    _fwd.launch(_key(q, k, causal, offset, dev), dev, q, k, v, o, _flat(lse), scale * LOG2E,
-                offset, head_tile(q.shape[3]), causal)
+_UNREAD = {}
 
 
-def launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale):
-    """dq, dk, dv and delta (B*Hq, Sq) float32 written in place. The dQ kernel runs (and on a
-    miss is tuned) first: it writes delta, which the dK/dV kernel reads."""
+def _unread(q, dev):
+    """An int32 array for kernel arguments a launch never reads (one per device)."""
+    a = _UNREAD.get(dev)
+    if a is None:
+        a = _UNREAD[dev] = torch.zeros(1, dtype=torch.int32, device=q.device)
+    return a
+
+
+def launch_fwd(q, k, v, o, lse, causal, offset, scale, packed=None, cu_q=None, cu_k=None):
+    """o (like q) and lse (B, Hq, Sq) float32 written in place. A packed batch: q/k/v/o are its
+    (1, H, T, D) views, packed = (B, max_seqlen_q, max_seqlen_k), cu_q/cu_k its offsets."""
     dev = q.get_device()
-    key = _key(q, k, causal, offset, dev)
+    if packed is None:
+        cu_q = cu_k = _unread(q, dev)
+    _fwd.launch(_key(q, k, causal, offset, dev, packed), dev, q, k, v, o, _flat(lse), cu_q, cu_k,
+                scale * LOG2E, offset, head_tile(q.shape[3]), causal, packed)
+
+
+def launch_decode(q, k, v, used, o, lse, causal, offset, scale):
+    """o and lse (B, Hq, Sq) written in place by the decode family (the split-KV kernel and its
+    combine, or the plain forward: the search decides). used: (B,) int32 cache lengths or
+    None. Launch keys: (B * Hkv, Sq, Sk, D, diagonal, group, lengths given, dtype, device); tuning
+    buckets B * Hkv and Sk."""
+    dev = q.get_device()
+    lengths = used is not None
+    if not lengths:
+        used = _unread(q, dev)
+    B, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    key = (B * hkv, sq, sk, d, _diagonal(causal, offset, sq, sk), hq // hkv, lengths, q.dtype,
+           dev)
+    _decode.launch(key, dev, q, k, v, used, o, _flat(lse), scale * LOG2E, offset, head_tile(d),
+                   causal, lengths)
+
+
+def launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale, packed=None,
+               cu_q=None, cu_k=None):
+    """dq, dk, dv and delta (B*Hq, Sq) float32 written in place (a packed batch as in
+    launch_fwd). The dQ kernel runs (and on a miss is tuned) first: it writes delta, which
+    the dK/dV kernel reads."""
+    dev = q.get_device()
+    if packed is None:
+        cu_q = cu_k = _unread(q, dev)
+    key = _key(q, k, causal, offset, dev, packed)
     lse2, qk_scale, td = _flat(lse), scale * LOG2E, head_tile(q.shape[3])
-    _dq.launch(key, dev, q, k, v, o, do, lse2, delta, dq, qk_scale, scale, offset, td, causal)
-    _dkdv.launch(key, dev, q, k, v, do, lse2, delta, dk, dv, qk_scale, scale, offset, td, causal)
+    _dq.launch(key, dev, q, k, v, o, do, lse2, delta, dq, cu_q, cu_k, qk_scale, scale, offset, td,
+               causal, packed)
+    _dkdv.launch(key, dev, q, k, v, do, lse2, delta, dk, dv, cu_q, cu_k, qk_scale, scale, offset,
+                 td, causal, packed)
 
+
+
+# Decode: inputs (q, k, v, used, o, lse, qk_scale, offset, td, causal, lengths), then the
+# scratch buffer: a split config's float32 partials (output rows, then their LSE2), None for
+# the others. lengths: `used` holds the (B,) int32 cache lengths; otherwise it is any int32
+# array, never read.
+
+def _decode_shape(q, k, v, used, o, lse, qk_scale, offset, td, causal, lengths):
+    return dict(td=td, sq=q.shape[2], sk=bucket(k.shape[2]),
+                kv_heads=bucket(k.shape[0] * k.shape[1]), causal=causal, used=lengths)
+
+
+def _decode_split(cfg):
+    return cfg.kind == "split" and cfg.splits > 1
+
+
+def decode_kernel_for(cfg):
+    return fmha_decode_kernel if cfg.kind == "split" else fmha_fwd_kernel
+
+
+def _decode_scratch(cfg, dev, q, k, v, used, o, lse, qk_scale, offset, td, causal, lengths):
+    if not _decode_split(cfg):
+        return None
+    tg, tq = decode_rows(q.shape[1] // k.shape[1], q.shape[2])
+    return (cfg.splits * k.shape[0] * k.shape[1] * tg * tq * (td + 1),), torch.float32
+
+
+def _decode_grid(cfg, dev, q, k, *rest):
+    if cfg.kind == "plain":
+        return _query_grid(cfg, dev, q, None)
+    return (cfg.splits, k.shape[0] * k.shape[1])
+
+
+def _decode_args(cfg, q, k, v, used, o, lse, qk_scale, offset, td, causal, lengths, buf):
+    if cfg.kind == "plain":
+        return _fwd_args(cfg, q, k, v, o, lse, used, used, qk_scale, offset, td, causal, None)
+    group = q.shape[1] // k.shape[1]
+    tg, tq = decode_rows(group, q.shape[2])
+    o_part, lse_part = k, k                   # stand-ins where the kernel writes o directly
+    if buf is not None:
+        lead = (cfg.splits, k.shape[0], k.shape[1], tg * tq)
+        n = cfg.splits * k.shape[0] * k.shape[1] * tg * tq * td
+        o_part, lse_part = buf[:n].view(*lead, td), buf[n:].view(lead)
+    return (q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset, group, tg, tq, cfg.tn,
+            td, causal, lengths, buf is not None)
+
+
+def _decode_run(cfg, kernel, stream, dev, q, k, v, used, o, lse, qk_scale, offset, td, causal,
+                lengths, buf):
+    """The decode kernel, then for splits > 1 the combine of its partials."""
+    args = _decode_args(cfg, q, k, v, used, o, lse, qk_scale, offset, td, causal, lengths, buf)
+    ct.launch(stream, _decode_grid(cfg, dev, q, k), kernel, args)
+    if buf is not None:
+        sp, tdc = combine_tiles(cfg.splits, args[12], td)
+        ct.launch(stream, (q.shape[0] * q.shape[1], td // tdc), fmha_decode_combine_kernel,
+                  (args[6], args[7], o, lse, args[10], args[12], sp, tdc))
+
+
+def _decode_work(q, k, v, used, o, lse, qk_scale, offset, td, causal, lengths):
+    """K and V read once per kv head (the bound at decode sizes)."""
+    return Work(bytes=2 * k.numel() * k.element_size() + 2 * q.numel() * q.element_size())
+
+
+_decode = Autotuner("fmha_decode", decode_kernel_for, decode_configs,
+                    default=SimpleNamespace(tn=128, splits=1, num_worker_warps=4, occupancy=1,
+                                            kind="split"),
+                    space=_decode_shape, grid=_decode_grid, args=_decode_args,
+                    scratch=_decode_scratch, run=_decode_run, partly_timed=_decode_split,
+                    work=_decode_work, tune_key=bucketed(0, 2))
+TUNERS = (_fwd, _dq, _dkdv, _decode)
 
 # ---------------------------------------------------------------------------------------------
 # Host side: validation, outputs, empty inputs.
@@ -468,9 +817,10 @@ def check_causal_bias(op, attn_mask, sq, sk):
                          f"Sk={sk}")
 
 
-def _forward(q, k, v, causal, offset, scale):
-    """(o laid out like q, lse (B, Hq, Sq) float32 in base 2)."""
-    B, hq, sq, _ = q.shape
+def _forward(q, k, v, causal, offset, scale, used=None):
+    """(o laid out like q, lse (B, Hq, Sq) float32 in base 2). used: (B,) int32 cache lengths
+    (decode shapes only) or None."""
+    B, hq, sq, d = q.shape
     o = torch.empty_like(q)
     lse = _rows(B, hq, sq, like=q)
     if o.numel() == 0:
@@ -479,7 +829,10 @@ def _forward(q, k, v, causal, offset, scale):
         o.zero_()
         lse.fill_(POS_INF)
         return o, lse
-    launch_fwd(q, k, v, o, lse, causal, offset, scale)
+    if used is not None or decodes(hq // k.shape[1], sq, head_tile(d)):
+        launch_decode(q, k, v, used, o, lse, causal, offset, scale)
+    else:
+        launch_fwd(q, k, v, o, lse, causal, offset, scale)
     return o, lse
 
 
@@ -495,17 +848,52 @@ def _backward(do, q, k, v, o, lse, causal, offset, scale):
     return dq, dk, dv
 
 
+def _packed(t):
+    """A packed batch's (T, H, D) tensor as the (1, H, T, D) view the kernels take."""
+    return t.permute(1, 0, 2).unsqueeze(0)
+
+
+def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """(o (Tq, Hq, D) laid out like q, lse (1, Hq, Tq) float32 in base 2)."""
+    o = torch.empty_like(q)
+    lse = _rows(1, q.shape[1], q.shape[0], like=q)
+    batch = cu_q.shape[0] - 1
+    if o.numel() == 0:
+        return o, lse
+    if k.shape[0] == 0 or batch == 0 or max_q == 0:
+        o.zero_()                  # no keys anywhere (or no sequence): every row fully masked
+        lse.fill_(POS_INF)
+        return o, lse
+    launch_fwd(_packed(q), _packed(k), _packed(v), _packed(o), lse, causal, 0, scale,
+               (batch, max_q, max_k), cu_q, cu_k)
+    return o, lse
+
+
+def _varlen_backward(do, q, k, v, cu_q, cu_k, o, lse, max_q, max_k, causal, scale):
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if 0 in do.stride() and do.numel():
+        do = do.contiguous()
+    batch = cu_q.shape[0] - 1
+    if q.numel() == 0 or k.numel() == 0 or batch == 0 or max_q == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    delta = _rows(q.shape[1], q.shape[0], like=q)
+    launch_bwd(_packed(do), _packed(q), _packed(k), _packed(v), _packed(o), lse, _packed(dq),
+               _packed(dk), _packed(dv), delta, causal, 0, scale, (batch, max_q, max_k), cu_q,
+               cu_k)
+    return dq, dk, dv
+
+
 # ---------------------------------------------------------------------------------------------
 # Autograd, custom op and the public functions. lse is only for the backward (not
 # differentiable).
 
 _fmha = TrainableOp(
     "tiletune::fmha", forward=_forward,
-    forward_schema="(Tensor q, Tensor k, Tensor v, bool causal, SymInt offset, float scale) "
-                   "-> (Tensor, Tensor)",
-    forward_fake=lambda q, k, v, causal, offset, scale: (
+    forward_schema="(Tensor q, Tensor k, Tensor v, bool causal, SymInt offset, float scale, "
+                   "Tensor? used=None) -> (Tensor, Tensor)",
+    forward_fake=lambda q, k, v, causal, offset, scale, used=None: (
         torch.empty_like(q), _rows(*q.shape[:3], like=q)),
-    save=lambda args, results: ((*args[:3], *results), args[3:]),
+    save=lambda args, results: ((*args[:3], *results), args[3:6]),
     backward=lambda needs, do, q, k, v, o, lse, causal, offset, scale: _backward(
         do, q, k, v, o, lse, causal, offset, scale),
     backward_schema="(bool[] needs, Tensor grad, Tensor q, Tensor k, Tensor v, Tensor o, "
@@ -515,7 +903,45 @@ _fmha = TrainableOp(
         torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
 
 
-def fmha(q, k, v, *, causal=False, scale=None):
+def _check_lengths(op, seqused_k, q, k, v):
+    """seqused_k: an int32 (B,) tensor on q's device, for inference at decode sizes."""
+    if not isinstance(seqused_k, torch.Tensor):
+        raise TypeError(f"{op}: seqused_k must be a torch.Tensor, got "
+                        f"{type(seqused_k).__name__}")
+    if seqused_k.dtype != torch.int32:
+        raise TypeError(f"{op}: seqused_k must be int32, got {seqused_k.dtype}")
+    if seqused_k.device != q.device:
+        raise ValueError(f"{op}: seqused_k is on {seqused_k.device}, q on {q.device}")
+    if seqused_k.shape != (q.shape[0],):
+        raise ValueError(f"{op}: seqused_k must have shape (B,) = ({q.shape[0]},), got "
+                         f"{tuple(seqused_k.shape)}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError(f"{op}: seqused_k is for inference (no backward); call it under "
+                         f"torch.no_grad() or with inputs that do not require grad")
+    if not decodes(q.shape[1] // k.shape[1], q.shape[2], head_tile(q.shape[3])):
+        raise ValueError(
+            f"{op}: seqused_k takes decode shapes: Sq <= {DECODE_MAX_SQ}, head_dim <= 128 and "
+            f"at most {DECODE_MAX_ROWS} query rows per kv head (Sq x q heads per kv head, each "
+            f"rounded up to a power of two); got Sq={q.shape[2]}, head_dim={q.shape[3]}, "
+            f"{q.shape[1] // k.shape[1]} q heads per kv head")
+
+
+_fmha_varlen = TrainableOp(
+    "tiletune::fmha_varlen", forward=_varlen_forward,
+    forward_schema="(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, SymInt max_q, "
+                   "SymInt max_k, bool causal, float scale) -> (Tensor, Tensor)",
+    forward_fake=lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale: (
+        torch.empty_like(q), _rows(1, q.shape[1], q.shape[0], like=q)),
+    save=lambda args, results: ((*args[:5], *results), args[5:]),
+    backward=lambda needs, do, *saved: _varlen_backward(do, *saved),
+    backward_schema="(bool[] needs, Tensor grad, Tensor q, Tensor k, Tensor v, Tensor cu_q, "
+                    "Tensor cu_k, Tensor o, Tensor lse, SymInt max_q, SymInt max_k, "
+                    "bool causal, float scale) -> (Tensor, Tensor, Tensor)",
+    backward_fake=lambda needs, do, q, k, v, *rest: (
+        torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
+
+
+def fmha(q, k, v, *, causal=False, scale=None, seqused_k=None):
     """Fused multi-head attention, softmax(scale * q k^T) v, FlashAttention-2 style.
 
     q: (B, Hq, Sq, D); k, v: (B, Hkv, Sk, D) with Hq a multiple of Hkv (GQA; Hkv = 1 is MQA).
@@ -531,11 +957,20 @@ def fmha(q, k, v, *, causal=False, scale=None):
     is -inf (an inf in q or k) counts as fully masked and returns 0, as FlashAttention does.
     Differentiable in q, k and v (backward: separate dQ and dK/dV kernels, each tuned).
     For torch SDPA semantics (top-left causal) use `scaled_dot_product_attention`.
+
+    Decode (Sq <= 16): the key range may be split across CTAs and the partial softmaxes merged;
+    the search decides between that and the plain forward. seqused_k: an int32 (B,) tensor of
+    cache lengths on q's device: batch b attends to keys [0, seqused_k[b]) of its k/v (values
+    are clamped to [0, Sk]; what the cache holds past them is never read), causal aligned
+    bottom-right on that length. Inference only (ValueError when q or k requires grad), at
+    decode sizes (ValueError otherwise).
     """
     scale = _check("fmha", q, k, v, scale)
     causal = bool(causal)
     offset = k.shape[2] - q.shape[2] if causal else 0
-    return _fmha(q, k, v, causal, offset, scale)
+    if seqused_k is not None:
+        _check_lengths("fmha", seqused_k, q, k, v)
+    return _fmha(q, k, v, causal, offset, scale, seqused_k)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -568,3 +1003,55 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                          f"({query.shape[1]}); pass enable_gqa=True for GQA/MQA")
     offset = key.shape[2] - query.shape[2] if (causal and lower_right) else 0
     return _fmha(query, key, value, causal, offset, scale)
+
+
+def _check_offsets(op, name, cu, like, batch=None):
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{op}: {name} must be int32, got {cu.dtype}")
+    if cu.device != like.device:
+        raise ValueError(f"{op}: {name} is on {cu.device}, q on {like.device}")
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{op}: {name} must be 1-D (batch + 1,), got shape {tuple(cu.shape)}")
+    if batch is not None and cu.shape[0] != batch + 1:
+        raise ValueError(f"{op}: {name} has {cu.shape[0]} entries, cu_seqlens_q {batch + 1}")
+
+
+def _check_max(op, name, n):
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"{op}: {name} must be an int, got {type(n).__name__}")
+    if n < 0:
+        raise ValueError(f"{op}: {name} must be >= 0, got {n}")
+
+
+def fmha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                causal=False, scale=None):
+    """Attention over a packed batch of variable-length sequences (FlashAttention-2's varlen
+    layout, what padding-free training calls).
+
+    q: (Tq, Hq, D), k and v: (Tk, Hkv, D): the tokens of every sequence, one after another
+    (Hq a multiple of Hkv: GQA/MQA). cu_seqlens_q / cu_seqlens_k: int32 (B + 1,) on q's device,
+    0 first, sequence b owning rows [cu[b], cu[b+1]) (empty sequences allowed); they are read
+    on the device only, so a call is CUDA-graph capturable. max_seqlen_q / max_seqlen_k: ints at
+    least every sequence's length (rows past max_seqlen_q are not computed). Each sequence
+    attends only to its own keys; causal=True aligns the diagonal bottom-right per sequence
+    (query i sees key j iff j <= i + Lk - Lq); rows that see no key return 0. dtypes, D, scale
+    and numerics as `fmha`. Returns o (Tq, Hq, D) laid out like q; differentiable in q, k, v.
+    Tuned per (B x heads, max lengths bucketed to powers of two, D, causal, dtype).
+    """
+    op = "fmha_varlen"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor) and t.dim() != 3:
+            raise ValueError(f"{op}: {name} must be 3-D (total_tokens, H, D), got shape "
+                             f"{tuple(t.shape)}")
+    if isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.shape != v.shape:
+        raise ValueError(f"{op}: v shape {tuple(v.shape)} must equal k shape {tuple(k.shape)}")
+    scale = _check(op, *(_packed(t) if isinstance(t, torch.Tensor) else t for t in (q, k, v)),
+                   scale)
+    _check_offsets(op, "cu_seqlens_q", cu_seqlens_q, q)
+    _check_offsets(op, "cu_seqlens_k", cu_seqlens_k, q, cu_seqlens_q.shape[0] - 1)
+    _check_max(op, "max_seqlen_q", max_seqlen_q)
+    _check_max(op, "max_seqlen_k", max_seqlen_k)
+    return _fmha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        bool(causal), scale)

@@ -240,9 +240,12 @@ def test_aot_signature_matches_jit():
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         lse, delta = FM._rows(B * hq, sq, like=q), FM._rows(B * hq, sq, like=q)   # as the op
         td = FM.head_tile(d)
-        args = {"fwd": (q, k, v, o, lse, 0.1, 0, 64, 64, td, True, False),
-                "dq": (q, k, v, o, do, lse, delta, dq, 0.1, 0.1, 0, 64, 64, td, True),
-                "dkdv": (q, k, v, do, lse, delta, dk, dv, 0.1, 0.1, 0, 64, 64, td, True)}
+        cu = FM._unread(q, q.get_device())
+        args = {"fwd": (q, k, v, o, lse, cu, cu, 0.1, 0, 64, 64, td, True, False, False),
+                "dq": (q, k, v, o, do, lse, delta, dq, cu, cu, 0.1, 0.1, 0, 64, 64, td, True,
+                       False),
+                "dkdv": (q, k, v, do, lse, delta, dk, dv, cu, cu, 0.1, 0.1, 0, 64, 64, td, True,
+                         False)}
         kernels = {"fwd": FM.fmha_fwd_kernel, "dq": FM.fmha_bwd_dq_kernel,
                    "dkdv": FM.fmha_bwd_dkdv_kernel}
         for kind, a in args.items():
@@ -250,3 +253,40 @@ def test_aot_signature_matches_jit():
                                                    CallingConvention.cutile_python_v2())
             mine = signature(FC.aot_params(kind, 64, 64, dt, B, hq, hkv, sq, sk, d, True))
             assert jit.parameters == mine.parameters, (kind, B, hq, hkv, sq, sk, d)
+
+
+def test_aot_signature_matches_jit_packed_and_decode():
+    """Likewise for packed batches (cases.fmha.aot_params(packed=True)) and the decode family
+    (cases.fmha.decode_params), built the way the ops build their arguments."""
+    from cuda.tile.compilation import CallingConvention, KernelSignature
+    from tiletune.aot import signature
+    conv = CallingConvention.cutile_python_v2()
+    dt, B, hq, hkv, tq, tk, d = torch.bfloat16, 3, 8, 2, 100, 4097, 64
+    q = FM._packed(torch.randn(tq, hq, d, device="cuda", dtype=dt))
+    k = FM._packed(torch.randn(tk, hkv, d, device="cuda", dtype=dt))
+    lse, cu = FM._rows(hq, tq, like=q), torch.zeros(B + 1, dtype=torch.int32, device="cuda")
+    a = (q, k, k, q, lse, cu, cu, 0.1, 0, 64, 64, 64, True, False, True)
+    jit = KernelSignature.from_kernel_args(FM.fmha_fwd_kernel, a, conv)
+    mine = signature(FC.aot_params("fwd", 64, 64, dt, B, hq, hkv, tq, tk, d, True, packed=True))
+    assert jit.parameters == mine.parameters
+    for B, hq, hkv, sq, sk, d, lengths in [(32, 32, 8, 1, 4096, 128, True),
+                                           (2, 28, 4, 5, 333, 80, False)]:
+        q, k, v = make(B, hq, hkv, sq, sk, d, dt)
+        o, lse = torch.empty_like(q), FM._rows(B, hq, sq, like=q)
+        used = torch.full((B,), sk, dtype=torch.int32, device="cuda") if lengths else \
+            FM._unread(q, q.get_device())
+        inputs = (q, k, v, used, o, FM._flat(lse), 0.1, 0, FM.head_tile(d), True, lengths)
+        cfg = next(FM.decode_configs("sm_90", FM.head_tile(d), sq, sk, kv_heads=B * hkv,
+                                     used=lengths))
+        assert cfg.splits > 1
+        spec = FM._decode_scratch(cfg, 0, *inputs)
+        buf = torch.empty(spec[0], dtype=spec[1], device="cuda")
+        args = FM._decode_args(cfg, *inputs, buf)
+        kernel, combine = FC.decode_params(cfg, dt, B, hq, hkv, sq, sk, d, True, lengths)
+        jit = KernelSignature.from_kernel_args(FM.fmha_decode_kernel, args, conv)
+        assert jit.parameters == signature(kernel).parameters, (B, hq, hkv, sq, sk, d)
+        jit = KernelSignature.from_kernel_args(
+            FM.fmha_decode_combine_kernel, (args[6], args[7], o, args[5], args[10], args[12],
+                                            *FM.combine_tiles(cfg.splits, args[12], args[14])),
+            conv)
+        assert jit.parameters == signature(combine).parameters, (B, hq, hkv, sq, sk, d)
