@@ -29,7 +29,7 @@ def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, heavy_first=Fals
     """The signature the JIT specializes `kind`'s kernel on for inputs in HF's layout (outputs
     laid out like their inputs, LSE2/delta (B*Hq, Sq) float32 rows padded to 16 bytes), constants
     in place. packed: a packed batch of B sequences, sq and sk tokens in all, contiguous
-    (T, H, D) tensors seen as (1, H, T, D); the unread offsets of a dense launch are (1,)."""
+    (T, H, D) tensors seen as (1, H, T, D); the unread offsets of a dense launch are (2,)."""
     i32 = ScalarConstraint(ct.int32)
 
     def hf(H, S):
@@ -38,7 +38,7 @@ def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, heavy_first=Fals
         return jit_array(dt, (B, H, S, d), (S * H * d, d, H * d, 1))
     q, kv = hf(hq, sq), hf(hkv, sk)
     rows = jit_array(torch.float32, (hq if packed else B * hq, sq), (f32_row(sq), 1))  # FM._rows
-    cu = jit_array(torch.int32, (B + 1,) if packed else (1,))
+    cu = jit_array(torch.int32, (B + 1,) if packed else (2,))
     tail = [tm, tn, FM.head_tile(d), causal]
     if kind == "fwd":
         return [q, kv, kv, q, rows, cu, cu, F32, i32] + tail + [heavy_first, packed]
@@ -58,7 +58,7 @@ def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
         return jit_array(dt, (B, H, S, d), (S * H * d, d, H * d, 1))
     q, kv = hf(hq, sq), hf(hkv, sk)
     rows = jit_array(torch.float32, (B * hq, sq), (f32_row(sq), 1))
-    used = jit_array(torch.int32, (B,) if lengths else (1,))
+    used = jit_array(torch.int32, (B,) if lengths else (2,))
     group = hq // hkv
     tg, tq = FM.decode_rows(group, sq)
     td = FM.head_tile(d)
@@ -143,7 +143,7 @@ def decode_cases():
                           f"{vars(cfg)}")
         if combine is not None and not combined:
             combined = True
-            yield CompileCase("fmha", FM.fmha_decode_combine_kernel, combine,
+            yield CompileCase("fmha", FM.COMBINE, combine,
                               f"fmha decode combine B32 H32/8 Sq1 D128 bf16 {vars(cfg)}")
     for label, shape, lengths in [
             ("causal Sq5 GQA 32/8", (torch.bfloat16, 4, 32, 8, 5, 1000, 128, True), False),
@@ -156,7 +156,7 @@ def decode_cases():
         yield CompileCase("fmha", FM._decode.build(cfg), kernel,
                           f"fmha decode {label} default {vars(cfg)}")
         if combine is not None:
-            yield CompileCase("fmha", FM.fmha_decode_combine_kernel, combine,
+            yield CompileCase("fmha", FM.COMBINE, combine,
                               f"fmha decode combine {label} {vars(cfg)}")
 
 

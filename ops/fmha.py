@@ -302,7 +302,11 @@ def fmha_decode_kernel(q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset
     h = hk * GROUP + g
     cols_d = ct.arange(TD, dtype=ct.int32)[None, :]
     real = (g < GROUP) & (i < sq)                                      # rows that exist
-    qt = ct.gather(q, (b, h, i, cols_d), mask=real & (cols_d < q.shape[3]))    # [TR, TD]
+    if TG == GROUP:        # a power-of-two group: its heads are one tile of q
+        qt = ct.reshape(ct.load(q, (b, hk, 0, 0), (1, TG, TQ, TD), padding_mode=ZERO),
+                        (TG * TQ, TD))
+    else:                  # (a gather's index tiles cost registers: only where needed)
+        qt = ct.gather(q, (b, h, i, cols_d), mask=real & (cols_d < q.shape[3]))   # [TR, TD]
     hi = sk                                                            # keys < hi are seen
     if CAUSAL:
         hi = min(max(sq + offset, 0), sk)
@@ -337,9 +341,14 @@ def fmha_decode_kernel(q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset
         lse2 = ct.where(live, m_i + ct.log2(l_i), NEG_INF)
         ct.store(lse_part, (s, b, hk, 0), ct.reshape(lse2, (1, 1, 1, TG * TQ)))
     else:
-        ct.scatter(o, (b, h, i, cols_d), out.astype(o.dtype), mask=real & (cols_d < o.shape[3]))
         lse2 = ct.where(live, m_i + ct.log2(l_i), POS_INF)
-        ct.scatter(lse, (b * q.shape[1] + h, i), lse2, mask=real)
+        if TG == GROUP:    # rows b * Hq + hk * GROUP + g of lse: row block bhk of TG
+            ct.store(o, (b, hk, 0, 0), ct.reshape(out.astype(o.dtype), (1, TG, TQ, TD)))
+            ct.store(lse, (bhk, 0), ct.reshape(lse2, (TG, TQ)))
+        else:
+            ct.scatter(o, (b, h, i, cols_d), out.astype(o.dtype),
+                       mask=real & (cols_d < o.shape[3]))
+            ct.scatter(lse, (b * q.shape[1] + h, i), lse2, mask=real)
 
 
 @ct.kernel
@@ -479,19 +488,25 @@ def dkdv_configs(arch, td, sq=4096, sk=4096, causal=False):
 
 
 
-# Decode (Sq <= DECODE_MAX_SQ, group rows TG * TQ <= DECODE_MAX_ROWS, TD <= 128): key tile and
-# number of key-range splits, default first; where no cache lengths are given, the plain
-# forward's 64-row entries join, so the search decides between them. Splits stop at one key
-# tile each and at DECODE_MAX_CTAS CTAs in all (the partials are float32 rows of TD).
+# Decode (Sq <= DECODE_MAX_SQ, group rows TG * TQ <= DECODE_MAX_ROWS, TD <= 128): key tile,
+# occupancy and number of key-range splits, default first; where no cache lengths are given,
+# the plain forward's first entry joins, so the search decides between them. Splits stop at one
+# key tile each and at DECODE_MAX_CTAS CTAs in all (the partials are float32 rows of TD).
 DECODE_MAX_SQ = 16
 DECODE_MAX_ROWS = 128
 DECODE_MAX_CTAS = 2048
 DECODE_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+# (key tile, occupancy), default first: 64-key tiles won every bench row; a CTA holds little
+# (TG*TQ x TD float32), so two or four per SM hide the loads' latency where the grid is small.
+DECODE_TILES = ((64, 2), (64, 1), (64, 4), (128, 2))
 DECODE_FIELDS = ("tn", "splits", "num_worker_warps", "occupancy")
 
 
-# The combine's tile: every split's [TQ, TDC] piece at once, at most COMBINE_TILE elements.
+# The combine's tile: every split's [TQ, TDC] piece at once, at most COMBINE_TILE elements. Its
+# launch hints occupancy 4 (64 registers, no spill on sm_90): the compiler's default took all
+# 255 and so one CTA per SM, a wave per 132 heads.
 COMBINE_TILE = 4096
+COMBINE = fmha_decode_combine_kernel.replace_hints(occupancy=4)
 
 
 def combine_tiles(splits, tq, td):
@@ -502,9 +517,10 @@ def combine_tiles(splits, tq, td):
 
 def decode_rows(group, sq):
     """(TG, TQ): the padded group and query rows a decode CTA packs, at least 16 rows in all
-    (the MMA's smallest M)."""
+    (the MMA's smallest M) and two query rows (TQ 1 made the sm_90 compile of MQA's
+    32-head tile spill)."""
     tg = next_pow2(group)
-    return tg, max(next_pow2(sq), cdiv(16, tg))
+    return tg, max(next_pow2(sq), cdiv(16, tg), 2)
 
 
 def decodes(group, sq, td):
@@ -519,18 +535,19 @@ def decode_configs(arch, td, sq=1, sk=4096, kv_heads=32, causal=False, used=Fals
     mj = major(arch)
     warps = 4 if mj == 9 else None
     rows = []
-    for tn in (128, 64):
+    for tn, occupancy in DECODE_TILES:
         for splits in DECODE_SPLITS:
             if splits == 1 or (splits <= cdiv(sk, tn) and splits * kv_heads <= DECODE_MAX_CTAS):
-                rows.append((tn, splits, warps, 1))
+                rows.append((tn, splits, warps, occupancy))
     want = next((s for s in DECODE_SPLITS if s * kv_heads >= 264), DECODE_SPLITS[-1])
-    best = max((r for r in rows if r[0] == 128 and r[1] <= want), key=lambda r: r[1])
+    tn, occupancy = DECODE_TILES[0]
+    best = max((r for r in rows if r[0] == tn and r[3] == occupancy and r[1] <= want),
+               key=lambda r: r[1])
     rows.remove(best)
     yield from table(DECODE_FIELDS, [best, *rows], kind="split")
     if not used:
-        for c in _entries("fwd", arch, td, sq, sk):
-            if c.tm == 64 and c.num_ctas == 1:
-                yield SimpleNamespace(**vars(c), kind="plain")
+        plain = next(c for c in _entries("fwd", arch, td, sq, sk) if c.num_ctas == 1)
+        yield SimpleNamespace(**vars(plain), kind="plain")
 
 # ---------------------------------------------------------------------------------------------
 # Launches. A tuner's inputs are its kernel's arguments without the tile sizes, in the kernel's
@@ -651,7 +668,7 @@ def _unread(q, dev):
     """An int32 array for kernel arguments a launch never reads (one per device)."""
     a = _UNREAD.get(dev)
     if a is None:
-        a = _UNREAD[dev] = torch.zeros(1, dtype=torch.int32, device=q.device)
+        a = _UNREAD[dev] = torch.zeros(2, dtype=torch.int32, device=q.device)
     return a
 
 
@@ -751,7 +768,7 @@ def _decode_run(cfg, kernel, stream, dev, q, k, v, used, o, lse, qk_scale, offse
     ct.launch(stream, _decode_grid(cfg, dev, q, k), kernel, args)
     if buf is not None:
         sp, tdc = combine_tiles(cfg.splits, args[12], td)
-        ct.launch(stream, (q.shape[0] * q.shape[1], td // tdc), fmha_decode_combine_kernel,
+        ct.launch(stream, (q.shape[0] * q.shape[1], td // tdc), COMBINE,
                   (args[6], args[7], o, lse, args[10], args[12], sp, tdc))
 
 

@@ -190,7 +190,7 @@ def test_host_launches_plain_call_and_tuner_space(stubbed_launch):
 
 def test_host_launches_decode(stubbed_launch, monkeypatch):
     """Sq <= 16: the decode family. Its default splits the key range (B * Hkv = 4 CTAs alone
-    would leave most SMs idle) into one 128-key tile per split, then combines the partials;
+    would leave most SMs idle) into one 64-key tile per split, then combines the partials;
     the group's heads and query rows are packed into the CTA's rows (TG 2 x TQ 8 = 16). Cache
     lengths reach the kernel as USED; without them its stand-in array is never read."""
     empty = torch.empty
@@ -199,19 +199,19 @@ def test_host_launches_decode(stubbed_launch, monkeypatch):
     o = FM._fmha(q, k, v, True, 330, 0.125)
     assert o.shape == q.shape
     (n1, g1, f1), (n2, g2, f2) = stubbed_launch
-    assert (n1, g1, n2, g2) == ("fmha_decode_kernel", (4, 4), "fmha_decode_combine_kernel",
+    assert (n1, g1, n2, g2) == ("fmha_decode_kernel", (8, 4), "fmha_decode_combine_kernel",
                                 (8, 1))
-    assert (f2["SP"], f2["TDC"]) == (4, 64)
-    assert (f1["GROUP"], f1["TG"], f1["TQ"], f1["TN"], f1["TD"]) == (2, 2, 8, 128, 64)
+    assert (f2["SP"], f2["TDC"]) == (8, 64)
+    assert (f1["GROUP"], f1["TG"], f1["TQ"], f1["TN"], f1["TD"]) == (2, 2, 8, 64, 64)
     assert (f1["CAUSAL"], f1["USED"], f1["SPLIT"], f1["offset"]) == (True, False, True, 330)
-    assert f1["o_part"].shape == (4, 2, 2, 16, 64) and f1["lse_part"].shape == (4, 2, 2, 16)
+    assert f1["o_part"].shape == (8, 2, 2, 16, 64) and f1["lse_part"].shape == (8, 2, 2, 16)
     assert f2["o_part"] is f1["o_part"] and f2["o"] is f1["o"] and (f2["GROUP"], f2["TQ"]) == (2, 8)
     stubbed_launch.clear()
     used = torch.tensor([333, 7], dtype=torch.int32)
     FM._fmha(q, k, v, True, 330, 0.125, used)
     assert stubbed_launch[0][2]["used"] is used and stubbed_launch[0][2]["USED"] is True
     space = list(FM.decode_configs("sm_90", 64, 3, 512, kv_heads=4, causal=True, used=False))
-    assert (space[0].tn, space[0].splits, space[0].kind) == (128, 4, "split")
+    assert (space[0].tn, space[0].splits, space[0].occupancy) == (64, 8, 2)
     assert {c.kind for c in space} == {"split", "plain"}
     assert all(c.kind == "split" for c in
                FM.decode_configs("sm_90", 64, 3, 512, kv_heads=4, causal=True, used=True))
@@ -235,3 +235,28 @@ def test_host_launches_under_torch_compile(stubbed_launch, monkeypatch):
     assert [(n, g) for n, g, _ in stubbed_launch] == [(n, g) for n, g, _ in eager]
     assert [n for n, _, _ in eager] == ["fmha_fwd_kernel", "fmha_bwd_dq_kernel",
                                         "fmha_bwd_dkdv_kernel"]
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100", "sm_80"])
+def test_decode_space(arch):
+    """At most MAX_CONFIGS, no repeats, splits within one key tile each and DECODE_MAX_CTAS in
+    all, the plain forward's entry only without cache lengths; the default takes the fewest
+    splits that reach 264 CTAs (as many as the key tiles allow)."""
+    for kv_heads, sk, used in itertools.product((1, 8, 256, 4096), (1, 64, 4096, 65536),
+                                                (False, True)):
+        cfgs = list(FM.decode_configs(arch, 128, 1, sk, kv_heads=kv_heads, used=used))
+        assert 1 <= len(cfgs) <= MAX_CONFIGS
+        assert len({tuple(sorted(vars(c).items())) for c in cfgs}) == len(cfgs)
+        for c in cfgs:
+            if c.kind == "split" and c.splits > 1:
+                assert c.splits <= -(-sk // c.tn) and c.splits * kv_heads <= FM.DECODE_MAX_CTAS
+        assert sum(c.kind == "plain" for c in cfgs) == (0 if used else 1)
+        first = cfgs[0]
+        tiles = -(-sk // 64)
+        want = next((s for s in FM.DECODE_SPLITS if s * kv_heads >= 264), 64)
+        allowed = [s for s in FM.DECODE_SPLITS
+                   if s == 1 or (s <= tiles and s * kv_heads <= FM.DECODE_MAX_CTAS)]
+        assert (first.kind, first.tn) == ("split", 64)
+        assert first.splits == max(s for s in allowed if s <= want)
+    assert FM.decode_rows(32, 1) == (32, 2) and FM.decode_rows(7, 3) == (8, 4)
+    assert FM.decode_rows(1, 1) == (1, 16) and FM.decodes(32, 16, 128) is False
