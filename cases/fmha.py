@@ -1,5 +1,6 @@
 """FMHA's benchmark rows (against torch SDPA's flash, cuDNN and efficient backends, and TileGym's
 cuTile attention when installed) and its ahead-of-time compile cases."""
+import dataclasses
 import itertools
 
 import cuda.tile as ct
@@ -24,6 +25,15 @@ TUNERS = {"fwd": FM._fwd, "dq": FM._dq, "dkdv": FM._dkdv}
 GENS = {"fwd": FM.fwd_configs, "dq": FM.dq_configs, "dkdv": FM.dkdv_configs}
 
 
+def stat_rows(n, s):
+    """LSE2/delta rows (n, s) float32 as FM._rows lays them out; at s = 1 the JIT makes the
+    length a constant 1 (seen on an H100), though its stride is 1."""
+    rows = jit_array(torch.float32, (n, s), (f32_row(s), 1))
+    if s == 1:
+        rows = dataclasses.replace(rows, shape_constant=(None, 1))
+    return rows
+
+
 def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, heavy_first=False,
                packed=False):
     """The signature the JIT specializes `kind`'s kernel on for inputs in HF's layout (outputs
@@ -37,7 +47,7 @@ def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, heavy_first=Fals
             return jit_array(dt, (1, H, S, d), (H * d, d, H * d, 1))
         return jit_array(dt, (B, H, S, d), (S * H * d, d, H * d, 1))
     q, kv = hf(hq, sq), hf(hkv, sk)
-    rows = jit_array(torch.float32, (hq if packed else B * hq, sq), (f32_row(sq), 1))  # FM._rows
+    rows = stat_rows(hq if packed else B * hq, sq)
     cu = jit_array(torch.int32, (B + 1,) if packed else (2,))
     tail = [tm, tn, FM.head_tile(d), causal]
     if kind == "fwd":
@@ -57,21 +67,22 @@ def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
     def hf(H, S):
         return jit_array(dt, (B, H, S, d), (S * H * d, d, H * d, 1))
     q, kv = hf(hq, sq), hf(hkv, sk)
-    rows = jit_array(torch.float32, (B * hq, sq), (f32_row(sq), 1))
+    rows = stat_rows(B * hq, sq)
     used = jit_array(torch.int32, (B,) if lengths else (2,))
     group = hq // hkv
     tg, tq = FM.decode_rows(group, sq)
     td = FM.head_tile(d)
     o_part = lse_part = kv
     if cfg.splits > 1:
-        lead = (cfg.splits, B, hkv, tg * tq)
-        o_part = jit_array(torch.float32, (*lead, td))
-        lse_part = jit_array(torch.float32, lead)     # follows o_part in the scratch buffer
+        rows_all = B * hkv * tg * tq
+        o_part = jit_array(torch.float32, (cfg.splits, rows_all, td))
+        lse_part = jit_array(torch.float32, (cfg.splits, rows_all))   # after o_part in scratch
     kernel = [q, kv, kv, used, q, rows, o_part, lse_part, F32, i32, group, tg, tq, cfg.tn, td,
               causal, lengths, cfg.splits > 1]
     combine = None
     if cfg.splits > 1:
-        combine = [o_part, lse_part, q, rows, group, tq, *FM.combine_tiles(cfg.splits, tq, td)]
+        combine = [o_part, lse_part, q, rows, group, tg, tq,
+                   *FM.combine_tiles(cfg.splits, tq, td)]
     return kernel, combine
 
 

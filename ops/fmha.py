@@ -279,9 +279,9 @@ def fmha_decode_kernel(q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset
                        GROUP: ct.Constant[int], TG: ct.Constant[int], TQ: ct.Constant[int],
                        TN: ct.Constant[int], TD: ct.Constant[int], CAUSAL: ct.Constant[bool],
                        USED: ct.Constant[bool], SPLIT: ct.Constant[bool]):
-    """Grid (splits, B*Hkv). TG >= GROUP and TQ >= Sq are powers of two; o_part (splits, B,
-    Hkv, TG*TQ, TD) and lse_part (splits, B, Hkv, TG*TQ) float32 are written where SPLIT, o
-    and lse (B*Hq, Sq) otherwise."""
+    """Grid (splits, B*Hkv). TG >= GROUP and TQ >= Sq are powers of two; o_part (splits,
+    B*Hkv*TG*TQ, TD) and lse_part (splits, B*Hkv*TG*TQ) float32 are written where SPLIT (row
+    block bhk of TG*TQ rows: this CTA's), o and lse (B*Hq, Sq) otherwise."""
     s = ct.bid(0)
     splits = ct.num_blocks(0)
     bhk = ct.bid(1)
@@ -337,9 +337,9 @@ def fmha_decode_kernel(q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset
     live = l_i > 0.0
     out = acc * ct.where(live, 1.0 / l_i, 0.0)
     if SPLIT:
-        ct.store(o_part, (s, b, hk, 0, 0), ct.reshape(out, (1, 1, 1, TG * TQ, TD)))
+        ct.store(o_part, (s, bhk, 0), ct.reshape(out, (1, TG * TQ, TD)))
         lse2 = ct.where(live, m_i + ct.log2(l_i), NEG_INF)
-        ct.store(lse_part, (s, b, hk, 0), ct.reshape(lse2, (1, 1, 1, TG * TQ)))
+        ct.store(lse_part, (s, bhk), ct.reshape(lse2, (1, TG * TQ)))
     else:
         lse2 = ct.where(live, m_i + ct.log2(l_i), POS_INF)
         if TG == GROUP:    # rows b * Hq + hk * GROUP + g of lse: row block bhk of TG
@@ -353,12 +353,13 @@ def fmha_decode_kernel(q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset
 
 @ct.kernel
 def fmha_decode_combine_kernel(o_part, lse_part, o, lse, GROUP: ct.Constant[int],
-                               TQ: ct.Constant[int], SP: ct.Constant[int],
+                               TG: ct.Constant[int], TQ: ct.Constant[int], SP: ct.Constant[int],
                                TDC: ct.Constant[int]):
     """o and lse (B*Hq, Sq) of one q head from the splits' partials: each split's output
     weighted by 2^(its LSE2 - the total's). Every split is loaded at once (SP >= splits, a
     power of two; LSE2 pads with -inf, weight 0) so the loads are in flight together; each CTA
-    takes TDC columns of the head dim. Grid (B*Hq, cdiv(TD, TDC))."""
+    takes TDC columns of the head dim. The head's TQ rows are row block (b * Hkv + hk) * TG + g
+    of the partials. Grid (B*Hq, cdiv(TD, TDC))."""
     bh = ct.bid(0)
     c = ct.bid(1)
     hq = o.shape[1]
@@ -366,14 +367,14 @@ def fmha_decode_combine_kernel(o_part, lse_part, o, lse, GROUP: ct.Constant[int]
     h = bh - b * hq
     hk = h // GROUP
     g = h - hk * GROUP
-    part_lse = ct.reshape(ct.load(lse_part, (0, b, hk, g), (SP, 1, 1, TQ),
+    blk = (b * (hq // GROUP) + hk) * TG + g
+    part_lse = ct.reshape(ct.load(lse_part, (0, blk), (SP, TQ),
                                   padding_mode=ct.PaddingMode.NEG_INF), (SP, TQ, 1))
     m = ct.max(part_lse, axis=0, keepdims=True)                        # [1, TQ, 1]
     m_use = ct.where(m == NEG_INF, 0.0, m)
     w = ct.exp2(part_lse - m_use, flush_to_zero=True)                  # [SP, TQ, 1]
     total = ct.sum(w, axis=0)                                          # [TQ, 1]
-    part = ct.reshape(ct.load(o_part, (0, b, hk, g, c), (SP, 1, 1, TQ, TDC), padding_mode=ZERO),
-                      (SP, TQ, TDC))
+    part = ct.load(o_part, (0, blk, c), (SP, TQ, TDC), padding_mode=ZERO)
     live = total > 0.0
     out = ct.sum(w * part, axis=0) * ct.where(live, 1.0 / total, 0.0)  # [TQ, TDC]
     ct.store(o, (b, h, 0, c), ct.reshape(out.astype(o.dtype), (1, 1, TQ, TDC)))
@@ -754,9 +755,9 @@ def _decode_args(cfg, q, k, v, used, o, lse, qk_scale, offset, td, causal, lengt
     tg, tq = decode_rows(group, q.shape[2])
     o_part, lse_part = k, k                   # stand-ins where the kernel writes o directly
     if buf is not None:
-        lead = (cfg.splits, k.shape[0], k.shape[1], tg * tq)
-        n = cfg.splits * k.shape[0] * k.shape[1] * tg * tq * td
-        o_part, lse_part = buf[:n].view(*lead, td), buf[n:].view(lead)
+        rows = k.shape[0] * k.shape[1] * tg * tq
+        n = cfg.splits * rows * td
+        o_part, lse_part = buf[:n].view(cfg.splits, rows, td), buf[n:].view(cfg.splits, rows)
     return (q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset, group, tg, tq, cfg.tn,
             td, causal, lengths, buf is not None)
 
@@ -769,7 +770,7 @@ def _decode_run(cfg, kernel, stream, dev, q, k, v, used, o, lse, qk_scale, offse
     if buf is not None:
         sp, tdc = combine_tiles(cfg.splits, args[12], td)
         ct.launch(stream, (q.shape[0] * q.shape[1], td // tdc), COMBINE,
-                  (args[6], args[7], o, lse, args[10], args[12], sp, tdc))
+                  (args[6], args[7], o, lse, args[10], args[11], args[12], sp, tdc))
 
 
 def _decode_work(q, k, v, used, o, lse, qk_scale, offset, td, causal, lengths):
