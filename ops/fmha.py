@@ -368,8 +368,12 @@ def fmha_decode_combine_kernel(o_part, lse_part, o, lse, GROUP: ct.Constant[int]
     hk = h // GROUP
     g = h - hk * GROUP
     blk = (b * (hq // GROUP) + hk) * TG + g
-    part_lse = ct.reshape(ct.load(lse_part, (0, blk), (SP, TQ),
-                                  padding_mode=ct.PaddingMode.NEG_INF), (SP, TQ, 1))
+    # LSE2 gathered: a (SP, TQ) tile load of it read out of bounds at TQ 16 on an H100
+    # (compute-sanitizer), though the tile lies inside the array.
+    split = ct.arange(SP, dtype=ct.int32)[:, None]
+    part_lse = ct.reshape(ct.gather(lse_part, (split, blk * TQ + ct.arange(TQ, dtype=ct.int32)
+                                               [None, :]), mask=split < lse_part.shape[0],
+                                    padding_value=NEG_INF), (SP, TQ, 1))
     m = ct.max(part_lse, axis=0, keepdims=True)                        # [1, TQ, 1]
     m_use = ct.where(m == NEG_INF, 0.0, m)
     w = ct.exp2(part_lse - m_use, flush_to_zero=True)                  # [SP, TQ, 1]
