@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from tiletune.ops.fmha import scaled_dot_product_attention
+from tiletune.ops.fmha import fmha_varlen, scaled_dot_product_attention
 from tiletune.ops.gated_mlp import swiglu_linear
 from tiletune.ops.moe import moe_experts
 from tiletune.ops.rms_norm import rms_norm
@@ -157,6 +157,19 @@ def attention_route(*, q_length, kv_length, head_dim, dtype, on_cuda, has_mask, 
     return AttentionRoute(False, False, kv_length, reason)
 
 
+def packed_lengths(kwargs, batch):
+    """(cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k) of a packed (padding-free)
+    batch, passed as transformers passes them to flash attention (FlashAttentionKwargs, e.g.
+    from DataCollatorWithFlattening(return_flash_attn_kwargs=True)): one row of concatenated
+    sequences. None when the call carries no such lengths or more than one row."""
+    lengths = tuple(kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                                            "max_length_k"))
+    if batch != 1 or any(x is None for x in lengths):
+        return None
+    cu_q, cu_k, max_q, max_k = lengths
+    return cu_q, cu_k, int(max_q), int(max_k)
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       is_causal=None, **kwargs):
     """transformers attention function "tiletune": tiletune FMHA (GQA served directly, no
@@ -164,14 +177,17 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     `sdpa_attention_forward`, unchanged, with one warning per reason on the `tiletune` logger
     (not while torch.compile traces). Padded batches, attention dropout > 0 in training,
     float32 models, CPU tensors, and under torch.compile the calls `tiletune_mask` must leave a
-    mask on, take this path: never a different result, only a different kernel.
+    mask on, take this path: never a different result, only a different kernel. A packed batch
+    with its sequence lengths (`packed_lengths`) runs `fmha_varlen` on them; the mask
+    transformers built for it (the same block-diagonal pattern) is not needed.
     Returns ((B, S, H, D), None)."""
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    packed = packed_lengths(kwargs, query.shape[0])
     route = attention_route(
         q_length=query.shape[2], kv_length=key.shape[2], head_dim=query.shape[3],
-        dtype=query.dtype, on_cuda=query.is_cuda, has_mask=attention_mask is not None,
-        is_causal=is_causal, dropout=dropout,
-        has_position_bias=kwargs.get("position_bias") is not None)
+        dtype=query.dtype, on_cuda=query.is_cuda,
+        has_mask=attention_mask is not None and packed is None, is_causal=is_causal,
+        dropout=dropout, has_position_bias=kwargs.get("position_bias") is not None)
     if not route.use_kernel:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         _log_once(f"tiletune attention: {route.reason}: using transformers' SDPA attention "
@@ -179,6 +195,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, is_causal=is_causal,
                                       **kwargs)
+    if packed is not None:
+        cu_q, cu_k, max_q, max_k = packed
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))     # (tokens, H, D)
+        out = fmha_varlen(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k,
+                          causal=bool(is_causal), scale=scaling)
+        return out.unsqueeze(0), None
     if route.key_length != key.shape[2]:
         key, value = key[:, :, :route.key_length], value[:, :, :route.key_length]
     out = scaled_dot_product_attention(query, key, value, is_causal=route.causal, scale=scaling,

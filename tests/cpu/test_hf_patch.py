@@ -4,6 +4,7 @@ The kernels need a GPU, so the forwards run here with torch references in place 
 that checks the plumbing (layouts, which op gets which tensors) against transformers exactly."""
 import copy
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -486,6 +487,34 @@ def test_attention_route():
         r = route(**kw)
         assert not r.use_kernel and reason in r.reason, (kw, r)
     assert not route(has_mask=True, on_cuda=False).use_kernel
+
+
+def test_packed_batch_runs_fmha_varlen(monkeypatch):
+    """One row of concatenated sequences with flash attention's length kwargs: fmha_varlen on
+    (tokens, H, D) views with int32 offsets, whatever mask transformers built; anything else
+    (no lengths, two rows) is no packed batch."""
+    calls = []
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+        calls.append((q.shape, k.shape, v.shape, cu_q.dtype, cu_k.dtype, max_q, max_k, causal,
+                      scale))
+        return torch.zeros_like(q)
+    monkeypatch.setattr(hf, "fmha_varlen", varlen)
+    route_on_cpu = hf.attention_route
+    monkeypatch.setattr(hf, "attention_route", lambda **kw: route_on_cpu(**{**kw, "on_cuda": True}))
+    q = torch.randn(1, 8, 10, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 10, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4, 10])
+    lengths = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6, max_length_k=6)
+    mask = torch.ones(1, 1, 10, 10, dtype=torch.bool)
+    out, weights = hf.attention_forward(SimpleNamespace(is_causal=True), q, k, k, mask,
+                                        scaling=0.125, **lengths)
+    assert out.shape == (1, 10, 8, 64) and weights is None
+    assert calls == [((10, 8, 64), (10, 2, 64), (10, 2, 64), torch.int32, torch.int32, 6, 6, True,
+                      0.125)]
+    assert hf.packed_lengths(lengths, 1) == (cu, cu, 6, 6)
+    assert hf.packed_lengths(lengths, 2) is None
+    assert hf.packed_lengths({**lengths, "max_length_k": None}, 1) is None
 
 
 def test_tiletune_mask():

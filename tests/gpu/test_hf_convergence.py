@@ -6,6 +6,7 @@ tiletune code; a left-padded batch (SDPA fallback for attention) matches.
 Kernels run with their default configs (DISABLE_AUTOTUNE=1): the per-op tests cover tuning, and
 searching every op here would take minutes. The store is a fresh folder for the module."""
 import copy
+import itertools
 import os
 
 import pytest
@@ -218,6 +219,38 @@ def test_left_padded_batch_matches_unpatched(family, monkeypatch):
     out = patched(input_ids=ids, attention_mask=full)
     assert len(kernel_calls) == 2                     # one call per layer
     assert rel(out.logits, reference(input_ids=ids, attention_mask=full).logits) < 5e-2
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_packed_batch_matches_unpatched(family, monkeypatch):
+    """A padding-free batch (sequences of 100, 300, 1 and 111 tokens in one row, position_ids
+    restarting per sequence, flash attention's length kwargs): fmha_varlen serves every layer,
+    and logits and gradients match the unpatched model run on each sequence alone (transformers
+    5.17's SDPA path does not isolate the sequences of a row from position_ids alone)."""
+    patched, reference = model_pair(family, layers=2)
+    calls = []
+    varlen = hf.fmha_varlen
+    monkeypatch.setattr(hf, "fmha_varlen", lambda *a, **kw: calls.append(1) or varlen(*a, **kw))
+    lens = [100, 300, 1, 111]
+    starts = [0, *itertools.accumulate(lens)]
+    ids = tokens(1, seed=4)[0][:1, :sum(lens)]
+    pos = torch.cat([torch.arange(n) for n in lens])[None].cuda()
+    cu = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    lengths = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens),
+                   max_length_k=max(lens))
+    out = patched(input_ids=ids, position_ids=pos, **lengths).logits
+    ref = torch.cat([reference(input_ids=ids[:, s:s + n]).logits
+                     for s, n in zip(starts, lens)], dim=1)
+    assert len(calls) == 2                            # one call per layer
+    assert rel(out, ref) < 5e-2
+
+    def loss(logits):                                 # the same function of either's logits
+        return F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+    loss(out).backward()
+    loss(ref).backward()
+    ref_params = dict(reference.named_parameters())
+    for name, p in patched.named_parameters():
+        assert rel(p.grad, ref_params[name].grad) < 0.1, name
 
 
 def test_example_06_trains_like_unpatched():
