@@ -505,7 +505,7 @@ DECODE_MAX_SQ = 16
 DECODE_MAX_ROWS = 128
 DECODE_MAX_CTAS = 2048
 DECODE_SPLITS = (1, 2, 4, 8, 16, 32, 64)
-# (key tile, occupancy), default first: 64-key tiles won every bench row; a CTA holds little
+# (key tile, occupancy), default first: 64-key tiles won all but one bench row; a CTA holds little
 # (TG*TQ x TD float32), so two or four per SM hide the loads' latency where the grid is small.
 DECODE_TILES = ((64, 2), (64, 1), (64, 4), (128, 2))
 DECODE_FIELDS = ("tn", "splits", "num_worker_warps", "occupancy")
@@ -558,9 +558,10 @@ def decode_configs(arch, td, sq=1, sk=4096, kv_heads=32, causal=False, used=Fals
         plain = next(c for c in _entries("fwd", arch, td, sq, sk) if c.num_ctas == 1)
         yield SimpleNamespace(**vars(plain), kind="plain")
 
+
 # ---------------------------------------------------------------------------------------------
 # Launches. A tuner's inputs are its kernel's arguments without the tile sizes, in the kernel's
-# order (so offset is third from the end, then td and causal); its grid and arguments are
+# order (so offset, td and causal come last, then `packed`); its grid and arguments are
 # declared once, the engine looks the config up (or tunes it) and launches. The forward and dQ
 # kernels own a query tile of one q head, the dK/dV kernel a key tile of one kv head.
 

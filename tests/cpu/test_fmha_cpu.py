@@ -205,7 +205,8 @@ def test_host_launches_decode(stubbed_launch, monkeypatch):
     assert (f1["GROUP"], f1["TG"], f1["TQ"], f1["TN"], f1["TD"]) == (2, 2, 8, 64, 64)
     assert (f1["CAUSAL"], f1["USED"], f1["SPLIT"], f1["offset"]) == (True, False, True, 330)
     assert f1["o_part"].shape == (8, 64, 64) and f1["lse_part"].shape == (8, 64)
-    assert f2["o_part"] is f1["o_part"] and f2["o"] is f1["o"] and (f2["GROUP"], f2["TG"], f2["TQ"]) == (2, 2, 8)
+    assert f2["o_part"] is f1["o_part"] and f2["o"] is f1["o"]
+    assert (f2["GROUP"], f2["TG"], f2["TQ"]) == (2, 2, 8)
     stubbed_launch.clear()
     used = torch.tensor([333, 7], dtype=torch.int32)
     FM._fmha(q, k, v, True, 330, 0.125, used)
