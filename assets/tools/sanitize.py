@@ -10,6 +10,7 @@ tensor is reported instead of landing in the same pool block. Exit status 0 only
 reports no error; each run's log ends in compute-sanitizer's summary line.
 """
 import argparse
+import itertools
 import os
 import subprocess
 import sys
@@ -76,13 +77,28 @@ def run_matmul():
 
 
 def run_fmha():
-    from tiletune.ops.fmha import fmha
-    for (B, Hq, Hk, Sq, Sk, D), causal in (((1, 4, 2, 77, 77, 64), True),
-                                           ((2, 2, 1, 33, 100, 80), False)):
-        q = torch.randn(B, Hq, Sq, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(B, Hk, Sk, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(B, Hk, Sk, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    """Dense forward and backward; decode (Sq <= 16: split-KV and its combine) with and without
+    cache lengths, for a power-of-two group, MHA and a group of 7; a packed variable-length
+    batch with an empty sequence, forward and backward."""
+    from tiletune.ops.fmha import fmha, fmha_varlen
+
+    def qkv(B, Hq, Hk, Sq, Sk, D, grad=True):
+        return (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+                for H, S in ((Hq, Sq), (Hk, Sk), (Hk, Sk)))
+    for shape, causal in (((1, 4, 2, 77, 77, 64), True), ((2, 2, 1, 33, 100, 80), False),
+                          ((2, 8, 2, 4, 300, 64), True)):
+        q, k, v = qkv(*shape)
         _grad_step(fmha(q, k, v, causal=causal), q, k, v)
+    for shape in ((3, 32, 8, 1, 1000, 128), (2, 8, 8, 5, 77, 64), (2, 28, 4, 1, 300, 128)):
+        q, k, v = qkv(*shape, grad=False)
+        lengths = torch.tensor([shape[4], 0, 7][:shape[0]], dtype=torch.int32, device="cuda")
+        for used in (None, lengths):
+            fmha(q, k, v, causal=True, seqused_k=used)
+    lens = [100, 0, 1, 513, 64]
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lens), h, 64, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for h in (8, 2, 2))
+    _grad_step(fmha_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True), q, k, v)
 
 
 def run_grouped_gemm():
