@@ -932,13 +932,7 @@ _fmha = TrainableOp(
 
 def _check_lengths(op, seqused_k, q, k, v):
     """seqused_k: an int32 (B,) tensor on q's device, for inference at decode sizes."""
-    if not isinstance(seqused_k, torch.Tensor):
-        raise TypeError(f"{op}: seqused_k must be a torch.Tensor, got "
-                        f"{type(seqused_k).__name__}")
-    if seqused_k.dtype != torch.int32:
-        raise TypeError(f"{op}: seqused_k must be int32, got {seqused_k.dtype}")
-    if seqused_k.device != q.device:
-        raise ValueError(f"{op}: seqused_k is on {seqused_k.device}, q on {q.device}")
+    validate.tensor(op, "seqused_k", seqused_k, device=q.device, dtypes=(torch.int32,))
     if seqused_k.shape != (q.shape[0],):
         raise ValueError(f"{op}: seqused_k must have shape (B,) = ({q.shape[0]},), got "
                          f"{tuple(seqused_k.shape)}")
@@ -1033,12 +1027,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 def _check_offsets(op, name, cu, like, batch=None):
-    if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype != torch.int32:
-        raise TypeError(f"{op}: {name} must be int32, got {cu.dtype}")
-    if cu.device != like.device:
-        raise ValueError(f"{op}: {name} is on {cu.device}, q on {like.device}")
+    validate.tensor(op, name, cu, device=like.device, dtypes=(torch.int32,))
     if cu.dim() != 1 or cu.shape[0] < 1:
         raise ValueError(f"{op}: {name} must be 1-D (batch + 1,), got shape {tuple(cu.shape)}")
     if batch is not None and cu.shape[0] != batch + 1:
