@@ -21,6 +21,7 @@ from tiletune.ops import fmha as FM
 # D64 fp16, a ragged Sq/Sk (1000/4097: no 16-divisible shapes), GQA 32/8,
 # D256, and the forward for decode (Sq = 1) and D80 (zero-padded to 128).
 
+I32 = ScalarConstraint(ct.int32)     # a Python int argument
 TUNERS = {"fwd": FM._fwd, "dq": FM._dq, "dkdv": FM._dkdv}
 GENS = {"fwd": FM.fwd_configs, "dq": FM.dq_configs, "dkdv": FM.dkdv_configs}
 
@@ -34,27 +35,29 @@ def stat_rows(n, s):
     return rows
 
 
+def hf_array(dt, B, H, S, d, packed=False):
+    """(B, H, S, D) as a view of (B, S, H, D) storage (HF's layout); packed: B sequences of S
+    tokens in all, a contiguous (S, H, D) tensor seen as (1, H, S, D)."""
+    if packed:
+        return jit_array(dt, (1, H, S, d), (H * d, d, H * d, 1))
+    return jit_array(dt, (B, H, S, d), (S * H * d, d, H * d, 1))
+
+
 def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, heavy_first=False,
                packed=False):
     """The signature the JIT specializes `kind`'s kernel on for inputs in HF's layout (outputs
     laid out like their inputs, LSE2/delta (B*Hq, Sq) float32 rows padded to 16 bytes), constants
     in place. packed: a packed batch of B sequences, sq and sk tokens in all, contiguous
     (T, H, D) tensors seen as (1, H, T, D); the unread offsets of a dense launch are (2,)."""
-    i32 = ScalarConstraint(ct.int32)
-
-    def hf(H, S):
-        if packed:
-            return jit_array(dt, (1, H, S, d), (H * d, d, H * d, 1))
-        return jit_array(dt, (B, H, S, d), (S * H * d, d, H * d, 1))
-    q, kv = hf(hq, sq), hf(hkv, sk)
+    q, kv = hf_array(dt, B, hq, sq, d, packed), hf_array(dt, B, hkv, sk, d, packed)
     rows = stat_rows(hq if packed else B * hq, sq)
     cu = jit_array(torch.int32, (B + 1,) if packed else (2,))
     tail = [tm, tn, FM.head_tile(d), causal]
     if kind == "fwd":
-        return [q, kv, kv, q, rows, cu, cu, F32, i32] + tail + [heavy_first, packed]
+        return [q, kv, kv, q, rows, cu, cu, F32, I32] + tail + [heavy_first, packed]
     if kind == "dq":
-        return [q, kv, kv, q, q, rows, rows, q, cu, cu, F32, F32, i32] + tail + [packed]
-    return [q, kv, kv, q, rows, rows, kv, kv, cu, cu, F32, F32, i32] + tail + [packed]
+        return [q, kv, kv, q, q, rows, rows, q, cu, cu, F32, F32, I32] + tail + [packed]
+    return [q, kv, kv, q, rows, rows, kv, kv, cu, cu, F32, F32, I32] + tail + [packed]
 
 
 def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
@@ -62,11 +65,7 @@ def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
     forward's) on HF-layout inputs; with it, for splits > 1, the combine kernel's."""
     if cfg.kind == "plain":
         return aot_params("fwd", cfg.tm, cfg.tn, dt, B, hq, hkv, sq, sk, d, causal), None
-    i32 = ScalarConstraint(ct.int32)
-
-    def hf(H, S):
-        return jit_array(dt, (B, H, S, d), (S * H * d, d, H * d, 1))
-    q, kv = hf(hq, sq), hf(hkv, sk)
+    q, kv = hf_array(dt, B, hq, sq, d), hf_array(dt, B, hkv, sk, d)
     rows = stat_rows(B * hq, sq)
     used = jit_array(torch.int32, (B,) if lengths else (2,))
     group = hq // hkv
@@ -77,7 +76,7 @@ def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
         rows_all = B * hkv * tg * tq
         o_part = jit_array(torch.float32, (cfg.splits, rows_all, td))
         lse_part = jit_array(torch.float32, (cfg.splits, rows_all))   # after o_part in scratch
-    kernel = [q, kv, kv, used, q, rows, o_part, lse_part, F32, i32, group, tg, tq, cfg.tn, td,
+    kernel = [q, kv, kv, used, q, rows, o_part, lse_part, F32, I32, group, tg, tq, cfg.tn, td,
               causal, lengths, cfg.splits > 1]
     combine = None
     if cfg.splits > 1:
@@ -140,11 +139,10 @@ def decode_cases():
     above."""
     head = (torch.bfloat16, 32, 32, 8, 1, 4096, 128, False)
     seen, combined = set(), False
-    cfgs = [c for c in FM.decode_configs("sm_90", 128, 1, 4096, kv_heads=256, used=True)]
+    cfgs = list(FM.decode_configs("sm_90", 128, 1, 4096, kv_heads=256, used=True))
     cfgs.append(next(FM.decode_configs("sm_100", 128, 1, 4096, kv_heads=256, used=True)))
     for cfg in cfgs:
-        compiled = (cfg.tn, cfg.splits > 1, cfg.num_worker_warps if hasattr(
-            cfg, "num_worker_warps") else None)
+        compiled = (cfg.tn, cfg.splits > 1, getattr(cfg, "num_worker_warps", None))
         if compiled in seen:
             continue
         seen.add(compiled)
