@@ -89,6 +89,16 @@ def _span(cu, seq):
     return ct.gather(cu, seq), ct.gather(cu, seq + 1)
 
 
+def _packed_keys(cu_k, b, k, v, sq, offset, CAUSAL):
+    """The keys of sequence b of a packed batch, for a kernel that owns its sq query rows: k and
+    v sliced to them, their count, and the causal offset (bottom-right per sequence)."""
+    k0, k1 = _span(cu_k, b)
+    sk = k1 - k0
+    if CAUSAL:
+        offset = sk - sq
+    return _part(k, 2, k0, k1), _part(v, 2, k0, k1), sk, offset
+
+
 def _part(a, axis, start, end):
     """a's rows [start, end) along `axis` (zero-padded past end by the loads). A slice must
     start inside the array: an empty span at its very end gives a one-row view instead, which
@@ -116,12 +126,8 @@ def fmha_fwd_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.Consta
         q0, q1 = _span(cu_q, b)
         if m * TM >= q1 - q0:
             return
-        k0, k1 = _span(cu_k, b)
-        sk = k1 - k0
-        if CAUSAL:
-            offset = sk - (q1 - q0)
+        k, v, sk, offset = _packed_keys(cu_k, b, k, v, q1 - q0, offset, CAUSAL)
         q, o, lse = q.slice(2, q0, q1), o.slice(2, q0, q1), lse.slice(1, q0, q1)
-        k, v = _part(k, 2, k0, k1), _part(v, 2, k0, k1)
         b, bh = 0, h
     qt = _tile(q, b, h, m, TM, TD)                                    # [TM, TD]
     n_end, n_mask = _key_tiles(m, sk, offset, TM, TN, CAUSAL)
@@ -169,14 +175,10 @@ def fmha_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, cu_q, cu_k, qk_scale, sca
         q0, q1 = _span(cu_q, b)
         if m * TM >= q1 - q0:
             return
-        k0, k1 = _span(cu_k, b)
-        sk = k1 - k0
-        if CAUSAL:
-            offset = sk - (q1 - q0)
         q, o, do, dq = q.slice(2, q0, q1), o.slice(2, q0, q1), do.slice(2, q0, q1), \
             dq.slice(2, q0, q1)
         lse, delta = lse.slice(1, q0, q1), delta.slice(1, q0, q1)
-        k, v = _part(k, 2, k0, k1), _part(v, 2, k0, k1)
+        k, v, sk, offset = _packed_keys(cu_k, b, k, v, q1 - q0, offset, CAUSAL)
         b, bh = 0, h
     qt = _tile(q, b, h, m, TM, TD)
     dot = _tile(do, b, h, m, TM, TD)

@@ -47,20 +47,25 @@ def dual_mainloop(x, wg, wu, m, n, TM, TN, TK):
     return g, u
 
 
-@ct.kernel
-def gated_mlp_kernel(x, wg, wu, y, gate, up, ACT: ct.Constant[int], TM: ct.Constant[int],
-                     TN: ct.Constant[int], TK: ct.Constant[int], GROUP_M: ct.Constant[int],
-                     SAVE: ct.Constant[bool]):
-    """One output tile per CTA (a 1-D grid over the tiles, grouped order): y's tile, and with
-    SAVE the pre-activations' (else gate and up are not touched)."""
-    num_m = ct.cdiv(x.shape[1], TM)
-    num_n = ct.cdiv(wg.shape[2], TN)
-    m, n = tile_coords(ct.bid(0), num_m, num_n, GROUP_M)
+def gated_tile(x, wg, wu, y, gate, up, m, n, ACT, TM, TN, TK, SAVE):
+    """y's output tile (m, n), and with SAVE the pre-activations' (else gate and up are not
+    touched)."""
     g, u = dual_mainloop(x, wg, wu, m, n, TM, TN, TK)
     store_tile(y, 0, m, n, activation(g, ACT) * u)
     if SAVE:
         store_tile(gate, 0, m, n, g)
         store_tile(up, 0, m, n, u)
+
+
+@ct.kernel
+def gated_mlp_kernel(x, wg, wu, y, gate, up, ACT: ct.Constant[int], TM: ct.Constant[int],
+                     TN: ct.Constant[int], TK: ct.Constant[int], GROUP_M: ct.Constant[int],
+                     SAVE: ct.Constant[bool]):
+    """One output tile per CTA (a 1-D grid over the tiles, grouped order)."""
+    num_m = ct.cdiv(x.shape[1], TM)
+    num_n = ct.cdiv(wg.shape[2], TN)
+    m, n = tile_coords(ct.bid(0), num_m, num_n, GROUP_M)
+    gated_tile(x, wg, wu, y, gate, up, m, n, ACT, TM, TN, TK, SAVE)
 
 
 @ct.kernel
@@ -72,11 +77,7 @@ def gated_mlp_persistent_kernel(x, wg, wu, y, gate, up, ACT: ct.Constant[int],
     num_n = ct.cdiv(wg.shape[2], TN)
     for t in range(ct.bid(0), num_m * num_n, ct.num_blocks(0)):
         m, n = tile_coords(t, num_m, num_n, GROUP_M)
-        g, u = dual_mainloop(x, wg, wu, m, n, TM, TN, TK)
-        store_tile(y, 0, m, n, activation(g, ACT) * u)
-        if SAVE:
-            store_tile(gate, 0, m, n, g)
-            store_tile(up, 0, m, n, u)
+        gated_tile(x, wg, wu, y, gate, up, m, n, ACT, TM, TN, TK, SAVE)
 
 
 # ---------------------------------------------------------------------------------------------
