@@ -36,6 +36,15 @@ def disable_autotune(monkeypatch):
     monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", lambda *a, **k: pytest.fail("search"))
 
 
+def tuned_or_disabled(monkeypatch, disable, case, tuned):
+    """DISABLE_AUTOTUNE=1 when `disable`; otherwise skip `case` unless it is in `tuned` (each
+    search compiles the op's whole space, so only a few cases run tuned)."""
+    if disable:
+        disable_autotune(monkeypatch)
+    elif case not in tuned:
+        pytest.skip("tuned only for a few cases (every search compiles the whole space)")
+
+
 def each_config(monkeypatch, tuner, space):
     """Yield each config of `space` with it installed as `tuner`'s only (default) config and the
     caches cleared, under DISABLE_AUTOTUNE (any search fails the test): the every-config tests'

@@ -10,8 +10,8 @@ import torch
 import tiletune
 from tiletune.ops import fmha as FM
 
-from .conftest import disable_autotune, poison_allocator
-from .test_fmha import TOL, check, make, reference, rel
+from .conftest import disable_autotune, poison_allocator, tuned_or_disabled
+from .test_fmha import TOL, check, check_grads, make, reference, rel
 
 
 def fmha_tuners():
@@ -105,10 +105,7 @@ DECODE_TUNED = {(2, 32, 8, 1, 4097, 128, True, torch.bfloat16),
 def test_decode_forward(fresh, monkeypatch, case, disable):
     """(a), (b), (f): without seqused_k the decode path computes what fmha computes for Sq > 16
     (the dense reference, causal bottom-right)."""
-    if disable:
-        disable_autotune(monkeypatch)
-    elif case not in DECODE_TUNED:
-        pytest.skip("tuned only for the DECODE_TUNED cases (every search compiles the whole space)")
+    tuned_or_disabled(monkeypatch, disable, case, DECODE_TUNED)
     B, hq, hkv, sq, sk, d, causal, dt = case
     q, k, v = make(B, hq, hkv, sq, sk, d, dt, hf_layout=(sq + sk) % 2 == 0)
     o = check_decode(q, k, v, causal)
@@ -282,13 +279,7 @@ def check_varlen(lq, lk, hq, hkv, d, dt, causal, scale=None, slack=0, backward=T
     assert (o[dead] == 0).all(), "rows that see no key must be 0"
     if not backward:
         return
-    do = torch.randn_like(o)
-    poison_allocator(torch)
-    grads = torch.autograd.grad(o, (qg, kg, vg), do)
-    expect = torch.autograd.grad(ref, (q64, k64, v64), do.double())
-    for name, got, exp in zip("qkv", grads, expect):
-        assert got.shape == exp.shape, name
-        assert rel(got, exp) < TOL[dt], f"d{name}"
+    grads = check_grads(o, ref, (qg, kg, vg), (q64, k64, v64))
     assert (grads[0][dead] == 0).all(), "rows that see no key must get zero dq"
 
 
@@ -308,10 +299,7 @@ VARLEN_TUNED = {(8, 2, 128, True, torch.bfloat16)}
 @pytest.mark.parametrize("disable", [False, True], ids=["tuned", "DISABLE_AUTOTUNE"])
 def test_varlen_same_lengths(fresh, monkeypatch, case, disable):
     """(a), (d), (e): lengths_q = lengths_k = [100, 0, 1, 513, 64], forward and backward."""
-    if disable:
-        disable_autotune(monkeypatch)
-    elif case not in VARLEN_TUNED:
-        pytest.skip("tuned only for the VARLEN_TUNED cases (every search compiles the whole space)")
+    tuned_or_disabled(monkeypatch, disable, case, VARLEN_TUNED)
     hq, hkv, d, causal, dt = case
     check_varlen(LENGTHS, LENGTHS, hq, hkv, d, dt, causal)
     expect_searches(disable)
