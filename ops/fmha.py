@@ -84,6 +84,35 @@ def _row(a, bh, i, TI):
     return ct.load(a, (bh, i), (1, TI), padding_mode=ZERO)
 
 
+def _scores(qt, k, b, hk, n, TN, TD):
+    """S [R, TN] = qt [R, TD] k[b, hk] tile n^T in float32 (keys past Sk load as zeros)."""
+    kt = ct.load(k, (b, hk, 0, n), (1, 1, TD, TN), order=(0, 1, 3, 2), padding_mode=ZERO)
+    return ct.mma(qt, ct.reshape(kt, (TD, TN)), ct.zeros((qt.shape[0], TN), ct.float32))
+
+
+def _masked(s, n, cols, sk, last_key, TN, CAUSAL):
+    """Scores s of key tile n with keys past sk, and under CAUSAL the keys past each row's last
+    visible one (last_key [R, 1]), at -inf."""
+    key = n * TN + cols
+    ok = key < sk
+    if CAUSAL:
+        ok = ok & (key <= last_key)
+    return ct.where(ok, s, NEG_INF)
+
+
+def _softmax_step(s, m_i, l_i, acc, v, b, hk, n, qk_scale, TN, TD):
+    """Fold key tile n into the online softmax of a block of rows: s [R, TN] (masked keys at
+    -inf) updates the running max m_i (base 2, scaled), the sum l_i and the output acc [R, TD]
+    (rescaled, plus P v[b, hk] tile n). Returns the new (m_i, l_i, acc)."""
+    m_new = ct.maximum(m_i, ct.max(s, axis=1, keepdims=True) * qk_scale)
+    m_use = ct.where(m_new == NEG_INF, 0.0, m_new)     # rows with no key yet: no NaN
+    p = ct.exp2(s * qk_scale - m_use, flush_to_zero=True)             # [R, TN]
+    alpha = ct.exp2(m_i - m_use, flush_to_zero=True)                   # [R, 1]
+    l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
+    vt = _tile(v, b, hk, n, TN, TD)                                    # [TN, TD]
+    return m_new, l_i, ct.mma(p.astype(v.dtype), vt, acc * alpha)
+
+
 def _span(cu, seq):
     """[start, end) of sequence `seq` in a packed batch (cu: int32 cumulative offsets)."""
     return ct.gather(cu, seq), ct.gather(cu, seq + 1)
@@ -137,22 +166,10 @@ def fmha_fwd_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.Consta
     l_i = ct.zeros((TM, 1), ct.float32)
     acc = ct.zeros((TM, TD), ct.float32)
     for n in range(n_end):
-        kt = ct.load(k, (b, hk, 0, n), (1, 1, TD, TN), order=(0, 1, 3, 2), padding_mode=ZERO)
-        s = ct.mma(qt, ct.reshape(kt, (TD, TN)), ct.zeros((TM, TN), ct.float32))  # [TM, TN]
+        s = _scores(qt, k, b, hk, n, TN, TD)                           # [TM, TN]
         if n >= n_mask:
-            key = n * TN + cols
-            ok = key < sk
-            if CAUSAL:
-                ok = ok & (key <= last_key)
-            s = ct.where(ok, s, NEG_INF)
-        m_new = ct.maximum(m_i, ct.max(s, axis=1, keepdims=True) * qk_scale)
-        m_use = ct.where(m_new == NEG_INF, 0.0, m_new)     # rows with no key yet: no NaN
-        p = ct.exp2(s * qk_scale - m_use, flush_to_zero=True)        # [TM, TN]
-        alpha = ct.exp2(m_i - m_use, flush_to_zero=True)              # [TM, 1]
-        l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
-        vt = _tile(v, b, hk, n, TN, TD)                                # [TN, TD]
-        acc = ct.mma(p.astype(q.dtype), vt, acc * alpha)
-        m_i = m_new
+            s = _masked(s, n, cols, sk, last_key, TN, CAUSAL)
+        m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, v, b, hk, n, qk_scale, TN, TD)
     live = l_i > 0.0                                   # False: the row saw no key at all
     out = acc * ct.where(live, 1.0 / l_i, 0.0)
     ct.store(o, (b, h, m, 0), ct.reshape(out.astype(o.dtype), (1, 1, TM, TD)))
@@ -322,20 +339,8 @@ def fmha_decode_kernel(q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset
     l_i = ct.zeros((TG * TQ, 1), ct.float32)
     acc = ct.zeros((TG * TQ, TD), ct.float32)
     for n in range(n0, n1):
-        kt = ct.load(k, (b, hk, 0, n), (1, 1, TD, TN), order=(0, 1, 3, 2), padding_mode=ZERO)
-        sc = ct.mma(qt, ct.reshape(kt, (TD, TN)), ct.zeros((TG * TQ, TN), ct.float32))
-        key = n * TN + cols
-        ok = key < hi
-        if CAUSAL:
-            ok = ok & (key <= last_key)
-        sc = ct.where(ok, sc, NEG_INF)
-        m_new = ct.maximum(m_i, ct.max(sc, axis=1, keepdims=True) * qk_scale)
-        m_use = ct.where(m_new == NEG_INF, 0.0, m_new)
-        p = ct.exp2(sc * qk_scale - m_use, flush_to_zero=True)
-        alpha = ct.exp2(m_i - m_use, flush_to_zero=True)
-        l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
-        acc = ct.mma(p.astype(q.dtype), _tile(v, b, hk, n, TN, TD), acc * alpha)
-        m_i = m_new
+        sc = _masked(_scores(qt, k, b, hk, n, TN, TD), n, cols, hi, last_key, TN, CAUSAL)
+        m_i, l_i, acc = _softmax_step(sc, m_i, l_i, acc, v, b, hk, n, qk_scale, TN, TD)
     live = l_i > 0.0
     out = acc * ct.where(live, 1.0 / l_i, 0.0)
     if SPLIT:
