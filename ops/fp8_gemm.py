@@ -28,7 +28,7 @@ from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import arch as device_arch
 from tiletune.device import major, persistent_ctas
-from tiletune.ops.gemm_tiles import layout, tile_coords
+from tiletune.ops.gemm_tiles import layout, output_tile, tile_count, tile_grid
 from tiletune.space import cdiv, f32_row, next_pow2, product, table
 
 ZERO = ct.PaddingMode.ZERO
@@ -71,27 +71,23 @@ def _scaled_tile(a, b, sa, sb, m, n, TM, TN, TK, FAST_ACC, WIDEN):
     return acc * ct.gather(sa, rows)[:, None] * ct.gather(sb, cols)[None, :]
 
 
-@ct.kernel
-def fp8_mm_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[int],
-                  TK: ct.Constant[int], GROUP_M: ct.Constant[int],
-                  FAST_ACC: ct.Constant[bool], WIDEN: ct.Constant[bool]):
-    """Tensorwise / rowwise: one CTA per output tile, grouped tile order; grid (tiles,)."""
-    m, n = tile_coords(ct.bid(0), ct.cdiv(a.shape[0], TM), ct.cdiv(b.shape[1], TN), GROUP_M)
+def _scaled_output(a, b, sa, sb, c, tile, TM, TN, TK, GROUP_M, FAST_ACC, WIDEN):
+    m, n = output_tile(tile, a.shape[0], b.shape[1], TM, TN, GROUP_M)
     out = _scaled_tile(a, b, sa, sb, m, n, TM, TN, TK, FAST_ACC, WIDEN)
     ct.store(c, (m, n), out.astype(c.dtype))
 
 
 @ct.kernel
-def fp8_mm_persistent_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[int],
-                             TK: ct.Constant[int], GROUP_M: ct.Constant[int],
-                             FAST_ACC: ct.Constant[bool], WIDEN: ct.Constant[bool]):
-    """The same on SMs x occupancy CTAs, each walking output tiles in grouped order."""
-    num_m = ct.cdiv(a.shape[0], TM)
-    num_n = ct.cdiv(b.shape[1], TN)
-    for t in range(ct.bid(0), num_m * num_n, ct.num_blocks(0)):
-        m, n = tile_coords(t, num_m, num_n, GROUP_M)
-        out = _scaled_tile(a, b, sa, sb, m, n, TM, TN, TK, FAST_ACC, WIDEN)
-        ct.store(c, (m, n), out.astype(c.dtype))
+def fp8_mm_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[int],
+                  TK: ct.Constant[int], GROUP_M: ct.Constant[int], FAST_ACC: ct.Constant[bool],
+                  WIDEN: ct.Constant[bool], PERSISTENT: ct.Constant[bool]):
+    """Tensorwise / rowwise, output tiles in grouped order: one CTA per tile, grid (tiles,);
+    PERSISTENT: SMs x occupancy CTAs, each walking the tiles."""
+    if PERSISTENT:
+        for t in range(ct.bid(0), tile_count(a.shape[0], b.shape[1], TM, TN), ct.num_blocks(0)):
+            _scaled_output(a, b, sa, sb, c, t, TM, TN, TK, GROUP_M, FAST_ACC, WIDEN)
+    else:
+        _scaled_output(a, b, sa, sb, c, ct.bid(0), TM, TN, TK, GROUP_M, FAST_ACC, WIDEN)
 
 
 def _block_scale(sa, sb, m, n, kb, a_rows, TM, TN, A_GROUP, B_GROUP):
@@ -147,33 +143,30 @@ def _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, W
     return acc
 
 
-@ct.kernel
-def fp8_mm_block_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[int],
-                        GROUP_M: ct.Constant[int], A_GROUP: ct.Constant[int],
-                        B_GROUP: ct.Constant[int], FAST_ACC: ct.Constant[bool],
-                        WIDEN: ct.Constant[bool], OVERLAP: ct.Constant[bool]):
-    """Block scaling, one CTA per output tile. sa (M or cdiv(M, 128), cdiv(K, 128)) and sb
-    (cdiv(K, 128), cdiv(N, 128) or N), any strides; A_GROUP / B_GROUP: rows / columns per
-    scale (1 or 128)."""
-    m, n = tile_coords(ct.bid(0), ct.cdiv(a.shape[0], TM), ct.cdiv(b.shape[1], TN), GROUP_M)
+def _block_output(a, b, sa, sb, c, tile, TM, TN, GROUP_M, A_GROUP, B_GROUP, FAST_ACC, WIDEN,
+                  OVERLAP):
+    m, n = output_tile(tile, a.shape[0], b.shape[1], TM, TN, GROUP_M)
     acc = _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, WIDEN,
-                                 OVERLAP)
+                             OVERLAP)
     ct.store(c, (m, n), acc.astype(c.dtype))
 
 
 @ct.kernel
-def fp8_mm_block_persistent_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[int],
-                                   GROUP_M: ct.Constant[int], A_GROUP: ct.Constant[int],
-                                   B_GROUP: ct.Constant[int], FAST_ACC: ct.Constant[bool],
-                                   WIDEN: ct.Constant[bool], OVERLAP: ct.Constant[bool]):
-    """Block scaling on a persistent grid."""
-    num_m = ct.cdiv(a.shape[0], TM)
-    num_n = ct.cdiv(b.shape[1], TN)
-    for t in range(ct.bid(0), num_m * num_n, ct.num_blocks(0)):
-        m, n = tile_coords(t, num_m, num_n, GROUP_M)
-        acc = _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, WIDEN,
-                                 OVERLAP)
-        ct.store(c, (m, n), acc.astype(c.dtype))
+def fp8_mm_block_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[int],
+                        GROUP_M: ct.Constant[int], A_GROUP: ct.Constant[int],
+                        B_GROUP: ct.Constant[int], FAST_ACC: ct.Constant[bool],
+                        WIDEN: ct.Constant[bool], OVERLAP: ct.Constant[bool],
+                        PERSISTENT: ct.Constant[bool]):
+    """Block scaling, grid and tile order as fp8_mm_kernel's. sa (M or cdiv(M, 128),
+    cdiv(K, 128)) and sb (cdiv(K, 128), cdiv(N, 128) or N), any strides; A_GROUP / B_GROUP:
+    rows / columns per scale (1 or 128)."""
+    if PERSISTENT:
+        for t in range(ct.bid(0), tile_count(a.shape[0], b.shape[1], TM, TN), ct.num_blocks(0)):
+            _block_output(a, b, sa, sb, c, t, TM, TN, GROUP_M, A_GROUP, B_GROUP, FAST_ACC,
+                          WIDEN, OVERLAP)
+    else:
+        _block_output(a, b, sa, sb, c, ct.bid(0), TM, TN, GROUP_M, A_GROUP, B_GROUP, FAST_ACC,
+                      WIDEN, OVERLAP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,41 +304,37 @@ def quantize_tensor_kernel(x, amax_bits, q, s, fp8_max, TR: ct.Constant[int],
 # ---------------------------------------------------------------------------------------------
 # GEMM configs: each sm_90 space holds only tiles whose sm_90 SASS (tileiras 13.4) keeps the
 # accumulators in registers without spilling; the defaults are a safe middle, and the first H100
-# searches beat them by 1.1x (rowwise) and 1.5x (block) at 4096^3 (BENCHMARKS.md). The spill pattern depends on
-# the accumulation mode: exact accumulation (use_fast_acc=False) keeps a second float32 tile for
-# its own promotion, so exact-mode 128x256 / 256x128 tiles per CTA, 4-warp 128x128 and
-# 4-warp occupancy-2 128x128 spill while fast mode does not. Each mode therefore has its own
-# space (the mode is in the key: a search never mixes them). K tiles are 128 fp8 elements
-# (128-byte rows), so exact mode promotes every 128 products, as torch._scaled_mm does (equal
-# bf16 outputs on an H100). Block scaling's K tile is the block and has one mode (below).
+# searches beat them by 1.1x (rowwise) and 1.5x (block) at 4096^3 (BENCHMARKS.md). The spill
+# pattern depends on the accumulation mode: exact accumulation (use_fast_acc=False) keeps a second
+# float32 tile for its own promotion, so exact-mode 128x256 / 256x128 tiles per CTA, 4-warp 128x128
+# and 4-warp occupancy-2 128x128 spill while fast mode does not. Each mode therefore has its own
+# space (the mode is in the key: a search never mixes them). K tiles are 128 fp8 elements (128-byte
+# rows), so exact mode promotes every 128 products, as torch._scaled_mm does (equal bf16 outputs on
+# an H100). Block scaling's K tile is the block and has one mode (below).
 
 FIELDS = ("tm", "tn", "tk", "occupancy", "num_ctas", "num_worker_warps", "persistent")
-SM90_EXACT = [
-    (128, 128, 128, 1, 1, 8, False),          # the default
-    (128, 128, 128, 1, 1, 8, True),
-    (256, 128, 128, 1, 2, 8, False),          # a 2-CTA cluster of 8-warp CTAs
-    (256, 128, 128, 1, 2, 8, True),
-    (128, 256, 128, 1, 2, 8, False),
-    (64, 256, 128, 1, 1, 8, False),
-    (64, 128, 128, 1, 1, None, False),
-    (64, 128, 128, 2, 1, None, True),
-    (128, 64, 128, 2, 1, None, False),
-    (64, 64, 128, 2, 1, None, False),
+# One table for both modes: the last column names the spaces that hold the entry.
+SM90_GEMM = [
+    (128, 128, 128, 1, 1, 8, False, "exact fast"),      # the default of both
+    (128, 128, 128, 1, 1, 8, True, "exact fast"),
+    (256, 128, 128, 1, 2, 8, False, "exact"),           # a 2-CTA cluster of 8-warp CTAs
+    (256, 128, 128, 1, 2, 8, True, "exact"),
+    (128, 256, 128, 1, 2, 8, False, "exact"),
+    (64, 256, 128, 1, 1, 8, False, "exact"),
+    (64, 128, 128, 1, 1, None, False, "exact fast"),
+    (64, 128, 128, 2, 1, None, True, "exact fast"),
+    (128, 64, 128, 2, 1, None, False, "exact"),
+    (64, 64, 128, 2, 1, None, False, "exact fast"),
+    (128, 128, 128, 2, 1, None, False, "fast"),
+    (128, 256, 128, 1, 1, 8, False, "fast"),
+    (128, 256, 128, 1, 1, 8, True, "fast"),
+    (256, 128, 128, 1, 1, 8, True, "fast"),
+    (256, 256, 128, 1, 2, 8, False, "fast"),            # 128x256 per CTA, pairs in a cluster
+    (256, 256, 128, 1, 2, 8, True, "fast"),
+    (64, 256, 128, 1, 1, None, False, "fast"),
 ]
-SM90_FAST = [
-    (128, 128, 128, 1, 1, 8, False),          # the default
-    (128, 128, 128, 1, 1, 8, True),
-    (128, 128, 128, 2, 1, None, False),
-    (128, 256, 128, 1, 1, 8, False),
-    (128, 256, 128, 1, 1, 8, True),
-    (256, 128, 128, 1, 1, 8, True),
-    (256, 256, 128, 1, 2, 8, False),          # 128x256 per CTA, pairs in a cluster
-    (256, 256, 128, 1, 2, 8, True),
-    (64, 128, 128, 1, 1, None, False),
-    (64, 128, 128, 2, 1, None, True),
-    (64, 256, 128, 1, 1, None, False),
-    (64, 64, 128, 2, 1, None, False),
-]
+SM90_EXACT = [r[:-1] for r in SM90_GEMM if "exact" in r[-1].split()]
+SM90_FAST = [r[:-1] for r in SM90_GEMM if "fast" in r[-1].split()]
 # Block spaces have one more field, overlap: the next block's product is issued before the
 # current one is scaled into the accumulator (_block_scaled_tile), keeping a third float32 tile
 # live, which the sm_90 SASS of these entries holds without spilling (168 registers at 8
@@ -404,14 +393,6 @@ def fp8_block_configs(arch, m, n, k):
     """The block-scaling space, default first (tk is the block, 128); one for both modes."""
     yield from table(BLOCK_FIELDS, _gemm_space(arch, m, SM90_BLOCK, SM100_BLOCK_SPACE,
                                                [(*r, False) for r in OTHER_SPACE]), group_m=8)
-
-
-def _gemm_kernel(cfg):
-    return fp8_mm_persistent_kernel if cfg.persistent else fp8_mm_kernel
-
-
-def _block_kernel(cfg):
-    return fp8_mm_block_persistent_kernel if cfg.persistent else fp8_mm_block_kernel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,19 +488,16 @@ def amax_configs(arch, m, k):
 # scale of a and b.
 
 def _grid(cfg, dev, a, b, sa, sb, c, *flags):
-    tiles = cdiv(a.shape[0], cfg.tm) * cdiv(b.shape[1], cfg.tn)
-    if cfg.persistent:     # the grid counts clusters of num_ctas CTAs (one per logical tile)
-        return (persistent_ctas(tiles, dev, cfg.occupancy, cfg.num_ctas),)
-    return (tiles,)
+    return tile_grid(cfg, dev, a.shape[0], b.shape[1])
 
 
 def _args(cfg, a, b, sa, sb, c, fast, widen):
-    return (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, fast, widen)
+    return (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, fast, widen, cfg.persistent)
 
 
 def _block_args(cfg, a, b, sa, sb, c, fast, widen, a_group, b_group):
     return (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.group_m, a_group, b_group, fast, widen,
-            getattr(cfg, "overlap", False))
+            getattr(cfg, "overlap", False), cfg.persistent)
 
 
 def _gemm_work(a, b, sa, sb, c, *flags):
@@ -536,12 +514,12 @@ def _block_space_args(a, b, sa, sb, c, *rest):
 
 _DEFAULT = SimpleNamespace(tm=128, tn=128, tk=128, occupancy=1, num_ctas=1, persistent=False,
                            group_m=8)
-_scaled_tuner = Autotuner("fp8_mm", _gemm_kernel, fp8_configs, default=_DEFAULT,
+_scaled_tuner = Autotuner("fp8_mm", fp8_mm_kernel, fp8_configs, default=_DEFAULT,
                           space=_gemm_space_args, grid=_grid, args=_args, work=_gemm_work,
                           tune_key=bucketed(1))
-_block_tuner = Autotuner("fp8_mm_block", _block_kernel, fp8_block_configs, default=_DEFAULT,
-                          space=_block_space_args, grid=_grid, args=_block_args, work=_gemm_work,
-                          tune_key=bucketed(3))
+_block_tuner = Autotuner("fp8_mm_block", fp8_mm_block_kernel, fp8_block_configs,
+                         default=_DEFAULT, space=_block_space_args, grid=_grid, args=_block_args,
+                         work=_gemm_work, tune_key=bucketed(3))
 
 
 # Quantizer inputs: x, q, scales (and amax bits for tensorwise), fp8_max. Launch keys:

@@ -20,12 +20,12 @@ import torch
 
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket
-from tiletune.device import major, persistent_ctas
+from tiletune.device import major
 from tiletune.ops import swiglu as glu
-from tiletune.ops.gemm_tiles import layout, tile_coords
-from tiletune.ops.matmul import _mm, a_tile, b_tile, store_tile
+from tiletune.ops.gemm_tiles import layout, output_tile, tile_count, tile_grid
+from tiletune.ops.matmul import a_tile, b_tile, plain_matmul, store_tile
 from tiletune.ops.swiglu import SILU, activation
-from tiletune.space import cdiv, table
+from tiletune.space import table
 from tiletune.torch_op import TrainableOp
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -60,23 +60,15 @@ def gated_tile(x, wg, wu, y, gate, up, m, n, ACT, TM, TN, TK, SAVE):
 @ct.kernel
 def gated_mlp_kernel(x, wg, wu, y, gate, up, ACT: ct.Constant[int], TM: ct.Constant[int],
                      TN: ct.Constant[int], TK: ct.Constant[int], GROUP_M: ct.Constant[int],
-                     SAVE: ct.Constant[bool]):
-    """One output tile per CTA (a 1-D grid over the tiles, grouped order)."""
-    num_m = ct.cdiv(x.shape[1], TM)
-    num_n = ct.cdiv(wg.shape[2], TN)
-    m, n = tile_coords(ct.bid(0), num_m, num_n, GROUP_M)
-    gated_tile(x, wg, wu, y, gate, up, m, n, ACT, TM, TN, TK, SAVE)
-
-
-@ct.kernel
-def gated_mlp_persistent_kernel(x, wg, wu, y, gate, up, ACT: ct.Constant[int],
-                                TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Constant[int],
-                                GROUP_M: ct.Constant[int], SAVE: ct.Constant[bool]):
-    """SMs x occupancy CTAs (clusters), each looping over the output tiles in grouped order."""
-    num_m = ct.cdiv(x.shape[1], TM)
-    num_n = ct.cdiv(wg.shape[2], TN)
-    for t in range(ct.bid(0), num_m * num_n, ct.num_blocks(0)):
-        m, n = tile_coords(t, num_m, num_n, GROUP_M)
+                     SAVE: ct.Constant[bool], PERSISTENT: ct.Constant[bool]):
+    """Output tiles in grouped order: one per CTA on a 1-D grid over the tiles; PERSISTENT:
+    SMs x occupancy CTAs (clusters), each walking the tiles."""
+    if PERSISTENT:
+        for t in range(ct.bid(0), tile_count(x.shape[1], wg.shape[2], TM, TN), ct.num_blocks(0)):
+            m, n = output_tile(t, x.shape[1], wg.shape[2], TM, TN, GROUP_M)
+            gated_tile(x, wg, wu, y, gate, up, m, n, ACT, TM, TN, TK, SAVE)
+    else:
+        m, n = output_tile(ct.bid(0), x.shape[1], wg.shape[2], TM, TN, GROUP_M)
         gated_tile(x, wg, wu, y, gate, up, m, n, ACT, TM, TN, TK, SAVE)
 
 
@@ -122,27 +114,21 @@ def configs(arch, m, n, k):
                      group_m=8)
 
 
-def kernel_for(cfg):
-    return gated_mlp_persistent_kernel if cfg.persistent else gated_mlp_kernel
-
-
 # ---------------------------------------------------------------------------------------------
 # Launch. Inputs: x3 (1, M, K), wg3 and wu3 (1, K, N), y3 (1, M, N), gate3 and up3 (1, M, N)
 # (with save False, y3 stands in for both: not read, not written), act, save.
 
 def _grid(cfg, dev, x3, wg3, wu3, y3, g3, u3, act, save):
-    tiles = cdiv(x3.shape[1], cfg.tm) * cdiv(wg3.shape[2], cfg.tn)
-    if cfg.persistent:     # the grid counts clusters of num_ctas CTAs (one per logical tile)
-        return (persistent_ctas(tiles, dev, cfg.occupancy, cfg.num_ctas),)
-    return (tiles,)
+    return tile_grid(cfg, dev, x3.shape[1], wg3.shape[2])
 
 
 def _args(cfg, x3, wg3, wu3, y3, g3, u3, act, save):
-    return (x3, wg3, wu3, y3, g3, u3, act, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, save)
+    return (x3, wg3, wu3, y3, g3, u3, act, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, save,
+            cfg.persistent)
 
 
 _gated = Autotuner(
-    "gated_mlp", kernel_for, configs,
+    "gated_mlp", gated_mlp_kernel, configs,
     default=SimpleNamespace(tm=128, tn=128, tk=64, occupancy=1, num_ctas=1, num_worker_warps=8,
                             group_m=8, persistent=False),
     space=lambda x3, wg3, *rest: dict(m=bucket(x3.shape[1]), n=wg3.shape[2], k=x3.shape[2]),
@@ -196,15 +182,15 @@ def _backward(needs, dy, x, w_gate, w_up, gate, up, act):
     dgate, dup = glu.backward(dy, gate, up, act)          # (M, N) each
     dx = dw_gate = dw_up = None
     if needs[0]:
-        dx = _mm(dgate, w_gate)
-        dx.add_(_mm(dup, w_up))
+        dx = plain_matmul(dgate, w_gate)
+        dx.add_(plain_matmul(dup, w_up))
         dx = dx.view(x.shape)
     if needs[1] or needs[2]:
         x2 = _rows(x)
         if needs[1]:
-            dw_gate = _mm(dgate.t(), x2)
+            dw_gate = plain_matmul(dgate.t(), x2)
         if needs[2]:
-            dw_up = _mm(dup.t(), x2)
+            dw_up = plain_matmul(dup.t(), x2)
     return dx, dw_gate, dw_up
 
 

@@ -1,5 +1,19 @@
 # What the GEMM family (matmul, grouped GEMM, FP8 GEMM) shares: the grouped order of output tiles
 # inside kernels, and the operand layout that each GEMM key holds on the host.
+import cuda.tile as ct
+
+from tiletune.device import persistent_ctas
+from tiletune.space import cdiv
+
+
+def tile_count(rows, cols, TM, TN):
+    """Output tiles of one rows x cols product."""
+    return ct.cdiv(rows, TM) * ct.cdiv(cols, TN)
+
+
+def output_tile(tile, rows, cols, TM, TN, GROUP_M):
+    """(m, n) of output tile `tile` of a rows x cols product, in grouped order."""
+    return tile_coords(tile, ct.cdiv(rows, TM), ct.cdiv(cols, TN), GROUP_M)
 
 
 def tile_coords(tile, num_m, num_n, GROUP_M):
@@ -11,6 +25,16 @@ def tile_coords(tile, num_m, num_n, GROUP_M):
     rows = min(num_m - first_m, GROUP_M)
     within = tile - group * per_group
     return first_m + within % rows, within // rows
+
+
+def tile_grid(cfg, dev, rows, cols):
+    """The grid of a kernel over the output tiles of a rows x cols product: one CTA per tile,
+    or with cfg.persistent SMs x occupancy clusters of num_ctas CTAs (the grid counts clusters,
+    one per logical tile)."""
+    tiles = cdiv(rows, cfg.tm) * cdiv(cols, cfg.tn)
+    if cfg.persistent:
+        return (persistent_ctas(tiles, dev, cfg.occupancy, cfg.num_ctas),)
+    return (tiles,)
 
 
 def layout(t):

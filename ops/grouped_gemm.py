@@ -25,7 +25,7 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import major, persistent_ctas
-from tiletune.ops.gemm_tiles import layout, tile_coords
+from tiletune.ops.gemm_tiles import layout, output_tile, tile_coords, tile_count
 from tiletune.ops.matmul import matmul
 from tiletune.space import cdiv, next_pow2, table
 from tiletune.torch_op import TrainableOp
@@ -91,12 +91,10 @@ def grouped_mm_k_kernel(a, b, offs, out, TM: ct.Constant[int], TN: ct.Constant[i
                         GATHER: ct.Constant[bool]):
     """a (M, T), b (T, N), offs (E,) int32, out (E, M, N); a 1-D persistent grid. An empty
     group's tiles are zeros."""
-    num_m = ct.cdiv(a.shape[0], TM)
-    num_n = ct.cdiv(b.shape[1], TN)
-    tiles = num_m * num_n
+    tiles = tile_count(a.shape[0], b.shape[1], TM, TN)
     for t in range(ct.bid(0), tiles * out.shape[0], ct.num_blocks(0)):
         g = t // tiles
-        m, n = tile_coords(t - g * tiles, num_m, num_n, GROUP_M)
+        m, n = output_tile(t - g * tiles, a.shape[0], b.shape[1], TM, TN, GROUP_M)
         start = ct.gather(offs, g - 1)
         end = ct.gather(offs, g)
         acc = ct.zeros((TM, TN), ct.float32)
@@ -145,17 +143,10 @@ SM90_SPACE = [
     (64, 128, 64, 2, 1, None, True, 8),
     (64, 64, 64, 2, 1, None, False, 8),
 ]
-SM90_K_SPACE = [
-    (128, 256, 64, 1, 1, 8, False, 8),         # the default
-    (256, 128, 64, 1, 1, 8, False, 8),
-    (256, 256, 64, 1, 2, 8, False, 8),
-    (128, 128, 64, 1, 1, 8, False, 8),
-    (128, 128, 64, 1, 1, None, False, 8),
-    (128, 128, 128, 1, 1, None, False, 8),
-    (64, 256, 64, 1, 1, None, False, 8),
-    (128, 64, 64, 2, 1, None, False, 8),
-    (64, 64, 64, 2, 1, None, False, 8),
-]
+# The K-grouped kernel: the M-grouped entries without gathers, GROUP_M 8 only, and 128x64 in
+# place of 64x128 at 2-way occupancy (its M is the weight's rows, usually the larger side).
+SM90_K_SPACE = [r for r in SM90_SPACE if not r[6] and r[7] == 8 and r[:2] != (64, 128)] + [
+    (128, 64, 64, 2, 1, None, False, 8)]
 # sm_100 (compile-checked only): accumulators live in tensor memory; the 4-warp entries and a
 # 4-warp cluster. Anything else: a conservative pair, never measured.
 SM100_SPACE = [r for r in SM90_SPACE if r[5] is None] + [(256, 256, 64, 1, 2, None, False, 8)]
@@ -201,20 +192,17 @@ def _k_grid(cfg, dev, a, b, offs, out):
     return (persistent_ctas(items, dev, cfg.occupancy, cfg.num_ctas),)
 
 
+# Both kernels: the launch key holds T itself (the grid needs it), the tuning key its bucket.
+_COMMON = dict(default=next(table(FIELDS, OTHER_SPACE)), args=_args, tune_key=bucketed(3))
 _grouped = Autotuner(
-    "grouped_mm", grouped_mm_kernel, grouped_configs,
-    default=next(table(FIELDS, OTHER_SPACE)),
-    space=lambda x, w, offs, out: dict(t=bucket(x.shape[0]), e=w.shape[0], k=x.shape[1],
-                                       n=w.shape[2]),
-    grid=_grid, args=_args, tune_key=bucketed(3),       # the grid needs T itself
-    work=lambda x, w, offs, out: Work(flops=2.0 * x.shape[0] * x.shape[1] * w.shape[2]))
+    "grouped_mm", grouped_mm_kernel, grouped_configs, grid=_grid, **_COMMON,
+    space=lambda x, w, *_: dict(t=bucket(x.shape[0]), e=w.shape[0], k=x.shape[1], n=w.shape[2]),
+    work=lambda x, w, *_: Work(flops=2.0 * x.shape[0] * x.shape[1] * w.shape[2]))
 _k_grouped = Autotuner(
-    "grouped_mm_k", grouped_mm_k_kernel, k_grouped_configs,
-    default=next(table(FIELDS, OTHER_SPACE)),
+    "grouped_mm_k", grouped_mm_k_kernel, k_grouped_configs, grid=_k_grid, **_COMMON,
     space=lambda a, b, offs, out: dict(t=bucket(a.shape[1]), e=out.shape[0], m=a.shape[0],
                                        n=b.shape[1]),
-    grid=_k_grid, args=_args, tune_key=bucketed(3),
-    work=lambda a, b, offs, out: Work(flops=2.0 * a.shape[0] * a.shape[1] * b.shape[1]))
+    work=lambda a, b, *_: Work(flops=2.0 * a.shape[0] * a.shape[1] * b.shape[1]))
 TUNERS = (_grouped, _k_grouped)
 
 

@@ -11,7 +11,7 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket
 from tiletune.device import major, persistent_ctas
-from tiletune.ops.gemm_tiles import layout, tile_coords
+from tiletune.ops.gemm_tiles import layout, output_tile, tile_count
 from tiletune.space import cdiv, table
 from tiletune.torch_op import TrainableOp
 
@@ -59,9 +59,7 @@ def matmul_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Co
                   GROUP_M: ct.Constant[int]):
     """a (Z, M, K), b (Z, K, N), c (Z, M, N) with any strides; grid (tiles, Z)."""
     z = ct.bid(1)
-    num_m = ct.cdiv(a.shape[1], TM)
-    num_n = ct.cdiv(b.shape[2], TN)
-    m, n = tile_coords(ct.bid(0), num_m, num_n, GROUP_M)
+    m, n = output_tile(ct.bid(0), a.shape[1], b.shape[2], TM, TN, GROUP_M)
     acc = mainloop(a, b, z, m, n, ct.zeros((TM, TN), ct.float32), TM, TN, TK)
     store_tile(c, z, m, n, acc)
 
@@ -71,12 +69,10 @@ def matmul_persistent_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int]
                              TK: ct.Constant[int], GROUP_M: ct.Constant[int]):
     """The same product on a grid of SMs x occupancy CTAs, each looping over output tiles of all
     batches in grouped order: no CTA launch or tail wave per tile."""
-    num_m = ct.cdiv(a.shape[1], TM)
-    num_n = ct.cdiv(b.shape[2], TN)
-    tiles = num_m * num_n
+    tiles = tile_count(a.shape[1], b.shape[2], TM, TN)
     for t in range(ct.bid(0), tiles * a.shape[0], ct.num_blocks(0)):
         z = t // tiles
-        m, n = tile_coords(t - z * tiles, num_m, num_n, GROUP_M)
+        m, n = output_tile(t - z * tiles, a.shape[1], b.shape[2], TM, TN, GROUP_M)
         acc = mainloop(a, b, z, m, n, ct.zeros((TM, TN), ct.float32), TM, TN, TK)
         store_tile(c, z, m, n, acc)
 
@@ -90,9 +86,7 @@ def matmul_splitk_kernel(a, b, w, TM: ct.Constant[int], TN: ct.Constant[int],
     splitk_reduce_kernel adds the SPLIT partials in a fixed order: deterministic."""
     z = ct.bid(1)
     s = ct.bid(2)
-    num_m = ct.cdiv(a.shape[1], TM)
-    num_n = ct.cdiv(b.shape[2], TN)
-    m, n = tile_coords(ct.bid(0), num_m, num_n, GROUP_M)
+    m, n = output_tile(ct.bid(0), a.shape[1], b.shape[2], TM, TN, GROUP_M)
     k_tiles = ct.cdiv(a.shape[2], TK)
     per = ct.cdiv(k_tiles, SPLIT)
     k_first = s * per
@@ -259,8 +253,9 @@ def launch(a3, b3, c3):
 # ---------------------------------------------------------------------------------------------
 # Host side.
 
-def _mm(a, b):
-    """a (..., M, K) @ b (..., K, N) for 2-D or equal-batch 3-D inputs."""
+def plain_matmul(a, b):
+    """a (..., M, K) @ b (..., K, N) for 2-D or equal-batch 3-D inputs, without input checks or
+    autograd (the custom op's forward; the GEMM family's backward passes call it)."""
     batched = a.dim() == 3
     a3, b3 = (a, b) if batched else (a[None], b[None])
     Z, M, K = a3.shape
@@ -293,8 +288,8 @@ def _check(a, b):
 # views (each its own key); a gradient not needed is not computed.
 
 def _backward(needs, dc, a, b):
-    return (_mm(dc, b.transpose(-1, -2)) if needs[0] else None,
-            _mm(a.transpose(-1, -2), dc) if needs[1] else None)
+    return (plain_matmul(dc, b.transpose(-1, -2)) if needs[0] else None,
+            plain_matmul(a.transpose(-1, -2), dc) if needs[1] else None)
 
 
 def _mm_shape(a, b):
@@ -302,8 +297,8 @@ def _mm_shape(a, b):
 
 
 _matmul_op = TrainableOp(
-    "tiletune::matmul", forward=_mm, forward_schema="(Tensor a, Tensor b) -> Tensor",
-    forward_fake=_mm_shape,
+    "tiletune::matmul", forward=plain_matmul,
+    forward_schema="(Tensor a, Tensor b) -> Tensor", forward_fake=_mm_shape,
     save=lambda args, results: ((args[0], args[1]), ()),
     backward=_backward,
     backward_schema="(bool[] needs, Tensor dc, Tensor a, Tensor b) -> (Tensor?, Tensor?)",

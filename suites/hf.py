@@ -572,18 +572,22 @@ def _family_entry_point(family):
                                 rms_norm=rms_norm, rope=rope, attention=attention, mlp=mlp,
                                 experts=experts)
 
-    apply.__name__ = apply.__qualname__ = f"apply_tiletune_to_{family}"
-    apply.__doc__ = (f"`apply_tiletune` for {family} models: with `model` (a built "
-                     f"{family} model) at instance level, without it at class level. Same "
-                     "keywords; experts applies to Qwen3-MoE only.")
-    return apply
+    return named(apply, f"apply_tiletune_to_{family}",
+                 f"`apply_tiletune` for {family} models: with `model` (a built {family} model) "
+                 "at instance level, without it at class level. Same keywords; experts applies "
+                 "to Qwen3-MoE only.")
 
 
-apply_tiletune_to_llama = _family_entry_point("llama")
-apply_tiletune_to_mistral = _family_entry_point("mistral")
-apply_tiletune_to_qwen2 = _family_entry_point("qwen2")
-apply_tiletune_to_qwen3 = _family_entry_point("qwen3")
-apply_tiletune_to_qwen3_moe = _family_entry_point("qwen3_moe")
+def named(fn, name, doc):
+    """fn under a public name and docstring (the per-family entry points)."""
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = doc
+    return fn
+
+
+(apply_tiletune_to_llama, apply_tiletune_to_mistral, apply_tiletune_to_qwen2,
+ apply_tiletune_to_qwen3, apply_tiletune_to_qwen3_moe) = map(
+    _family_entry_point, ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"))
 
 
 def _revert_classes(fam):

@@ -171,50 +171,55 @@ class LigerGELUMulFunction:
         return _geglu_tanh(a, b)
 
 
-class LigerSwiGLUMLP(nn.Module):
-    """`down_proj(silu(gate_proj(x)) * up_proj(x))` with bias-free projections; config.hidden_act
-    must be silu or swish."""
+class _GatedMLP(nn.Module):
+    """`down_proj(act(gate_proj(x)) * up_proj(x))` with bias-free projections, as Liger's MLP
+    modules build them."""
 
-    def __init__(self, config, intermediate_size=None):
+    def __init__(self, config, intermediate_size):
         super().__init__()
-        if config.hidden_act not in hf.SWIGLU_ACTIVATIONS:
-            raise ValueError(f"LigerSwiGLUMLP: config.hidden_act={config.hidden_act!r} is not "
-                             "supported (silu or swish)")
         self.config = config
         self.hidden_size = config.hidden_size
-        self.intermediate_size = (config.intermediate_size if intermediate_size is None
-                                  else intermediate_size)
+        self.intermediate_size = intermediate_size
         self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
         self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self._gated(self.gate_proj(x), self.up_proj(x)))
+
+
+class LigerSwiGLUMLP(_GatedMLP):
+    """`down_proj(silu(gate_proj(x)) * up_proj(x))` with bias-free projections; config.hidden_act
+    must be silu or swish."""
+
+    def __init__(self, config, intermediate_size=None):
+        if config.hidden_act not in hf.SWIGLU_ACTIVATIONS:
+            raise ValueError(f"LigerSwiGLUMLP: config.hidden_act={config.hidden_act!r} is not "
+                             "supported (silu or swish)")
+        super().__init__(config, config.intermediate_size if intermediate_size is None
+                         else intermediate_size)
+
+    def _gated(self, gate, up):
+        return _swiglu(gate, up)
 
 
 # tanh-approximated GELU under its transformers names
 _TANH_GELU_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new")
 
 
-class LigerGEGLUMLP(nn.Module):
+class LigerGEGLUMLP(_GatedMLP):
     """`down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))` with bias-free projections. The
     config's activation (hidden_activation, else hidden_act), if set, must be a tanh GELU."""
 
     def __init__(self, config):
-        super().__init__()
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
         if act is not None and act not in _TANH_GELU_ACTIVATIONS:
             raise ValueError(f"LigerGEGLUMLP: activation {act!r} is not supported "
                              f"({', '.join(_TANH_GELU_ACTIVATIONS)})")
-        self.config = config
-        self.hidden_size = config.hidden_size
-        self.intermediate_size = config.intermediate_size
-        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=False)
+        super().__init__(config, config.intermediate_size)
 
-    def forward(self, x):
-        return self.down_proj(_geglu_tanh(self.gate_proj(x), self.up_proj(x)))
+    def _gated(self, gate, up):
+        return _geglu_tanh(gate, up)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,19 +238,15 @@ def _liger_entry_point(family):
         hf._apply_to_family(op, family, model, rms_norm=rms_norm, rope=rope, attention=False,
                             mlp=swiglu, experts=swiglu)
 
-    apply.__name__ = apply.__qualname__ = op
-    apply.__doc__ = (f"Liger's `{op}` on tiletune: RMSNorm, RoPE and the SwiGLU MLP"
-                     f"{' and experts' if family == 'qwen3_moe' else ''} of {family} models, "
-                     "at class level, or on `model` in place (see `tiletune.suites.hf.apply_"
-                     "tiletune`). Attention is left as it is.")
-    return apply
+    experts = " and experts" if family == "qwen3_moe" else ""
+    return hf.named(apply, op, f"Liger's `{op}` on tiletune: RMSNorm, RoPE and the SwiGLU MLP"
+                    f"{experts} of {family} models, at class level, or on `model` in place (see "
+                    "`tiletune.suites.hf.apply_tiletune`). Attention is left as it is.")
 
 
-apply_liger_kernel_to_llama = _liger_entry_point("llama")
-apply_liger_kernel_to_mistral = _liger_entry_point("mistral")
-apply_liger_kernel_to_qwen2 = _liger_entry_point("qwen2")
-apply_liger_kernel_to_qwen3 = _liger_entry_point("qwen3")
-apply_liger_kernel_to_qwen3_moe = _liger_entry_point("qwen3_moe")
+(apply_liger_kernel_to_llama, apply_liger_kernel_to_mistral, apply_liger_kernel_to_qwen2,
+ apply_liger_kernel_to_qwen3, apply_liger_kernel_to_qwen3_moe) = map(
+    _liger_entry_point, ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe"))
 
 MODEL_TYPE_TO_APPLY_LIGER_FN = {
     "llama": apply_liger_kernel_to_llama,

@@ -33,6 +33,7 @@ class ModelSpec:
     heads: int
     kv_heads: int
     head_dim: int
+    _: dataclasses.KW_ONLY          # the MoE sizes and the name by keyword only
     experts: Optional[int] = None
     top_k: Optional[int] = None
     moe_intermediate: Optional[int] = None
@@ -133,8 +134,8 @@ def specs(presets=None, **shape):
                                  f"{heads}: give --head-dim")
             head_dim = given["hidden"] // heads
         spec = ModelSpec(given["model"], given["hidden"], given["intermediate"], heads,
-                         given.get("kv_heads", heads), head_dim, given.get("experts"),
-                         given.get("top_k"), given.get("moe_intermediate"))
+                         given.get("kv_heads", heads), head_dim, experts=given.get("experts"),
+                         top_k=given.get("top_k"), moe_intermediate=given.get("moe_intermediate"))
     problems = spec.problems()
     if problems:
         raise ValueError("; ".join(problems))

@@ -60,10 +60,9 @@ def test_space_sizes_and_defaults():
     assert list(G.configs("sm_120", 1, 2, 3)) == other and all(c.tk == 32 for c in other)
 
 
-def test_kernel_for_config():
+def test_persistent_configs_launch_the_persistent_walk():
     for c in G.configs("sm_90", 4096, 14336, 4096):
-        assert G.kernel_for(c) is (G.gated_mlp_persistent_kernel if c.persistent
-                                   else G.gated_mlp_kernel)
+        assert G._args(c, *range(6), 0, True)[-1] is c.persistent
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +150,7 @@ def emulated(launches, monkeypatch):
     def launch(stream, grid, kernel, args):
         calls.append((kernel, args))
         if kernel == "gated_mlp":
-            x3, wg3, wu3, y3, g3, u3, act, *_, save = args
+            x3, wg3, wu3, y3, g3, u3, act, *_, save, persistent = args
             g, u = x3.double() @ wg3.double(), x3.double() @ wu3.double()
             y3.copy_(_silu(g) * u)
             if save:
@@ -189,7 +188,7 @@ def test_forward_launch_reads_weights_transposed_in_place(emulated):
     assert y.shape == (3, 5, 12) and y.is_contiguous()
     torch.testing.assert_close(y.double(), _reference(x, wg, wu))
     (kernel, args), = emulated
-    x3, wg3, wu3, y3, g3, u3, act, tm, tn, tk, group_m, save = args
+    x3, wg3, wu3, y3, g3, u3, act, tm, tn, tk, group_m, save, persistent = args
     assert kernel == "gated_mlp" and act == G.SILU and save is False
     assert x3.shape == (1, 15, 16) and x3.data_ptr() == x.data_ptr()
     assert wg3.shape == (1, 16, 12) and wg3.stride()[1:] == (1, 16)      # w_gate.t(): no copy
@@ -211,7 +210,7 @@ def test_the_public_function_keeps_pre_activations_only_for_training(emulated, m
     assert G._gated.cache and all(k[8] is False for k in G._gated.cache)
     y = swiglu_linear(x, wg, wu)
     assert y.requires_grad
-    saved = [a[-1] for k, a in emulated if k == "gated_mlp"]
+    saved = [a[11] for k, a in emulated if k == "gated_mlp"]   # the save flag
     assert saved == [False, False, True]
     assert sorted(k[8] for k in G._gated.cache) == [False, True]   # tuned apart
 

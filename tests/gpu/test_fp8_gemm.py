@@ -338,13 +338,13 @@ def test_aot_signatures_match_the_jit():
     a, b, sa, sb = operands(4096, 4096, 4096, "rowwise")
     c = torch.empty(4096, 4096, device="cuda", dtype=BF16)
     va, vb = F8._scale_vectors("row", sa, sb, 4096, 4096)
-    jit = KernelSignature.from_kernel_args(F8._gemm_kernel(cfg), F8._args(cfg, a, b, va, vb, c,
-                                                                          False, False),
+    jit = KernelSignature.from_kernel_args(F8.fp8_mm_kernel,
+                                           F8._args(cfg, a, b, va, vb, c, False, False),
                                            CallingConvention.cutile_python_v1())
     assert jit.parameters == signature(C._gemm_params(cfg, 4096, 4096, 4096)).parameters
     bcfg = next(F8.fp8_block_configs("sm_90", 4096, 4096, 4096))
     a, b, sa, sb = operands(4096, 4096, 4096, "block 1x128 x 128x128")
-    jit = KernelSignature.from_kernel_args(F8._block_kernel(bcfg),
+    jit = KernelSignature.from_kernel_args(F8.fp8_mm_block_kernel,
                                            F8._block_args(bcfg, a, b, sa, sb, c, False, False,
                                                           1, 128),
                                            CallingConvention.cutile_python_v1())
