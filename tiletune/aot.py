@@ -33,8 +33,10 @@ def jit_array(dtype, shape, strides=None, *, base_aligned=True, index_dtype=ct.i
     """ArrayConstraint for an array of this dtype/shape/strides as the JIT would specialize it.
 
     `dtype` is a ct dtype or a torch dtype; `strides` default to C-contiguous (in elements).
-    A size-1 dim is a constant 1 unless its stride is 1: what the JIT did on an H100 for a
-    (1, N) row (constant), a (M, 1) column and a (1,) buffer (not constant).
+    Every size-1 dim is a constant 1: `ct.launch` on an H100 compiled a (1,) buffer, a (M, 1)
+    column and a (1, N) row so (a cubin precompiled for that signature was found by the launch).
+    Only the cutile_python_v2 reading of the arguments shows these constants; v1 cannot express
+    them.
     """
     if not isinstance(dtype, ct.DType):
         dtype = ct_dtype(dtype)
@@ -55,8 +57,7 @@ def jit_array(dtype, shape, strides=None, *, base_aligned=True, index_dtype=ct.i
         # a stride-0 dim of size > 1 (an expanded tensor) makes elements share memory
         may_alias_internally=any(st == 0 and sh > 1 for st, sh in zip(strides, shape)),
         stride_constant=tuple(1 if st == 1 else None for st in strides),
-        shape_constant=tuple(1 if sh == 1 and st != 1 else None
-                             for sh, st in zip(shape, strides)),
+        shape_constant=tuple(1 if sh == 1 else None for sh in shape),
         stride_divisible_by=tuple(elems_per_16b if (st * nbytes) % 16 == 0 and st != 1 else 1
                                   for st in strides),
         shape_divisible_by=tuple(16 if sh % 16 == 0 and sh != 1 else 1 for sh in shape),

@@ -340,14 +340,14 @@ def test_aot_signatures_match_the_jit():
     va, vb = F8._scale_vectors("row", sa, sb, 4096, 4096)
     jit = KernelSignature.from_kernel_args(F8.fp8_mm_kernel,
                                            F8._args(cfg, a, b, va, vb, c, False, False),
-                                           CallingConvention.cutile_python_v1())
+                                           CallingConvention.cutile_python_v2())
     assert jit.parameters == signature(C._gemm_params(cfg, 4096, 4096, 4096)).parameters
     bcfg = next(F8.fp8_block_configs("sm_90", 4096, 4096, 4096))
     a, b, sa, sb = operands(4096, 4096, 4096, "block 1x128 x 128x128")
     jit = KernelSignature.from_kernel_args(F8.fp8_mm_block_kernel,
                                            F8._block_args(bcfg, a, b, sa, sb, c, False, False,
                                                           1, 128),
-                                           CallingConvention.cutile_python_v1())
+                                           CallingConvention.cutile_python_v2())
     assert jit.parameters == signature(C._block_params(bcfg, 4096, 4096, 4096)).parameters
 
 
@@ -373,7 +373,7 @@ def test_quantizer_aot_signatures_match_the_jit(transposed):
         col = transposed and tuner in F8.LAYOUT_TUNERS
         cfg = next(gen("sm_90", M, K, col=True) if col else gen("sm_90", M, K))
         jit = KernelSignature.from_kernel_args(tuner.build(cfg), args(cfg, *inputs[kind]),
-                                               CallingConvention.cutile_python_v1())
+                                               CallingConvention.cutile_python_v2())
         ci = signature(C._quant_params(kind, cfg, M, K, x_t=transposed))
         assert jit.parameters == ci.parameters, kind
 
