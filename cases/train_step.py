@@ -25,9 +25,13 @@ import warnings
 import torch
 
 from tiletune.bench import BenchCase
-from tiletune.pretune import ModelSpec, model_config
+from tiletune.pretune import ModelSpec
+from tiletune.suites import hf
 
 BATCH, SEQ = 2, 4096
+# `python -m tiletune tune` builds and steps its one-layer models through these
+# (tiletune.registry.models)
+build_model, model_step = hf.build_model, hf.model_step
 
 
 DENSE = ModelSpec("llama", hidden=2048, intermediate=8192, heads=16, kv_heads=8, head_dim=128)
@@ -36,11 +40,11 @@ MOE = ModelSpec("qwen3_moe", hidden=2048, intermediate=6144, heads=32, kv_heads=
 
 
 def _dense_config():
-    return model_config(DENSE, SEQ, layers=16, vocab=32000)
+    return hf.model_config(DENSE, SEQ, layers=16, vocab=32000)
 
 
 def _moe_config():
-    return model_config(MOE, SEQ, layers=4, vocab=32000)
+    return hf.model_config(MOE, SEQ, layers=4, vocab=32000)
 
 
 # ---------------------------------------------------------------------------------------------

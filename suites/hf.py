@@ -629,6 +629,59 @@ def revert(model_or_class=None):
         _revert_classes(fam)
 
 
+# ---------------------------------------------------------------------------------------------
+# The patched model of a ModelSpec (tiletune.pretune): what `python -m tiletune tune` builds and
+# steps to meet a model's op keys (registered as the model runner by cases/train_step.py).
+
+CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+                  "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
+# The embedding and LM head are plain torch, not tiletune ops: a small vocabulary keeps them cheap.
+VOCAB = 512
+
+
+def model_config(spec, max_seq, layers=1, vocab=VOCAB):
+    """The transformers config of `spec`; by default one decoder layer and a small vocabulary
+    (what decides the op keys)."""
+    import transformers
+    kw = dict(hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+              num_hidden_layers=layers, num_attention_heads=spec.heads,
+              num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, vocab_size=vocab,
+              max_position_embeddings=max_seq, hidden_act="silu", tie_word_embeddings=False)
+    if spec.family == "mistral":
+        kw["sliding_window"] = None
+    if spec.family == "qwen3_moe":
+        kw.update(num_experts=spec.experts, num_experts_per_tok=spec.top_k,
+                  moe_intermediate_size=spec.moe_intermediate, decoder_sparse_step=1,
+                  mlp_only_layers=[])
+    return getattr(transformers, CONFIG_CLASSES[spec.family])(**kw)
+
+
+def build_model(spec, max_seq, dtype):
+    """The one-layer model of `spec` on the current CUDA device in `dtype`, patched with
+    apply_tiletune."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(model_config(spec, max_seq), dtype=dtype)
+    apply_tiletune(model)
+    return model
+
+
+def model_step(model, batch, seq, backward):
+    """One forward (and backward) at (batch, seq): what a training (or inference) step of this
+    shape launches."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
+    if backward:
+        model.train()
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+    else:
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    torch.cuda.synchronize()
+
+
 __all__ = ["ATTENTION_NAME", "AttentionRoute", "FAMILIES", "LlamaRMSNorm", "RMSNorm",
            "apply_tiletune", "apply_tiletune_to_llama", "apply_tiletune_to_mistral",
            "apply_tiletune_to_qwen2", "apply_tiletune_to_qwen3", "apply_tiletune_to_qwen3_moe",

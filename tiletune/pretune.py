@@ -3,7 +3,8 @@
 A model's op keys depend on its layer shapes, the batch and sequence length and the dtype, never
 on its number of layers or its vocabulary (the embedding and the LM head are not tiletune ops).
 So `tune` builds the family's model with one decoder layer and a small vocabulary on the GPU,
-patches it with `apply_tiletune`, and runs one forward (and backward) at each (batch, seq): every
+patched with tiletune (by the transformers suite, which registers itself as the model runner:
+`registry.models()`), and runs one forward (and backward) at each (batch, seq): every
 key a training run of that shape meets is searched once and saved to the user's store, and the
 run itself starts with zero searches. `export` writes the winners in the shipped-file format
 (tiletune/store.py) that the package can carry as read-only defaults.
@@ -14,13 +15,9 @@ from typing import Optional
 
 import torch
 
-from tiletune import autotune, store
+from tiletune import autotune, registry, store
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
-CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-                  "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
-# The embedding and LM head are plain torch: a small vocabulary keeps them cheap.
-VOCAB = 512
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -142,50 +139,6 @@ def specs(presets=None, **shape):
     return [spec]
 
 
-def model_config(spec, max_seq, layers=1, vocab=VOCAB):
-    """The transformers config of `spec`; by default one decoder layer and a small vocabulary
-    (what decides the op keys)."""
-    import transformers
-    kw = dict(hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-              num_hidden_layers=layers, num_attention_heads=spec.heads,
-              num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, vocab_size=vocab,
-              max_position_embeddings=max_seq, hidden_act="silu", tie_word_embeddings=False)
-    if spec.family == "mistral":
-        kw["sliding_window"] = None
-    if spec.family == "qwen3_moe":
-        kw.update(num_experts=spec.experts, num_experts_per_tok=spec.top_k,
-                  moe_intermediate_size=spec.moe_intermediate, decoder_sparse_step=1,
-                  mlp_only_layers=[])
-    return getattr(transformers, CONFIG_CLASSES[spec.family])(**kw)
-
-
-def build_model(spec, max_seq, dtype):
-    """The one-layer model of `spec` on the current CUDA device in `dtype`, patched with
-    apply_tiletune."""
-    from transformers import AutoModelForCausalLM
-    from tiletune.suites.hf import apply_tiletune
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(model_config(spec, max_seq), dtype=dtype)
-    apply_tiletune(model)
-    return model
-
-
-def step(model, batch, seq, backward):
-    """One forward (and backward) at (batch, seq): what a training (or inference) step of this
-    shape launches."""
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
-    if backward:
-        model.train()
-        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-        model.zero_grad(set_to_none=True)
-    else:
-        model.eval()
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=False)
-    torch.cuda.synchronize()
-
-
 def _resolved():
     return {(op, key) for op, recs in autotune.records().items() for key in recs}
 
@@ -219,14 +172,15 @@ def run(model_specs, seqs, batch, dtype, backward, out=print):
     resolved (searched, or found in the store or the shipped winners) and one per step.
     Returns a Report."""
     report = Report()
+    models = registry.models()
     t0 = time.perf_counter()
     for spec in model_specs:
-        model = build_model(spec, max(seqs), dtype)
+        model = models.build_model(spec, max(seqs), dtype)
         try:
             for seq in seqs:
                 before = _resolved()
                 t = time.perf_counter()
-                step(model, batch, seq, backward)
+                models.model_step(model, batch, seq, backward)
                 recs = autotune.records()
                 new = [recs[op][key] for op, key in sorted(_resolved() - before, key=str)]
                 for rec in new:

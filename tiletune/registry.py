@@ -19,3 +19,14 @@ def ops():
         raise RuntimeError("tiletune: no ops are registered (entry-point group "
                            f"{GROUP!r}); install the package: pip install -e .")
     return found
+
+
+def models():
+    """The registered case module that builds and steps a tiletune-patched transformers model of
+    a `pretune.ModelSpec` (`build_model(spec, max_seq, dtype)`, `model_step(model, batch, seq,
+    backward)`): what `python -m tiletune tune` runs."""
+    for module in ops().values():
+        if hasattr(module, "build_model") and hasattr(module, "model_step"):
+            return module
+    raise RuntimeError("tiletune: no registered case module builds models (build_model and "
+                       "model_step); install the package: pip install -e .")

@@ -97,6 +97,29 @@ def test_help_lists_the_registered_ops(ops, capsys):
     assert code == 0 and "ops: alpha, beta" in out and "--full" in out
 
 
+def test_tune_finds_its_model_runner_through_the_registry(monkeypatch):
+    """`tune` builds transformers models through a registered case module (the transformers
+    suite's builder); the engine names no suite."""
+    import ast
+    import tiletune
+    from tiletune.suites import hf
+    runner = registry.models()
+    assert (runner.build_model, runner.model_step) == (hf.build_model, hf.model_step)
+    engine = os.path.dirname(tiletune.__file__)
+    for name in os.listdir(engine):
+        if name.endswith(".py"):
+            tree = ast.parse(open(os.path.join(engine, name)).read())
+            for node in ast.walk(tree):
+                modules = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
+                           [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                for module in modules:
+                    assert not module.startswith(("tiletune.suites", "tiletune.cases",
+                                                  "tiletune.ops")), (name, module)
+    monkeypatch.setattr(registry, "ops", lambda: {"alpha": object()})
+    with pytest.raises(RuntimeError, match="no registered case module builds models"):
+        registry.models()
+
+
 def test_help_says_why_the_registry_cannot_load(monkeypatch, capsys):
     def broken():
         raise ImportError("cannot import name 'fmha' from 'tiletune.cases'")
@@ -264,6 +287,7 @@ def test_bench_says_when_no_headline_row_matches(ops, clock, tmp_path, capsys):
 
 def test_presets_parse_into_one_layer_configs():
     from tiletune import pretune
+    from tiletune.suites import hf
     assert pretune.specs(["llama3-8b"]) == [pretune.ModelSpec(
         "llama", 4096, 14336, 32, 8, 128, name="llama3-8b")]
     moe = pretune.specs(["qwen3-30b-a3b"])[0]
@@ -273,13 +297,13 @@ def test_presets_parse_into_one_layer_configs():
         ["qwen3-8b", "mistral-7b"]
     for name, spec in pretune.PRESETS.items():
         assert spec.problems() == [] and spec.name == name
-        c = pretune.model_config(spec, 8192)
+        c = hf.model_config(spec, 8192)
         assert c.model_type == spec.family and c.num_hidden_layers == 1
         assert (c.hidden_size, c.intermediate_size, c.num_attention_heads,
                 c.num_key_value_heads, c.head_dim) == (spec.hidden, spec.intermediate,
                                                        spec.heads, spec.kv_heads, spec.head_dim)
-        assert c.vocab_size == pretune.VOCAB and c.max_position_embeddings == 8192
-    assert pretune.model_config(pretune.PRESETS["mistral-7b"], 4096).sliding_window is None
+        assert c.vocab_size == hf.VOCAB and c.max_position_embeddings == 8192
+    assert hf.model_config(pretune.PRESETS["mistral-7b"], 4096).sliding_window is None
 
 
 def test_a_preset_with_changes_and_a_custom_model():
@@ -303,13 +327,14 @@ def test_each_familys_one_layer_model_builds_from_its_config(family):
     of the family's own classes (the MoE layer sparse)."""
     from transformers import AutoModelForCausalLM
     from tiletune import pretune
+    from tiletune.suites import hf
     moe = dict(experts=4, top_k=2, moe_intermediate=16) if family == "qwen3_moe" else {}
     spec = pretune.ModelSpec(family, 64, 96, 4, 2, 16, **moe)
-    model = AutoModelForCausalLM.from_config(pretune.model_config(spec, 32))
+    model = AutoModelForCausalLM.from_config(hf.model_config(spec, 32))
     layers = model.model.layers
-    assert len(layers) == 1 and model.config.vocab_size == pretune.VOCAB
+    assert len(layers) == 1 and model.config.vocab_size == hf.VOCAB
     assert ("Sparse" in type(layers[0].mlp).__name__) == (family == "qwen3_moe")
-    ids = torch.randint(0, pretune.VOCAB, (1, 8))
+    ids = torch.randint(0, hf.VOCAB, (1, 8))
     assert model(input_ids=ids, labels=ids, use_cache=False).loss.isfinite()
 
 

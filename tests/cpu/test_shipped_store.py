@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tiletune import autotune, device, env as tt_env, pretune, store
+from tiletune import autotune, device, env as tt_env, pretune, registry, store
 from tiletune.__main__ import main
 from tests.cpu import test_engine
 
@@ -282,8 +282,8 @@ def gpu(env, shipped, monkeypatch):
     def step(model, batch, seq, backward):
         test_engine.resolve(t, ("fwd", model.spec.hidden, batch * seq))
         test_engine.resolve(t, ("shared", model.spec.hidden))
-    monkeypatch.setattr(pretune, "build_model", build_model)
-    monkeypatch.setattr(pretune, "step", step)
+    monkeypatch.setattr(registry, "models",
+                        lambda: SimpleNamespace(build_model=build_model, model_step=step))
     return SimpleNamespace(tuner=t, built=built, store=shipped.parent / "store", env=env)
 
 
