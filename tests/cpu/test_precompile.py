@@ -86,3 +86,17 @@ def test_launch_signature_uses_the_launch_calling_convention():
     assert plain.calling_convention.code == "t1"
     one_row = [jit_array(torch.bfloat16, (1, 4096))] + fwd_params(4096)[1:]
     assert precompile.launch_signature(one_row).calling_convention.code == "t2"
+
+
+def test_every_size_1_dim_is_a_constant_whatever_its_stride():
+    """As ct.launch compiles it (read under cutile_python_v2 on an H100): a (1,) buffer, the
+    trailing dim of a (M, 1) column and the leading dim of a (1, N) row are constant 1, other
+    dims are not; any such array makes the launch use v2."""
+    assert jit_array(torch.float32, (1,)).shape_constant == (1,)
+    assert jit_array(torch.int32, (1,)).shape_constant == (1,)
+    assert jit_array(torch.float32, (7, 1)).shape_constant == (None, 1)
+    assert jit_array(torch.float32, (1, 8)).shape_constant == (1, None)
+    assert jit_array(torch.float32, (1, 8), (32, 1)).shape_constant == (1, None)
+    assert jit_array(torch.float32, (4, 8)).shape_constant == (None, None)
+    amax = [jit_array(torch.bfloat16, (64, 64)), jit_array(torch.int32, (1,))]
+    assert precompile.launch_signature(amax).calling_convention.code == "t2"
