@@ -3,8 +3,8 @@
 A model's op keys depend on its layer shapes, the batch and sequence length and the dtype, never
 on its number of layers or its vocabulary (the embedding and the LM head are not tiletune ops).
 So `tune` builds the family's model with one decoder layer and a small vocabulary on the GPU,
-patched with tiletune (by the transformers suite, which registers itself as the model runner:
-`registry.models()`), and runs one forward (and backward) at each (batch, seq): every
+patched with tiletune (the transformers suite's builder, which a registered case module
+provides: `registry.models()`), and runs one forward (and backward) at each (batch, seq): every
 key a training run of that shape meets is searched once and saved to the user's store, and the
 run itself starts with zero searches. `export` writes the winners in the shipped-file format
 (tiletune/store.py) that the package can carry as read-only defaults.
