@@ -53,11 +53,16 @@ MAX_HEAD_DIM = 256
 # bottom-right per sequence. A CTA whose tile lies past its sequence's end returns at once (the
 # grid covers the longest). Dense launches pass PACKED False and cu_q/cu_k unread.
 
+def _unflatten(i, n):
+    """(i // n, i % n): a flat (outer, inner) index with n inner entries, split."""
+    outer = i // n
+    return outer, i - outer * n
+
+
 def _heads(bh, q, k):
     """Flat batch*head block index -> (b, q head, kv head) for GQA/MQA (group = Hq // Hkv)."""
     hq = q.shape[1]
-    b = bh // hq
-    h = bh - b * hq
+    b, h = _unflatten(bh, hq)
     return b, h, h // (hq // k.shape[1])
 
 
@@ -118,14 +123,35 @@ def _span(cu, seq):
     return ct.gather(cu, seq), ct.gather(cu, seq + 1)
 
 
-def _packed_keys(cu_k, b, k, v, sq, offset, CAUSAL):
-    """The keys of sequence b of a packed batch, for a kernel that owns its sq query rows: k and
-    v sliced to them, their count, and the causal offset (bottom-right per sequence)."""
-    k0, k1 = _span(cu_k, b)
-    sk = k1 - k0
-    if CAUSAL:
-        offset = sk - sq
-    return _part(k, 2, k0, k1), _part(v, 2, k0, k1), sk, offset
+def _query_block(q, k, cu_q, HEAVY_FIRST, PACKED):
+    """(m, b, h, hk, q0, q1) of a CTA that owns one query tile: the tile (last to first when
+    HEAVY_FIRST), batch, q head, kv head, and the rows [q0, q1) of its sequence (all of S
+    unless PACKED)."""
+    m = ct.bid(0)
+    if HEAVY_FIRST:
+        m = ct.num_blocks(0) - 1 - m
+    b, h, hk = _heads(ct.bid(1), q, k)
+    q0, q1 = 0, q.shape[2]
+    if PACKED:
+        q0, q1 = _span(cu_q, b)
+    return m, b, h, hk, q0, q1
+
+
+def _sequence_keys(cu_k, b, h, k, v, sq, offset, CAUSAL, PACKED):
+    """(k, v, sk, offset, b, bh) for the sq query rows of batch b, head h: the keys they see,
+    their count, the causal offset, and the batch and row index of the query-side arrays.
+    Dense: unchanged. PACKED: k and v sliced to sequence b's keys, the offset bottom-right per
+    sequence, and the query-side arrays (sliced by the caller) read at batch 0, row h."""
+    sk = k.shape[2]
+    bh = ct.bid(1)
+    if PACKED:
+        k0, k1 = _span(cu_k, b)
+        sk = k1 - k0
+        if CAUSAL:
+            offset = sk - sq
+        k, v = _part(k, 2, k0, k1), _part(v, 2, k0, k1)
+        b, bh = 0, h
+    return k, v, sk, offset, b, bh
 
 
 def _part(a, axis, start, end):
@@ -144,20 +170,13 @@ def fmha_fwd_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.Consta
     Grid (cdiv(Sq, TM), B*Hq). qk_scale = scale * log2(e) > 0. HEAVY_FIRST: each head's query
     tiles run last to first; under a causal mask the last see the most keys, so the light
     ones run at the end of the grid and the tail is short."""
-    if HEAVY_FIRST:
-        m = ct.num_blocks(0) - 1 - ct.bid(0)
-    else:
-        m = ct.bid(0)
-    bh = ct.bid(1)
-    b, h, hk = _heads(bh, q, k)
-    sk = k.shape[2]
+    m, b, h, hk, q0, q1 = _query_block(q, k, cu_q, HEAVY_FIRST, PACKED)
     if PACKED:
-        q0, q1 = _span(cu_q, b)
-        if m * TM >= q1 - q0:
+        if m * TM >= q1 - q0:       # past its sequence's end
             return
-        k, v, sk, offset = _packed_keys(cu_k, b, k, v, q1 - q0, offset, CAUSAL)
+    k, v, sk, offset, b, bh = _sequence_keys(cu_k, b, h, k, v, q1 - q0, offset, CAUSAL, PACKED)
+    if PACKED:
         q, o, lse = q.slice(2, q0, q1), o.slice(2, q0, q1), lse.slice(1, q0, q1)
-        b, bh = 0, h
     qt = _tile(q, b, h, m, TM, TD)                                    # [TM, TD]
     n_end, n_mask = _key_tiles(m, sk, offset, TM, TN, CAUSAL)
     last_key = m * TM + ct.arange(TM, dtype=ct.int32)[:, None] + offset  # [TM, 1]
@@ -184,19 +203,15 @@ def fmha_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, cu_q, cu_k, qk_scale, sca
     """delta (B*Hq, Sq) = rowsum(dO * O) and dq = scale * dS k for one query tile.
     Grid (cdiv(Sq, TM), B*Hq). Rows past Sq and keys past Sk need no mask: their q/dO (resp.
     k/v) tiles are zero-padded, so they add exactly 0 (LSE2/delta pad with 0: finite P)."""
-    m = ct.bid(0)
-    bh = ct.bid(1)
-    b, h, hk = _heads(bh, q, k)
-    sk = k.shape[2]
+    m, b, h, hk, q0, q1 = _query_block(q, k, cu_q, False, PACKED)
     if PACKED:
-        q0, q1 = _span(cu_q, b)
         if m * TM >= q1 - q0:
             return
+    if PACKED:
         q, o, do, dq = q.slice(2, q0, q1), o.slice(2, q0, q1), do.slice(2, q0, q1), \
             dq.slice(2, q0, q1)
         lse, delta = lse.slice(1, q0, q1), delta.slice(1, q0, q1)
-        k, v, sk, offset = _packed_keys(cu_k, b, k, v, q1 - q0, offset, CAUSAL)
-        b, bh = 0, h
+    k, v, sk, offset, b, bh = _sequence_keys(cu_k, b, h, k, v, q1 - q0, offset, CAUSAL, PACKED)
     qt = _tile(q, b, h, m, TM, TD)
     dot = _tile(do, b, h, m, TM, TD)
     ot = _tile(o, b, h, m, TM, TD)
@@ -233,8 +248,7 @@ def fmha_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, 
     hkv = k.shape[1]
     hq = q.shape[1]
     group = hq // hkv
-    b = bhk // hkv
-    hk = bhk - b * hkv
+    b, hk = _unflatten(bhk, hkv)
     sq = q.shape[2]
     if PACKED:
         k0, k1 = _span(cu_k, b)
@@ -304,9 +318,7 @@ def fmha_decode_kernel(q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset
     s = ct.bid(0)
     splits = ct.num_blocks(0)
     bhk = ct.bid(1)
-    hkv = k.shape[1]
-    b = bhk // hkv
-    hk = bhk - b * hkv
+    b, hk = _unflatten(bhk, k.shape[1])
     sq = q.shape[2]
     sk = k.shape[2]
     if USED:
@@ -370,8 +382,7 @@ def fmha_decode_combine_kernel(o_part, lse_part, o, lse, GROUP: ct.Constant[int]
     bh = ct.bid(0)
     c = ct.bid(1)
     hq = o.shape[1]
-    b = bh // hq
-    h = bh - b * hq
+    b, h = _unflatten(bh, hq)
     hk = h // GROUP
     g = h - hk * GROUP
     blk = (b * (hq // GROUP) + hk) * TG + g
@@ -812,12 +823,9 @@ def _check(op, q, k, v, scale, names=("q", "k", "v")):
     validate.tensor(op, nq, q, dtypes=dts)
     validate.tensor(op, nk, k, device=q.device, dtypes=dts)
     validate.tensor(op, nv, v, device=q.device, dtypes=dts)
-    for name, t in ((nk, k), (nv, v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{op}: {name} dtype {t.dtype} differs from {nq} dtype {q.dtype}")
+    validate.same_dtype(op, nq, q, {nk: k, nv: v})
     for name, t in zip(names, (q, k, v)):
-        if t.dim() != 4:
-            raise ValueError(f"{op}: {name} must be 4-D (B, H, S, D), got shape {tuple(t.shape)}")
+        validate.dims(op, name, t, 4, "(B, H, S, D)")
     if v.shape != k.shape:
         raise ValueError(f"{op}: {nv} shape {tuple(v.shape)} must equal {nk} shape "
                          f"{tuple(k.shape)}")

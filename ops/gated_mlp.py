@@ -204,13 +204,18 @@ def _contiguous_like(t):
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
-# Autograd and custom op: the backward keeps x, both weights and the pre-activations.
+def _save(args, results):
+    """The backward keeps x, both weights and the pre-activations, and the activation."""
+    x, w_gate, w_up, act, _ = args
+    return (x, w_gate, w_up, results[1], results[2]), (act,)
+
+
 _op = TrainableOp(
     "tiletune::swiglu_linear", forward=_forward,
     forward_schema="(Tensor x, Tensor w_gate, Tensor w_up, int act, bool save) "
                    "-> (Tensor, Tensor, Tensor)",
     forward_fake=_forward_fake,
-    save=lambda args, results: ((*args[:3], results[1], results[2]), (args[3],)),
+    save=_save,
     backward=_backward,
     backward_schema="(bool[] needs, Tensor dy, Tensor x, Tensor w_gate, Tensor w_up, "
                     "Tensor gate, Tensor up, int act) -> (Tensor?, Tensor?, Tensor?)",
@@ -224,15 +229,11 @@ def _check(op, x, w_gate, w_up):
     validate.tensor(op, "x", x, dtypes=DTYPES)
     validate.tensor(op, "w_gate", w_gate, device=x.device, dtypes=DTYPES)
     validate.tensor(op, "w_up", w_up, device=x.device, dtypes=DTYPES)
-    for name, w in (("w_gate", w_gate), ("w_up", w_up)):
-        if w.dtype != x.dtype:
-            raise TypeError(f"{op}: {name} dtype {w.dtype} differs from x dtype {x.dtype}")
+    validate.same_dtype(op, "x", x, {"w_gate": w_gate, "w_up": w_up})
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have at least one dimension (..., K), got a 0-dim "
                          "tensor")
-    if w_gate.dim() != 2:
-        raise ValueError(f"{op}: w_gate must be 2-D (N, K) as nn.Linear stores it, got shape "
-                         f"{tuple(w_gate.shape)}")
+    validate.dims(op, "w_gate", w_gate, 2, "(N, K) as nn.Linear stores it")
     if w_up.shape != w_gate.shape:
         raise ValueError(f"{op}: w_up shape {tuple(w_up.shape)} differs from w_gate shape "
                          f"{tuple(w_gate.shape)}")

@@ -277,7 +277,6 @@ _grouped_op = TrainableOp(
     "tiletune::grouped_mm", forward=_mgrouped,
     forward_schema="(Tensor x, Tensor w, Tensor offs) -> Tensor",
     forward_fake=lambda x, w, offs: x.new_empty((x.shape[0], w.shape[2])),
-    save=lambda args, results: (tuple(args), ()),
     backward=_backward, backward_schema=_BWD_SCHEMA,
     backward_fake=lambda needs, dy, x, w, offs: (
         x.new_empty(x.shape) if needs[0] else None,
@@ -286,7 +285,6 @@ _k_grouped_op = TrainableOp(
     "tiletune::grouped_mm_k", forward=_kgrouped,
     forward_schema="(Tensor a, Tensor b, Tensor offs) -> Tensor",
     forward_fake=lambda a, b, offs: a.new_empty((offs.shape[0], a.shape[0], b.shape[1])),
-    save=lambda args, results: (tuple(args), ()),
     backward=_k_backward, backward_schema=_BWD_SCHEMA,
     backward_fake=lambda needs, dout, a, b, offs: (
         a.new_empty((a.shape[1], a.shape[0])).t() if needs[0] else None,
@@ -299,9 +297,8 @@ _k_grouped_op = TrainableOp(
 
 def _check(x, w, offs):
     """The mode, "2d3d", "2d2d" or "3d3d", or a ValueError / TypeError naming the argument."""
-    for name, t in (("x", x), ("w", w)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"grouped_mm: {name} must be a torch.Tensor, got {type(t).__name__}")
+    validate.is_tensor("grouped_mm", "x", x)
+    validate.is_tensor("grouped_mm", "w", w)
     mode = f"{x.dim()}d{w.dim()}d"
     if mode not in ("2d3d", "2d2d", "3d3d"):
         raise ValueError(f"grouped_mm: x and w must be 2-D x 3-D (x (T, K), w (E, K, N)), "
@@ -324,14 +321,11 @@ def _check(x, w, offs):
     else:
         if offs is None:
             raise ValueError(f"grouped_mm: offs is required for {mode[0]}-D x {mode[2]}-D")
-        if not isinstance(offs, torch.Tensor):
-            raise TypeError(f"grouped_mm: offs must be a torch.Tensor, got "
-                            f"{type(offs).__name__}")
+        validate.is_tensor("grouped_mm", "offs", offs)
         if offs.dtype != torch.int32:
             raise TypeError(f"grouped_mm: offs must be int32 (cumulative end offsets), got "
                             f"{offs.dtype}")
-        if offs.dim() != 1:
-            raise ValueError(f"grouped_mm: offs must be 1-D, got shape {tuple(offs.shape)}")
+        validate.dims("grouped_mm", "offs", offs, 1, "(groups,)")
         if mode == "2d3d" and offs.shape[0] != w.shape[0]:
             raise ValueError(f"grouped_mm: offs has {offs.shape[0]} entries but w has "
                              f"{w.shape[0]} groups")

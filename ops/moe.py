@@ -297,7 +297,6 @@ _unpermute_op = TrainableOp(
     "tiletune::moe_unpermute", forward=_unpermute_rows,
     forward_schema="(Tensor ys, Tensor inverse, Tensor w) -> Tensor",
     forward_fake=lambda ys, inverse, w: ys.new_empty((inverse.shape[0], ys.shape[1])),
-    save=lambda args, results: (tuple(args), ()),
     backward=_unpermute_rows_bwd,
     backward_schema="(bool[] needs, Tensor dout, Tensor ys, Tensor inverse, Tensor w) "
                     "-> (Tensor?, Tensor?, Tensor?)",
@@ -314,22 +313,6 @@ MAX_ELEMS = 2**31 - 1       # the kernels index rows and columns with int32
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _is_tensor(op, name, t):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-
-
-def _dtype(op, name, t, dtypes):
-    if t.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{op}: {name} dtype {t.dtype} is not supported ({names})")
-
-
-def _two_d(op, name, t, what):
-    if t.dim() != 2:
-        raise ValueError(f"{op}: {name} must be 2-D {what}, got shape {tuple(t.shape)}")
-
-
 def _size(op, rows, cols):
     if rows * cols > MAX_ELEMS:
         raise ValueError(f"{op}: {rows} x {cols} sorted rows pass 2^31 - 1 elements, more than "
@@ -338,22 +321,22 @@ def _size(op, rows, cols):
 
 def _check_permute(x, topk_ids, num_experts):
     op = "moe_permute"
-    _is_tensor(op, "x", x)
-    _is_tensor(op, "topk_ids", topk_ids)
+    validate.is_tensor(op, "x", x)
+    validate.is_tensor(op, "topk_ids", topk_ids)
     if isinstance(num_experts, bool) or not isinstance(num_experts, int):
         raise TypeError(f"{op}: num_experts must be an int, got {type(num_experts).__name__}")
     if num_experts < 1:
         raise ValueError(f"{op}: num_experts must be >= 1, got {num_experts}")
-    _two_d(op, "x", x, "(tokens, hidden)")
-    _two_d(op, "topk_ids", topk_ids, "(tokens, k)")
+    validate.dims(op, "x", x, 2, "(tokens, hidden)")
+    validate.dims(op, "topk_ids", topk_ids, 2, "(tokens, k)")
     if topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"{op}: topk_ids has {topk_ids.shape[0]} rows but x has {x.shape[0]} "
                          "tokens")
     if topk_ids.shape[1] < 1:
         raise ValueError(f"{op}: topk_ids must choose at least one expert per token (k >= 1)")
     _size(op, topk_ids.numel(), max(x.shape[1], 1))
-    _dtype(op, "x", x, validate.FLOAT_DTYPES)
-    _dtype(op, "topk_ids", topk_ids, INDEX_DTYPES)
+    validate.dtype(op, "x", x, validate.FLOAT_DTYPES)
+    validate.dtype(op, "topk_ids", topk_ids, INDEX_DTYPES)
     validate.tensor(op, "x", x)
     validate.tensor(op, "topk_ids", topk_ids, device=x.device, dtypes=INDEX_DTYPES)
 
@@ -362,9 +345,9 @@ def _check_unpermute(y_sorted, inverse, topk_weights):
     op = "moe_unpermute"
     for name, t in (("y_sorted", y_sorted), ("inverse", inverse),
                     ("topk_weights", topk_weights)):
-        _is_tensor(op, name, t)
-    _two_d(op, "y_sorted", y_sorted, "(tokens * k, hidden)")
-    _two_d(op, "inverse", inverse, "(tokens, k)")
+        validate.is_tensor(op, name, t)
+    validate.dims(op, "y_sorted", y_sorted, 2, "(tokens * k, hidden)")
+    validate.dims(op, "inverse", inverse, 2, "(tokens, k)")
     if tuple(topk_weights.shape) != tuple(inverse.shape):
         raise ValueError(f"{op}: topk_weights has shape {tuple(topk_weights.shape)} but inverse "
                          f"has {tuple(inverse.shape)}")
@@ -372,8 +355,8 @@ def _check_unpermute(y_sorted, inverse, topk_weights):
         raise ValueError(f"{op}: y_sorted has {y_sorted.shape[0]} rows but inverse has "
                          f"{inverse.numel()} slots (tokens * k)")
     _size(op, inverse.numel(), max(y_sorted.shape[1], 1))
-    _dtype(op, "y_sorted", y_sorted, validate.FLOAT_DTYPES)
-    _dtype(op, "inverse", inverse, INDEX_DTYPES)
+    validate.dtype(op, "y_sorted", y_sorted, validate.FLOAT_DTYPES)
+    validate.dtype(op, "inverse", inverse, INDEX_DTYPES)
     if topk_weights.dtype not in (torch.float32, y_sorted.dtype):
         raise TypeError(f"{op}: topk_weights dtype {topk_weights.dtype} must be float32 or "
                         f"y_sorted's {y_sorted.dtype}")
@@ -387,12 +370,10 @@ def _check_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down
     names = ("hidden_states", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj")
     args = (hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     for name, t in zip(names, args):
-        _is_tensor(op, name, t)
-    _two_d(op, "hidden_states", hidden_states, "(tokens, hidden)")
+        validate.is_tensor(op, name, t)
+    validate.dims(op, "hidden_states", hidden_states, 2, "(tokens, hidden)")
     for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-        if t.dim() != 3:
-            raise ValueError(f"{op}: {name} must be 3-D (experts, out, in), got shape "
-                             f"{tuple(t.shape)}")
+        validate.dims(op, name, t, 3, "(experts, out, in)")
     T, H = hidden_states.shape
     E, two_i, h_in = gate_up_proj.shape
     if h_in != H or two_i % 2 or E < 1:
@@ -410,12 +391,10 @@ def _check_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down
                          f"top_k_index has {tuple(top_k_index.shape)}")
     _size(op, top_k_index.numel(), max(H, two_i, 1))
     half = (torch.bfloat16, torch.float16)
-    _dtype(op, "hidden_states", hidden_states, half)
-    _dtype(op, "top_k_index", top_k_index, INDEX_DTYPES)
-    for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-        if t.dtype != hidden_states.dtype:
-            raise TypeError(f"{op}: {name} is {t.dtype} but hidden_states is "
-                            f"{hidden_states.dtype}")
+    validate.dtype(op, "hidden_states", hidden_states, half)
+    validate.dtype(op, "top_k_index", top_k_index, INDEX_DTYPES)
+    validate.same_dtype(op, "hidden_states", hidden_states,
+                        {"gate_up_proj": gate_up_proj, "down_proj": down_proj})
     if top_k_weights.dtype not in (torch.float32, hidden_states.dtype):
         raise TypeError(f"{op}: top_k_weights dtype {top_k_weights.dtype} must be float32 or "
                         f"hidden_states' {hidden_states.dtype}")

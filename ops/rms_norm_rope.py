@@ -240,19 +240,20 @@ def _backward(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, rot):
 # ---------------------------------------------------------------------------------------------
 # Autograd, custom op and the public function.
 
-def _rstd_like(x):
-    return x.new_empty(x.shape[:3], dtype=torch.float32)
+def _forward_fake(q, k, *rest):
+    """The normed q and k, and the float32 rstd (B, H, S) of each."""
+    return (torch.empty_like(q), torch.empty_like(k),
+            q.new_empty(q.shape[:3], dtype=torch.float32),
+            k.new_empty(k.shape[:3], dtype=torch.float32))
 
 
 _rms_norm_rope = TrainableOp(
     "tiletune::rms_norm_rope", forward=_forward,
     forward_schema="(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, Tensor cos, "
                    "Tensor sin, Tensor? pos, int rot, float eps) -> (Tensor, Tensor, Tensor, Tensor)",
-    forward_fake=lambda q, k, wq, wk, cos, sin, pos, rot, eps: (
-        torch.empty_like(q), torch.empty_like(k), _rstd_like(q), _rstd_like(k)),
+    forward_fake=_forward_fake,
     save=lambda args, results: ((*args[:7], results[2], results[3]), (args[7],)),
-    backward=lambda needs, dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, rot: _backward(
-        dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, rot),
+    backward=lambda needs, *grads_and_saved: _backward(*grads_and_saved),
     backward_schema="(bool[] needs, Tensor dq, Tensor dk, Tensor q, Tensor k, Tensor q_weight, "
                     "Tensor k_weight, Tensor cos, Tensor sin, Tensor? pos, Tensor rstd_q, "
                     "Tensor rstd_k, int rot) -> (Tensor, Tensor, Tensor, Tensor)",

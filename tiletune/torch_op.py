@@ -12,15 +12,17 @@ class TrainableOp:
         tensors only the backward needs (rstd, lse). An output that is an input (in place) is
         marked dirty.
     forward_schema / forward_fake: the custom op's schema (without the name) and shape function.
-    save(args, results) -> (tensors to save, constants): what the backward receives.
+    save(args, results) -> (tensors to save, constants): what the backward receives; by
+        default every input (all tensors) and no constants.
     backward(needs_input_grad, *grads, *saved tensors, *constants) -> gradients of the leading
         args, in order (None where not needed); the rest of the args get None.
     backward_schema / backward_fake: likewise for the backward's custom op (its first argument
         is `bool[] needs`).
     """
 
-    def __init__(self, name, *, forward, forward_schema, forward_fake, save, backward,
-                 backward_schema, backward_fake, outputs=1):
+    def __init__(self, name, *, forward, forward_schema, forward_fake, backward,
+                 backward_schema, backward_fake, save=None, outputs=1):
+        save = save or _save_inputs
         self.forward, self.backward, self.outputs, self._save = forward, backward, outputs, save
         self._fwd_op = torch.library.custom_op(f"{name}_fwd", forward, mutates_args=(),
                                                schema=forward_schema)
@@ -54,6 +56,10 @@ class TrainableOp:
         needs = [bool(n) for n in ctx.needs_input_grad]
         result = self._bwd_op(needs, *grads[:self.outputs], *ctx.saved_tensors, *ctx.constants)
         return _pad(result, ctx.num_args)
+
+
+def _save_inputs(args, results):
+    return tuple(args), ()
 
 
 def _as_tuple(results):

@@ -8,16 +8,39 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def tensor(op, name, t, device=None, dtypes=FLOAT_DTYPES):
     """`t` is a CUDA tensor (on `device` if given) of one of `dtypes`; returns it."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    is_tensor(op, name, t)
     if not t.is_cuda:
         raise ValueError(f"{op}: {name} must be a CUDA tensor, got device {t.device}")
     if device is not None and t.device != device:
         raise ValueError(f"{op}: {name} is on {t.device} but the other inputs are on {device}")
+    dtype(op, name, t, dtypes)
+    return t
+
+
+def is_tensor(op, name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def dtype(op, name, t, dtypes):
+    """t's dtype is one of `dtypes`."""
     if t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{op}: {name} dtype {t.dtype} is not supported ({names})")
-    return t
+
+
+def same_dtype(op, ref_name, ref, others):
+    """Every tensor of `others` ({name: tensor}) has ref's dtype."""
+    for name, t in others.items():
+        if t.dtype != ref.dtype:
+            raise TypeError(f"{op}: {name} dtype {t.dtype} differs from {ref_name} dtype "
+                            f"{ref.dtype}")
+
+
+def dims(op, name, t, n, layout):
+    """t has n dims; `layout` names them for the message, e.g. "(tokens, hidden)"."""
+    if t.dim() != n:
+        raise ValueError(f"{op}: {name} must be {n}-D {layout}, got shape {tuple(t.shape)}")
 
 
 def eps(op, value):

@@ -132,7 +132,7 @@ BAD_EXPERTS = [
     (experts_args(dtype=torch.float32), TypeError, "hidden_states dtype torch.float32"),
     (_replace(experts_args(), 1, t(4, 2)), TypeError, "top_k_index dtype torch.bfloat16"),
     (_replace(experts_args(), 4, t(3, 16, 8, dtype=torch.float16)), TypeError,
-     "down_proj is torch.float16 but hidden_states is torch.bfloat16"),
+     "down_proj dtype torch.float16 differs from hidden_states dtype torch.bfloat16"),
     (_replace(experts_args(), 2, t(4, 2, dtype=torch.float16)), TypeError,
      "top_k_weights dtype torch.float16 must be float32"),
 ]
