@@ -419,9 +419,8 @@ class Autotuner:
         return cfgs or [self.default]
 
     def _fingerprint(self, cfgs):
-        """The config space and the code of every kernel it compiles: the source of each
-        kernel's module and of the modules its helpers come from (a changed helper is a changed
-        kernel)."""
+        """The config space and the code of every kernel it compiles (`_kernel_code`: a changed
+        helper is a changed kernel; host code is not)."""
         h = hashlib.sha256()
         h.update(json.dumps([config_dict(c) for c in cfgs], sort_keys=True, default=str).encode())
         kernels = {id(k): k for c in cfgs for k in (self.base_kernel(c), self.search_kernel(c))}
@@ -854,22 +853,42 @@ def _as_json(value):
 
 
 def _kernel_code(fn):
-    """Bytes that change when the kernel or a helper it calls changes: its module's source and
-    the sources of the modules of the functions it names; the compiled code where no source
-    exists (a kernel made by exec)."""
-    own = str(fn.__module__)
-    modules = {own}
-    for name in fn.__code__.co_names:
-        obj = fn.__globals__.get(name)
-        if inspect.isfunction(obj):
-            modules.add(str(obj.__module__))
-    parts = []
-    for name in sorted(modules):
+    """Bytes that change when the kernel's code changes: the source of the kernel and of every
+    function it reaches through the names it uses (helpers and theirs, in any module), and the
+    values of the other globals those name (constants, enum members). Host code, docstrings
+    and other kernels of the same module are left out, so an edit there keeps tuned winners.
+    A function without source (made by exec) gives its code object."""
+    parts, seen, todo = [], set(), [fn]
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
         try:
-            parts.append(inspect.getsource(sys.modules[name]).encode())
-        except (OSError, TypeError, KeyError):
-            parts.append(marshal.dumps(fn.__code__) if name == own else name.encode())
+            parts.append(inspect.getsource(f).encode())
+        except (OSError, TypeError):
+            parts.append(marshal.dumps(f.__code__))
+        for name in sorted(_code_names(f.__code__)):
+            obj = f.__globals__.get(name, _kernel_code)
+            obj = getattr(obj, "_pyfunc", obj)                  # a ct.kernel's function
+            if obj is _kernel_code or inspect.ismodule(obj):
+                continue
+            if inspect.isfunction(obj):
+                todo.append(obj)
+            else:
+                text = repr(obj)                                 # an address is not the code
+                parts.append(f"{name}={type(obj).__qualname__ if ' at 0x' in text else text}"
+                             .encode())
     return parts
+
+
+def _code_names(code):
+    """The global and attribute names a code object uses, nested ones (lambdas) included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _code_names(const)
+    return names
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,4 +1,5 @@
 """The engine's own logic, driven through its real code; a stand-in replaces only the GPU search."""
+import inspect
 import json
 import logging
 import os
@@ -641,14 +642,67 @@ def test_tuple_and_dtype_config_values_round_trip_through_the_store(env):
     assert not [f for f in os.listdir(env.path) if f.endswith(".tmp")]
 
 
-def test_fingerprint_covers_helpers_and_kernels_without_source():
+_KERNEL_MODULE = """
+import enum
+class Mode(enum.Enum):
+    ZERO = "zero"
+SCALE = {scale}
+PAD = Mode.ZERO
+def helper(x):
+    return x * SCALE + {helper}
+def kernel(x):
+    return helper(x) if PAD else (lambda y: inner(y))(x)
+def inner(y):
+    return y - 1
+def host(x):
+    return kernel(x) + {host}
+"""
+
+
+def _code_of(tmp_path, name, **edits):
+    import importlib.util
+    values = {"scale": 2, "helper": 1, "host": 0, **edits}
+    path = tmp_path / f"{name}.py"
+    path.write_text(_KERNEL_MODULE.format(**values))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return autotune._kernel_code(module.kernel)
+
+
+def test_fingerprint_follows_the_kernel_code_and_nothing_else(tmp_path):
+    base = _code_of(tmp_path, "k0")
+    assert any(b"def inner" in p for p in base)        # reached through a lambda
+    assert b"PAD=<Mode.ZERO: 'zero'>" in base and b"SCALE=2" in base
+    assert _code_of(tmp_path, "k1", host=5) == base     # host code: winners stay valid
+    assert _code_of(tmp_path, "k2", helper=3) != base   # a helper's source
+    assert _code_of(tmp_path, "k3", scale=4) != base    # a constant a helper reads
     code = {}
     exec("def made(x):\n    return helper(x)\n", {"helper": autotune.bucket}, code)
     parts = autotune._kernel_code(code["made"])          # no source file: its code object
     assert parts and all(isinstance(p, bytes) for p in parts)
-    from tiletune.ops import rms_norm_rope
-    modules = autotune._kernel_code(rms_norm_rope.rms_norm_rope_fwd._pyfunc)
-    assert len(modules) == 2        # its own module and ops/rotary.py, whose helpers it calls
+    from tiletune.ops import rms_norm_rope, rotary
+    parts = autotune._kernel_code(rms_norm_rope.rms_norm_rope_fwd._pyfunc)
+    helpers = [f for f in vars(rotary).values() if inspect.isfunction(f)
+               and f.__module__ == rotary.__name__ and inspect.getsource(f).encode() in parts]
+    assert helpers                                      # helpers from ops/rotary.py count
+
+
+def test_fingerprints_are_the_same_in_every_process():
+    """No address or path in the store key: a fresh process must find the winners."""
+    code = ("import hashlib, importlib, pkgutil, tiletune.ops as P; from tiletune import autotune\n"
+            "h = hashlib.sha256()\n"
+            "for m in sorted(i.name for i in pkgutil.iter_modules(P.__path__)):\n"
+            "    mod = importlib.import_module('tiletune.ops.' + m)\n"
+            "    for n in sorted(vars(mod)):\n"
+            "        f = getattr(getattr(mod, n), '_pyfunc', None)\n"
+            "        if f is not None:\n"
+            "            h.update(b''.join(autotune._kernel_code(f)))\n"
+            "print(h.hexdigest())")
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout
+            for seed in (1, 2)]
+    assert runs[0] == runs[1] and len(runs[0].strip()) == 64
 
 
 def test_disable_autotune_launches_once_per_call(env, monkeypatch):
