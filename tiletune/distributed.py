@@ -40,7 +40,7 @@ waits for its chunk. The timeout resolves this (the waiting rank takes the chunk
 decision stands); a host sync per step (`loss.item()`) rules it out. A short timeout costs at
 most work timed twice, never a disagreement.
 
-mode="replicate" is the other design the issue names: every rank times every config and the
+mode="replicate" is the other design: every rank times every config and the
 finisher merges the mean times of the ranks that had started by then. It costs every rank a
 whole search (no wall-time gain) and is there to be measured against "share".
 
