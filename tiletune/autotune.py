@@ -259,6 +259,7 @@ class Autotuner:
         self.searches = 0        # number of exhaustive searches run (tests, stats)
         self._capture_cache = {}  # key -> (cfg, kernel) used while a CUDA graph is captured
         self._failed = {}        # key -> TuningFailedError: raised again without a new search
+        self._hinted = {}        # (bare kernel, hints) -> the one kernel object built with them
         self._unproven = {}      # key -> store key of a stored winner not yet launched
         self._warned_capture = False
         self.launch = self._fast_path()
@@ -411,6 +412,27 @@ class Autotuner:
     def build(self, cfg):
         """The launchable kernel for a config: `replace_hints` once, with exactly its hints."""
         return self.base_kernel(cfg).replace_hints(**self.hints(cfg))
+
+    def _with_hints(self, kernel, cfg, dev):
+        """kernel.replace_hints(cfg's hints), one object per (kernel, hints, device) for the
+        tuner's life. Each such object has its own JIT cache: sharing it between the search,
+        the final round and the launch traces each config's kernel once per device in this
+        process, not once per stage (0.03-0.5 s a trace)."""
+        hints = self.hints(cfg)
+        try:
+            memo = (kernel, tuple(sorted(hints.items())), dev)
+            built = self._hinted.get(memo)
+        except TypeError:                # an unhashable hint value: no sharing
+            return kernel.replace_hints(**hints)
+        if built is None:
+            built = self._hinted[memo] = kernel.replace_hints(**hints)
+        return built
+
+    def _search_kernels(self, dev):
+        """What the search asks for each config's kernel: cuTile's exhaustive_search calls
+        `replace_hints(**hints_fn(cfg))` on it (no hints_fn: no hints), which here hands back
+        the shared object."""
+        return lambda cfg: _Built(self._with_hints(self.search_kernel(cfg), cfg, dev))
 
     def config_list(self, arch, shape):
         cfgs = list(self.configs(arch, **shape))
@@ -580,7 +602,7 @@ class Autotuner:
             try:
                 with ct.compiler_timeout(COMPILE_TIMEOUT_SEC):
                     result = exhaustive_search([c for _, c in candidates], stream, search.grid_fn,
-                                               self.search_kernel, search.args_fn, self.hints,
+                                               self._search_kernels(dev), search.args_fn,
                                                quiet=True)
             except ValueError as e:
                 if "No valid config" not in str(e):
@@ -588,7 +610,7 @@ class Autotuner:
         if result is None:
             # exhaustive_search keeps only the first error when all fail: find each one's error.
             for i, c in candidates:
-                etype, msg = self._probe(c, search)
+                etype, msg = self._probe(c, search, dev)
                 failures.append({"i": i, "error": etype, "message": msg})
             return [], failures
         ids = {id(c): i for i, c in candidates}
@@ -630,7 +652,7 @@ class Autotuner:
             stream = torch.cuda.current_stream(dev)
             try:
                 with torch.cuda.device(dev):
-                    final = self._final_round(finalists, search, stream, best_us)
+                    final = self._final_round(finalists, search, stream, best_us, dev)
             except Exception as e:     # e.g. no memory left for the L2 flush: keep the anchor
                 log.info("%s %s: final round skipped: %s: %s", self.name, key,
                          type(e).__name__, str(e)[:200])
@@ -658,11 +680,11 @@ class Autotuner:
             finalists.append(default)
         return finalists
 
-    def _final_round(self, finalists, search, stream, best_us):
+    def _final_round(self, finalists, search, stream, best_us, dev):
         """[(cfg, median us)] fastest first, the finalists timed in turns (~10 ms blocks)."""
         runs = []
         for i, c in enumerate(finalists):
-            kernel = self.search_kernel(c).replace_hints(**self.hints(c))
+            kernel = self._with_hints(self.search_kernel(c), c, dev)
             if search.run_fn is not None:
                 runs.append((i, lambda c=c, k=kernel: search.run_fn(c, k), None))
                 continue
@@ -673,18 +695,18 @@ class Autotuner:
         timed = [(c, us[i]) for i, c in enumerate(finalists) if not isinstance(us[i], Exception)]
         return sorted(timed, key=lambda t: t[1])
 
-    def _probe(self, cfg, search):
+    def _probe(self, cfg, search, dev):
         """Launch one config once to get its own error (used only when every config failed)."""
         try:
             ct.launch(torch.cuda.current_stream(), search.grid_fn(cfg),
-                      self.search_kernel(cfg).replace_hints(**self.hints(cfg)), search.args_fn(cfg))
+                      self._with_hints(self.search_kernel(cfg), cfg, dev), search.args_fn(cfg))
             torch.cuda.synchronize()
             return "NoError", "ran when probed alone"
         except Exception as e:
             return type(e).__name__, str(e)
 
     def _finish(self, key, cfg, record, search, dev):
-        kernel = self.build(cfg)
+        kernel = self._with_hints(self.base_kernel(cfg), cfg, dev)
         if search is not None and self._search_kernel is None:
             # One launch with the search's (scratch) arguments, still under the lock: the JIT
             # compiles the tuned kernel here, once, instead of in whichever threads launch it
@@ -734,7 +756,7 @@ class Autotuner:
             stored = store.load(self.name, self.store_key(key, dev, cfgs))
             cfg = self._find(cfgs, stored.get("config")) if isinstance(stored, dict) else None
         cfg = cfg or cfgs[0]
-        entry = (cfg, self.build(cfg))
+        entry = (cfg, self._with_hints(self.base_kernel(cfg), cfg, dev))
         self._capture_cache[key] = entry
         self.records.setdefault(key, TuningRecord(self.name, key, config_dict(cfg), "capture"))
         return entry
@@ -747,6 +769,7 @@ class Autotuner:
         self._plans.clear()
         self.records.clear()
         self._capture_cache.clear()
+        self._hinted.clear()
 
 
 def _same_key(key):
@@ -945,6 +968,18 @@ def _shared_scratch(scratch, inputs, dev, cfgs):
 
 def _pick(kernel, cfg):
     return kernel if isinstance(kernel, ct.kernel) else kernel(cfg)
+
+
+class _Built:
+    """A kernel already built with its hints, as exhaustive_search takes one: it asks it for
+    `replace_hints()` and gets the same object back."""
+    __slots__ = ("kernel",)
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def replace_hints(self, **hints):
+        return self.kernel
 
 
 def tuners():

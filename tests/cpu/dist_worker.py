@@ -217,7 +217,7 @@ def main():
     # 9. every config fails: every rank raises TuningFailedError
     distributed.set_process_group()
     fail_all.add(16384)
-    t._probe = lambda cfg, s: ("RuntimeError", f"boom {cfg.occupancy}")
+    t._probe = lambda cfg, s, dev: ("RuntimeError", f"boom {cfg.occupancy}")
     try:
         resolve(t, 16384)
         out["all_fail"] = "no error"

@@ -39,11 +39,12 @@ class FakeSearch:
 
     def __call__(self, space, stream, grid_fn, kernel, args_fn, hints_fn=None, **kw):
         self.calls += 1
-        self.kernels = [kernel(c)._pyfunc.__name__ for c in space]
+        hints = hints_fn or (lambda c: {})
+        built = [kernel(c).replace_hints(**hints(c)) for c in space]  # what the real search does
+        self.kernels = [k._pyfunc.__name__ for k in built]
         time.sleep(self.delay)
         ok, bad = [], []
         for c in space:
-            kernel(c).replace_hints(**hints_fn(c))  # what the real search does per config
             if c.occupancy in self.fail:
                 bad.append((c, RuntimeError, f"boom {c.occupancy}"))
             else:
@@ -202,7 +203,7 @@ def test_store_off(env, monkeypatch):
 def test_all_configs_failing_raises_with_every_error(env, monkeypatch):
     env.fake.fail = {1, 2, 4}
     t = env.make()
-    monkeypatch.setattr(t, "_probe", lambda cfg, s: ("RuntimeError", f"boom {cfg.occupancy}"))
+    monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: ("RuntimeError", f"boom {cfg.occupancy}"))
     with pytest.raises(TuningFailedError) as e:
         resolve(t, ("k",))
     assert len(e.value.failures) == 3
@@ -595,7 +596,7 @@ def test_precompile_timeouts_are_no_verdict_and_all_rejected_means_serial(env, m
 def test_a_key_whose_every_config_fails_is_not_searched_again(env, monkeypatch):
     env.fake.fail = {1, 2, 4}
     t = env.make()
-    monkeypatch.setattr(t, "_probe", lambda cfg, s: ("RuntimeError", "boom"))
+    monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: ("RuntimeError", "boom"))
     errors = []
 
     def work():
@@ -758,3 +759,27 @@ def test_strides_past_int32_on_size_1_dims_are_made_small(env, monkeypatch):
     with pytest.raises(ValueError, match="the launch was refused"):
         t.launch(("k",), "cpu", bad, 5)
     assert len(store.entries(t.name)[t.name]) == 1
+
+
+def test_search_final_round_and_launch_share_each_configs_kernel_object(env, monkeypatch):
+    """Each kernel object has its own JIT cache: one per config and device means one trace per
+    config and device, whichever stage launches it first."""
+    from cuda.tile.tune import _tune
+    seen = []
+
+    def warmup(self, stream, num_times, timeout):    # cuTile's own search, stopped at launch
+        seen.append(self.kernel)
+        raise RuntimeError("no GPU here")
+    monkeypatch.setattr(_tune._TimingCandidate, "warmup", warmup)
+    t = env.make()
+    cfgs = list(_space("sm_90", n=16))
+    with pytest.raises(ValueError, match="No valid config"):
+        _tune.exhaustive_search(cfgs, None, lambda c: (1,), t._search_kernels(0), lambda c: (),
+                                quiet=True)
+    shared = [t._with_hints(t.search_kernel(c), c, 0) for c in cfgs]
+    assert len(seen) == 3 and all(k is s for k, s in zip(seen, shared))
+    assert len({id(k) for k in shared}) == 3
+    assert all(t._with_hints(t.search_kernel(c), c, 1) is not s for c, s in zip(cfgs, shared))
+    cfg, kernel = resolve(t, ("k", 2))                  # the fake search, the final round
+    assert kernel is t._with_hints(t.base_kernel(cfg), cfg, 0)
+    assert env.launches and {id(a[2]) for a in env.launches} <= {id(k) for k in shared}
