@@ -259,7 +259,7 @@ class Autotuner:
         self.searches = 0        # number of exhaustive searches run (tests, stats)
         self._capture_cache = {}  # key -> (cfg, kernel) used while a CUDA graph is captured
         self._failed = {}        # key -> TuningFailedError: raised again without a new search
-        self._hinted = {}        # (bare kernel, hints) -> the one kernel object built with them
+        self._hinted = {}        # (bare kernel, hints, device) -> the one object built with them
         self._unproven = {}      # key -> store key of a stored winner not yet launched
         self._warned_capture = False
         self.launch = self._fast_path()
