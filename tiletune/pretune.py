@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from tiletune import autotune, registry, store
+from tiletune import autotune, precompile, registry, store
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -174,6 +174,7 @@ def run(model_specs, seqs, batch, dtype, backward, out=print):
     report = Report()
     models = registry.models()
     t0 = time.perf_counter()
+    precompile.warm()        # the compile workers start while the first model builds
     for spec in model_specs:
         model = models.build_model(spec, max(seqs), dtype)
         try:

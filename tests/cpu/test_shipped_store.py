@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tiletune import autotune, device, env as tt_env, pretune, registry, store
+from tiletune import autotune, device, env as tt_env, precompile, pretune, registry, store
 from tiletune.__main__ import main
 from tests.cpu import test_engine
 
@@ -315,6 +315,13 @@ def test_tune_prints_each_key_and_a_summary_and_saves_them(gpu, capsys):
     assert gpu.env.fake.calls == 0 and "forward only" in out[0]
     assert sum(line.startswith("store ") and "(in the store)" in line for line in out) == 3
     assert out[-1].startswith("0 keys tuned in 0.0s of search (3 already in the store, 0 shipped)")
+
+
+def test_tune_starts_the_compile_workers_before_building_the_first_model(gpu, monkeypatch):
+    models_built_at_warm = []
+    monkeypatch.setattr(precompile, "warm", lambda n=None: models_built_at_warm.append(len(gpu.built)))
+    assert main(["tune", "--preset", "llama3.2-1b", "--seq", "1024"]) == 0
+    assert models_built_at_warm == [0] and len(gpu.built) == 1
 
 
 def test_tune_export_round_trips_into_the_shipped_lookup(gpu, monkeypatch, tmp_path, capsys):
