@@ -875,6 +875,7 @@ def _as_json(value):
     return json.loads(json.dumps(value, default=str))
 
 
+@functools.lru_cache(maxsize=None)
 def _kernel_code(fn):
     """Bytes that change when the kernel's code changes: the source of the kernel and of every
     function it reaches through the names it uses (helpers and theirs, in any module), and the
@@ -902,7 +903,7 @@ def _kernel_code(fn):
                 text = repr(obj)                                 # an address is not the code
                 parts.append(f"{name}={type(obj).__qualname__ if ' at 0x' in text else text}"
                              .encode())
-    return parts
+    return tuple(parts)      # (cached per function: a kernel's code does not change in a process)
 
 
 def _code_names(code):
@@ -914,7 +915,6 @@ def _code_names(code):
     return names
 
 
-@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=None)
 def tileiras_version():
     """The version of the tileiras cuTile compiles with, as store keys name it ("13.4.92"): the
