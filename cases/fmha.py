@@ -9,7 +9,7 @@ from cuda.tile.compilation import ScalarConstraint
 
 from tiletune.aot import F32, CompileCase, jit_array
 from tiletune.autotune import bucket
-from tiletune.bench import BenchCase
+from tiletune.bench import BenchCase, grad_step, host_against_torch, leaves
 from tiletune.space import f32_row
 from tiletune.ops import fmha as FM
 
@@ -351,3 +351,19 @@ def _no_grad(fn):
         with torch.no_grad():
             return fn()
     return f
+
+
+def bench_host():
+    """Host microseconds per call at a tiny shape (B1 H4 S64 D64 bf16, causal), against
+    `scaled_dot_product_attention` (torch picks its backend): the call and one
+    forward+backward step."""
+    q, k, v = (torch.randn(1, 4, 64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+    def ours(q, k, v):
+        return FM.fmha(q, k, v, causal=True)
+
+    def torch_fn(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return host_against_torch(lambda: ours(q, k, v), lambda: torch_fn(q, k, v),
+                              grad_step(ours, leaves(q, k, v)),
+                              grad_step(torch_fn, leaves(q, k, v)))

@@ -4,7 +4,7 @@ ahead-of-time compile cases of both."""
 import torch
 
 from tiletune.aot import F32, CompileCase, jit_array, tightest
-from tiletune.bench import BenchCase
+from tiletune.bench import BenchCase, host_against_torch
 from tiletune.ops import fp8_gemm as F8
 
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
@@ -268,3 +268,15 @@ def bench_cases(full=False):
               for g in ("row", "block1x128", "block128x128")]
     cases += [_linear_case(*shape, r) for shape in LINEAR_SHAPES for r in F8.RECIPES]
     return cases
+
+
+def bench_host():
+    """Host microseconds per call at a tiny shape (64x128x256, e4m3, rowwise scales, bf16 out),
+    against `torch._scaled_mm` with the same operands (inference: no step)."""
+    a = torch.randn(64, 256, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(128, 256, device="cuda").to(torch.float8_e4m3fn).t()
+    sa = torch.rand(64, 1, device="cuda") + 0.5
+    sb = torch.rand(1, 128, device="cuda") + 0.5
+    return host_against_torch(
+        lambda: F8.fp8_mm(a, b, sa, sb),
+        lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))

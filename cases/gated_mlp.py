@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from tiletune.aot import CompileCase, jit_array
-from tiletune.bench import BenchCase
+from tiletune.bench import BenchCase, grad_step, host_against_torch, leaves
 from tiletune.ops import gated_mlp as G
 from tiletune.ops.swiglu import SILU, swiglu
 
@@ -111,3 +111,17 @@ def bench_cases(full=False):
             "gated_mlp", name, "fwd+bwd", train_step(G.swiglu_linear),
             {k: train_step(f) for k, f in peers.items()}, flops=3 * flops))
     return cases
+
+
+def bench_host():
+    """Host microseconds per call at a tiny shape (16 tokens, 512 -> 1024 bf16), against torch's
+    `silu(x @ w_gate.T) * (x @ w_up.T)` in eager: the call and one forward+backward step."""
+    x = torch.randn(16, 512, device="cuda", dtype=torch.bfloat16)
+    wg = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16) / 512 ** 0.5
+    wu = torch.randn_like(wg)
+
+    def torch_fn(x, wg, wu):
+        return F.silu(F.linear(x, wg)) * F.linear(x, wu)
+    return host_against_torch(lambda: G.swiglu_linear(x, wg, wu), lambda: torch_fn(x, wg, wu),
+                              grad_step(G.swiglu_linear, leaves(x, wg, wu)),
+                              grad_step(torch_fn, leaves(x, wg, wu)))

@@ -6,7 +6,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune.aot import CompileCase, jit_array
-from tiletune.bench import BenchCase
+from tiletune.bench import BenchCase, grad_step, host_against_torch, leaves
 from tiletune.ops import grouped_gemm as GG
 
 # ---------------------------------------------------------------------------------------------
@@ -170,3 +170,19 @@ def bench_cases(full=False):
         cases.append(BenchCase("grouped_gemm", label, "fwd+bwd", step(ours),
                                {k: step(f) for k, f in peers.items()}, flops=3 * flops))
     return cases
+
+
+def bench_host():
+    """Host microseconds per call at a tiny shape (64 rows over 4 groups, K 128, N 256 bf16),
+    against `torch._grouped_mm`: the call and one forward+backward step."""
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4, 256, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    offs = torch.tensor([16, 32, 48, 64], device="cuda", dtype=torch.int32)
+
+    def torch_fn(x, w):
+        return torch._grouped_mm(x, w, offs=offs)
+
+    def ours(x, w):
+        return GG.grouped_mm(x, w, offs)
+    return host_against_torch(lambda: ours(x, w), lambda: torch_fn(x, w),
+                              grad_step(ours, leaves(x, w)), grad_step(torch_fn, leaves(x, w)))

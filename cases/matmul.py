@@ -3,7 +3,7 @@ compile cases."""
 import torch
 
 from tiletune.aot import CompileCase, jit_array
-from tiletune.bench import BenchCase
+from tiletune.bench import BenchCase, grad_step, host_against_torch, leaves
 from tiletune.ops import matmul as MM
 
 # ---------------------------------------------------------------------------------------------
@@ -97,3 +97,13 @@ def bench_cases(full=False):
         cases.append(BenchCase("matmul", f"{M}x{N}x{K}{' B^T' if b_t else ''} bf16", "fwd",
                                lambda a=a, b=b: MM.matmul(a, b), peers, flops=2.0 * M * N * K))
     return cases
+
+
+def bench_host():
+    """Host microseconds per call at a tiny shape (64x256 @ 256x128 bf16), against `a @ b`: the
+    call and one forward+backward step."""
+    a = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    return host_against_torch(lambda: MM.matmul(a, b), lambda: a @ b,
+                              grad_step(MM.matmul, leaves(a, b)),
+                              grad_step(torch.matmul, leaves(a, b)))

@@ -6,7 +6,7 @@ ahead-of-time compile cases. Liger and TileGym have no permute/unpermute pair to
 import torch
 
 from tiletune.aot import CompileCase, jit_array
-from tiletune.bench import BenchCase
+from tiletune.bench import BenchCase, grad_step, host_against_torch, leaves
 from tiletune.ops import moe as M
 
 # ---------------------------------------------------------------------------------------------
@@ -178,3 +178,18 @@ def bench_cases(full=False):
     if full:
         cases += _experts_cases()
     return cases
+
+
+def bench_host():
+    """Host microseconds per call at a tiny shape (64 tokens, H 256, 8 experts, top-2 bf16):
+    permute then unpermute against the torch reference of the rows above, the call and one
+    forward+backward step."""
+    T, H, E, k = 64, 256, 8, 2
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    ids, w = routing(T, E, k, torch.bfloat16)
+
+    def step(f):
+        return grad_step(lambda a, b: f(a, ids, b, E)[0], leaves(x, w))
+    return host_against_torch(lambda: _ours(x, ids, w, E),
+                              lambda: torch_permute_unpermute(x, ids, w, E),
+                              step(_ours), step(torch_permute_unpermute))

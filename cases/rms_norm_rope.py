@@ -3,7 +3,7 @@ separately) and its ahead-of-time compile cases."""
 import torch
 
 from tiletune.aot import F32, CompileCase, jit_array
-from tiletune.bench import BenchCase
+from tiletune.bench import BenchCase, grad_step, host_against_torch, leaves
 from tiletune.ops import rms_norm_rope as RNR
 from tiletune.ops.rms_norm import rms_norm
 from tiletune.ops.rope import apply_rope
@@ -74,3 +74,28 @@ def bench_cases(full=False):
                                                                                 cos, sin),
             {"separate": separate}, bytes=2 * (q.numel() + k.numel()) * 2))
     return cases
+
+
+def bench_host():
+    """Host microseconds per call at a tiny shape (B1 Hq8 Hkv2 S16 D64 bf16), against torch's
+    rms_norm per head then HF's rotation in eager: the call and one forward+backward step."""
+    dt, D = torch.bfloat16, 64
+    q = torch.randn(1, 16, 8, D, device="cuda", dtype=dt).transpose(1, 2)
+    k = torch.randn(1, 16, 2, D, device="cuda", dtype=dt).transpose(1, 2)
+    wq, wk = torch.rand(D, device="cuda", dtype=dt), torch.rand(D, device="cuda", dtype=dt)
+    ang = torch.rand(16, D // 2, device="cuda") * 6.28
+    cos = torch.cat((ang.cos(), ang.cos()), -1).to(dt)
+    sin = torch.cat((ang.sin(), ang.sin()), -1).to(dt)
+
+    def ours(q, k, wq, wk):
+        return RNR.rms_norm_rope(q, k, wq, wk, cos, sin)
+
+    def torch_fn(q, k, wq, wk):
+        def rotate(x):
+            h = x.shape[-1] // 2
+            return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+        return (rotate(torch.nn.functional.rms_norm(q, (D,), wq, 1e-6)),
+                rotate(torch.nn.functional.rms_norm(k, (D,), wk, 1e-6)))
+    inputs = leaves(q, k, wq, wk)
+    return host_against_torch(lambda: ours(q, k, wq, wk), lambda: torch_fn(q, k, wq, wk),
+                              grad_step(ours, inputs), grad_step(torch_fn, inputs))

@@ -3,7 +3,7 @@ when installed) and its ahead-of-time compile cases."""
 import torch
 
 from tiletune.aot import CompileCase, jit_array
-from tiletune.bench import BenchCase
+from tiletune.bench import BenchCase, grad_step, host_against_torch, leaves
 from tiletune.ops import rope as R
 from tiletune.space import next_pow2
 
@@ -125,3 +125,13 @@ def bench_cases(full=False):
                 ceiling=("copy", lambda qo=q_out, ko=k_out, qc=qc, kc=kc:
                          (qo.copy_(qc), ko.copy_(kc)))))
     return cases
+
+
+def bench_host():
+    """Host microseconds per call at a tiny shape (B1 Hq8 Hkv2 S16 D64 bf16), against the HF
+    implementation in eager: the call and one forward+backward step."""
+    q, k, cos, sin = bench_inputs(1, 8, 2, 16, 64, torch.bfloat16)
+    return host_against_torch(
+        lambda: R.apply_rope(q, k, cos, sin), lambda: hf_apply_rotary_pos_emb(q, k, cos, sin),
+        grad_step(lambda a, b: R.apply_rope(a, b, cos, sin), leaves(q, k)),
+        grad_step(lambda a, b: hf_apply_rotary_pos_emb(a, b, cos, sin), leaves(q, k)))

@@ -5,7 +5,7 @@ import warnings
 import torch
 
 from tiletune.aot import CompileCase, jit_array, tightest
-from tiletune.bench import BenchCase
+from tiletune.bench import BenchCase, grad_step, host_against_torch, leaves
 from tiletune.ops import swiglu as S
 
 # ---------------------------------------------------------------------------------------------
@@ -139,3 +139,16 @@ def bench_cases(full=False):
             bytes=nbytes * 8 / 3,   # fwd: read gate, up, write y; bwd: read dy, gate, up, write 2
             ceiling=copy, ceiling_scale=4.0))
     return cases
+
+
+def bench_host():
+    """Host microseconds per call at a tiny shape (64x1024 bf16), against torch's
+    `silu(gate) * up` in eager: the call and one forward+backward step."""
+    gate = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    up = torch.randn_like(gate)
+
+    def torch_fn(g, u):
+        return torch.nn.functional.silu(g) * u
+    return host_against_torch(lambda: S.swiglu(gate, up), lambda: torch_fn(gate, up),
+                              grad_step(S.swiglu, leaves(gate, up)),
+                              grad_step(torch_fn, leaves(gate, up)))

@@ -270,14 +270,16 @@ def cmd_bench(args):
     if not torch.cuda.is_available():
         print("No CUDA GPU here: benchmarks need one. Running the ahead-of-time compile of every "
               "kernel config for sm_90 instead.", flush=True)
-        given = [flag for flag, value in (("--full", args.full), ("--json", args.json),
+        given = [flag for flag, value in (("--full", args.full), ("--host", args.host),
+                                          ("--json", args.json),
                                           ("--plot", args.plot), ("--match", args.match),
                                           ("--skip-peer", args.skip_peer)) if value]
         if given:
             print(f"{', '.join(given)} ignored: no GPU to benchmark", flush=True)
         return _compile(args.ops, ["sm_90"], None)
     from tiletune import bench
-    return bench.main(args.ops, full=args.full, json_path=args.json or bench.DEFAULT_JSON,
+    return bench.main(args.ops, full=args.full, host=args.host,
+                      json_path=args.json or bench.DEFAULT_JSON,
                       plot_path=args.plot, match=args.match or (),
                       skip_peers=args.skip_peer or ())
 
@@ -383,6 +385,9 @@ def parser():
     b.add_argument("--full", action="store_true",
                    help="every row of each op and the host overhead per call (default: the "
                         "headline rows)")
+    b.add_argument("--host", action="store_true",
+                   help="only each op's host cost per call at a tiny shape, against torch's "
+                        "(no rows)")
     b.add_argument("--json", metavar="PATH", default=None,
                    help="rows as JSON, written after every row (default: bench-results/bench.json)")
     b.add_argument("--plot", metavar="PNG", default=None,

@@ -54,6 +54,54 @@ def host_us(fn, n=2000, reps=5):
     return best
 
 
+def host_in_turns(fns, n=300, rounds=7):
+    """Host microseconds per call of each callable of `fns` ({label: fn}): every round times n
+    calls of each in turn, and each keeps its best round. Timing one after another instead
+    put the first callables after a search 1.5-2.5x behind their later rounds."""
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
+    torch.cuda.synchronize()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for label, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+            best[label] = min(best[label], (time.perf_counter() - t0) / n * 1e6)
+    return best
+
+
+def leaves(*tensors):
+    """Detached copies that require grad (same strides): a step's inputs."""
+    return tuple(t.detach().clone().requires_grad_() for t in tensors)
+
+
+def grad_step(f, inputs):
+    """() -> one training step: f(*inputs) (a tensor or a tuple of them), then
+    torch.autograd.grad into `inputs` with fixed random output gradients (nothing accumulates
+    into .grad)."""
+    outs = f(*inputs)
+    outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
+    grads = tuple(torch.randn_like(o) for o in outs)
+    return lambda: torch.autograd.grad(f(*inputs), inputs, grads)
+
+
+def host_against_torch(call, torch_call, step=None, torch_step=None):
+    """An op's host table at a tiny shape, where the GPU is never the limit: the whole call
+    against torch's equivalent call and, for ops that train, one forward+backward step
+    (`torch.autograd.grad`) against torch's; ratios are ours / torch's (lower is better)."""
+    fns = {"call": call, "torch_call": torch_call}
+    if step is not None:
+        fns.update(step=step, torch_step=torch_step)
+    us = host_in_turns(fns)
+    us["call_over_torch"] = us["call"] / us["torch_call"]
+    if step is not None:
+        us["step_over_torch"] = us["step"] / us["torch_step"]
+    return us
+
+
 def _caches():
     return {name: (dict(t.cache), dict(t.records)) for name, t in autotune.tuners().items()}
 
@@ -307,11 +355,13 @@ def _matches(label, pattern):
     return label.endswith(pattern[:-1]) if pattern.endswith("$") else pattern in label
 
 
-def main(ops=None, *, full=False, json_path=DEFAULT_JSON, plot_path=None, match=(),
+def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=None, match=(),
          skip_peers=()):
     """Benchmark the named ops (default: every registered op, in registration order).
 
-    full: every row of each op (`bench_cases(full=True)`), not only its headline rows;
+    full: every row of each op (`bench_cases(full=True)`), not only its headline rows, and the
+    host tables;
+    host: only the host tables (`bench_host()`), no rows;
     match: keep only cases whose "name mode" contains one of these (case-insensitive; a
     trailing "$" anchors at the end);
     skip_peers: baseline labels not to time (e.g. "tilegym", whose own first-call tuning is
@@ -325,12 +375,13 @@ def main(ops=None, *, full=False, json_path=DEFAULT_JSON, plot_path=None, match=
     dev = torch.cuda.get_device_name(0)
     precompile.warm()        # the compile workers start while the first rows set up
     print(f"device: {dev}, torch {torch.__version__}; "
-          + ("every row (--full)" if full else "headline rows (--full: every row)"), flush=True)
-    rows, host, seen_peers, considered = [], {}, set(), 0
+          + ("host tables only (--host)" if host else "every row (--full)" if full
+             else "headline rows (--full: every row)"), flush=True)
+    rows, tables, seen_peers, considered = [], {}, set(), 0
     for op in names:
         mod = modules[op]
         try:
-            cases = mod.bench_cases(full=full)
+            cases = [] if host else mod.bench_cases(full=full)
         except Exception as e:       # one op that cannot set up must not stop the others
             print(f"{op}: bench setup failed: {type(e).__name__}: {e}", flush=True)
             continue
@@ -347,18 +398,20 @@ def main(ops=None, *, full=False, json_path=DEFAULT_JSON, plot_path=None, match=
             rows.append(row)
             print(progress_line(row), flush=True)
             if json_path:
-                _write(json_path, dev, rows, host, full)
-        if full and hasattr(mod, "bench_host"):
+                _write(json_path, dev, rows, tables, full)
+        if (full or host) and hasattr(mod, "bench_host"):
             try:
                 with fixed_configs():      # host cost does not depend on the config: no search
-                    host[op] = mod.bench_host()
+                    tables[op] = mod.bench_host()
             except Exception as e:
                 print(f"{op}: host overhead failed: {type(e).__name__}: {e}", flush=True)
             else:
-                print(_host_line(op, host[op]), flush=True)
+                print(_host_line(op, tables[op]), flush=True)
     print()
     if rows:
         print_table(rows)
+    elif host:
+        pass
     elif match:
         print(f"no row matched {' / '.join(match)} (of {considered}"
               + ("" if full else " headline rows; --full has more") + ")")
@@ -369,9 +422,9 @@ def main(ops=None, *, full=False, json_path=DEFAULT_JSON, plot_path=None, match=
             print(f"--skip-peer {peer}: no row has that baseline "
                   f"(baselines: {', '.join(sorted(seen_peers)) or 'none'})")
     print()
-    print_summary(host)
+    print_summary(tables)
     if json_path:
-        _write(json_path, dev, rows, host, full)
+        _write(json_path, dev, rows, tables, full)
         print(f"wrote {json_path}")
     if plot_path:
         if not rows:

@@ -118,6 +118,41 @@ def test_train_step_puts_back_module_state():
     train_step._restore(module, clean)
 
 
+def test_host_tables_time_in_turns_and_keep_each_best_round(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    now, trace = [0.0], []
+
+    def fake(label, us_per_round):
+        rounds = iter(us_per_round)
+
+        def fn():
+            if len(trace) >= 40:               # past the warm-up (2 x 20 calls)
+                now[0] += next(rounds) * 1e-6 if trace[-1:] != [label] else 0.0
+            trace.append(label)
+        return fn
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    # each round runs n = 1 call per callable; ours slow in its first round, torch steady
+    us = bench.host_in_turns({"ours": fake("ours", [30.0, 10.0, 12.0]),
+                              "torch": fake("torch", [8.0, 8.0, 8.0])}, n=1, rounds=3)
+    assert trace[40:] == ["ours", "torch"] * 3                 # in turns, round by round
+    assert us == {"ours": pytest.approx(10.0), "torch": pytest.approx(8.0)}
+
+
+def test_host_against_torch_ratios_and_grad_step(monkeypatch):
+    monkeypatch.setattr(bench, "host_in_turns",
+                        lambda fns: {k: {"call": 20.0, "torch_call": 10.0, "step": 150.0,
+                                         "torch_step": 120.0}[k] for k in fns})
+    assert bench.host_against_torch(None, None) == {"call": 20.0, "torch_call": 10.0,
+                                                    "call_over_torch": 2.0}
+    h = bench.host_against_torch(*[lambda: None] * 4)
+    assert h["step_over_torch"] == pytest.approx(1.25)
+    x, w = bench.leaves(torch.randn(3, 4).t(), torch.randn(3))
+    assert x.requires_grad and x.stride() == (1, 4) and x.grad_fn is None
+    step = bench.grad_step(lambda a, b: (a * 2, (a[0] * b).sum()), (x, w))
+    gx, gw = step()
+    assert gx.shape == x.shape and gw.shape == w.shape and x.grad is None
+
+
 def test_match_patterns():
     label = "b4 h32 s4096 d128 bf16 causal fwd+bwd"
     assert bench._matches(label, "d128 bf16 causal fwd")

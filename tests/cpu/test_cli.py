@@ -271,6 +271,18 @@ def test_bench_prints_a_line_per_row_before_the_tables(ops, clock, monkeypatch, 
     assert json.loads(path.read_text())["full"] is True
     assert json.loads(path.read_text())["host_us"]["alpha"]["bare_launch"] == 3.0
 
+    # --host: the host tables alone; no op's rows are even set up
+    ops["alpha"].bench_cases = lambda full=False: pytest.fail("rows set up under --host")
+    ops["beta"].bench_cases = lambda full=False: pytest.fail("rows set up under --host")
+    assert main(["bench", "--host", "--json", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "device: Fake GPU, torch %s; host tables only (--host)" % torch.__version__
+    assert "host overhead alpha (us per call): bare_launch=3.00, fast_path_over_bare=1.25" in out
+    assert not any(line.startswith(("alpha n", "beta m", "no row")) for line in out)
+    data = json.loads(path.read_text())
+    assert data["rows"] == [] and data["host_us"] == {"alpha": {"bare_launch": 3.0,
+                                                                "fast_path_over_bare": 1.25}}
+
 
 def test_bench_says_when_no_headline_row_matches(ops, clock, tmp_path, capsys):
     ops["alpha"].bench_cases = lambda full=False: [
