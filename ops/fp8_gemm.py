@@ -664,10 +664,9 @@ def _check(a, b, scale_a, scale_b, out_dtype, fast_accum):
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"fp8_mm: a and b must be 2-D (a (M, K), b (K, N)), got {a.dim()}-D "
                          f"and {b.dim()}-D")
-    names = ", ".join(str(d).replace("torch.", "") for d in FP8_DTYPES)
     for name, t in (("a", a), ("b", b)):
         if t.dtype not in FP8_DTYPES:
-            raise TypeError(f"fp8_mm: {name} dtype {t.dtype} is not supported ({names})")
+            validate.dtype("fp8_mm", name, t, FP8_DTYPES)
     if a.dtype == b.dtype == torch.float8_e5m2:
         raise TypeError("fp8_mm: a and b are both float8_e5m2; e5m2 is allowed for one operand "
                         "only (as torch._scaled_mm)")
