@@ -105,11 +105,6 @@ def hf_experts(impl, gate_up, down, k):
     return m
 
 
-def _step(f, inputs, dy):
-    """One training step through f (grad(): no accumulation into .grad)."""
-    return lambda: torch.autograd.grad(f(*inputs), inputs, dy)
-
-
 def _routing_cases(dt=torch.bfloat16):
     T, H, E, k = ROUTING
     x = torch.randn(T, H, device="cuda", dtype=dt)
@@ -130,7 +125,7 @@ def _routing_cases(dt=torch.bfloat16):
     dy = torch.randn(T, H, device="cuda", dtype=dt)
 
     def train(f):
-        return _step(lambda a, b: f(a, ids, b, E)[0], (xg, wg), dy)
+        return grad_step(lambda a, b: f(a, ids, b, E)[0], (xg, wg), dy)
     cases.append(BenchCase("moe", name, "fwd+bwd", train(_ours),
                            {n: train(f) for n, f in peers.items()},
                            bytes=(4 + 5 * k) * unit, ceiling=ceiling,
@@ -168,7 +163,7 @@ def _experts_cases(dt=torch.bfloat16):
     def hf_step(m):
         params = (xg, wg, m.gate_up_proj, m.down_proj)
         return lambda: torch.autograd.grad(m(xg, ids, wg), params, dy)
-    cases.append(BenchCase("moe", name, "fwd+bwd", _step(ours, (xg, wg, gug, dng), dy),
+    cases.append(BenchCase("moe", name, "fwd+bwd", grad_step(ours, (xg, wg, gug, dng), dy),
                            {n: hf_step(m) for n, m in mods.items()}, flops=3 * flops))
     return cases
 

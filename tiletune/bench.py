@@ -39,21 +39,6 @@ class BenchCase:
                           # (rows that allocate gigabytes, so --match can skip them cheaply)
 
 
-def host_us(fn, n=2000, reps=5):
-    """Host time per call (min over reps of the mean over n calls)."""
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return best
-
-
 def host_in_turns(fns, n=300, rounds=7):
     """Host microseconds per call of each callable of `fns` ({label: fn}): every round times n
     calls of each in turn, and each keeps its best round. Timing one after another instead
@@ -78,13 +63,14 @@ def leaves(*tensors):
     return tuple(t.detach().clone().requires_grad_() for t in tensors)
 
 
-def grad_step(f, inputs):
+def grad_step(f, inputs, grads=None):
     """() -> one training step: f(*inputs) (a tensor or a tuple of them), then
-    torch.autograd.grad into `inputs` with fixed random output gradients (nothing accumulates
-    into .grad)."""
-    outs = f(*inputs)
-    outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
-    grads = tuple(torch.randn_like(o) for o in outs)
+    torch.autograd.grad into `inputs` with the output gradients `grads` (default: random ones
+    shaped by one forward now); nothing accumulates into .grad."""
+    if grads is None:
+        outs = f(*inputs)
+        outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
+        grads = tuple(torch.randn_like(o) for o in outs)
     return lambda: torch.autograd.grad(f(*inputs), inputs, grads)
 
 
@@ -410,12 +396,10 @@ def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=
     print()
     if rows:
         print_table(rows)
-    elif host:
-        pass
-    elif match:
+    elif match and not host:
         print(f"no row matched {' / '.join(match)} (of {considered}"
               + ("" if full else " headline rows; --full has more") + ")")
-    else:
+    elif not host:
         print("no rows")
     for peer in skip_peers:
         if peer not in seen_peers:
