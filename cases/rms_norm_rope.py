@@ -1,5 +1,6 @@
-"""Fused RMSNorm+RoPE's benchmark rows (against tiletune's rms_norm per head then apply_rope, run
-separately) and its ahead-of-time compile cases."""
+"""Fused RMSNorm+RoPE's benchmark rows (against torch.compile of the Hugging Face Qwen3 code and
+tiletune's rms_norm per head then apply_rope, run separately) and its ahead-of-time compile
+cases."""
 import torch
 
 from tiletune.aot import F32, CompileCase, jit_array
@@ -24,7 +25,8 @@ def _params(dt, B, Hq, Hk, S, D, R_, has_pos):
     w, c = jit_array(dt, (D,)), jit_array(dt, (B, S, R_), (0, R_, 1))
     pos = jit_array(torch.int32, (B, S), (0, 1)) if has_pos else c
     qo, ko = jit_array(dt, (B, Hq, S, D)), jit_array(dt, (B, Hk, S, D))
-    rq, rk = jit_array(f32, (B, Hq, S)), jit_array(f32, (B, Hk, S))
+    rq = jit_array(f32, (B, Hq, S), (S * Hq, 1, Hq))       # (B, S, H) storage, as the op
+    rk = jit_array(f32, (B, Hk, S), (S * Hk, 1, Hk))       # lays rstd out
     tiles = [next_pow2(Hq), next_pow2(Hk), next_pow2(R_ // 2), next_pow2(max(D - R_, 1)),
              has_pos, R_ < D]
     part = jit_array(f32, (264, D))
@@ -49,30 +51,70 @@ def compile_cases():
 
 
 # ---------------------------------------------------------------------------------------------
-# Benchmarks: fused vs the two ops run separately (tiletune rms_norm per head, then apply_rope).
+# Benchmarks: fused against torch.compile of the Hugging Face Qwen3 code (q_norm and k_norm on
+# the (B, S, H, D) projections, then apply_rotary_pos_emb on the transposed views) and against
+# tiletune's rms_norm per head then apply_rope, forward and forward+backward.
 
-SHAPES = ((4, 32, 8, 4096, 128),)     # B, Hq, Hkv, S, D (bf16)
+SHAPES = ((4, 32, 8, 4096, 128),)     # B, Hq, Hkv, S, D (bf16): the headline
+FULL_SHAPES = ((4, 16, 16, 8192, 64), (1, 64, 8, 16384, 128))   # D 64; long, many heads
+EPS = 1e-6
+
+
+def hf_qk_norm_rope(q, k, wq, wk, cos, sin):
+    """Qwen3's attention prologue in HF's code: q, k (B, S, H, D); cos/sin (S, D)."""
+    def norm(x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+    def rotate_half(x):
+        h = x.shape[-1] // 2
+        return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    qn, kn = norm(q, wq).transpose(1, 2), norm(k, wk).transpose(1, 2)
+    c, s = cos[None, None], sin[None, None]
+    return qn * c + rotate_half(qn) * s, kn * c + rotate_half(kn) * s
+
+
+def _inputs(B, Hq, Hk, S, D, dt):
+    q = torch.randn(B, S, Hq, D, device="cuda", dtype=dt)
+    k = torch.randn(B, S, Hk, D, device="cuda", dtype=dt)
+    wq, wk = torch.rand(D, device="cuda", dtype=dt), torch.rand(D, device="cuda", dtype=dt)
+    ang = torch.rand(S, D // 2, device="cuda") * 6.28
+    cos = torch.cat((ang.cos(), ang.cos()), -1).to(dt)
+    sin = torch.cat((ang.sin(), ang.sin()), -1).to(dt)
+    return q, k, wq, wk, cos, sin
 
 
 def bench_cases(full=False):
-    """The headline shape (`full` runs the same row: there is one shape)."""
+    """The headline shape; `full` adds D 64 and a long sequence with many heads. Inputs as HF
+    holds them: q and k (B, S, H, D) storage, seen as (B, H, S, D) views by the tiletune ops."""
     cases = []
     dt = torch.bfloat16
-    for B, Hq, Hk, S, D in SHAPES:
-        q = torch.randn(B, S, Hq, D, device="cuda", dtype=dt).transpose(1, 2)
-        k = torch.randn(B, S, Hk, D, device="cuda", dtype=dt).transpose(1, 2)
-        wq, wk = torch.rand(D, device="cuda", dtype=dt), torch.rand(D, device="cuda", dtype=dt)
-        ang = torch.rand(S, D // 2, device="cuda") * 6.28
-        cos = torch.cat((ang.cos(), ang.cos()), -1).to(dt)
-        sin = torch.cat((ang.sin(), ang.sin()), -1).to(dt)
+    compiled = torch.compile(hf_qk_norm_rope)
+    for B, Hq, Hk, S, D in SHAPES + (FULL_SHAPES if full else ()):
+        q, k, wq, wk, cos, sin = _inputs(B, Hq, Hk, S, D, dt)
 
-        def separate(q=q, k=k, wq=wq, wk=wk, cos=cos, sin=sin):
-            return apply_rope(rms_norm(q, wq), rms_norm(k, wk), cos, sin)
+        def fused(q, k, wq, wk):
+            return RNR.rms_norm_rope(q.transpose(1, 2), k.transpose(1, 2), wq, wk, cos, sin)
+
+        def separate(q, k, wq, wk):
+            return apply_rope(rms_norm(q, wq, EPS).transpose(1, 2),
+                              rms_norm(k, wk, EPS).transpose(1, 2), cos, sin)
+
+        def torch_compile(q, k, wq, wk):
+            return compiled(q, k, wq, wk, cos, sin)
+        name = f"B{B} Hq{Hq} Hkv{Hk} S{S} D{D} bf16"
+        io_bytes = 2 * (q.numel() + k.numel()) * q.element_size()
         cases.append(BenchCase(
-            "rms_norm_rope", f"B{B} Hq{Hq} Hkv{Hk} S{S} D{D} bf16", "fwd",
-            lambda q=q, k=k, wq=wq, wk=wk, cos=cos, sin=sin: RNR.rms_norm_rope(q, k, wq, wk,
-                                                                                cos, sin),
-            {"separate": separate}, bytes=2 * (q.numel() + k.numel()) * 2))
+            "rms_norm_rope", name, "fwd", lambda f=fused, a=(q, k, wq, wk): f(*a),
+            {label: (lambda f=f, a=(q, k, wq, wk): f(*a))
+             for label, f in (("torch_compile", torch_compile), ("separate", separate))},
+            bytes=io_bytes))
+        inputs = leaves(q, k, wq, wk)
+        cases.append(BenchCase(
+            "rms_norm_rope", name, "fwd+bwd", grad_step(fused, inputs),
+            {"torch_compile": grad_step(torch_compile, inputs),
+             "separate": grad_step(separate, inputs)},
+            bytes=2.5 * io_bytes))    # fwd: read q, k, write; bwd: read q, k, dy, write dx
     return cases
 
 

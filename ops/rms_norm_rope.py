@@ -36,29 +36,40 @@ def _halves(x, b, s, half, TILE_H, TILE_R, LATENCY):
 
 
 def _put(out, b, s, lo, hi, tile, TILE_H, TILE):
-    ct.store(out.slice(3, lo, hi), (b, 0, s, 0), ct.reshape(tile, (1, TILE_H, 1, TILE)).astype(out.dtype))
+    ct.store(out.slice(3, lo, hi), (b, 0, s, 0),
+             ct.reshape(tile, (1, TILE_H, 1, TILE)).astype(out.dtype))
 
 
 def _vec(w, lo, hi, TILE):
-    return ct.reshape(ct.load(w.slice(0, lo, hi), (0,), (TILE,), padding_mode=ZERO).astype(ct.float32),
-                      (1, TILE))
+    return ct.reshape(ct.load(w.slice(0, lo, hi), (0,), (TILE,), padding_mode=ZERO)
+                      .astype(ct.float32), (1, TILE))
+
+
+def _weights(w, half, D, TILE_R, TILE_P, HAS_REST):
+    """w's two rotary halves and its pass-through part (zeros without one) as [1, TILE] float32
+    tiles, read once per CTA, not per position."""
+    wp = ct.zeros((1, TILE_P), ct.float32)
+    if HAS_REST:
+        wp = _vec(w, 2 * half, D, TILE_P)
+    return _vec(w, 0, half, TILE_R), _vec(w, half, 2 * half, TILE_R), wp
 
 
 def _norm_rope(x, w, out, rstd, b, s, half, inv_d, eps, c1, c2, s1, s2,
                TILE_H, TILE_R, TILE_P, HAS_REST, LATENCY):
     D = x.shape[3]
+    w1, w2, wp = w
     x1, x2 = _halves(x, b, s, half, TILE_H, TILE_R, LATENCY)
-    ss = ct.sum(x1 * x1, axis=1, keepdims=True) + ct.sum(x2 * x2, axis=1, keepdims=True)
+    ss = ct.sum(x1 * x1 + x2 * x2, axis=1, keepdims=True)
     if HAS_REST:
         xp = _heads(x, b, s, 2 * half, D, TILE_H, TILE_P, LATENCY)
         ss = ss + ct.sum(xp * xp, axis=1, keepdims=True)
     r = ct.rsqrt(ss * inv_d + eps)                                    # [TILE_H, 1]
-    n1 = x1 * r * _vec(w, 0, half, TILE_R)
-    n2 = x2 * r * _vec(w, half, 2 * half, TILE_R)
+    n1 = x1 * r * w1
+    n2 = x2 * r * w2
     _put(out, b, s, 0, half, n1 * c1 - n2 * s1, TILE_H, TILE_R)
     _put(out, b, s, half, 2 * half, n2 * c2 + n1 * s2, TILE_H, TILE_R)
     if HAS_REST:
-        _put(out, b, s, 2 * half, D, xp * r * _vec(w, 2 * half, D, TILE_P), TILE_H, TILE_P)
+        _put(out, b, s, 2 * half, D, xp * r * wp, TILE_H, TILE_P)
     ct.store(rstd, (b, 0, s), ct.reshape(r, (1, TILE_H, 1)))
 
 
@@ -69,14 +80,17 @@ def rms_norm_rope_fwd(q, k, wq, wk, cos, sin, pos, q_out, k_out, rstd_q, rstd_k,
                       TILE_P: ct.Constant[int], HAS_POS: ct.Constant[bool],
                       HAS_REST: ct.Constant[bool], LATENCY: ct.Constant[int]):
     """q (B, Hq, S, D), k (B, Hk, S, D) any strides; wq, wk (D,); cos/sin (B, S', 2*half);
-    rstd_q (B, Hq, S), rstd_k (B, Hk, S) float32 for the backward."""
+    rstd_q (B, Hq, S), rstd_k (B, Hk, S) float32 for the backward, any strides (the op lays
+    them out (B, S, H), so a position's values are one contiguous store)."""
     S = q.shape[2]
+    D = q.shape[3]
+    wq_t = _weights(wq, half, D, TILE_R, TILE_P, HAS_REST)
+    wk_t = _weights(wk, half, D, TILE_R, TILE_P, HAS_REST)
     for bs in range(ct.bid(0), q.shape[0] * S, ct.num_blocks(0)):
-        b, s, c1, c2, s1, s2 = position_at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS,
-                                             False)
-        _norm_rope(q, wq, q_out, rstd_q, b, s, half, inv_d, eps, c1, c2, s1, s2,
+        b, s, c1, c2, s1, s2 = position_at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS)
+        _norm_rope(q, wq_t, q_out, rstd_q, b, s, half, inv_d, eps, c1, c2, s1, s2,
                    TILE_HQ, TILE_R, TILE_P, HAS_REST, LATENCY)
-        _norm_rope(k, wk, k_out, rstd_k, b, s, half, inv_d, eps, c1, c2, s1, s2,
+        _norm_rope(k, wk_t, k_out, rstd_k, b, s, half, inv_d, eps, c1, c2, s1, s2,
                    TILE_HK, TILE_R, TILE_P, HAS_REST, LATENCY)
 
 
@@ -84,19 +98,20 @@ def _norm_rope_bwd(dy, x, w, rstd, dx, b, s, half, inv_d, c1, c2, s1, s2,
                    TILE_H, TILE_R, TILE_P, HAS_REST, LATENCY):
     """Returns the three [1, TILE] dweight contributions (rotary halves, pass-through part)."""
     D = x.shape[3]
+    w1, w2, wp = w
     dy1, dy2 = _halves(dy, b, s, half, TILE_H, TILE_R, LATENCY)
     dn1 = dy1 * c1 + dy2 * s2                  # rope transpose
     dn2 = dy2 * c2 - dy1 * s1
     x1, x2 = _halves(x, b, s, half, TILE_H, TILE_R, LATENCY)
     r = ct.reshape(ct.load(rstd, (b, 0, s), (1, TILE_H, 1), padding_mode=ZERO), (TILE_H, 1))
-    g1 = dn1 * _vec(w, 0, half, TILE_R)
-    g2 = dn2 * _vec(w, half, 2 * half, TILE_R)
-    gx = ct.sum(g1 * x1, axis=1, keepdims=True) + ct.sum(g2 * x2, axis=1, keepdims=True)
+    g1 = dn1 * w1
+    g2 = dn2 * w2
+    gx = ct.sum(g1 * x1 + g2 * x2, axis=1, keepdims=True)
     dwp = ct.zeros((1, TILE_P), ct.float32)
     if HAS_REST:
         dnp = _heads(dy, b, s, 2 * half, D, TILE_H, TILE_P, LATENCY)
         xp = _heads(x, b, s, 2 * half, D, TILE_H, TILE_P, LATENCY)
-        gp = dnp * _vec(w, 2 * half, D, TILE_P)
+        gp = dnp * wp
         gx = gx + ct.sum(gp * xp, axis=1, keepdims=True)
     c = gx * inv_d * (r * r * r)
     _put(dx, b, s, 0, half, g1 * r - x1 * c, TILE_H, TILE_R)
@@ -104,8 +119,8 @@ def _norm_rope_bwd(dy, x, w, rstd, dx, b, s, half, inv_d, c1, c2, s1, s2,
     if HAS_REST:
         _put(dx, b, s, 2 * half, D, gp * r - xp * c, TILE_H, TILE_P)
         dwp = ct.sum(dnp * xp * r, axis=0, keepdims=True)
-    return (ct.sum(dn1 * x1 * r, axis=0, keepdims=True), ct.sum(dn2 * x2 * r, axis=0, keepdims=True),
-            dwp)
+    return (ct.sum(dn1 * x1 * r, axis=0, keepdims=True),
+            ct.sum(dn2 * x2 * r, axis=0, keepdims=True), dwp)
 
 
 def _store_dw(partial, row, half, D, d1, d2, dp, TILE_R, TILE_P, HAS_REST):
@@ -124,6 +139,8 @@ def rms_norm_rope_bwd(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in
     """dq_in, dk_in like q, k; dwq_partial/dwk_partial (G, D) float32, one row per CTA."""
     S = q.shape[2]
     D = q.shape[3]
+    wq_t = _weights(wq, half, D, TILE_R, TILE_P, HAS_REST)
+    wk_t = _weights(wk, half, D, TILE_R, TILE_P, HAS_REST)
     aq1 = ct.zeros((1, TILE_R), ct.float32)
     aq2 = ct.zeros((1, TILE_R), ct.float32)
     aqp = ct.zeros((1, TILE_P), ct.float32)
@@ -131,13 +148,12 @@ def rms_norm_rope_bwd(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in
     ak2 = ct.zeros((1, TILE_R), ct.float32)
     akp = ct.zeros((1, TILE_P), ct.float32)
     for bs in range(ct.bid(0), q.shape[0] * S, ct.num_blocks(0)):
-        b, s, c1, c2, s1, s2 = position_at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS,
-                                             False)
-        d1, d2, dp = _norm_rope_bwd(dq, q, wq, rstd_q, dq_in, b, s, half, inv_d, c1, c2, s1, s2,
-                                    TILE_HQ, TILE_R, TILE_P, HAS_REST, LATENCY)
+        b, s, c1, c2, s1, s2 = position_at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS)
+        d1, d2, dp = _norm_rope_bwd(dq, q, wq_t, rstd_q, dq_in, b, s, half, inv_d, c1, c2, s1,
+                                    s2, TILE_HQ, TILE_R, TILE_P, HAS_REST, LATENCY)
         aq1, aq2, aqp = aq1 + d1, aq2 + d2, aqp + dp
-        d1, d2, dp = _norm_rope_bwd(dk, k, wk, rstd_k, dk_in, b, s, half, inv_d, c1, c2, s1, s2,
-                                    TILE_HK, TILE_R, TILE_P, HAS_REST, LATENCY)
+        d1, d2, dp = _norm_rope_bwd(dk, k, wk_t, rstd_k, dk_in, b, s, half, inv_d, c1, c2, s1,
+                                    s2, TILE_HK, TILE_R, TILE_P, HAS_REST, LATENCY)
         ak1, ak2, akp = ak1 + d1, ak2 + d2, akp + dp
     _store_dw(dwq_partial, ct.bid(0), half, D, aq1, aq2, aqp, TILE_R, TILE_P, HAS_REST)
     _store_dw(dwk_partial, ct.bid(0), half, D, ak1, ak2, akp, TILE_R, TILE_P, HAS_REST)
@@ -145,16 +161,16 @@ def rms_norm_rope_bwd(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in
 
 # ---------------------------------------------------------------------------------------------
 # Configs: grid shape x occupancy x ct.load latency hint. Default: persistent grid at occupancy 2,
-# latency 1, the winner at B4 Hq32 Hkv8 S4096 D128 bf16; occupancy 8-16 lost 5x and is left out.
-# Occupancy 4 at latency 10 is left out too: its kernels took 7.5 s (forward) and 14.2 s
-# (backward) to compile against at most 4.4 s for every other entry, which made it the whole
-# wait of a cold key, and on an H100 it never led (9% behind in the forward, 1.9x in the
-# backward, at B2 S4096 Hq32 Hkv4 D128). Measurements: references/parameter-space-design.md
-# ("Fused RMSNorm+RoPE").
+# latency 5, the forward's winner at B4 Hq32 Hkv8 S4096 D128 and B1 Hq64 Hkv8 S16384 D128 bf16
+# (occupancy 4 won at D64); occupancy 8-16 lost 5x and is left out (at 8 the sm_90 forward
+# spills). Occupancy 4 at latency 10 is left out too: its kernels took 7.5 s (forward) and
+# 14.2 s (backward) to compile against at most 4.4 s for every other entry, which made it the
+# whole wait of a cold key, and on an H100 it never led. Measurements:
+# references/parameter-space-design.md ("Fused RMSNorm+RoPE").
 
 def fused_configs(arch, heads, rot):
     yield from table(("occupancy", "persistent", "latency"),
-                     ((2, True, 1), (2, True, 5), (2, True, 10), (4, True, 1), (4, True, 5),
+                     ((2, True, 5), (2, True, 1), (2, True, 10), (4, True, 1), (4, True, 5),
                       (1, True, 5), (1, True, 10), (2, False, 5), (4, False, 5)))
 
 
@@ -207,12 +223,18 @@ TUNERS = (_fwd, _bwd)
 # Host side: outputs, empty inputs, the weight-gradient sums. Validation and cos/sin/position_ids
 # normalization are shared with rope (ops/rotary.py: prepare).
 
+def _rstd(x):
+    """The float32 rstd of x (B, H, S, D), laid out (B, S, H): one position's heads are one
+    contiguous store, not H stores S apart."""
+    B, H, S = x.shape[:3]
+    return x.new_empty((B, S, H), dtype=torch.float32).transpose(1, 2)
+
+
 def _forward(q, k, wq, wk, cos, sin, pos, rot, eps):
     """(q_out, k_out, rstd_q (B, Hq, S), rstd_k (B, Hk, S) float32)."""
     B, Hq, S, D = q.shape
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    rstd_q = torch.empty((B, Hq, S), device=q.device, dtype=torch.float32)
-    rstd_k = torch.empty((B, k.shape[1], S), device=q.device, dtype=torch.float32)
+    rstd_q, rstd_k = _rstd(q), _rstd(k)
     if B * S:
         dev = q.get_device()
         key = (Hq, k.shape[1], D, rot, B * S, q.dtype, wq.dtype, cos.dtype, pos is not None, dev)
@@ -241,10 +263,8 @@ def _backward(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, rot):
 # Autograd, custom op and the public function.
 
 def _forward_fake(q, k, *rest):
-    """The normed q and k, and the float32 rstd (B, H, S) of each."""
-    return (torch.empty_like(q), torch.empty_like(k),
-            q.new_empty(q.shape[:3], dtype=torch.float32),
-            k.new_empty(k.shape[:3], dtype=torch.float32))
+    """The normed q and k, and the float32 rstd (B, H, S) of each, as _forward lays them out."""
+    return torch.empty_like(q), torch.empty_like(k), _rstd(q), _rstd(k)
 
 
 _rms_norm_rope = TrainableOp(

@@ -31,13 +31,6 @@ def cos_sin_rows(cos, sin, b, p, half, TILE_S, TILE_R, BACKWARD):
     return c1, c2, s1, s2
 
 
-def cos_sin(cos, sin, b, p, half, TILE_R, BACKWARD):
-    """One position's cos1, cos2, sin1, sin2 as [1, TILE_R] f32 tiles."""
-    c1, c2, s1, s2 = cos_sin_rows(cos, sin, b, p, half, 1, TILE_R, BACKWARD)
-    return (ct.reshape(c1, (1, TILE_R)), ct.reshape(c2, (1, TILE_R)),
-            ct.reshape(s1, (1, TILE_R)), ct.reshape(s2, (1, TILE_R)))
-
-
 def position(pos, b, s, HAS_POS):
     """The cos/sin row of position s of batch b: position_ids[b, s], or s itself."""
     if HAS_POS:
@@ -45,12 +38,28 @@ def position(pos, b, s, HAS_POS):
     return s
 
 
-def position_at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS, BACKWARD):
-    """Flat (batch, position) index -> b, s and the [1, TILE_R] cos/sin halves there."""
+def _row(t, b, p, lo, hi, TILE_R, PLAIN):
+    """t[b, p, lo:hi] as a [1, TILE_R] float32 tile, zero past hi; PLAIN: without TMA."""
+    row = ct.load(t.slice(2, lo, hi), (b, p, 0), (1, 1, TILE_R), padding_mode=ZERO,
+                  allow_tma=not PLAIN)
+    return ct.reshape(row, (1, TILE_R)).astype(ct.float32)
+
+
+def position_at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS):
+    """Flat (batch, position) index -> b, s and the [1, TILE_R] cos1, cos2, sin1, sin2 there.
+    Where the halves fill their tiles (half a power of two) the rows are read with plain loads,
+    not TMA: in rms_norm_rope, whose other loads go through TMA (its reductions want the tiles
+    in shared memory), four TMA loads of 128-256 bytes a position, each waited on, cost more
+    than the position's q and k (H200, B4 Hq32 Hkv8 S4096 D128: 163 against 100 us; Hq16
+    Hkv16 S8192 D64: 352 against 86 us). Padded halves keep TMA: with plain loads there, the
+    bf16 forward at D80, rotary 40 never finished on an H200 (tileiras 13.4)."""
     b = bs // S
     s = bs - b * S
-    c1, c2, s1, s2 = cos_sin(cos, sin, b, position(pos, b, s, HAS_POS), half, TILE_R, BACKWARD)
-    return b, s, c1, c2, s1, s2
+    p = position(pos, b, s, HAS_POS)
+    plain = TILE_R == half
+    return (b, s, _row(cos, b, p, 0, half, TILE_R, plain),
+            _row(cos, b, p, half, 2 * half, TILE_R, plain),
+            _row(sin, b, p, 0, half, TILE_R, plain), _row(sin, b, p, half, 2 * half, TILE_R, plain))
 
 
 def position_tile_at(t, S, cos, sin, pos, half, TILE_S, TILE_R, HAS_POS, BACKWARD):
