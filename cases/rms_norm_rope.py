@@ -89,18 +89,19 @@ def bench_cases(full=False):
     holds them: q and k (B, S, H, D) storage, seen as (B, H, S, D) views by the tiletune ops."""
     cases = []
     dt = torch.bfloat16
-    compiled = torch.compile(hf_qk_norm_rope)
     for B, Hq, Hk, S, D in SHAPES + (FULL_SHAPES if full else ()):
         q, k, wq, wk, cos, sin = _inputs(B, Hq, Hk, S, D, dt)
+        # one compiled function per shape: a shared one would recompile with dynamic shapes
+        compiled = torch.compile(hf_qk_norm_rope, dynamic=False)
 
-        def fused(q, k, wq, wk):
+        def fused(q, k, wq, wk, cos=cos, sin=sin):
             return RNR.rms_norm_rope(q.transpose(1, 2), k.transpose(1, 2), wq, wk, cos, sin)
 
-        def separate(q, k, wq, wk):
+        def separate(q, k, wq, wk, cos=cos, sin=sin):
             return apply_rope(rms_norm(q, wq, EPS).transpose(1, 2),
                               rms_norm(k, wk, EPS).transpose(1, 2), cos, sin)
 
-        def torch_compile(q, k, wq, wk):
+        def torch_compile(q, k, wq, wk, cos=cos, sin=sin, compiled=compiled):
             return compiled(q, k, wq, wk, cos, sin)
         name = f"B{B} Hq{Hq} Hkv{Hk} S{S} D{D} bf16"
         io_bytes = 2 * (q.numel() + k.numel()) * q.element_size()
