@@ -161,9 +161,10 @@ def rms_norm_rope_bwd(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in
 
 # ---------------------------------------------------------------------------------------------
 # Configs: grid shape x occupancy x ct.load latency hint. Default: persistent grid at occupancy 2,
-# latency 5, the forward's winner at B4 Hq32 Hkv8 S4096 D128 and B1 Hq64 Hkv8 S16384 D128 bf16
-# (occupancy 4 won at D64); occupancy 8-16 lost 5x and is left out (at 8 the sm_90 forward
-# spills). Occupancy 4 at latency 10 is left out too: its kernels took 7.5 s (forward) and
+# latency 5, the best forward on an H200 at B4 Hq32 Hkv8 S4096 D128 and B1 Hq64 Hkv8 S16384 D128
+# bf16 (occupancy 4 led at D64; on an H100 the searches picked occupancy 4 at the first, 2 at
+# latency 10 at the second, within 3% of the default); occupancy 8-16 lost 5x and is left out
+# (at 8 the sm_90 forward spills). Occupancy 4 at latency 10 is left out too: its kernels took 7.5 s (forward) and
 # 14.2 s (backward) to compile against at most 4.4 s for every other entry, which made it the
 # whole wait of a cold key, and on an H100 it never led. Measurements:
 # references/parameter-space-design.md ("Fused RMSNorm+RoPE").
