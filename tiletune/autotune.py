@@ -879,9 +879,11 @@ def _as_json(value):
 def _kernel_code(fn):
     """Bytes that change when the kernel's code changes: the source of the kernel and of every
     function it reaches through the names it uses (helpers and theirs, in any module), and the
-    values of the other globals those name (constants, enum members). Host code, docstrings
-    and other kernels of the same module are left out, so an edit there keeps tuned winners.
-    A function without source (made by exec) gives its code object."""
+    values of the other globals those name (constants, enum members). Host code, the module's
+    docstring and other kernels of the same module are left out, so an edit there keeps tuned
+    winners; the source of a kernel or helper includes its own docstring and comments, so an
+    edit of those makes its winners (shipped rows included) stale. A function without source
+    (made by exec) gives its code object."""
     parts, seen, todo = [], set(), [fn]
     while todo:
         f = todo.pop()
