@@ -99,14 +99,15 @@ def _peers():
     return peers
 
 
-SHAPES = ((4, 32, 8, 4096, 128),)     # B, Hq, Hkv, S, D (bf16)
+SHAPES = ((4, 32, 8, 4096, 128),)     # B, Hq, Hkv, S, D (bf16): the headline
+FULL_SHAPES = ((4, 16, 16, 8192, 64), (1, 64, 8, 16384, 128))   # D 64; long, many heads
 
 
 def bench_cases(full=False):
-    """In place (as Liger and TileGym rotate: the headline row) and, with `full`, out of place,
-    against the same peers and bytes."""
+    """In place (as Liger and TileGym rotate: the headline row) and, with `full`, out of place
+    and two more shapes, against the same peers and bytes."""
     cases = []
-    for B, Hq, Hk, S, D in SHAPES:
+    for B, Hq, Hk, S, D in SHAPES + (FULL_SHAPES if full else ()):
         q, k, cos, sin = bench_inputs(B, Hq, Hk, S, D, torch.bfloat16)
         peers = _peers()
         qc, kc = q.contiguous(), k.contiguous()
