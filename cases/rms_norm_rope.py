@@ -5,6 +5,7 @@ import torch
 
 from tiletune.aot import F32, CompileCase, jit_array
 from tiletune.bench import BenchCase, grad_step, host_against_torch, leaves
+from tiletune.cases.rope import hf_apply_rotary_pos_emb
 from tiletune.ops import rms_norm_rope as RNR
 from tiletune.ops.rms_norm import rms_norm
 from tiletune.ops.rope import apply_rope
@@ -65,13 +66,8 @@ def hf_qk_norm_rope(q, k, wq, wk, cos, sin):
     def norm(x, w):
         xf = x.float()
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
-
-    def rotate_half(x):
-        h = x.shape[-1] // 2
-        return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-    qn, kn = norm(q, wq).transpose(1, 2), norm(k, wk).transpose(1, 2)
-    c, s = cos[None, None], sin[None, None]
-    return qn * c + rotate_half(qn) * s, kn * c + rotate_half(kn) * s
+    return hf_apply_rotary_pos_emb(norm(q, wq).transpose(1, 2), norm(k, wk).transpose(1, 2),
+                                   cos[None], sin[None])
 
 
 def _inputs(B, Hq, Hk, S, D, dt):
@@ -134,11 +130,9 @@ def bench_host():
         return RNR.rms_norm_rope(q, k, wq, wk, cos, sin)
 
     def torch_fn(q, k, wq, wk):
-        def rotate(x):
-            h = x.shape[-1] // 2
-            return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
-        return (rotate(torch.nn.functional.rms_norm(q, (D,), wq, 1e-6)),
-                rotate(torch.nn.functional.rms_norm(k, (D,), wk, 1e-6)))
+        return hf_apply_rotary_pos_emb(torch.nn.functional.rms_norm(q, (D,), wq, 1e-6),
+                                       torch.nn.functional.rms_norm(k, (D,), wk, 1e-6),
+                                       cos[None], sin[None])
     inputs = leaves(q, k, wq, wk)
     return host_against_torch(lambda: ours(q, k, wq, wk), lambda: torch_fn(q, k, wq, wk),
                               grad_step(ours, inputs), grad_step(torch_fn, inputs))

@@ -228,7 +228,7 @@ def _rstd(x):
     """The float32 rstd of x (B, H, S, D), laid out (B, S, H): one position's heads are one
     contiguous store, not H stores S apart."""
     B, H, S = x.shape[:3]
-    return x.new_empty((B, S, H), dtype=torch.float32).transpose(1, 2)
+    return torch.empty_strided((B, H, S), (S * H, 1, H), dtype=torch.float32, device=x.device)
 
 
 def _forward(q, k, wq, wk, cos, sin, pos, rot, eps):
