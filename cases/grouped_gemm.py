@@ -29,7 +29,7 @@ def _k_params(cfg, dt, E, T, M, N):
     """cfg's K-grouped arguments as the weight gradient passes them: a (M, T) the transposed
     view of a (T, M) activation, b (T, N), offs (E,), out (E, M, N)."""
     a = jit_array(dt, (M, T), (1, M))
-    return list(GG._args(cfg, a, jit_array(dt, (T, N)), jit_array(torch.int32, (E,)),
+    return list(GG._k_args(cfg, a, jit_array(dt, (T, N)), jit_array(torch.int32, (E,)),
                          jit_array(dt, (E, M, N))))
 
 

@@ -8,8 +8,8 @@
 #   3-D x 3-D: batched matmul (tiletune.ops.matmul)
 #
 # Both grouped kernels are persistent: SMs x occupancy CTAs each take every num_blocks-th work
-# item. The M-grouped kernel derives its work items from offs inside the kernel (each CTA reads
-# the E offsets once and counts each group's cdiv(rows, TM) x cdiv(N, TN) tiles); the K-grouped
+# item. The M-grouped kernel derives its work items from offs inside the kernel (each group has
+# cdiv(rows, TM) x cdiv(N, TN) tiles; each CTA reads the E offsets as it walks); the K-grouped
 # kernel's items are the fixed (E, M, N) output tiles, each summing its group's rows TK at a
 # time. A group starts at any row: the M-grouped kernel reads x through one tiled view that
 # steps a row at a time (TMA from any row, one descriptor) or through gathers, a config field the
@@ -43,46 +43,85 @@ def _w_tile(w, g, kk, n, TK, TN):
     return ct.reshape(ct.load(w, (g, kk, n), (1, TK, TN), padding_mode=ZERO), (TK, TN))
 
 
+def _group_items(start, end, TM, num_n):
+    """Work items of the group owning rows start..end."""
+    return ct.cdiv(end - start, TM) * num_n
+
+
+def _group_tile(x, w, out, rows_view, g, start, end, tile, num_n, TM, TN, TK, GROUP_M, GATHER):
+    """Work item `tile` of group g (rows start..end of x and out); group E (the rows no group
+    owns) is written as zeros."""
+    m, n = tile_coords(tile, ct.cdiv(end - start, TM), num_n, GROUP_M)
+    rows = start + m * TM + ct.arange(TM, dtype=ct.int32)
+    k_end = ct.cdiv(x.shape[1], TK)
+    if g == w.shape[0]:
+        k_end = 0
+    acc = ct.zeros((TM, TN), ct.float32)
+    for kk in range(k_end):
+        if GATHER:
+            cols = kk * TK + ct.arange(TK, dtype=ct.int32)
+            a = ct.gather(x, (rows[:, None], cols[None, :]))
+        else:
+            a = rows_view.load((start + m * TM, kk))
+        acc = ct.mma(a, _w_tile(w, g, kk, n, TK, TN), acc)
+    cols = n * TN + ct.arange(TN, dtype=ct.int32)
+    ct.scatter(out, (rows[:, None], cols[None, :]), acc.astype(out.dtype),
+               mask=rows[:, None] < end)
+
+
 @ct.kernel
 def grouped_mm_kernel(x, w, offs, out, TM: ct.Constant[int], TN: ct.Constant[int],
                       TK: ct.Constant[int], GROUP_M: ct.Constant[int],
-                      GATHER: ct.Constant[bool]):
+                      GATHER: ct.Constant[bool], ITEM_LOOP: ct.Constant[bool]):
     """x (T, K), w (E, K, N), offs (E,) int32, out (T, N); a 1-D persistent grid. Rows of x
     come through one tiled view that steps one row at a time (TMA from any row, one descriptor
     for the whole kernel) or, with GATHER, through gathers; a tile's rows past its group hold
-    the next group's data and are not stored (the store is a masked scatter)."""
+    the next group's data and are not stored (the store is a masked scatter).
+
+    ITEM_LOOP: first count the work items (the count's loop has a fixed trip count, so its
+    loads issue together), then loop over this CTA's items, stepping the group forward as they
+    pass. Otherwise loop over the groups and take this CTA's items in each. A branch on a loaded
+    value around the mma loop (the group loop's item test) makes tileiras 13.4 hand each item
+    from the TMA producer to the consumers and back (an mbarrier pair), so the producer cannot
+    load the next item while the consumers store this one; the item loop has no such branch."""
     T = x.shape[0]
     E = w.shape[0]
     num_n = ct.cdiv(w.shape[2], TN)
-    k_tiles = ct.cdiv(x.shape[1], TK)
     rows_view = x.tiled_view((TM, TK), padding_mode=ZERO, traversal_steps=(1, TK))
-    t = ct.bid(0)          # this CTA's next work item, counted over all groups
-    base = 0               # work items of the groups before g
-    start = 0
-    for g in range(E + 1):
-        end = ct.gather(offs, g, padding_value=T)
-        num_m = ct.cdiv(end - start, TM)
-        items = num_m * num_n
-        k_end = k_tiles
-        if g == E:         # rows no group owns: zeros
-            k_end = 0
-        while t < base + items:
-            m, n = tile_coords(t - base, num_m, num_n, GROUP_M)
-            rows = start + m * TM + ct.arange(TM, dtype=ct.int32)
-            acc = ct.zeros((TM, TN), ct.float32)
-            for kk in range(k_end):
-                if GATHER:
-                    cols = kk * TK + ct.arange(TK, dtype=ct.int32)
-                    a = ct.gather(x, (rows[:, None], cols[None, :]))
-                else:
-                    a = rows_view.load((start + m * TM, kk))
-                acc = ct.mma(a, _w_tile(w, g, kk, n, TK, TN), acc)
-            cols = n * TN + ct.arange(TN, dtype=ct.int32)
-            ct.scatter(out, (rows[:, None], cols[None, :]), acc.astype(out.dtype),
-                       mask=rows[:, None] < end)
-            t += ct.num_blocks(0)
-        base += items
-        start = end
+    if ITEM_LOOP:
+        total = 0
+        start = 0
+        for g in range(E + 1):
+            end = ct.gather(offs, g, padding_value=T)
+            total += _group_items(start, end, TM, num_n)
+            start = end
+        g = 0
+        start = 0
+        base = 0           # work items of the groups before g
+        end = ct.gather(offs, 0, padding_value=T)
+        items = _group_items(start, end, TM, num_n)
+        for t in range(ct.bid(0), total, ct.num_blocks(0)):
+            while t >= base + items:
+                base += items
+                start = end
+                g += 1
+                end = ct.gather(offs, g, padding_value=T)
+                items = _group_items(start, end, TM, num_n)
+            _group_tile(x, w, out, rows_view, g, start, end, t - base, num_n, TM, TN, TK,
+                        GROUP_M, GATHER)
+    else:
+        t = ct.bid(0)      # this CTA's next work item, counted over all groups
+        base = 0
+        start = 0
+        for g in range(E + 1):
+            end = ct.gather(offs, g, padding_value=T)
+            items = _group_items(start, end, TM, num_n)
+            while t < base + items:
+                _group_tile(x, w, out, rows_view, g, start, end, t - base, num_n, TM, TN, TK,
+                            GROUP_M, GATHER)
+                t += ct.num_blocks(0)
+            base += items
+            start = end
 
 
 @ct.kernel
@@ -123,12 +162,18 @@ def grouped_mm_k_kernel(a, b, offs, out, TM: ct.Constant[int], TN: ct.Constant[i
 # the row-stepping view led the gathers at every key; gathers stay in the space for layouts TMA
 # cannot take; 2-way occupancy of 128x128 ran 3-10x behind and gathers in 2-CTA clusters 9x
 # behind: left out. In the K-grouped kernel gathers of both operands ran 3-6x behind the sliced
-# views: views only.
+# views: views only. The M-grouped kernel walks its work items (item_loop) or its groups: per
+# config on an H100 the item loop ran 0-6% faster at K 768-2048 (Qwen3-MoE, DeepSeek-like down)
+# and the group loop 1-3.5% faster at 128x256 with K 4096-7168. At 128x256 (8 warps) tileiras
+# 13.4 takes ~10 s to compile the item loop (1 s the group loop; 0.5-2 s the item loop at other
+# tiles), on every new signature, and the item loop there led the group loop by at most 1.2%
+# where it led at all: 128x256 keeps the group loop, the other tiles take the item loop.
 
 FIELDS = ("tm", "tn", "tk", "occupancy", "num_ctas", "num_worker_warps", "gather", "group_m")
+M_FIELDS = FIELDS + ("item_loop",)
 SM90_SPACE = [
-    (128, 256, 64, 1, 1, 8, False, 8),         # the default
-    (128, 256, 64, 1, 1, 8, True, 8),
+    (128, 256, 64, 1, 1, 8, False, 8, False),  # the default
+    (128, 256, 64, 1, 1, 8, True, 8, False),
     (256, 128, 64, 1, 1, 8, False, 8),
     (256, 128, 64, 1, 1, 8, True, 8),
     (256, 256, 64, 1, 2, 8, False, 8),         # 128x256 per CTA, pairs in a cluster
@@ -136,7 +181,7 @@ SM90_SPACE = [
     (128, 128, 64, 1, 1, 8, True, 8),
     (128, 128, 64, 1, 1, None, False, 8),
     (128, 128, 128, 1, 1, None, False, 8),
-    (128, 256, 64, 1, 1, 8, False, 4),
+    (128, 256, 64, 1, 1, 8, False, 4, False),
     (64, 256, 64, 1, 1, None, False, 8),
     (64, 256, 64, 1, 1, None, True, 8),
     (64, 128, 64, 2, 1, None, False, 8),
@@ -145,7 +190,7 @@ SM90_SPACE = [
 ]
 # The K-grouped kernel: the M-grouped entries without gathers, GROUP_M 8 only, and 128x64 in
 # place of 64x128 at 2-way occupancy (its M is the weight's rows, usually the larger side).
-SM90_K_SPACE = [r for r in SM90_SPACE if not r[6] and r[7] == 8 and r[:2] != (64, 128)] + [
+SM90_K_SPACE = [r[:8] for r in SM90_SPACE if not r[6] and r[7] == 8 and r[:2] != (64, 128)] + [
     (128, 64, 64, 2, 1, None, False, 8)]
 # sm_100 (compile-checked only): accumulators live in tensor memory; the 4-warp entries and a
 # 4-warp cluster. Anything else: a conservative pair, never measured.
@@ -165,7 +210,8 @@ def grouped_configs(arch, t, e, k, n):
     64) are mostly padding and are left out."""
     rows = max(64, next_pow2(cdiv(t, max(e, 1))))
     space = _space(arch, SM90_SPACE, SM100_SPACE)
-    yield from table(FIELDS, [r for i, r in enumerate(space) if i == 0 or r[0] <= rows])
+    yield from table(M_FIELDS, [r for i, r in enumerate(space) if i == 0 or r[0] <= rows],
+                     item_loop=True)
 
 
 def k_grouped_configs(arch, t, e, m, n):
@@ -177,8 +223,12 @@ def k_grouped_configs(arch, t, e, m, n):
 # Launch. The M-grouped grid is bounded by the most work items any offs can make: every group
 # adds at most one partly filled row tile (E groups and the unowned rows).
 
-def _args(cfg, p, q, offs, out):
-    return (p, q, offs, out, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, cfg.gather)
+def _k_args(cfg, a, b, offs, out):
+    return (a, b, offs, out, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, cfg.gather)
+
+
+def _args(cfg, x, w, offs, out):
+    return _k_args(cfg, x, w, offs, out) + (cfg.item_loop,)
 
 
 def _grid(cfg, dev, x, w, offs, out):
@@ -193,13 +243,15 @@ def _k_grid(cfg, dev, a, b, offs, out):
 
 
 # Both kernels: the launch key holds T itself (the grid needs it), the tuning key its bucket.
-_COMMON = dict(default=next(table(FIELDS, OTHER_SPACE)), args=_args, tune_key=bucketed(3))
+_COMMON = dict(tune_key=bucketed(3))
 _grouped = Autotuner(
-    "grouped_mm", grouped_mm_kernel, grouped_configs, grid=_grid, **_COMMON,
+    "grouped_mm", grouped_mm_kernel, grouped_configs, grid=_grid, args=_args,
+    default=next(table(M_FIELDS, OTHER_SPACE, item_loop=True)), **_COMMON,
     space=lambda x, w, *_: dict(t=bucket(x.shape[0]), e=w.shape[0], k=x.shape[1], n=w.shape[2]),
     work=lambda x, w, *_: Work(flops=2.0 * x.shape[0] * x.shape[1] * w.shape[2]))
 _k_grouped = Autotuner(
-    "grouped_mm_k", grouped_mm_k_kernel, k_grouped_configs, grid=_k_grid, **_COMMON,
+    "grouped_mm_k", grouped_mm_k_kernel, k_grouped_configs, grid=_k_grid, args=_k_args,
+    default=next(table(FIELDS, OTHER_SPACE)), **_COMMON,
     space=lambda a, b, offs, out: dict(t=bucket(a.shape[1]), e=out.shape[0], m=a.shape[0],
                                        n=b.shape[1]),
     work=lambda a, b, *_: Work(flops=2.0 * a.shape[0] * a.shape[1] * b.shape[1]))

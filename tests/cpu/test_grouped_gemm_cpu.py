@@ -47,6 +47,19 @@ def test_both_load_styles_are_searched_where_both_can_win(arch):
                    for c in GG.grouped_configs("sm_100", 16384, 8, 4096, 14336))
 
 
+def test_both_walks_are_searched_on_sm90():
+    """The item loop leads at short K, the group loop at 128x256 with long K (and compiles in a
+    tenth of the time there): sm_90's 128x256 entries, the default among them, keep the group
+    loop, the other tiles take the item loop; sm_100 has the item loop only."""
+    sm90 = list(GG.grouped_configs("sm_90", 16384, 8, 4096, 14336))
+    assert not sm90[0].item_loop and (sm90[0].tm, sm90[0].tn) == (128, 256)
+    assert all(c.item_loop == ((c.tm, c.tn) != (128, 256)) for c in sm90)
+    assert {c.item_loop for c in sm90} == {True, False}
+    assert all(c.item_loop for c in GG.grouped_configs("sm_100", 16384, 8, 4096, 14336))
+    assert not any(hasattr(c, "item_loop") for c in GG.k_grouped_configs("sm_90", 16384, 8,
+                                                                          4096, 14336))
+
+
 def test_tiles_taller_than_the_average_group_are_left_out():
     big = list(GG.grouped_configs("sm_90", 32768, 8, 4096, 4096))
     small = list(GG.grouped_configs("sm_90", 512, 64, 4096, 4096))      # 8 rows a group
@@ -124,7 +137,7 @@ def test_one_persistent_launch_with_a_grid_bounded_for_any_offs(launches, monkey
     GG._grouped.launch(key, DEV, x, w, offs, out)
     # (cdiv(1000, 128) + 8 groups + the unowned rows) x cdiv(300, 256) = 34 work items at most
     assert (cfg.tm, cfg.tn) == (128, 256)
-    assert launches == [((34,), "kernel", (x, w, offs, out, 128, 256, 64, 8, cfg.gather))]
+    assert launches == [((34,), "kernel", (x, w, offs, out, 128, 256, 64, 8, cfg.gather, False))]
     big = t(65536, 64)
     assert GG._grid(cfg, DEV, big, w, offs, t(65536, 300)) == (132,)   # SMs x occupancy
     k_cfg = next(GG.k_grouped_configs("sm_90", 1024, 8, 64, 300))
