@@ -43,6 +43,12 @@ def _w_tile(w, g, kk, n, TK, TN):
     return ct.reshape(ct.load(w, (g, kk, n), (1, TK, TN), padding_mode=ZERO), (TK, TN))
 
 
+def _group_end(offs, g, start, T):
+    """Group g's end row, clamped to [start, T]: offs that decrease or pass T (not checked: a
+    host sync) then give some split of the rows, never a negative count or a walk past T."""
+    return ct.minimum(ct.maximum(ct.gather(offs, g, padding_value=T), start), T)
+
+
 def _group_items(start, end, TM, num_n):
     """Work items of the group owning rows start..end."""
     return ct.cdiv(end - start, TM) * num_n
@@ -92,20 +98,20 @@ def grouped_mm_kernel(x, w, offs, out, TM: ct.Constant[int], TN: ct.Constant[int
         total = 0
         start = 0
         for g in range(E + 1):
-            end = ct.gather(offs, g, padding_value=T)
+            end = _group_end(offs, g, start, T)
             total += _group_items(start, end, TM, num_n)
             start = end
         g = 0
         start = 0
         base = 0           # work items of the groups before g
-        end = ct.gather(offs, 0, padding_value=T)
+        end = _group_end(offs, 0, start, T)
         items = _group_items(start, end, TM, num_n)
         for t in range(ct.bid(0), total, ct.num_blocks(0)):
             while t >= base + items:
                 base += items
                 start = end
                 g += 1
-                end = ct.gather(offs, g, padding_value=T)
+                end = _group_end(offs, g, start, T)
                 items = _group_items(start, end, TM, num_n)
             _group_tile(x, w, out, rows_view, g, start, end, t - base, num_n, TM, TN, TK,
                         GROUP_M, GATHER)
@@ -114,7 +120,7 @@ def grouped_mm_kernel(x, w, offs, out, TM: ct.Constant[int], TN: ct.Constant[int
         base = 0
         start = 0
         for g in range(E + 1):
-            end = ct.gather(offs, g, padding_value=T)
+            end = _group_end(offs, g, start, T)
             items = _group_items(start, end, TM, num_n)
             while t < base + items:
                 _group_tile(x, w, out, rows_view, g, start, end, t - base, num_n, TM, TN, TK,
@@ -134,8 +140,8 @@ def grouped_mm_k_kernel(a, b, offs, out, TM: ct.Constant[int], TN: ct.Constant[i
     for t in range(ct.bid(0), tiles * out.shape[0], ct.num_blocks(0)):
         g = t // tiles
         m, n = output_tile(t - g * tiles, a.shape[0], b.shape[1], TM, TN, GROUP_M)
-        start = ct.gather(offs, g - 1)
-        end = ct.gather(offs, g)
+        start = ct.minimum(ct.maximum(ct.gather(offs, g - 1), 0), a.shape[1])
+        end = _group_end(offs, g, start, a.shape[1])
         acc = ct.zeros((TM, TN), ct.float32)
         if end > start:
             if GATHER:
@@ -421,7 +427,8 @@ def grouped_mm(x, w, offs=None, *, out=None):
     - 3-D x 3-D without offs: the batched matmul (E, M, K) @ (E, K, N).
 
     offs is never read on the host (CUDA-graph capturable), so it is not checked against the
-    data: offs must be non-decreasing with offs[E-1] <= T; otherwise the result is undefined.
+    data: offs must be non-decreasing with offs[E-1] <= T. Otherwise the kernels clamp each end
+    to [the previous end, T]: a wrong result, but no hang and no access outside the tensors.
     Differentiable in x and w (offs gets no gradient); the weight gradient comes back in w's
     layout. Works under torch.compile(fullgraph=True). `out`, if given, receives a copy of the
     result (not differentiable): exactly the result's shape, dtype and device. Arrays of up to

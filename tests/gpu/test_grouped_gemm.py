@@ -129,6 +129,28 @@ def test_every_config_is_correct(fresh, monkeypatch):
         assert rel(grouped_mm(dy.t(), x, offs), k_ref) < TOL[torch.bfloat16], vars(cfg)
 
 
+def test_unchecked_bad_offsets_return(fresh, monkeypatch):
+    """offs that decrease or pass T are not checked (a host sync): the result is wrong, but
+    every config of the M-grouped space (both walks) and the K-grouped kernel return (ends are
+    clamped: even 2^31 - 1 is no long loop), and the GPU stays usable."""
+    x = torch.randn(600, 64, device="cuda", dtype=torch.bfloat16)
+    w = weight(6, 64, 96, torch.bfloat16, True)
+    bad = [torch.tensor(e, device="cuda", dtype=torch.int32) for e in
+           ([300, 100, 500, 200, 600, 0], [100, 900, 1200, 1300, 5000, 2**31 - 1],
+            [-50, -1, 100, 2**31 - 1, 3, 700])]
+    for cfg in each_config(monkeypatch, GG._grouped, list(GG.grouped_configs("sm_90", 1024, 6,
+                                                                             64, 96))):
+        for offs in bad:
+            assert grouped_mm(x, w, offs).shape == (600, 96)
+        torch.cuda.synchronize()
+    dy = torch.randn(600, 96, device="cuda", dtype=torch.bfloat16)
+    for offs in bad:
+        assert grouped_mm(dy.t(), x, offs).shape == (6, 96, 64)
+    torch.cuda.synchronize()
+    good = [100] * 6
+    assert rel(grouped_mm(x, w, offsets(good)), reference(x, w, good)) < TOL[torch.bfloat16]
+
+
 def test_tuned_and_the_next_split_does_not_search(fresh):
     """One search per kernel on a small key (the forward and the weight gradient); a new split
     and a T in the same bucket reuse them."""
