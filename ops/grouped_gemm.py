@@ -234,7 +234,7 @@ def _k_args(cfg, a, b, offs, out):
 
 
 def _args(cfg, x, w, offs, out):
-    return _k_args(cfg, x, w, offs, out) + (cfg.item_loop,)
+    return (x, w, offs, out, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, cfg.gather, cfg.item_loop)
 
 
 def _grid(cfg, dev, x, w, offs, out):
@@ -249,15 +249,14 @@ def _k_grid(cfg, dev, a, b, offs, out):
 
 
 # Both kernels: the launch key holds T itself (the grid needs it), the tuning key its bucket.
-_COMMON = dict(tune_key=bucketed(3))
 _grouped = Autotuner(
     "grouped_mm", grouped_mm_kernel, grouped_configs, grid=_grid, args=_args,
-    default=next(table(M_FIELDS, OTHER_SPACE, item_loop=True)), **_COMMON,
+    default=next(table(M_FIELDS, OTHER_SPACE, item_loop=True)), tune_key=bucketed(3),
     space=lambda x, w, *_: dict(t=bucket(x.shape[0]), e=w.shape[0], k=x.shape[1], n=w.shape[2]),
     work=lambda x, w, *_: Work(flops=2.0 * x.shape[0] * x.shape[1] * w.shape[2]))
 _k_grouped = Autotuner(
     "grouped_mm_k", grouped_mm_k_kernel, k_grouped_configs, grid=_k_grid, args=_k_args,
-    default=next(table(FIELDS, OTHER_SPACE)), **_COMMON,
+    default=next(table(FIELDS, OTHER_SPACE)), tune_key=bucketed(3),
     space=lambda a, b, offs, out: dict(t=bucket(a.shape[1]), e=out.shape[0], m=a.shape[0],
                                        n=b.shape[1]),
     work=lambda a, b, *_: Work(flops=2.0 * a.shape[0] * a.shape[1] * b.shape[1]))
