@@ -58,50 +58,67 @@ def _mma(at, bt, acc, FAST_ACC, WIDEN):
     return acc
 
 
-def _scaled_tile(a, b, sa, sb, m, n, TM, TN, TK, FAST_ACC, WIDEN):
+def _operand_tiles(a, b, m, n, kk, TM, TN, TK, LATENCY):
+    """a's (m, kk) and b's (kk, n) tiles. LATENCY > 0: the loads' latency hint, which sets the
+    depth of the compiler's TMA ring (sm_90: 2-7 stages as the hint grows)."""
+    if ct.static_eval(LATENCY > 0):
+        at = ct.load(a, (m, kk), (TM, TK), padding_mode=ZERO, latency=LATENCY)
+        bt = ct.load(b, (kk, n), (TK, TN), padding_mode=ZERO, latency=LATENCY)
+    else:
+        at = ct.load(a, (m, kk), (TM, TK), padding_mode=ZERO)
+        bt = ct.load(b, (kk, n), (TK, TN), padding_mode=ZERO)
+    return at, bt
+
+
+def _scaled_tile(a, b, sa, sb, m, n, TM, TN, TK, FAST_ACC, WIDEN, LATENCY):
     """(a @ b)[m-tile, n-tile] * sa[rows, None] * sb[None, cols]: sa (M,) and sb (N,) float32
     (rowwise), or (1,) each (tensorwise: every index clamps to 0)."""
     acc = ct.zeros((TM, TN), ct.float32)
     for kk in range(ct.cdiv(a.shape[1], TK)):
-        at = ct.load(a, (m, kk), (TM, TK), padding_mode=ZERO)
-        bt = ct.load(b, (kk, n), (TK, TN), padding_mode=ZERO)
+        at, bt = _operand_tiles(a, b, m, n, kk, TM, TN, TK, LATENCY)
         acc = _mma(at, bt, acc, FAST_ACC, WIDEN)
     rows = ct.minimum(m * TM + ct.arange(TM, dtype=ct.int32), sa.shape[0] - 1)
     cols = ct.minimum(n * TN + ct.arange(TN, dtype=ct.int32), sb.shape[0] - 1)
     return acc * ct.gather(sa, rows)[:, None] * ct.gather(sb, cols)[None, :]
 
 
-def _scaled_output(a, b, sa, sb, c, tile, TM, TN, TK, GROUP_M, FAST_ACC, WIDEN):
+def _scaled_output(a, b, sa, sb, c, tile, TM, TN, TK, GROUP_M, FAST_ACC, WIDEN, LATENCY):
     m, n = output_tile(tile, a.shape[0], b.shape[1], TM, TN, GROUP_M)
-    out = _scaled_tile(a, b, sa, sb, m, n, TM, TN, TK, FAST_ACC, WIDEN)
+    out = _scaled_tile(a, b, sa, sb, m, n, TM, TN, TK, FAST_ACC, WIDEN, LATENCY)
     ct.store(c, (m, n), out.astype(c.dtype))
 
 
 @ct.kernel
 def fp8_mm_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[int],
                   TK: ct.Constant[int], GROUP_M: ct.Constant[int], FAST_ACC: ct.Constant[bool],
-                  WIDEN: ct.Constant[bool], PERSISTENT: ct.Constant[bool]):
+                  WIDEN: ct.Constant[bool], LATENCY: ct.Constant[int],
+                  PERSISTENT: ct.Constant[bool]):
     """Tensorwise / rowwise, output tiles in grouped order: one CTA per tile, grid (tiles,);
-    PERSISTENT: SMs x occupancy CTAs, each walking the tiles."""
+    PERSISTENT: SMs x occupancy CTAs, each walking the tiles. LATENCY: the operand loads'
+    hint (0: none)."""
     if PERSISTENT:
         for t in range(ct.bid(0), tile_count(a.shape[0], b.shape[1], TM, TN), ct.num_blocks(0)):
-            _scaled_output(a, b, sa, sb, c, t, TM, TN, TK, GROUP_M, FAST_ACC, WIDEN)
+            _scaled_output(a, b, sa, sb, c, t, TM, TN, TK, GROUP_M, FAST_ACC, WIDEN, LATENCY)
     else:
-        _scaled_output(a, b, sa, sb, c, ct.bid(0), TM, TN, TK, GROUP_M, FAST_ACC, WIDEN)
+        _scaled_output(a, b, sa, sb, c, ct.bid(0), TM, TN, TK, GROUP_M, FAST_ACC, WIDEN,
+                       LATENCY)
 
 
-def _block_scale(sa, sb, m, n, kb, a_rows, TM, TN, A_GROUP, B_GROUP):
+def _block_scale(sa, sb, m, n, kb, a_rows, TM, TN, A_GROUP, B_GROUP, LATENCY):
     """The (TM, 1), (1, TN) or (TM, TN) float32 factor of 128-K block kb's product:
     sa[row // A_GROUP, kb] * sb[kb, col // B_GROUP]. Per-row (per-column) scales load as a
     (TM, 1) ((1, TN)) tile: TMA where their strides are 16-byte multiples, as quantize_fp8 lays
     them out (a gathered vector is copied to the accumulator's layout through shared memory by
-    every thread holding it, which racecheck reports)."""
+    every thread holding it, which racecheck reports). With a latency hint (LATENCY > 0) they
+    are plain loads, which the compiler then issues several blocks ahead; a TMA tile of scales
+    goes through a single-buffered barrier pair."""
+    tma = ct.static_eval(LATENCY == 0)
     if ct.static_eval(A_GROUP == 1):
-        s = ct.load(sa, (m, kb), (TM, 1), padding_mode=ZERO)
+        s = ct.load(sa, (m, kb), (TM, 1), padding_mode=ZERO, allow_tma=tma)
     else:
         s = ct.gather(sa, (a_rows, kb))[:, None]
     if ct.static_eval(B_GROUP == 1):
-        s = s * ct.load(sb, (kb, n), (1, TN), padding_mode=ZERO)
+        s = s * ct.load(sb, (kb, n), (1, TN), padding_mode=ZERO, allow_tma=tma)
     elif ct.static_eval(B_GROUP >= TN):
         # the tile lies in one column block: one scale_b, one FMA per element
         s = s * ct.gather(sb, (kb, (n * TN) // B_GROUP))
@@ -111,43 +128,45 @@ def _block_scale(sa, sb, m, n, kb, a_rows, TM, TN, A_GROUP, B_GROUP):
     return s
 
 
-def _block_product(a, b, m, n, kb, TM, TN, FAST_ACC, WIDEN):
-    at = ct.load(a, (m, kb), (TM, BLOCK), padding_mode=ZERO)
-    bt = ct.load(b, (kb, n), (BLOCK, TN), padding_mode=ZERO)
+def _block_product(a, b, m, n, kb, TM, TN, FAST_ACC, WIDEN, LATENCY):
+    """One 128-K block's product, from zero."""
+    at, bt = _operand_tiles(a, b, m, n, kb, TM, TN, BLOCK, LATENCY)
     return _mma(at, bt, ct.zeros((TM, TN), ct.float32), FAST_ACC, WIDEN)
 
 
-def _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, WIDEN, OVERLAP):
+def _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, WIDEN, OVERLAP,
+                       LATENCY):
     """sum over 128-K blocks kb of (a @ b)[tile, kb] * sa[row // A_GROUP, kb] *
     sb[kb, col // B_GROUP], each block's product promoted to the float32 accumulator.
     A K not a multiple of 128 ends in a partial block (zero padding): no block is wholly
     outside a, so no load is out of bounds. OVERLAP: block kb + 1's product is issued before
-    block kb's is scaled into the accumulator, so the tensor cores work while the promotion
-    runs (one more float32 tile live)."""
+    block kb's is scaled into the accumulator (one more float32 tile live); LATENCY: the loads'
+    hint (0: none)."""
     a_rows = (m * TM + ct.arange(TM, dtype=ct.int32)) // A_GROUP
     acc = ct.zeros((TM, TN), ct.float32)
     blocks = ct.cdiv(a.shape[1], BLOCK)
     if ct.static_eval(OVERLAP):
-        part = _block_product(a, b, m, n, 0, TM, TN, FAST_ACC, WIDEN)
+        part = _block_product(a, b, m, n, 0, TM, TN, FAST_ACC, WIDEN, LATENCY)
         for kb in range(1, blocks):
-            following = _block_product(a, b, m, n, kb, TM, TN, FAST_ACC, WIDEN)
+            following = _block_product(a, b, m, n, kb, TM, TN, FAST_ACC, WIDEN, LATENCY)
             acc = acc + part * _block_scale(sa, sb, m, n, kb - 1, a_rows, TM, TN, A_GROUP,
-                                            B_GROUP)
+                                            B_GROUP, LATENCY)
             part = following
         acc = acc + part * _block_scale(sa, sb, m, n, blocks - 1, a_rows, TM, TN, A_GROUP,
-                                        B_GROUP)
+                                        B_GROUP, LATENCY)
     else:
         for kb in range(blocks):
-            part = _block_product(a, b, m, n, kb, TM, TN, FAST_ACC, WIDEN)
-            acc = acc + part * _block_scale(sa, sb, m, n, kb, a_rows, TM, TN, A_GROUP, B_GROUP)
+            part = _block_product(a, b, m, n, kb, TM, TN, FAST_ACC, WIDEN, LATENCY)
+            acc = acc + part * _block_scale(sa, sb, m, n, kb, a_rows, TM, TN, A_GROUP, B_GROUP,
+                                            LATENCY)
     return acc
 
 
 def _block_output(a, b, sa, sb, c, tile, TM, TN, GROUP_M, A_GROUP, B_GROUP, FAST_ACC, WIDEN,
-                  OVERLAP):
+                  OVERLAP, LATENCY):
     m, n = output_tile(tile, a.shape[0], b.shape[1], TM, TN, GROUP_M)
     acc = _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, WIDEN,
-                             OVERLAP)
+                             OVERLAP, LATENCY)
     ct.store(c, (m, n), acc.astype(c.dtype))
 
 
@@ -156,17 +175,17 @@ def fp8_mm_block_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[i
                         GROUP_M: ct.Constant[int], A_GROUP: ct.Constant[int],
                         B_GROUP: ct.Constant[int], FAST_ACC: ct.Constant[bool],
                         WIDEN: ct.Constant[bool], OVERLAP: ct.Constant[bool],
-                        PERSISTENT: ct.Constant[bool]):
+                        LATENCY: ct.Constant[int], PERSISTENT: ct.Constant[bool]):
     """Block scaling, grid and tile order as fp8_mm_kernel's. sa (M or cdiv(M, 128),
     cdiv(K, 128)) and sb (cdiv(K, 128), cdiv(N, 128) or N), any strides; A_GROUP / B_GROUP:
     rows / columns per scale (1 or 128)."""
     if PERSISTENT:
         for t in range(ct.bid(0), tile_count(a.shape[0], b.shape[1], TM, TN), ct.num_blocks(0)):
             _block_output(a, b, sa, sb, c, t, TM, TN, GROUP_M, A_GROUP, B_GROUP, FAST_ACC,
-                          WIDEN, OVERLAP)
+                          WIDEN, OVERLAP, LATENCY)
     else:
         _block_output(a, b, sa, sb, c, ct.bid(0), TM, TN, GROUP_M, A_GROUP, B_GROUP, FAST_ACC,
-                      WIDEN, OVERLAP)
+                      WIDEN, OVERLAP, LATENCY)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,8 +330,13 @@ def quantize_tensor_kernel(x, amax_bits, q, s, fp8_max, TR: ct.Constant[int],
 # space (the mode is in the key: a search never mixes them). K tiles are 128 fp8 elements (128-byte
 # rows), so exact mode promotes every 128 products, as torch._scaled_mm does (equal bf16 outputs on
 # an H100). Block scaling's K tile is the block and has one mode (below).
+# The last field, latency (absent in most rows: no hint), is the operand loads' latency hint,
+# which sets how many stages the sm_90 TMA ring holds (128x256 fast: 2 stages without, 7 at 6).
+# Per config on an H100, rowwise fast at 6 against no hint: 128x256 1.02-1.05x at 4096^3 and
+# 8192^3, 0.98x at 16384x4096x14336 (where the 256x256 cluster wins), and 256x128 1.04-1.10x on
+# all three; those rows carry it. Exact mode gained at no hint (4, 6, 10): its rows have none.
 
-FIELDS = ("tm", "tn", "tk", "occupancy", "num_ctas", "num_worker_warps", "persistent")
+FIELDS = ("tm", "tn", "tk", "occupancy", "num_ctas", "num_worker_warps", "persistent", "latency")
 # One table for both modes: the last column names the spaces that hold the entry.
 SM90_GEMM = [
     (128, 128, 128, 1, 1, 8, False, "exact fast"),      # the default of both
@@ -326,9 +350,9 @@ SM90_GEMM = [
     (128, 64, 128, 2, 1, None, False, "exact"),
     (64, 64, 128, 2, 1, None, False, "exact fast"),
     (128, 128, 128, 2, 1, None, False, "fast"),
-    (128, 256, 128, 1, 1, 8, False, "fast"),
-    (128, 256, 128, 1, 1, 8, True, "fast"),
-    (256, 128, 128, 1, 1, 8, True, "fast"),
+    (128, 256, 128, 1, 1, 8, False, 6, "fast"),         # 6: the latency field (above)
+    (128, 256, 128, 1, 1, 8, True, 6, "fast"),
+    (256, 128, 128, 1, 1, 8, True, 6, "fast"),
     (256, 256, 128, 1, 2, 8, False, "fast"),            # 128x256 per CTA, pairs in a cluster
     (256, 256, 128, 1, 2, 8, True, "fast"),
     (64, 256, 128, 1, 1, None, False, "fast"),
@@ -349,7 +373,14 @@ SM90_FAST = [r[:-1] for r in SM90_GEMM if "fast" in r[-1].split()]
 # (exact mode's own promotion falls on the same boundary; the sm_90 SASS is four chained
 # QGMMAs per block either way). Fast mode's code waited on every QGMMA and spilled at 8-warp
 # 128x128, 1.2-1.5x slower than this space on an H100, so fast_accum=True runs this space.
-BLOCK_FIELDS = FIELDS + ("overlap",)
+# The last field, latency, is the operand loads' hint (absent: none). At 6 the sm_90 TMA ring
+# holds more stages and the per-row scales become plain loads issued six blocks ahead; on an
+# H200 the overlapped 128x128 gained 2-17% at 8192^3, 16384x4096x14336 and 128x4096x4096 and
+# lost 1.5% at 4096^3. Its ceiling is the compiler's: each block's QGMMAs are waited on as
+# soon as issued (WARPGROUP.DEPBAR 0), so a warpgroup's promotion never runs under its own
+# next product; with no scales at all (acc + part) the overlapped 128x128 reached only
+# 0.76-0.86x torch._scaled_mm (references/kernel-type-templates.md).
+BLOCK_FIELDS = FIELDS[:-1] + ("overlap", "latency")
 SM90_BLOCK = [
     (128, 128, 128, 1, 1, 8, False, True),     # the default
     (256, 128, 128, 1, 2, 8, False, True),     # 128x128 per CTA, pairs in a cluster
@@ -359,6 +390,8 @@ SM90_BLOCK = [
     (64, 256, 128, 1, 1, 8, False, False),
     (64, 128, 128, 2, 1, None, True, False),
     (64, 64, 128, 2, 1, None, False, False),
+    (128, 128, 128, 1, 1, 8, False, True, 6),
+    (256, 128, 128, 1, 2, 8, False, True, 6),
 ]
 # sm_100 (compile-checked only; cuTile ignores use_fast_acc there, so one space serves both
 # modes): accumulators live in tensor memory; 4-warp tiles and a 4-warp cluster.
@@ -492,12 +525,13 @@ def _grid(cfg, dev, a, b, sa, sb, c, *flags):
 
 
 def _args(cfg, a, b, sa, sb, c, fast, widen):
-    return (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, fast, widen, cfg.persistent)
+    return (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, fast, widen,
+            getattr(cfg, "latency", 0), cfg.persistent)
 
 
 def _block_args(cfg, a, b, sa, sb, c, fast, widen, a_group, b_group):
     return (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.group_m, a_group, b_group, fast, widen,
-            getattr(cfg, "overlap", False), cfg.persistent)
+            getattr(cfg, "overlap", False), getattr(cfg, "latency", 0), cfg.persistent)
 
 
 def _gemm_work(a, b, sa, sb, c, *flags):

@@ -383,13 +383,13 @@ def test_a_cached_launch_passes_the_config_and_the_mode(launches, monkeypatch):
         assert grid == ((min(tiles, 132 * cfg.occupancy // cfg.num_ctas),) if cfg.persistent
                         else (tiles,))
         assert args == (a, b, sa, sb, c, cfg.tm, cfg.tn, 128, cfg.group_m, True, False,
-                        cfg.persistent)
+                        getattr(cfg, "latency", 0), cfg.persistent)
     cfg = next(F8.fp8_block_configs("sm_90", 1024, 300, 512))
     monkeypatch.setitem(F8._block_tuner.cache, ("k", 1, 1, 1024), (cfg, "kernel"))
     launches.clear()
     F8._block_tuner.launch(("k", 1, 1, 1000), 0, a, b, sa, sb, c, False, True, 128, 1)
     assert launches[0][2] == (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.group_m, 128, 1, False, True,
-                              cfg.overlap, cfg.persistent)
+                              cfg.overlap, getattr(cfg, "latency", 0), cfg.persistent)
 
 
 def test_quantizer_launches(launches, monkeypatch):

@@ -25,7 +25,8 @@ grid = (-(-M // TM) * -(-N // TN),)
 
 def run():
     ct.launch(torch.cuda.current_stream(), grid, kernel,
-              (a, b, scale_a, scale_b, out, TM, TN, GROUP_M, 1, 128, False, False, False, False))
+              (a, b, scale_a, scale_b, out, TM, TN, GROUP_M, 1, 128, False, False, False, 0,
+               False))
 
 
 run()
