@@ -22,7 +22,6 @@ import json
 import logging
 import marshal
 import os
-import sys
 import threading
 import time
 import warnings
@@ -582,11 +581,16 @@ class Autotuner:
         stream = torch.cuda.current_stream(dev)
         rejected = {}
         if len(subset) > 1 and precompile.enabled():
-            # compile every config at once in worker processes; the search then hits the disk
-            # cache. Configs the compiler rejects are failures already: the search skips them.
-            rejected = precompile.precompile(
+            # compile every config at once in worker processes and hand each cubin to the
+            # config's kernel object, which the search, the final round and the launch share.
+            # Configs the compiler rejects are failures already: the search skips them.
+            arch = _device.arch(dev)
+            rejected, compiled = precompile.precompile(
                 [(self.search_kernel(c), self.hints(c), search.args_fn(c)) for c in subset],
-                _device.arch(dev), COMPILE_TIMEOUT_SEC)
+                arch, COMPILE_TIMEOUT_SEC)
+            for j, (sig, cubin) in compiled.items():
+                precompile.hand_over(self._with_hints(self.search_kernel(subset[j]), subset[j],
+                                                      dev), sig, arch, cubin)
         # A compile timeout in a loaded parallel precompile is no verdict on the config: the
         # search compiles it again, alone. So does every config if the precompile rejected all.
         rejected = {j: e for j, e in rejected.items() if e[0] != "CompilerTimeoutError"}

@@ -4,8 +4,10 @@
 per process around every compile: a 28-config matmul search on ragged shapes spent 67-86 s of
 its wall time compiling (H200 machine, 16 cores, measured). Before a search, the engine hands
 each config's kernel and JIT signature (read off the search's real arguments) to worker
-processes that compile them at once with the public `export_kernel`; every cubin lands in
-cuTile's on-disk cache (`CUDA_TILE_CACHE_DIR`), so the search's own compiles are cache hits.
+processes that compile them at once; every cubin lands in cuTile's on-disk cache
+(`CUDA_TILE_CACHE_DIR`) and also comes back to the searching process, which hands it to that
+config's kernel object (`hand_over`): its first launch with that signature then loads the cubin
+instead of tracing the kernel again to find it in the disk cache (0.2-0.5 s a config).
 
 Workers are plain subprocesses (`python -m tiletune.precompile`) fed pickled job lists on stdin:
 no multiprocessing, so nothing re-imports the user's main script, and no fork of a process that
@@ -21,7 +23,6 @@ config near the compile timeout may time out here that would just pass serially;
 are too slow to compile to belong in a space anyway.
 """
 import atexit
-import io
 import logging
 import os
 import pickle
@@ -38,6 +39,7 @@ log = logging.getLogger("tiletune")
 # its searches; the pool never hands out one that is within a few seconds of that.
 IDLE_EXIT_SEC = 120.0
 _REUSE_MARGIN_SEC = 10.0
+_HANDED_KEPT = 4          # cubins a kernel object holds for signatures it has not launched yet
 
 
 def jobs():
@@ -82,20 +84,67 @@ def launch_signature(params):
     return KernelSignature(list(params), cc)
 
 
+class Cubin:
+    """A compiled kernel as a worker hands it back: the cubin and its kernel's symbol."""
+
+    def __init__(self, symbol, data):
+        self.symbol, self.data = symbol, data
+
+
 def compile_job(module, name, hints, params, calling_convention, arch, timeout_sec):
-    """Compile module.name with these hints for one signature. Returns None, or (error type
-    name, message, whether it is cuTile's verdict on the kernel rather than trouble here)."""
+    """Compile module.name with these hints for one signature (into the disk cache, as
+    `export_kernel` does). Returns a Cubin, None (compiled, but it needs more than a cubin to
+    load: library lifecycle providers), or (error type name, message, whether it is cuTile's
+    verdict on the kernel rather than trouble here)."""
     import importlib
     import cuda.tile as ct
-    from cuda.tile.compilation import CallingConvention, KernelSignature, export_kernel
+    from cuda.tile._compile import compile_tile
+    from cuda.tile.compilation import CallingConvention, KernelSignature
     try:
         kernel = getattr(importlib.import_module(module), name).replace_hints(**hints)
         sig = KernelSignature(list(params), CallingConvention.from_code(calling_convention))
         with ct.compiler_timeout(timeout_sec):
-            export_kernel(kernel, [sig], io.BytesIO(), gpu_code=arch, output_format="cubin")
+            result = compile_tile(kernel._annotated_function, [sig], arch,
+                                  kernel._compiler_options)
     except Exception as e:
         return type(e).__name__, str(e), isinstance(e, ct.TileError)
-    return None
+    if result.library_lifecycle_providers or len(result.kernel_signatures) != 1:
+        return None
+    return Cubin(result.kernel_signatures[0].symbol, result.cubin)
+
+
+def hand_over(kernel, sig, arch, cubin):
+    """Let `kernel` (a ct.kernel object) load `cubin` when it is asked to compile `sig` for
+    `arch`, once, instead of compiling: cuTile calls the object's `_compile` on a JIT-cache
+    miss. Any other signature or arch compiles as before."""
+    handed = kernel.__dict__.get("_tiletune_handed")
+    if handed is None:
+        handed = []
+        compile_itself = kernel._compile
+
+        def _compile(signature, context, compute_capability=None):
+            want = (signature.with_symbol(None), _arch_name(compute_capability))
+            for i, (s, a, c) in enumerate(handed):
+                if a == want[1] and s == want[0]:
+                    del handed[i]
+                    return c.data, c.symbol, None, ()
+            return compile_itself(signature, context, compute_capability)
+
+        kernel._compile = _compile
+        kernel._tiletune_handed = handed
+    sig = sig.with_symbol(None)
+    # A signature this object has compiled before never reaches _compile again (a later key
+    # of the same op): keep one entry per signature, and only the latest few.
+    handed[:] = [e for e in handed if not (e[1] == arch and e[0] == sig)][-(_HANDED_KEPT - 1):]
+    handed.append((sig, arch, cubin))
+
+
+def _arch_name(compute_capability):
+    """"sm_90" for (9, 0); for None, the current device's (what cuTile compiles for then)."""
+    if compute_capability is None:
+        import torch
+        compute_capability = torch.cuda.get_device_capability()
+    return "sm_%d%d" % tuple(compute_capability)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +283,7 @@ def _failed(worker, error):
 
 def run_jobs(jobs_list, arch, timeout_sec, workers):
     """Compile [(index, module, name, hints, params, cc code)] in `workers` worker processes.
-    Returns {index: None or error tuple}; jobs whose worker failed are missing."""
+    Returns {index: compile_job's result}; jobs whose worker failed are missing."""
     chunks = [jobs_list[i::workers] for i in range(workers)]
     pool = _take(workers)
     results, healthy = {}, []
@@ -258,12 +307,13 @@ def run_jobs(jobs_list, arch, timeout_sec, workers):
 
 def precompile(items, arch, timeout_sec):
     """items: [(bare kernel, hints dict, launch args)]. Compiles them in parallel into the disk
-    cache. Returns {index: (error type, message)} for items the compiler rejected; items that
-    cannot be located or signed are left for the search to compile."""
+    cache. Returns ({index: (error type, message)} for items the compiler rejected,
+    {index: (signature, Cubin)} for the ones compiled); items that cannot be located or signed
+    are left for the search to compile."""
     from cuda.tile.compilation import CallingConvention, KernelSignature
     v2 = CallingConvention.cutile_python_v2()       # reads every kind of argument
     t0 = time.perf_counter()
-    work = []
+    work, sigs = [], {}
     for i, (kernel, hints, args) in enumerate(items):
         where = kernel_location(kernel)
         if where is None:
@@ -272,14 +322,16 @@ def precompile(items, arch, timeout_sec):
             sig = launch_signature(KernelSignature.from_kernel_args(kernel, args, v2).parameters)
         except Exception:         # an argument the signature reader does not know: JIT decides
             continue
+        sigs[i] = sig
         work.append((i, *where, hints, sig.parameters, sig.calling_convention.code))
     if not work:
-        return {}
+        return {}, {}
     results = run_jobs(work, arch, timeout_sec, min(jobs(), len(work)))
-    rejected = {i: err[:2] for i, err in results.items() if err is not None and err[2]}
+    rejected = {i: r[:2] for i, r in results.items() if isinstance(r, tuple) and r[2]}
+    compiled = {i: (sigs[i], r) for i, r in results.items() if isinstance(r, Cubin)}
     log.info("precompiled %d of %d configs for %s in %.1fs (%d rejected)", len(results),
              len(items), arch, time.perf_counter() - t0, len(rejected))
-    return rejected
+    return rejected, compiled
 
 
 def _serve(idle_exit_sec):
@@ -300,4 +352,7 @@ def _serve(idle_exit_sec):
 
 
 if __name__ == "__main__":
-    _serve(float(sys.argv[1]))
+    # run from the module under its own name, so the Cubin objects it answers with unpickle as
+    # tiletune.precompile.Cubin on the other side (not __main__.Cubin)
+    from tiletune.precompile import _serve as serve
+    serve(float(sys.argv[1]))

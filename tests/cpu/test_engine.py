@@ -311,13 +311,30 @@ def test_configs_the_precompile_rejects_are_failures_not_searched(env, monkeypat
     monkeypatch.setattr(precompile, "enabled", lambda: True)
     monkeypatch.setattr(precompile, "precompile",
                         lambda items, arch, timeout: sent.append(items) or
-                        {1: ("TileTypeError", "tile too large")})     # occupancy 2 rejected
+                        ({1: ("TileTypeError", "tile too large")}, {}))  # occupancy 2 rejected
     t = env.make()
     cfg, _ = t.tune(("k",), 0, search())
     assert len(sent[0]) == 3 and env.fake.calls == 1
     rec = t.records[("k",)]
     assert [(f["config"]["occupancy"], f["error"]) for f in rec.failures] == [(2, "TileTypeError")]
     assert cfg.occupancy != 2 and len(rec.timings) == 2
+
+
+def test_the_workers_cubins_go_to_the_kernels_the_search_launches(env, monkeypatch):
+    """Each compiled config's cubin is handed to the very kernel object the search, the final
+    round and the launch share (one per kernel, hints and device)."""
+    handed = []
+    monkeypatch.setattr(precompile, "enabled", lambda: True)
+    monkeypatch.setattr(precompile, "precompile", lambda items, arch, timeout: (
+        {}, {j: (f"sig{j}", f"cubin{j}") for j in range(len(items))}))
+    monkeypatch.setattr(precompile, "hand_over", lambda *a: handed.append(a))
+    t = env.make()
+    cfg, kernel = t.tune(("k",), 0, search())
+    cfgs = t.config_list("sm_90", {"n": 16})
+    assert [(sig, cubin) for _, sig, _, cubin in handed] == [(f"sig{j}", f"cubin{j}")
+                                                             for j in range(len(cfgs))]
+    assert [k for k, *_ in handed] == [t._with_hints(t.search_kernel(c), c, 0) for c in cfgs]
+    assert {arch for _, _, arch, _ in handed} == {"sm_90"}       # the stand-in GPU's
 
 
 def test_final_round_can_overturn_the_search(env):
@@ -582,7 +599,8 @@ def test_precompile_timeouts_are_no_verdict_and_all_rejected_means_serial(env, m
     precompile rejects every config, the search compiles them all itself."""
     monkeypatch.setattr(precompile, "enabled", lambda: True)
     verdicts = {0: ("CompilerTimeoutError", "over 60 s"), 1: ("TileTypeError", "too large")}
-    monkeypatch.setattr(precompile, "precompile", lambda items, arch, timeout: dict(verdicts))
+    monkeypatch.setattr(precompile, "precompile",
+                        lambda items, arch, timeout: (dict(verdicts), {}))
     t = env.make()
     resolve(t, ("k", 1))
     rec = t.records[("k", 1)]

@@ -33,10 +33,16 @@ def test_workers_fill_the_disk_cache_and_report_rejections(monkeypatch, tmp_path
     job = lambda i, tile_n: (i, "tiletune.ops.rms_norm", "rms_norm_fwd_rows", {"occupancy": 2},
                              fwd_params(tile_n), "t2")
     res = precompile.run_jobs([job(0, 4096), job(1, 4095), job(2, 2048)], "sm_90", 120, 2)
-    assert res[0] is None and res[2] is None
+    assert isinstance(res[0], precompile.Cubin) and isinstance(res[2], precompile.Cubin)
+    assert res[0].data[:4] == b"\x7fELF" and res[0].symbol.startswith("rms_norm_fwd_rows")
     assert len(list(cache_entries(str(tmp_path)))) == 2       # the two cubins, in cuTile's cache
     etype, msg, verdict = res[1]          # not a power of two: the compiler's verdict
     assert verdict and "power of two" in msg, (etype, msg)
+
+
+def ok(results):
+    """The jobs that came back compiled."""
+    return {i for i, r in results.items() if isinstance(r, precompile.Cubin)}
 
 
 def _job(i, tile_n):
@@ -50,18 +56,16 @@ def test_workers_stay_for_the_next_search_in_the_same_environment(monkeypatch, t
     which it reads once at import) new ones start."""
     first, second = tmp_path / "a", tmp_path / "b"
     monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(first))
-    assert precompile.run_jobs([_job(0, 1024), _job(1, 512)], "sm_90", 120, 2) == {0: None,
-                                                                                   1: None}
+    assert ok(precompile.run_jobs([_job(0, 1024), _job(1, 512)], "sm_90", 120, 2)) == {0, 1}
     pids = {w.proc.pid for w in precompile._idle}
-    assert precompile.run_jobs([_job(0, 256), _job(1, 128)], "sm_90", 120, 2) == {0: None,
-                                                                                  1: None}
+    assert ok(precompile.run_jobs([_job(0, 256), _job(1, 128)], "sm_90", 120, 2)) == {0, 1}
     assert len(pids) >= 2 and pids <= {w.proc.pid for w in precompile._idle}
     monkeypatch.setenv("SOME_TRAINING_FLAG", "1")     # not a compile setting: same workers
-    assert precompile.run_jobs([_job(0, 256)], "sm_90", 120, 1) == {0: None}
+    assert ok(precompile.run_jobs([_job(0, 256)], "sm_90", 120, 1)) == {0}
     assert pids <= {w.proc.pid for w in precompile._idle}
     assert len(list(cache_entries(str(first)))) == 4
     monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(second))
-    assert precompile.run_jobs([_job(0, 64)], "sm_90", 120, 1) == {0: None}
+    assert ok(precompile.run_jobs([_job(0, 64)], "sm_90", 120, 1)) == {0}
     assert len(list(cache_entries(str(second)))) == 1
     assert not pids & {w.proc.pid for w in precompile._idle if w.compile_environ["CUDA_TILE_CACHE_DIR"]
                        == str(second)}
@@ -75,7 +79,7 @@ def test_a_dead_or_idle_worker_is_replaced(monkeypatch, tmp_path):
     worker.proc.wait()
     for w in precompile._idle:                 # and the others look idle for too long
         w.last_used -= precompile.IDLE_EXIT_SEC
-    assert precompile.run_jobs([_job(0, 32)], "sm_90", 120, 1) == {0: None}
+    assert ok(precompile.run_jobs([_job(0, 32)], "sm_90", 120, 1)) == {0}
     assert worker not in precompile._idle and len(precompile._idle) == 1
 
 
@@ -100,3 +104,23 @@ def test_every_size_1_dim_is_a_constant_whatever_its_stride():
     assert jit_array(torch.float32, (4, 8)).shape_constant == (None, None)
     amax = [jit_array(torch.bfloat16, (64, 64)), jit_array(torch.int32, (1,))]
     assert precompile.launch_signature(amax).calling_convention.code == "t2"
+
+
+def test_a_handed_cubin_is_loaded_once_for_its_signature_and_arch(monkeypatch):
+    """hand_over: the kernel object's next compile of that signature for that arch returns the
+    worker's cubin; another signature, another arch or a second compile goes to cuTile."""
+    from cuda.tile.compilation import CallingConvention, KernelSignature
+    kernel = R.rms_norm_fwd_rows.replace_hints(occupancy=1)
+    asked = []
+    kernel._compile = lambda sig, ctx, cc=None: asked.append((sig, cc)) or ("compiled",)
+    sig = lambda n: KernelSignature(fwd_params(n), CallingConvention.cutile_python_v1())
+    precompile.hand_over(kernel, sig(1024), "sm_90", precompile.Cubin("sym", b"cubin"))
+    assert kernel._compile(sig(1024), None, (10, 0)) == ("compiled",)      # another arch
+    assert kernel._compile(sig(2048), None, (9, 0)) == ("compiled",)       # another signature
+    assert kernel._compile(sig(1024).with_symbol("x"), None, (9, 0)) == (b"cubin", "sym", None,
+                                                                         ())
+    assert kernel._compile(sig(1024), None, (9, 0)) == ("compiled",)       # handed once
+    assert len(asked) == 3
+    for n in (64, 128, 256, 512, 1024, 1024):     # one entry per signature, the latest few
+        precompile.hand_over(kernel, sig(n), "sm_90", precompile.Cubin(str(n), b""))
+    assert [c.symbol for _, _, c in kernel._tiletune_handed] == ["128", "256", "512", "1024"]

@@ -51,16 +51,21 @@ def test_precompiled_key_is_the_launch_key(monkeypatch, case):
 
 
 def test_search_compiles_nothing_itself(monkeypatch, fresh):
-    """With the precompile on, a search's own launches are all disk-cache hits."""
+    """With the precompile on, a search's own launches load the workers' cubins: no compile
+    and no trace of a kernel in this process, and the results are right."""
     if not precompile.enabled():
         pytest.skip("parallel precompile is off here (one CPU or no cuTile disk cache)")
-    compiles = []
-    real = ct_compile.compile_cubin
+    compiles, traces = [], []
+    real, real_trace = ct_compile.compile_cubin, ct_compile.compile_tile
     monkeypatch.setattr(ct_compile, "compile_cubin",
                         lambda *a, **k: compiles.append(a[0]) or real(*a, **k))
+    monkeypatch.setattr(ct_compile, "compile_tile",
+                        lambda *a, **k: traces.append(a[0]) or real_trace(*a, **k))
     x = torch.randn(777, 2999, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(2999, device="cuda", dtype=torch.bfloat16)
     rms_norm(x, w)
     torch.cuda.synchronize()
     assert any(r.source == "search" for r in tiletune.records()["rms_norm_fwd"].values())
-    assert compiles == []
+    assert compiles == [] and traces == []
+    ref = x.float() * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6) * w.float()
+    torch.testing.assert_close(rms_norm(x, w, eps=1e-6).float(), ref, atol=3e-2, rtol=2e-2)
