@@ -43,16 +43,17 @@ def test_precompiled_key_is_the_launch_key(monkeypatch, case):
     v2 = CallingConvention.cutile_python_v2()
     sig = precompile.launch_signature(KernelSignature.from_kernel_args(kernel, args, v2).parameters)
     module, name = precompile.kernel_location(kernel)
-    assert precompile.compile_job(module, name, hints, sig.parameters, sig.calling_convention.code,
-                                  device.arch(), 120) is None
+    assert isinstance(precompile.compile_job(module, name, hints, sig.parameters,
+                                             sig.calling_convention.code, device.arch(), 120),
+                      precompile.Cubin)
     ct.launch(torch.cuda.current_stream(), grid, kernel.replace_hints(**hints), args)
     torch.cuda.synchronize()
     assert len(keys) == 2 and keys[0] == keys[1]
 
 
 def test_search_compiles_nothing_itself(monkeypatch, fresh):
-    """With the precompile on, a search's own launches load the workers' cubins: no compile
-    and no trace of a kernel in this process, and the results are right."""
+    """With the precompile on, a search's own launches load the workers' cubins: no compile in
+    this process, fewer traces than configs (each handed cubin spares one), right results."""
     if not precompile.enabled():
         pytest.skip("parallel precompile is off here (one CPU or no cuTile disk cache)")
     compiles, traces = [], []
@@ -65,7 +66,8 @@ def test_search_compiles_nothing_itself(monkeypatch, fresh):
     w = torch.rand(2999, device="cuda", dtype=torch.bfloat16)
     rms_norm(x, w)
     torch.cuda.synchronize()
-    assert any(r.source == "search" for r in tiletune.records()["rms_norm_fwd"].values())
-    assert compiles == [] and traces == []
+    searched = [r for r in tiletune.records()["rms_norm_fwd"].values() if r.source == "search"]
+    assert searched and compiles == []
+    assert len(traces) < sum(len(r.timings) for r in searched)
     ref = x.float() * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6) * w.float()
     torch.testing.assert_close(rms_norm(x, w, eps=1e-6).float(), ref, atol=3e-2, rtol=2e-2)
