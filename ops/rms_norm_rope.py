@@ -164,15 +164,20 @@ def rms_norm_rope_bwd(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in
 # latency 5, the best forward on an H200 at B4 Hq32 Hkv8 S4096 D128 and B1 Hq64 Hkv8 S16384 D128
 # bf16 (occupancy 4 led at D64; on an H100 the searches picked occupancy 4 at the first, 2 at
 # latency 10 at the second, within 3% of the default); occupancy 8-16 lost 5x and is left out
-# (at 8 the sm_90 forward spills). Occupancy 4 at latency 10 is left out too: its kernels took 7.5 s (forward) and
-# 14.2 s (backward) to compile against at most 4.4 s for every other entry, which made it the
-# whole wait of a cold key, and on an H100 it never led. Measurements:
-# references/parameter-space-design.md ("Fused RMSNorm+RoPE").
+# (at 8 the sm_90 forward spills). Occupancy 4 at latency 10 is left out too: its kernels took
+# 7.5 s (forward) and 14.2 s (backward) to compile against at most 4.4 s for every other entry,
+# which made it the whole wait of a cold key, and on an H100 it never led. So is occupancy 1: on
+# an H100 at B1 Hq32 Hkv4 S4096 D128 (the shipped rows' searches) latency 5 / 10 ran 1.4x / 2.1x
+# the best forward and 1.4x / 4.3x the best backward, on an H200 1.5-1.9x the best forward
+# (before the cos/sin rows became plain loads), and its kernels were the slowest of the space to
+# compile (sm_90, one at a time on the CPU: backward 1.45 / 3.07 s, forward 0.58 / 1.49 s, every
+# other entry 0.10-0.94 s). Measurements: references/parameter-space-design.md ("Fused
+# RMSNorm+RoPE").
 
 def fused_configs(arch, heads, rot):
     yield from table(("occupancy", "persistent", "latency"),
                      ((2, True, 5), (2, True, 1), (2, True, 10), (4, True, 1), (4, True, 5),
-                      (1, True, 5), (1, True, 10), (2, False, 5), (4, False, 5)))
+                      (2, False, 5), (4, False, 5)))
 
 
 DEFAULT = next(fused_configs("sm_90", 40, 128))
