@@ -140,10 +140,11 @@ def hand_over(kernel, sig, arch, cubin):
 
 
 def _arch_name(compute_capability):
-    """"sm_90" for (9, 0); for None, the current device's (what cuTile compiles for then)."""
+    """The arch cuTile's own `_compile` would build for: "sm_90" for (9, 0); for None, what its
+    get_compute_capability() answers."""
     if compute_capability is None:
-        import torch
-        compute_capability = torch.cuda.get_device_capability()
+        from cuda.tile._cext import get_compute_capability
+        compute_capability = get_compute_capability()
     return "sm_%d%d" % tuple(compute_capability)
 
 
