@@ -333,9 +333,10 @@ def quantize_tensor_kernel(x, amax_bits, q, s, fp8_max, TR: ct.Constant[int],
 # The last field, latency (absent in most rows: no hint), is the operand loads' latency hint,
 # which sets the depth of the sm_90 TMA ring (fast 128x256: 215 KB of shared memory without,
 # 231 KB at 6; exact 128x256 clusters: 75 KB without, 231 KB at 6).
-# Per config on an H100, rowwise fast at 6 against no hint: 128x256 1.02-1.05x at 4096^3 and
-# 8192^3, 0.98x at 16384x4096x14336 (where the 256x256 cluster wins), and 256x128 1.04-1.10x on
-# all three; those rows carry it. Exact mode gained at no hint (4, 6, 10): its rows have none.
+# Per config on an H100, rowwise fast at 6 against no hint: 128x256 1.03-1.05x at 4096^3 and
+# 8192^3 and 0.98x / 1.04x (one CTA per tile / persistent) at 16384x4096x14336, where the
+# 256x256 cluster wins; 256x128 1.05-1.10x on all three. Those rows carry it. Exact mode gained
+# at neither 6 nor 10: its rows have none.
 
 FIELDS = ("tm", "tn", "tk", "occupancy", "num_ctas", "num_worker_warps", "persistent", "latency")
 # One table for both modes: the last column names the spaces that hold the entry.
