@@ -377,7 +377,7 @@ SM90_FAST = [r[:-1] for r in SM90_GEMM if "fast" in r[-1].split()]
 # 128x128, 1.2-1.5x slower than this space on an H100, so fast_accum=True runs this space.
 # The last field, latency, is the operand loads' hint (absent: none). At 6 the sm_90 TMA ring
 # holds more stages and the per-row scales become plain loads issued six blocks ahead; on an
-# H200 the overlapped 128x128 gained 2-17% at 8192^3, 16384x4096x14336 and 128x4096x4096 and
+# H200 the overlapped 128x128 gained 3-17% at 8192^3, 16384x4096x14336 and 128x4096x4096 and
 # lost 1.5% at 4096^3. Its ceiling is the compiler's: each block's QGMMAs are waited on as
 # soon as issued (WARPGROUP.DEPBAR 0), so a warpgroup's promotion never runs under its own
 # next product; with no scales at all (acc + part) the overlapped 128x128 reached only
