@@ -123,9 +123,9 @@ def hand_over(kernel, sig, arch, cubin):
         compile_itself = kernel._compile
 
         def _compile(signature, context, compute_capability=None):
-            want = (signature.with_symbol(None), _arch_name(compute_capability))
+            unnamed, arch_wanted = signature.with_symbol(None), _arch_name(compute_capability)
             for i, (s, a, c) in enumerate(handed):
-                if a == want[1] and s == want[0]:
+                if a == arch_wanted and s == unnamed:
                     del handed[i]
                     return c.data, c.symbol, None, ()
             return compile_itself(signature, context, compute_capability)
