@@ -29,8 +29,8 @@ def _grouped_case():
     w = torch.randn(4, 768, 512, device="cuda", dtype=torch.bfloat16).transpose(-2, -1)
     offs = torch.tensor([100, 100, 700, 1000], device="cuda", dtype=torch.int32)
     out = torch.empty(1000, 768, device="cuda", dtype=torch.bfloat16)
-    return (G.grouped_mm_kernel, {"num_worker_warps": 8}, (8,),
-            (x, w, offs, out, 64, 128, 64, 8, False))
+    cfg = next(G.grouped_configs(device.arch(), 1000, 4, 512, 768))
+    return G.grouped_mm_kernel, G._grouped.hints(cfg), (8,), G._args(cfg, x, w, offs, out)
 
 
 @pytest.mark.parametrize("case", ["rows", "one row (a constant dim)", "grouped"])
