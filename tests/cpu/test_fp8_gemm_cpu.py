@@ -111,6 +111,8 @@ def test_128x128_space(col):
         assert {c.tr for c in cfgs} >= {32, 64, 128}
         assert {c.occupancy for c in cfgs} == {2, 4} and {c.num_worker_warps for c in cfgs} \
             == {4, 8}
+        # the latency hint only on a chunked transposed entry (where it measured faster)
+        assert all(c.latency == 0 or (col and c.tr < 128) for c in cfgs)
 
 
 @pytest.mark.parametrize("gen", (F8.tensor_configs, F8.amax_configs), ids=lambda g: g.__name__)
@@ -413,7 +415,7 @@ def test_quantizer_launches(launches, monkeypatch):
         F8._quantize_128x128.launch(("k", 300), 0, x, q, s_b, 448.0)
         tiles = 3 * -(-1000 // (cfg.g * 128))
         assert launches[-1] == ((F8.persistent_ctas(tiles, 0, cfg.occupancy),), "kernel",
-                                (x, q, s_b, 448.0, cfg.tr, cfg.g))
+                                (x, q, s_b, 448.0, cfg.tr, cfg.g, cfg.latency))
     # the tensorwise launches: SMs x occupancy CTAs once the tiles outnumber them
     big = torch.randn(4096, 4096, dtype=BF16)
     bits, s1 = torch.zeros(1, dtype=torch.int32), torch.empty(1)
