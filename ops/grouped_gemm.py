@@ -174,6 +174,10 @@ def grouped_mm_k_kernel(a, b, offs, out, TM: ct.Constant[int], TN: ct.Constant[i
 # 13.4 takes ~10 s to compile the item loop (1 s the group loop; 0.5-2 s the item loop at other
 # tiles), on every new signature, and the item loop there led the group loop by at most 1.2%
 # where it led at all: 128x256 keeps the group loop, the other tiles take the item loop.
+# 128x128 at 4 worker warps ran 4-5x behind the same tile at 8 in the M-grouped kernel (0.20-0.27x
+# _grouped_mm on five forward and dX keys, H100) and 25-35% behind the best config in the
+# K-grouped one; it was also the slowest of the space to compile (2.2 s on a 2-core CPU): sm_90
+# leaves it out, sm_100 (accumulators in tensor memory) keeps it.
 
 FIELDS = ("tm", "tn", "tk", "occupancy", "num_ctas", "num_worker_warps", "gather", "group_m")
 M_FIELDS = FIELDS + ("item_loop",)
@@ -185,7 +189,6 @@ SM90_SPACE = [
     (256, 256, 64, 1, 2, 8, False, 8),         # 128x256 per CTA, pairs in a cluster
     (128, 128, 64, 1, 1, 8, False, 8),
     (128, 128, 64, 1, 1, 8, True, 8),
-    (128, 128, 64, 1, 1, None, False, 8),
     (128, 128, 128, 1, 1, None, False, 8),
     (128, 256, 64, 1, 1, 8, False, 4, False),
     (64, 256, 64, 1, 1, None, False, 8),
@@ -200,8 +203,11 @@ SM90_K_SPACE = [r[:8] for r in SM90_SPACE if not r[6] and r[7] == 8 and r[:2] !=
     (128, 64, 64, 2, 1, None, False, 8)]
 # sm_100 (compile-checked only): accumulators live in tensor memory; the 4-warp entries and a
 # 4-warp cluster. Anything else: a conservative pair, never measured.
-SM100_SPACE = [r for r in SM90_SPACE if r[5] is None] + [(256, 256, 64, 1, 2, None, False, 8)]
-SM100_K_SPACE = [r for r in SM90_K_SPACE if r[5] is None] + [(256, 256, 64, 1, 2, None, False, 8)]
+SM100_DEFAULT = (128, 128, 64, 1, 1, None, False, 8)     # 128x128 at 4 warps
+SM100_SPACE = [SM100_DEFAULT] + [r for r in SM90_SPACE if r[5] is None] + [
+    (256, 256, 64, 1, 2, None, False, 8)]
+SM100_K_SPACE = [SM100_DEFAULT] + [r for r in SM90_K_SPACE if r[5] is None] + [
+    (256, 256, 64, 1, 2, None, False, 8)]
 OTHER_SPACE = [(128, 128, 32, 1, 1, None, False, 8), (64, 128, 32, 2, 1, None, True, 8)]
 
 
