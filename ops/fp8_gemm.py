@@ -58,16 +58,18 @@ def _mma(at, bt, acc, FAST_ACC, WIDEN):
     return acc
 
 
-def _operand_tiles(a, b, m, n, kk, TM, TN, TK, LATENCY):
-    """a's (m, kk) and b's (kk, n) tiles. LATENCY > 0: the loads' latency hint, which sets the
-    depth of the compiler's TMA ring (sm_90: 2-7 stages as the hint grows)."""
+def _load(a, index, shape, LATENCY):
+    """A zero-padded tile load; LATENCY > 0: with that latency hint (0: none). In a K loop the
+    hint sets how far ahead the compiler issues the load, for TMA the depth of its ring (sm_90:
+    2-7 stages as the hint grows)."""
     if ct.static_eval(LATENCY > 0):
-        at = ct.load(a, (m, kk), (TM, TK), padding_mode=ZERO, latency=LATENCY)
-        bt = ct.load(b, (kk, n), (TK, TN), padding_mode=ZERO, latency=LATENCY)
-    else:
-        at = ct.load(a, (m, kk), (TM, TK), padding_mode=ZERO)
-        bt = ct.load(b, (kk, n), (TK, TN), padding_mode=ZERO)
-    return at, bt
+        return ct.load(a, index, shape, padding_mode=ZERO, latency=LATENCY)
+    return ct.load(a, index, shape, padding_mode=ZERO)
+
+
+def _operand_tiles(a, b, m, n, kk, TM, TN, TK, LATENCY):
+    """a's (m, kk) and b's (kk, n) tiles, with the loads' latency hint (0: none)."""
+    return _load(a, (m, kk), (TM, TK), LATENCY), _load(b, (kk, n), (TK, TN), LATENCY)
 
 
 def _scaled_tile(a, b, sa, sb, m, n, TM, TN, TK, FAST_ACC, WIDEN, LATENCY):
@@ -248,14 +250,11 @@ def quantize_1x128_kernel(x, q, s_t, fp8_max, TR: ct.Constant[int], G: ct.Consta
         ct.store(s_t, (c, r), ct.transpose(ct.reshape(scale, (TR, G))))
 
 
-def _block_rows(x, r, c, TR, G, LATENCY=0):
+def _block_rows(x, r, c, TR, G, LATENCY):
     """Rows [r * TR, (r + 1) * TR) x column blocks [c * G, (c + 1) * G) of x as (TR, G, 128)
-    float32. LATENCY > 0: the load's latency hint (how far ahead the compiler issues it)."""
-    if ct.static_eval(LATENCY > 0):
-        xt = ct.load(x, (r, c), (TR, G * BLOCK), padding_mode=ZERO, latency=LATENCY)
-    else:
-        xt = ct.load(x, (r, c), (TR, G * BLOCK), padding_mode=ZERO)
-    return ct.reshape(xt.astype(ct.float32), (TR, G, BLOCK))
+    float32, loaded with the latency hint LATENCY (0: none)."""
+    xt = _load(x, (r, c), (TR, G * BLOCK), LATENCY).astype(ct.float32)
+    return ct.reshape(xt, (TR, G, BLOCK))
 
 
 def _store_block_rows(q, x3, scale, fp8_max, r, c, TR, G):
@@ -277,7 +276,7 @@ def quantize_128x128_kernel(x, q, s, fp8_max, TR: ct.Constant[int], G: ct.Consta
         r = t // col_tiles
         c = t % col_tiles
         if ct.static_eval(TR == BLOCK):
-            x3 = _block_rows(x, r, c, BLOCK, G)
+            x3 = _block_rows(x, r, c, BLOCK, G, LATENCY)
             scale = _fp8_scale(_abs_max(x3, (0, 2)), fp8_max)             # (1, G, 1)
             _store_block_rows(q, x3, scale, fp8_max, r, c, BLOCK, G)
         else:
