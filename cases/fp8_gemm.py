@@ -14,16 +14,17 @@ KB = F8.BLOCK
 # Ahead-of-time compile cases. GEMM: every config of both kernel families at 4096^3, rowwise /
 # 1x128 x 128x128, e4m3, B column-major, bf16 out: the exact-accumulation spaces of sm_90, sm_100
 # and other archs (each config once) and sm_90's fast-accumulation space of the rowwise kernel
-# (use_fast_acc changes the kernel; block scaling has one mode); then the exact default in every other variant the op launches: tensorwise
-# (one-element scales), row-major B, e4m3 x e5m2 both ways (float16 path), fp32 out (fp16 compiles
-# as bf16 does), ragged sizes, decode (M = 1), the other two block pairings, K-major scale_a, K
-# not a multiple of 128.
+# (use_fast_acc changes the kernel; block scaling has one mode); then the exact default in every
+# other variant the op launches: tensorwise (one-element scales), row-major B, e4m3 x e5m2 both
+# ways (float16 path), fp32 out (fp16 compiles as bf16 does), ragged sizes, decode (M = 1), the
+# other two block pairings, K-major scale_a, K not a multiple of 128.
 # Quantizers: every config of each kernel at 4096 x 4096 bf16; the other keys with a space of
 # their own (the row space at K 14336, where rows are read in chunks, and the transposed-view
 # spaces) compile their default and each (tile, warps) pair once, at its highest occupancy:
 # occupancy only caps the registers (a tighter cap spills, it does not fail), and the GPU tests
 # run every config. Then the defaults for fp32 input (fp16 compiles as bf16 does), e5m2 output,
-# ragged and transposed x, and a single row. Arguments come from the op's own `args` functions.
+# ragged and transposed x (the pair quantizer launches a transposed x as its row-major x.t()),
+# and a single row. Arguments come from the op's own `args` functions.
 
 
 def _gemm_params(cfg, M, N, K, *, mode="row", a_dt=E4M3, b_dt=E4M3, b_col=True, out=BF16,
@@ -103,8 +104,15 @@ def _gemm_cases():
 QUANT = {"row": (F8._quantize_row, F8._row_args, F8.row_configs),
          "block1x128": (F8._quantize_1x128, F8._1x128_args, F8.block1x128_configs),
          "block128x128": (F8._quantize_128x128, F8._128x128_args, F8.block128x128_configs),
+         "pair": (F8._quantize_pair, F8._pair_args, F8.pair_configs),
          "amax": (F8._tensor_amax, F8._amax_args, F8.amax_configs),
          "tensor": (F8._quantize_tensor, F8._tensor_args, F8.tensor_configs)}
+
+
+def _block_scales(M, K):
+    """The (cdiv(M, 128), cdiv(K, 128)) view of 128x128 scales in rows padded to 16 bytes."""
+    rows = F8._block_scale_storage(M, K)
+    return jit_array(torch.float32, (rows[0], F8.cdiv(K, KB)), (rows[1], 1))
 
 
 def _quant_params(kind, cfg, M, K, *, x_dt=BF16, q_dt=E4M3, x_t=False):
@@ -123,9 +131,11 @@ def _quant_params(kind, cfg, M, K, *, x_dt=BF16, q_dt=E4M3, x_t=False):
         params = args(cfg, x, q, jit_array(torch.float32, (M, 1)), fp8_max)
     elif kind == "block1x128":
         params = args(cfg, x, q, jit_array(torch.float32, (kb, M), (F8.f32_row(M), 1)), fp8_max)
-    else:       # the (cdiv(M, 128), kb) view of rows padded to a multiple of 4
-        rows = F8._block_scale_storage(M, K)
-        params = args(cfg, x, q, jit_array(torch.float32, (rows[0], kb), (rows[1], 1)), fp8_max)
+    elif kind == "block128x128":
+        params = args(cfg, x, q, _block_scales(M, K), fp8_max)
+    else:       # the pair: x and its transposed view, the FP8 and scales of each
+        params = args(cfg, x, jit_array(x_dt, (K, M), (1, K)), q, _block_scales(M, K),
+                      jit_array(q_dt, (K, M)), _block_scales(K, M), fp8_max)
     return [F32 if isinstance(p, float) else p for p in params]
 
 
@@ -157,6 +167,8 @@ def _quant_cases():
                 continue                      # the same tiles as the ragged case
             if per_layout and "x_t" in kw:
                 continue                      # the transposed space's default, compiled above
+            if kind == "pair" and "x_t" in kw:
+                continue                      # a transposed x is launched as x.t() (row-major)
             cfg = next(gen("sm_90", M, K))
             yield CompileCase("fp8_gemm", tuner.build(cfg), _quant_params(kind, cfg, M, K, **kw),
                               f"quantize {kind} {label} {vars(cfg)}")
@@ -241,6 +253,20 @@ def _quant_case(M, K, granularity, transposed=False):
                      ceiling=("copy", lambda: copy_out.copy_(x)), ceiling_scale=0.75)
 
 
+def _pair_case(M, K):
+    """quantize_fp8_pair's 128x128 kernel (x once, both FP8 tensors out: 4 bytes an element,
+    a copy's) against the two quantize_fp8 calls it replaces and the torch reference of both."""
+    x = torch.randn(M, K, device="cuda", dtype=BF16)
+    copy_out = torch.empty_like(x)
+    g = "block128x128"
+    peers = {"tiletune_two_calls": lambda: (F8.quantize_fp8(x, g), F8.quantize_fp8(x.t(), g)),
+             "torch": lambda: (F8.quantize_fp8_reference(x, g),
+                               F8.quantize_fp8_reference(x.t(), g))}
+    return BenchCase("fp8_gemm", f"quantize_fp8_pair {g} {M}x{K} bf16", "fwd",
+                     lambda: F8.quantize_fp8_pair(x, g), peers, bytes=4.0 * x.numel(),
+                     ceiling=("copy", lambda: copy_out.copy_(x)))
+
+
 LINEAR_SHAPES = ((4096, 4096, 4096), (16384, 4096, 14336))      # tokens, in, out features
 
 
@@ -266,6 +292,7 @@ def bench_cases(full=False):
     cases += [_quant_case(M, K, g) for M, K in QUANT_SHAPES for g in F8.GRANULARITIES]
     cases += [_quant_case(M, K, g, transposed=True) for M, K in QUANT_SHAPES
               for g in ("row", "block1x128", "block128x128")]
+    cases += [_pair_case(M, K) for M, K in QUANT_SHAPES]
     cases += [_linear_case(*shape, r) for shape in LINEAR_SHAPES for r in F8.RECIPES]
     return cases
 

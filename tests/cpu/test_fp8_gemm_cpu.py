@@ -69,7 +69,7 @@ def test_the_accumulation_modes_have_their_own_spaces():
 
 
 QUANT_GENS = (F8.row_configs, F8.block1x128_configs, F8.block128x128_configs,
-              F8.tensor_configs, F8.amax_configs)
+              F8.pair_configs, F8.tensor_configs, F8.amax_configs)
 LAYOUT_GENS = (F8.row_configs, F8.block1x128_configs, F8.block128x128_configs)
 QUANT_SHAPES = [(4096, 4096), (16384, 14336), (1, 16), (1000, 1000), (7, 200), (128, 65536)]
 
@@ -298,6 +298,33 @@ QBAD = [
 def test_quantize_bad_input(args, error, message):
     with pytest.raises(error, match="^quantize_fp8: " + message):
         quantize_fp8(*args)
+    with pytest.raises(error, match="^quantize_fp8_pair: " + message):
+        F8.quantize_fp8_pair(*args)
+
+
+def test_quantize_pair_launches_the_row_major_side(monkeypatch):
+    """The pair kernel reads x through both majors; a transposed view is launched as its
+    row-major x.t() with the outputs swapped, so x^T's FP8 lands in q_t either way; the scales
+    are each side's quantize_fp8 storage. Other granularities are two quantize_fp8 calls."""
+    monkeypatch.setattr(F8, "device_arch", lambda dev: "sm_90")
+    seen = []
+    monkeypatch.setattr(F8._quantize_pair, "launch", lambda key, dev, *a: seen.append((key, a)))
+    for x in (torch.zeros(300, 1000, dtype=BF16), torch.zeros(1000, 300, dtype=BF16).t()):
+        (q, s), (q_t, s_t) = F8._quantize_pair_raw(x, E5M2)
+        key, (xa, xb, qa, sa, qb, sb, fp8_max) = seen[-1]
+        assert xa.stride(-1) == 1 and xb.data_ptr() == xa.data_ptr()
+        assert xb.shape == xa.t().shape
+        assert key[1:-1] == (*xa.shape, BF16, "row", E5M2) and fp8_max == 57344.0
+        assert (q.shape, q_t.shape) == ((300, 1000), (1000, 300)) and q.dtype == E5M2
+        assert (s.shape, s_t.shape) == (F8._block_scale_storage(300, 1000),
+                                        F8._block_scale_storage(1000, 300))
+        row_major_side = (qa, sa) if x.stride(-1) == 1 else (qb, sb)
+        assert row_major_side[0] is q and row_major_side[1].data_ptr() == s.data_ptr()
+    calls = []
+    monkeypatch.setattr(F8, "_check_quantize", lambda *a, **kw: None)      # CPU tensors
+    monkeypatch.setattr(F8, "quantize_fp8", lambda x, g, dt: calls.append((x.shape, g)) or g)
+    assert F8.quantize_fp8_pair(torch.zeros(8, 16, dtype=BF16), "row") == ("row", "row")
+    assert calls == [((8, 16), "row"), ((16, 8), "row")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,6 +498,9 @@ def test_fake_implementations_match_the_result_shapes():
                          ("block128x128", (3, 8))]:
             q, s = F8._quantize_op(x, g, E5M2)
             assert q.shape == (300, 1000) and q.dtype == E5M2 and s.shape == shape
+        q, s, q_t, s_t = F8._quantize_pair_op(x, E4M3)
+        assert (q.shape, s.shape, q_t.shape, s_t.shape) == ((300, 1000), (3, 8), (1000, 300),
+                                                            (8, 4))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ with DeepGEMM's measure (1 - 2 sum(xy) / sum(x^2 + y^2) < 1e-3) in every scaling
 accumulation modes, odd M and N, K not a multiple of 128, both B layouts, e5m2 on either side,
 every out dtype, tuned and DISABLE_AUTOTUNE, outputs poisoned first; every config of every
 space; against torch._scaled_mm where it takes the mode. quantize_fp8 bit-exact against its
-torch reference for every granularity, format and input dtype. out=, torch.compile, the AOT
+torch reference for every granularity, format and input dtype; quantize_fp8_pair against it for
+x and x.t(). out=, torch.compile, the AOT
 signatures against the JIT's."""
 import pytest
 import torch
@@ -210,12 +211,13 @@ def test_compile_fullgraph(fresh, monkeypatch):
 
     def step(x, w):
         a, sa = quantize_fp8(x, "block1x128")
-        w8, sw = quantize_fp8(w, "block128x128")
-        return fp8_mm(a, w8.t(), sa, sw.t())
+        (w8, sw), (w8_t, sw_t) = F8.quantize_fp8_pair(w, "block128x128")
+        return fp8_mm(a, w8.t(), sa, sw.t()), w8_t, sw_t
     eager = step(x, w)
     compiled = torch.compile(step, fullgraph=True)(x, w)
-    assert diff(compiled, eager) < 1e-12
-    assert diff(eager, x.double() @ w.double().t()) < 2e-3     # quantization error included
+    assert diff(compiled[0], eager[0]) < 1e-12
+    assert same_bits(compiled[1], eager[1]) and torch.equal(compiled[2], eager[2])
+    assert diff(eager[0], x.double() @ w.double().t()) < 2e-3   # quantization error included
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,6 +322,60 @@ def test_quantize_every_config_strides_over_many_tiles(fresh, monkeypatch, granu
         assert torch.equal(q.float()[fin], rq.float()[fin])
 
 
+def check_pair(x, granularity, dtype=E4M3):
+    """quantize_fp8_pair(x) is quantize_fp8's reference of x and of x.t(), bit for bit, in the
+    layouts quantize_fp8 gives each (outputs poisoned first)."""
+    poison_allocator(torch)
+    (q, s), (q_t, s_t) = F8.quantize_fp8_pair(x, granularity, dtype)
+    for (got_q, got_s), xi in [((q, s), x), ((q_t, s_t), x.t())]:
+        rq, rs = quantize_fp8_reference(xi, granularity, dtype)
+        assert got_q.dtype == dtype and got_q.shape == xi.shape and got_q.is_contiguous()
+        assert got_s.shape == rs.shape
+        assert torch.equal(torch.isnan(got_s), torch.isnan(rs))
+        assert torch.equal(torch.nan_to_num(got_s), torch.nan_to_num(rs))
+        fin = ~torch.isnan(rq.float())
+        assert torch.equal(torch.isnan(got_q.float()), ~fin)
+        if fin.all():
+            assert same_bits(got_q, rq), (got_q.float() != rq.float()).sum()
+        else:
+            assert torch.equal(got_q.float()[fin], rq.float()[fin])
+        if granularity == "block128x128":          # 16-byte scale rows, as quantize_fp8's
+            assert got_s.stride(1) == 1 and (got_s.stride(0) * 4) % 16 == 0
+
+
+PAIR_CASES = [((1000, 1000), BF16), ((130, 300), BF16), ((1, 4096), BF16), ((4096, 128), BF16),
+              ((257, 14336), BF16), ((1000, 1000), torch.float16), ((130, 300), torch.float32)]
+
+
+@pytest.mark.parametrize("shape,xdt", PAIR_CASES, ids=str)
+@pytest.mark.parametrize("transposed", [False, True], ids=["row-major", "transposed"])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_pair_is_bit_exact(fresh, monkeypatch, shape, xdt, transposed, dtype):
+    """128x128 through the one-read kernel (both layouts of x); the other granularities
+    through two quantize_fp8 calls, checked at one shape."""
+    if shape != (1000, 1000) or xdt != BF16:
+        monkeypatch.setenv("DISABLE_AUTOTUNE", "1")    # one tuned key per layout
+    x = quant_input(*shape, xdt, transposed=transposed)
+    check_pair(x, "block128x128", dtype)
+    if shape == (130, 300) and xdt == BF16:
+        for g in ("tensor", "row", "block1x128"):
+            check_pair(x, g, dtype)
+
+
+def test_quantize_pair_every_config_many_tiles_and_nan(fresh, monkeypatch):
+    """Every config on more tiles than CTAs, ragged on both dims, both layouts; then a NaN in
+    the last block reaches both scales and no other block."""
+    for x in [quant_input(2999, 4100, BF16), quant_input(2999, 4100, BF16, transposed=True)]:
+        x[-1, -1] = 1e6
+        for cfg in each_config(monkeypatch, F8._quantize_pair,
+                               list(F8.pair_configs("sm_90", 4096, 4100))):
+            assert 24 * 33 > sm_count(0) * cfg.occupancy
+            check_pair(x, "block128x128")
+        x[-1, -1] = float("nan")
+        check_pair(x, "block128x128")
+    assert F8.quantize_fp8_pair(torch.zeros(0, 300, device="cuda"))[1][0].shape == (300, 0)
+
+
 def test_quantize_then_gemm_matches_bf16(fresh, monkeypatch):
     """DeepSeek-V3's recipe end to end: 1x128 activations, 128x128 weights."""
     x = torch.randn(1024, 2048, device="cuda", dtype=BF16)
@@ -368,8 +424,13 @@ def test_quantizer_aot_signatures_match_the_jit(transposed):
     inputs = {"row": (x, q, f32((M, 1)), 448.0),
               "block1x128": (x, q, f32(F8._scale_storage("block1x128", M, K))[:, :M], 448.0),
               "block128x128": (x, q, f32(F8._block_scale_storage(M, K))[:, :K // 128], 448.0),
+              "pair": (x, x.t(), q, f32(F8._block_scale_storage(M, K))[:, :K // 128],
+                       torch.empty(K, M, device="cuda", dtype=E4M3),
+                       f32(F8._block_scale_storage(K, M))[:, :M // 128], 448.0),
               "amax": (x, bits), "tensor": (x, bits, q, f32((1,)), 448.0)}
     for kind, (tuner, args, gen) in C.QUANT.items():
+        if kind == "pair" and transposed:
+            continue                    # launched as the row-major x.t()
         col = transposed and tuner in F8.LAYOUT_TUNERS
         cfg = next(gen("sm_90", M, K, col=True) if col else gen("sm_90", M, K))
         jit = KernelSignature.from_kernel_args(tuner.build(cfg), args(cfg, *inputs[kind]),
