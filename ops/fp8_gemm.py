@@ -250,16 +250,28 @@ def quantize_1x128_kernel(x, q, s_t, fp8_max, TR: ct.Constant[int], G: ct.Consta
         ct.store(s_t, (c, r), ct.transpose(ct.reshape(scale, (TR, G))))
 
 
-def _block_rows(x, r, c, TR, G, LATENCY):
-    """Rows [r * TR, (r + 1) * TR) x column blocks [c * G, (c + 1) * G) of x as (TR, G, 128)
-    float32, loaded with the latency hint LATENCY (0: none)."""
+def _block_tile(x, r, c, TR, G, LATENCY, FLAT):
+    """Rows [r * TR, (r + 1) * TR) x column blocks [c * G, (c + 1) * G) of x in float32, loaded
+    with the latency hint LATENCY (0: none): (TR, 128) when FLAT (G is 1), else (TR, G, 128)."""
     xt = _load(x, (r, c), (TR, G * BLOCK), LATENCY).astype(ct.float32)
-    return ct.reshape(xt, (TR, G, BLOCK))
+    if ct.static_eval(FLAT):
+        tile = xt
+    else:
+        tile = ct.reshape(xt, (TR, G, BLOCK))
+    return tile
 
 
-def _store_block_rows(q, x3, scale, fp8_max, r, c, TR, G):
-    qt = _fp8_cast(x3, scale, fp8_max, q.dtype)
-    ct.store(q, (r, c), ct.reshape(qt, (TR, G * BLOCK)))
+def _block_amax(tile, FLAT):
+    """Per block: (1, 1) of a FLAT tile, (1, G, 1) of a (TR, G, 128) one."""
+    if ct.static_eval(FLAT):
+        amax = ct.max(_abs_max(tile, 1), 0, keepdims=True, propagate_nan=True)
+    else:
+        amax = _abs_max(tile, (0, 2))
+    return amax
+
+
+def _store_block_tile(q, tile, scale, fp8_max, r, c, TR, G):
+    ct.store(q, (r, c), ct.reshape(_fp8_cast(tile, scale, fp8_max, q.dtype), (TR, G * BLOCK)))
 
 
 def _block_chunks(rows, block, TR):
@@ -272,38 +284,33 @@ def _block_chunks(rows, block, TR):
 
 @ct.kernel
 def quantize_128x128_kernel(x, q, s, fp8_max, TR: ct.Constant[int], G: ct.Constant[int],
-                            LATENCY: ct.Constant[int]):
+                            LATENCY: ct.Constant[int], FLAT: ct.Constant[bool]):
     """128x128 blocks: s (cdiv(M, 128), cdiv(K, 128)). Each CTA strides over tiles of 128 rows x
     G blocks (a persistent grid). TR 128: the tile is read once; TR 16-64: it is read in chunks
     of TR rows, twice (amax, then quantize: the block, 32 KiB in bf16, was just read into L2).
     Chunks wholly below the last row are skipped (a load wholly outside x is undefined). The
     amax is the same max in any grouping, so the results do not depend on TR. LATENCY > 0: the
-    chunk loads' latency hint."""
+    chunk loads' latency hint. FLAT: 2-D (TR, 128) tiles, else (TR, G, 128) (see
+    block128x128_configs for which wins where)."""
     col_tiles = ct.cdiv(x.shape[1], G * BLOCK)
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], BLOCK) * col_tiles, ct.num_blocks(0)):
         r = t // col_tiles
         c = t % col_tiles
         if ct.static_eval(TR == BLOCK):
-            x3 = _block_rows(x, r, c, BLOCK, G, LATENCY)
-            scale = _fp8_scale(_abs_max(x3, (0, 2)), fp8_max)             # (1, G, 1)
-            _store_block_rows(q, x3, scale, fp8_max, r, c, BLOCK, G)
+            tile = _block_tile(x, r, c, BLOCK, G, LATENCY, FLAT)
+            scale = _fp8_scale(_block_amax(tile, FLAT), fp8_max)
+            _store_block_tile(q, tile, scale, fp8_max, r, c, BLOCK, G)
         else:
             first, chunks = _block_chunks(x.shape[0], r, TR)
-            amax = ct.zeros((1, G, 1), ct.float32)
+            amax = ct.zeros((1, 1) if FLAT else (1, G, 1), ct.float32)
             for i in range(chunks):
-                x3 = _block_rows(x, first + i, c, TR, G, LATENCY)
-                amax = ct.maximum(amax, _abs_max(x3, (0, 2)), propagate_nan=True)
+                tile = _block_tile(x, first + i, c, TR, G, LATENCY, FLAT)
+                amax = ct.maximum(amax, _block_amax(tile, FLAT), propagate_nan=True)
             scale = _fp8_scale(amax, fp8_max)
             for i in range(chunks):
-                x3 = _block_rows(x, first + i, c, TR, G, LATENCY)
-                _store_block_rows(q, x3, scale, fp8_max, first + i, c, TR, G)
+                tile = _block_tile(x, first + i, c, TR, G, LATENCY, FLAT)
+                _store_block_tile(q, tile, scale, fp8_max, first + i, c, TR, G)
         ct.store(s, (r, c), ct.reshape(scale, (1, G)))
-
-
-def _chunk(x, i, c, TR):
-    """Rows [i * TR, (i + 1) * TR) of column block c of x, float32 (TR, 128): kept 2-D, as the
-    3-D (TR, 1, 128) form of _block_rows ran the pair kernel 1.5x slower on an H100."""
-    return ct.load(x, (i, c), (TR, BLOCK), padding_mode=ZERO).astype(ct.float32)
 
 
 @ct.kernel
@@ -312,7 +319,8 @@ def quantize_128x128_pair_kernel(x, x_t, q, s, q_t, s_t, fp8_max, TR: ct.Constan
     x.t() view. The blocks of x^T are x's blocks transposed, so one amax serves both. Each
     block is read from memory once, in chunks of TR rows through x (amax, then q), then in
     chunks of TR rows through x_t (q_t), which L2 serves in the major the stores want; a
-    transpose of the FP8 tile in registers instead ran 5% slower on an H100."""
+    transpose of the FP8 tile in registers instead ran 5% slower on an H100. 2-D (FLAT) tiles:
+    on (TR, 1, 128) tiles this kernel ran 1.7x slower at its winning config."""
     col_tiles = ct.cdiv(x.shape[1], BLOCK)
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], BLOCK) * col_tiles, ct.num_blocks(0)):
         r = t // col_tiles
@@ -320,17 +328,16 @@ def quantize_128x128_pair_kernel(x, x_t, q, s, q_t, s_t, fp8_max, TR: ct.Constan
         first, chunks = _block_chunks(x.shape[0], r, TR)
         amax = ct.zeros((1, 1), ct.float32)
         for i in range(chunks):
-            chunk = _chunk(x, first + i, c, TR)
-            amax = ct.maximum(amax, ct.max(_abs_max(chunk, 1), 0, keepdims=True,
-                                           propagate_nan=True), propagate_nan=True)
+            tile = _block_tile(x, first + i, c, TR, 1, 0, True)
+            amax = ct.maximum(amax, _block_amax(tile, True), propagate_nan=True)
         scale = _fp8_scale(amax, fp8_max)
         for i in range(chunks):
-            ct.store(q, (first + i, c), _fp8_cast(_chunk(x, first + i, c, TR), scale, fp8_max,
-                                                  q.dtype))
+            tile = _block_tile(x, first + i, c, TR, 1, 0, True)
+            _store_block_tile(q, tile, scale, fp8_max, first + i, c, TR, 1)
         first, chunks = _block_chunks(x.shape[1], c, TR)
         for i in range(chunks):
-            ct.store(q_t, (first + i, r), _fp8_cast(_chunk(x_t, first + i, r, TR), scale,
-                                                    fp8_max, q_t.dtype))
+            tile = _block_tile(x_t, first + i, r, TR, 1, 0, True)
+            _store_block_tile(q_t, tile, scale, fp8_max, first + i, r, TR, 1)
         ct.store(s, (r, c), scale)
         ct.store(s_t, (c, r), scale)
 
@@ -521,8 +528,8 @@ def block1x128_configs(arch, m, k, col=False):
 
 
 def block128x128_configs(arch, m, k, col=False):
-    """(tr, g, occupancy, num_worker_warps): tiles of 128 rows x G blocks of 128 columns on a
-    persistent grid (as the rowwise and 1x128 quantizers). tr 128 reads the tile once: 16k floats
+    """(tr, g, occupancy, num_worker_warps, latency, flat): tiles of 128 rows x G blocks of 128
+    columns on a persistent grid (as the rowwise and 1x128 quantizers). tr 128 reads the tile once: 16k floats
     at 8 warps, occupancy 2 (the rowwise quantizer's rule for 16k tiles); tr 32 or 64 read it
     twice in chunks of tr rows, which leaves registers for occupancy 4 or 4 warps (searched,
     as for the rowwise quantizer, only on those two-pass tiles). col: x is a transposed view
@@ -531,22 +538,29 @@ def block128x128_configs(arch, m, k, col=False):
     slower and is left out. The last field, latency (0: no hint), is the chunk loads' hint: on
     an H100 (16384x4096 transposed view) 32-row chunks at 8 warps, occupancy 4 ran 1.23x faster
     at 8 (108.6 against 133.8 us) and no faster at 2 or 4; the other chunk shapes gained at most
-    8% (64 rows, 4 warps) or lost up to 15% at 8, and the row-major tiles lost at 8."""
+    8% (64 rows, 4 warps) or lost up to 15% at 8, and the row-major tiles lost at 8. flat: the
+    kernel's tiles are 2-D (TR, 128) rather than (TR, 1, 128): on an H100 (16384x4096 and
+    4096x14336, every config in turns) the row-major space ran 1.16x faster at its winner (whole
+    blocks, 82.1 against 95.1 us and 72.7 against 84.5) and 1.08-2.1x at every other entry; on
+    the transposed view 2-D tiles were 0-20% slower and did not take the latency hint (137.7
+    against 107.5 us at the hinted entry), so that space keeps the 3-D form."""
     if col:
         rows = [(32, 4, 4), (16, 4, 4), (32, 4, 8), (32, 4, 8, 8), (64, 2, 4), (64, 2, 8),
                 (128, 2, 8)]
     else:
         rows = [(128, 2, 8), (64, 2, 8), (64, 4, 8), (32, 2, 8), (32, 4, 8), (32, 4, 4),
                 (64, 2, 4)]
-    yield from table(("tr", "occupancy", "num_worker_warps", "latency"), rows, g=1, latency=0)
+    yield from table(("tr", "occupancy", "num_worker_warps", "latency"), rows, g=1, latency=0,
+                     flat=not col)
 
 
 def pair_configs(arch, m, k):
     """(tr, occupancy, num_worker_warps) of the 128x128 quantize-and-transpose: chunks of tr
     rows, each block read through both majors. On an H100 (16384x4096 and 4096x14336 bf16) 32-row
     chunks at 8 warps and occupancy 2 ran 1.15x two quantize_fp8 calls; 64 rows 1.10-1.11x; 4
-    warps at occupancy 4 1.07-1.08x; whole 128-row blocks 0.91x and 16-row chunks less, so
-    neither is searched."""
+    warps at occupancy 4 1.07-1.08x; whole 128-row blocks 0.91x, so they are not searched.
+    (The two calls then ran on (TR, 1, 128) tiles, 178-200 us; since the 128x128 quantizer's
+    row-major tiles are 2-D the pair runs 1.08x them.)"""
     yield from table(("tr", "occupancy", "num_worker_warps"),
                      [(32, 2, 8), (64, 2, 8), (32, 4, 4), (64, 4, 4)])
 
@@ -663,7 +677,7 @@ def _128x128_grid(cfg, dev, x, q, s, fp8_max):
 
 
 def _128x128_args(cfg, x, q, s, fp8_max):
-    return (x, q, s, fp8_max, cfg.tr, cfg.g, getattr(cfg, "latency", 0))
+    return (x, q, s, fp8_max, cfg.tr, cfg.g, cfg.latency, cfg.flat)
 
 
 def _pair_grid(cfg, dev, x, *rest):
@@ -696,7 +710,7 @@ _quantize_1x128 = Autotuner("quantize_fp8_1x128", quantize_1x128_kernel, block1x
 _quantize_128x128 = Autotuner("quantize_fp8_128x128", quantize_128x128_kernel,
                               block128x128_configs,
                               default=SimpleNamespace(tr=128, g=1, occupancy=2,
-                                                      num_worker_warps=8),
+                                                      num_worker_warps=8, latency=0, flat=True),
                               space=_layout_space, grid=_128x128_grid, args=_128x128_args,
                               work=_quant_work, tune_key=_BY_ROWS)
 # x is read once and both FP8 tensors written: 2 bytes an element more than x's
@@ -1124,7 +1138,7 @@ def quantize_fp8_pair(x, granularity="block128x128", dtype=torch.float8_e4m3fn):
     weight quantized once for the forward (along K) and the input gradient (along N).
 
     block128x128: one kernel reads x once and writes both (x^T's blocks are x's transposed, so
-    they share the scales' values); on an H100 1.15x the two calls at 16384x4096 and
+    they share the scales' values); on an H100 1.08x the two calls at 16384x4096 and
     4096x14336 bf16. The other granularities run as the two quantize_fp8 calls: a row's or
     tensor's scale along the other major needs a whole column's amax first, and a one-read
     1x128 kernel ran no faster than two calls (1.00x on an H100). Arguments and errors as

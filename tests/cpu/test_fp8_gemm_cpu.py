@@ -111,8 +111,10 @@ def test_128x128_space(col):
         assert {c.tr for c in cfgs} >= {32, 64, 128}
         assert {c.occupancy for c in cfgs} == {2, 4} and {c.num_worker_warps for c in cfgs} \
             == {4, 8}
-        # the latency hint only on a chunked transposed entry (where it measured faster)
+        # the latency hint only on a chunked transposed entry (where it measured faster); 2-D
+        # tiles on row-major x only (where they measured faster)
         assert all(c.latency == 0 or (col and c.tr < 128) for c in cfgs)
+        assert all(c.flat == (not col) for c in cfgs)
 
 
 @pytest.mark.parametrize("gen", (F8.tensor_configs, F8.amax_configs), ids=lambda g: g.__name__)
@@ -442,7 +444,7 @@ def test_quantizer_launches(launches, monkeypatch):
         F8._quantize_128x128.launch(("k", 300), 0, x, q, s_b, 448.0)
         tiles = 3 * -(-1000 // (cfg.g * 128))
         assert launches[-1] == ((F8.persistent_ctas(tiles, 0, cfg.occupancy),), "kernel",
-                                (x, q, s_b, 448.0, cfg.tr, cfg.g, cfg.latency))
+                                (x, q, s_b, 448.0, cfg.tr, cfg.g, cfg.latency, cfg.flat))
     # the tensorwise launches: SMs x occupancy CTAs once the tiles outnumber them
     big = torch.randn(4096, 4096, dtype=BF16)
     bits, s1 = torch.zeros(1, dtype=torch.int32), torch.empty(1)
