@@ -529,10 +529,10 @@ def block1x128_configs(arch, m, k, col=False):
 
 def block128x128_configs(arch, m, k, col=False):
     """(tr, g, occupancy, num_worker_warps, latency, flat): tiles of 128 rows x G blocks of 128
-    columns on a persistent grid (as the rowwise and 1x128 quantizers). tr 128 reads the tile once: 16k floats
-    at 8 warps, occupancy 2 (the rowwise quantizer's rule for 16k tiles); tr 32 or 64 read it
-    twice in chunks of tr rows, which leaves registers for occupancy 4 or 4 warps (searched,
-    as for the rowwise quantizer, only on those two-pass tiles). col: x is a transposed view
+    columns on a persistent grid (as the rowwise and 1x128 quantizers). tr 128 reads the tile
+    once: 16k floats at 8 warps, occupancy 2 (the rowwise quantizer's rule for 16k tiles); tr 32
+    or 64 read it twice in chunks of tr rows, which leaves registers for occupancy 4 or 4 warps
+    (searched, as for the rowwise quantizer, only on those two-pass tiles). col: x is a transposed view
     (its rows are contiguous): chunks 16-32 rows tall first, 32 rows at 4 warps as the 1x128
     quantizer's transposed winner. G = 2 (256 float32 columns per row of the tile) compiled 5x
     slower and is left out. The last field, latency (0: no hint), is the chunk loads' hint: on

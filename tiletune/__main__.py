@@ -308,16 +308,18 @@ def _tune_specs(parser, args):
     return specs
 
 
+def _tune_fail(message):
+    print(f"tiletune tune: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
 def cmd_tune(args):
-    """Tune every key of the given model shapes on this GPU, save them to the store, and
-    optionally export the winners as a shipped file."""
+    """Tune every key of the given model shapes on this GPU (or, under torchrun, on the job's
+    GPUs, each rank a share of the shapes), save them to the store, and optionally export the
+    winners as a shipped file."""
     import torch
     from tiletune import autotune, pretune
-
-    def fail(message):
-        print(f"tiletune tune: {message}", file=sys.stderr, flush=True)
-        return 2
-
+    fail = _tune_fail
     if not torch.cuda.is_available():
         return fail("no CUDA GPU here: tune runs the model's kernels on one to time them; "
                     "nothing was tuned. Run it on the GPU model the winners are for.")
@@ -337,34 +339,69 @@ def cmd_tune(args):
             store.read_shipped(args.export)
         except (OSError, ValueError) as e:
             return fail(f"cannot export to {args.export}: {type(e).__name__}: {e}")
-    from tiletune import device
+    rank, world = pretune.start_job()     # under torchrun: the ranks share the work out
+    try:
+        return _tune_job(args, path, rank, world)
+    finally:
+        pretune.end_job(world)
+
+
+def _tune_job(args, path, rank, world):
+    """cmd_tune on this rank of a job of `world` ranks (1: this GPU alone): rank 0 prints the
+    header, the job's summary and writes the export; every rank prints its own keys."""
+    import torch
+    from tiletune import autotune, device, pretune
     gpu = device.gpu_name(torch.cuda.current_device())
     arch = device.arch()
     seqs = list(dict.fromkeys(args.seq))
-    print(f"tuning on {gpu} ({arch}) at batch {args.batch} x seq "
-          f"{', '.join(map(str, seqs))}, {args.dtype}, "
-          f"{'forward only' if args.no_backward else 'forward + backward'}; store: {path}",
-          flush=True)
-    for spec in args.specs:
-        print(f"  {spec.describe()}", flush=True)
+    lead, tag = rank == 0, (f"[rank {rank}] " if world > 1 else "")
+    if lead:
+        gpus = f"{world} x {gpu}" if world > 1 else gpu
+        print(f"tuning on {gpus} ({arch}) at batch {args.batch} x seq "
+              f"{', '.join(map(str, seqs))}, {args.dtype}, "
+              f"{'forward only' if args.no_backward else 'forward + backward'}; store: {path}",
+              flush=True)
+        for spec in args.specs:
+            print(f"  {spec.describe()}", flush=True)
+    report, failed = pretune.Report(), None
     try:
         report = pretune.run(args.specs, seqs, args.batch, pretune.DTYPES[args.dtype],
-                             not args.no_backward, out=lambda line: print(line, flush=True))
+                             not args.no_backward, out=lambda line: print(tag + line, flush=True),
+                             share=(rank, world))
     except autotune.TuningFailedError as e:
-        print(e, file=sys.stderr)
+        failed = str(e)
+    # every rank takes part in the gather, a failed one too: no rank waits for one that left
+    mine = {"failed": failed, "search": report.count("search"), "search_s": report.search_s(),
+            "store": report.count("store"), "shipped": report.count(store.SHIPPED),
+            "wall_s": report.wall_s,
+            "rows": pretune.used_rows() if args.export and not args.all else []}
+    parts = pretune.gather(mine, world)
+    if failed:
+        print(tag + failed, file=sys.stderr)
+    if any(p["failed"] for p in parts):
         return 1
-    n = report.count("search")
-    print(f"{n} key{'' if n == 1 else 's'} tuned in {report.search_s():.1f}s of search "
-          f"({report.count('store')} already in the store, {report.count(store.SHIPPED)} "
-          f"shipped); {report.wall_s:.1f}s in all; store: {path}")
+    if not lead:
+        return 0
+    n = sum(p["search"] for p in parts)
+    ranks = f" on {world} ranks" if world > 1 else ""
+    print(f"{n} key{'' if n == 1 else 's'} tuned in {sum(p['search_s'] for p in parts):.1f}s of "
+          f"search{ranks} ({sum(p['store'] for p in parts)} already in the store, "
+          f"{sum(p['shipped'] for p in parts)} shipped); "
+          f"{max(p['wall_s'] for p in parts):.1f}s in all; store: {path}")
     if args.export:
         cuda_tile, tileiras = _installed_versions()
-        rows = (pretune.gpu_rows(gpu, arch, cuda_tile, tileiras) if args.all
-                else pretune.used_rows())
+        if args.all:
+            rows = pretune.gpu_rows(gpu, arch, cuda_tile, tileiras)
+        else:                  # each key once: the rank that decided it saved it
+            merged = {}
+            for p in parts:
+                for op, key, entry in p["rows"]:
+                    merged.setdefault((op, key), (op, key, entry))
+            rows = list(merged.values())
         try:
             written, kept = pretune.export(args.export, rows)
         except (OSError, ValueError) as e:
-            return fail(f"cannot export to {args.export}: {type(e).__name__}: {e}")
+            return _tune_fail(f"cannot export to {args.export}: {type(e).__name__}: {e}")
         print(f"exported {_entries(len(rows))} to {args.export} ({written} rows in the file"
               + (f", {kept} of them kept from it" if kept else "") + ")")
     return 0
@@ -426,7 +463,10 @@ def _tune_parser(sub):
         description="Build the model's family with one decoder layer and a small vocabulary\n"
                     "on this GPU, patch it with apply_tiletune, and run a forward and backward\n"
                     "at each --seq: every op key of that shape is searched once and saved to\n"
-                    "the store (keys do not depend on the number of layers or the vocabulary).",
+                    "the store (keys do not depend on the number of layers or the vocabulary).\n"
+                    "Under torchrun (torchrun --nproc_per_node N -m tiletune tune ...) each rank\n"
+                    "steps every N-th (model, --seq) pair; rank 0 prints the job's summary and\n"
+                    "writes --export.",
         epilog="presets:\n" + "\n".join(f"  {s.describe()}" for s in pretune.PRESETS.values()))
     t.add_argument("--preset", nargs="+", choices=list(pretune.PRESETS), metavar="NAME",
                    help=f"one or more of: {', '.join(pretune.PRESETS)}")

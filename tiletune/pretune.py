@@ -7,7 +7,9 @@ patched with tiletune (the transformers suite's builder, which a registered case
 provides: `registry.models()`), and runs one forward (and backward) at each (batch, seq): every
 key a training run of that shape meets is searched once and saved to the user's store, and the
 run itself starts with zero searches. `export` writes the winners in the shipped-file format
-(tiletune/store.py) that the package can carry as read-only defaults.
+(tiletune/store.py) that the package can carry as read-only defaults. Under torchrun the ranks
+share the (model, sequence length) pairs out (start_job, run's `share`), each stepping its own
+with tiletune.distributed's process group set.
 """
 import dataclasses
 import time
@@ -167,18 +169,25 @@ class Report:
         return sum(r.search_s for r in self.records if r.source == "search")
 
 
-def run(model_specs, seqs, batch, dtype, backward, out=print):
+def run(model_specs, seqs, batch, dtype, backward, out=print, share=(0, 1)):
     """Build each spec's model and step it at each sequence length; print a line per key
     resolved (searched, or found in the store or the shipped winners) and one per step.
+    share (rank, world size): in a job of several ranks, this rank steps every world-th
+    (spec, sequence length) pair from its rank on, so the ranks tune different keys at once
+    (a key that several ranks meet is still decided once, by tiletune.distributed).
     Returns a Report."""
+    rank, world = share
+    pairs = [(spec, seq) for spec in model_specs for seq in seqs][rank::world]
     report = Report()
     models = registry.models()
     t0 = time.perf_counter()
-    precompile.warm()        # the compile workers start while the first model builds
-    for spec in model_specs:
-        model = models.build_model(spec, max(seqs), dtype)
+    if pairs:
+        precompile.warm()    # the compile workers start while the first model builds
+    for spec in [s for s in model_specs if any(p[0] is s for p in pairs)]:
+        my_seqs = [seq for s, seq in pairs if s is spec]
+        model = models.build_model(spec, max(my_seqs), dtype)
         try:
-            for seq in seqs:
+            for seq in my_seqs:
                 before = _resolved()
                 t = time.perf_counter()
                 models.model_step(model, batch, seq, backward)
@@ -194,6 +203,43 @@ def run(model_specs, seqs, batch, dtype, backward, out=print):
             torch.cuda.empty_cache()
     report.wall_s = time.perf_counter() - t0
     return report
+
+
+def start_job(backend="nccl"):
+    """(rank, world size) of the job `python -m tiletune tune` runs in: under torchrun
+    (WORLD_SIZE > 1 in the environment) the process group is started here, on this rank's
+    GPU (LOCAL_RANK), and set as tiletune's (tiletune.distributed), so the ranks share the
+    (spec, sequence length) pairs out and decide every key once; (0, 1) otherwise."""
+    import os
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    import torch.distributed as dist
+    from tiletune import distributed
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    distributed.set_process_group()
+    return dist.get_rank(), dist.get_world_size()
+
+
+def end_job(world):
+    """Close the process group start_job started (NCCL asks for it before exit)."""
+    if world > 1:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def gather(obj, world):
+    """Every rank's `obj`, in rank order (this rank's alone outside a job)."""
+    if world <= 1:
+        return [obj]
+    import torch.distributed as dist
+    objs = [None] * world
+    dist.all_gather_object(objs, obj)
+    return objs
 
 
 def _slim(entry):

@@ -353,6 +353,88 @@ def test_tune_export_round_trips_into_the_shipped_lookup(gpu, monkeypatch, tmp_p
     assert len(store.read_shipped(str(path))[1]) == 3
 
 
+def _job(monkeypatch, rank, world, other=None):
+    """`tune` as rank `rank` of a job of `world`: the gather hands back this rank's part and,
+    for the others, `other(mine)`."""
+    monkeypatch.setattr(pretune, "start_job", lambda: (rank, world))
+    monkeypatch.setattr(pretune, "end_job", lambda world: None)
+    gathered = []
+
+    def gather(mine, w):
+        gathered.append(mine)
+        return [mine if r == rank else other(mine) for r in range(w)]
+    monkeypatch.setattr(pretune, "gather", gather)
+    return gathered
+
+
+def test_tune_in_a_job_steps_its_share_and_rank_0_reports_the_job(gpu, monkeypatch, tmp_path,
+                                                                   capsys):
+    """Under torchrun each rank steps every world-th (model, sequence length) pair; rank 0
+    prints the header and the job's summary and exports every rank's rows once; the others
+    print their own keys only."""
+    path = tmp_path / "job.json"
+    seqs = ["--seq", "1024", "2048", "4096"]
+    gathered = _job(monkeypatch, 0, 2, lambda mine: dict(
+        mine, search=2, search_s=1.5, wall_s=99.0, rows=mine["rows"][:1]))
+    assert main(["tune", "--preset", "llama3.2-1b", *seqs, "--export", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("tuning on 2 x Fake H200 (sm_90) at batch 1 x seq 1024, 2048, 4096")
+    assert gpu.built == [("llama3.2-1b", 4096, torch.bfloat16)]        # seqs 1024 and 4096
+    assert [line for line in out if "new key" in line] == [
+        line for line in out if line.startswith("[rank 0] llama3.2-1b batch 1 x seq ")]
+    assert [line.split(" x seq ")[1].split(":")[0] for line in out if "new key" in line] == \
+        ["1024", "4096"]
+    mine = gathered[0]
+    assert mine["failed"] is None and mine["search"] == 3 and len(mine["rows"]) == 3
+    assert re.match(r"5 keys tuned in \d+\.\ds of search on 2 ranks \(0 already in the store, "
+                    r"0 shipped\); 99\.0s in all", out[-2])
+    assert out[-1].startswith(f"exported 3 entries to {path}")     # rank 1's row: one of these
+    # rank 1: its share, no header, no summary, no export
+    autotune.clear_cache()
+    gpu.built.clear()
+    _job(monkeypatch, 1, 2, lambda mine: dict(mine, rows=[]))
+    assert main(["tune", "--preset", "llama3.2-1b", *seqs, "--export",
+                 str(tmp_path / "rank1.json")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert gpu.built == [("llama3.2-1b", 2048, torch.bfloat16)]
+    assert out and all(line.startswith("[rank 1] ") for line in out)
+    assert not (tmp_path / "rank1.json").exists()
+    # a rank whose search failed: every rank still gathers, and the job exits 1
+    _job(monkeypatch, 0, 2, lambda mine: dict(mine, failed="rank 1: every config failed"))
+    assert main(["tune", "--preset", "llama3.2-1b", *seqs]) == 1
+
+
+def test_start_job_joins_torchrun_and_sets_the_process_group(tmp_path):
+    """Two processes with torchrun's environment over gloo: each gets its (rank, world), the
+    job's process group is tiletune's, the gather sees both ranks in order."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = ("from tiletune import distributed, pretune\n"
+            "rank, world = pretune.start_job('gloo')\n"
+            "print(rank, world, distributed.current().world_size,\n"
+            "      pretune.gather(rank * 10, world))\n"
+            "pretune.end_job(world)\n")
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [o.strip().splitlines()[-1] for o in outs] == ["0 2 2 [0, 10]", "1 2 2 [0, 10]"]
+    env = dict(os.environ)
+    env.pop("WORLD_SIZE", None)
+    one = subprocess.run([sys.executable, "-c", "from tiletune import pretune; "
+                          "print(pretune.start_job(), pretune.gather(7, 1))"],
+                         env=env, text=True, capture_output=True, timeout=120)
+    assert one.stdout.strip() == "(0, 1) [7]", one.stderr
+
+
 def test_tune_refuses_without_autotuning_or_a_store(gpu, monkeypatch, capsys):
     monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
     assert main(["tune", "--preset", "llama3-8b"]) == 2
