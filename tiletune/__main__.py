@@ -367,9 +367,13 @@ def _tune_job(args, path, rank, world):
     try:
         report = pretune.run(args.specs, seqs, args.batch, pretune.DTYPES[args.dtype],
                              not args.no_backward, out=lambda line: print(tag + line, flush=True),
-                             share=(rank, world))
+                             share=(rank, world), sync=lambda: pretune.barrier(world))
     except autotune.TuningFailedError as e:
         failed = str(e)
+    except Exception as e:           # in a job: reported at the gather, the others not left
+        if world == 1:
+            raise
+        failed = f"{type(e).__name__}: {e}"
     # every rank takes part in the gather, a failed one too: no rank waits for one that left
     mine = {"failed": failed, "search": report.count("search"), "search_s": report.search_s(),
             "store": report.count("store"), "shipped": report.count(store.SHIPPED),
@@ -464,9 +468,9 @@ def _tune_parser(sub):
                     "on this GPU, patch it with apply_tiletune, and run a forward and backward\n"
                     "at each --seq: every op key of that shape is searched once and saved to\n"
                     "the store (keys do not depend on the number of layers or the vocabulary).\n"
-                    "Under torchrun (torchrun --nproc_per_node N -m tiletune tune ...) each rank\n"
-                    "steps every N-th (model, --seq) pair; rank 0 prints the job's summary and\n"
-                    "writes --export.",
+                    "Under torchrun (torchrun --nproc_per_node N -m tiletune tune ...) rank 0\n"
+                    "steps the first (model, --seq) pair alone, then each rank every N-th of the\n"
+                    "rest; rank 0 prints the job's summary and writes --export.",
         epilog="presets:\n" + "\n".join(f"  {s.describe()}" for s in pretune.PRESETS.values()))
     t.add_argument("--preset", nargs="+", choices=list(pretune.PRESETS), metavar="NAME",
                    help=f"one or more of: {', '.join(pretune.PRESETS)}")

@@ -8,8 +8,8 @@ provides: `registry.models()`), and runs one forward (and backward) at each (bat
 key a training run of that shape meets is searched once and saved to the user's store, and the
 run itself starts with zero searches. `export` writes the winners in the shipped-file format
 (tiletune/store.py) that the package can carry as read-only defaults. Under torchrun the ranks
-share the (model, sequence length) pairs out (start_job, run's `share`), each stepping its own
-with tiletune.distributed's process group set.
+share the (model, sequence length) pairs out (start_job, shares), each stepping its own with
+tiletune.distributed's process group set.
 """
 import dataclasses
 import time
@@ -169,21 +169,47 @@ class Report:
         return sum(r.search_s for r in self.records if r.source == "search")
 
 
-def run(model_specs, seqs, batch, dtype, backward, out=print, share=(0, 1)):
+def shares(n_pairs, world):
+    """[indices of the (model, sequence length) pairs] per rank of a job of `world`: pair 0 on
+    rank 0 alone, before the others start (the job's first compiles fill the compile cache the
+    ranks of a host share: two H100 ranks that each stepped a first pair at once took 35 s
+    apiece where one took 24 s alone), then pair i on rank i mod world."""
+    return [[i for i in range(n_pairs) if i % world == r] for r in range(world)]
+
+
+def run(model_specs, seqs, batch, dtype, backward, out=print, share=(0, 1), sync=None):
     """Build each spec's model and step it at each sequence length; print a line per key
     resolved (searched, or found in the store or the shipped winners) and one per step.
-    share (rank, world size): in a job of several ranks, this rank steps every world-th
-    (spec, sequence length) pair from its rank on, so the ranks tune different keys at once
-    (a key that several ranks meet is still decided once, by tiletune.distributed).
-    Returns a Report."""
+    share (rank, world size): in a job of several ranks this rank steps its pairs of
+    shares(); rank 0 steps pair 0 first and `sync()` (a barrier every rank calls once) holds
+    the others until it is done. A key that several ranks meet is still decided once
+    (tiletune.distributed). Returns a Report."""
     rank, world = share
-    pairs = [(spec, seq) for spec in model_specs for seq in seqs][rank::world]
+    pairs = [(spec, seq) for spec in model_specs for seq in seqs]
+    mine = [pairs[i] for i in shares(len(pairs), world)[rank]]
+    first, rest = (mine[:1], mine[1:]) if rank == 0 and world > 1 else ([], mine)
     report = Report()
     models = registry.models()
     t0 = time.perf_counter()
-    if pairs:
+    if mine:
         precompile.warm()    # the compile workers start while the first model builds
-    for spec in [s for s in model_specs if any(p[0] is s for p in pairs)]:
+    error = None
+    try:
+        _step(models, first, batch, dtype, backward, out, report)
+    except BaseException as e:       # the others wait at the barrier: reach it, then raise
+        error = e
+    if sync is not None and world > 1:
+        sync()
+    if error is not None:
+        raise error
+    _step(models, rest, batch, dtype, backward, out, report)
+    report.wall_s = time.perf_counter() - t0
+    return report
+
+
+def _step(models, pairs, batch, dtype, backward, out, report):
+    """Step each (spec, seq) pair, one model per spec, recording the keys each step resolved."""
+    for spec in dict.fromkeys(p[0] for p in pairs):
         my_seqs = [seq for s, seq in pairs if s is spec]
         model = models.build_model(spec, max(my_seqs), dtype)
         try:
@@ -201,8 +227,6 @@ def run(model_specs, seqs, batch, dtype, backward, out=print, share=(0, 1)):
         finally:
             del model
             torch.cuda.empty_cache()
-    report.wall_s = time.perf_counter() - t0
-    return report
 
 
 def start_job(backend="nccl"):
@@ -230,6 +254,13 @@ def end_job(world):
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def barrier(world):
+    """Every rank of the job waits here (nothing outside a job)."""
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()
 
 
 def gather(obj, world):
