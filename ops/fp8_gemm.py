@@ -319,7 +319,7 @@ def quantize_128x128_pair_kernel(x, x_t, q, s, q_t, s_t, fp8_max, TR: ct.Constan
     x.t() view. The blocks of x^T are x's blocks transposed, so one amax serves both. Each
     block is read from memory once, in chunks of TR rows through x (amax, then q), then in
     chunks of TR rows through x_t (q_t), which L2 serves in the major the stores want; a
-    transpose of the FP8 tile in registers instead ran 5% slower on an H100. 2-D (FLAT) tiles:
+    transpose of the FP8 tile in registers instead ran 3-6% slower on an H100. 2-D (FLAT) tiles:
     on (TR, 1, 128) tiles this kernel ran 1.7x slower at its winning config."""
     col_tiles = ct.cdiv(x.shape[1], BLOCK)
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], BLOCK) * col_tiles, ct.num_blocks(0)):
@@ -532,13 +532,13 @@ def block128x128_configs(arch, m, k, col=False):
     columns on a persistent grid (as the rowwise and 1x128 quantizers). tr 128 reads the tile
     once: 16k floats at 8 warps, occupancy 2 (the rowwise quantizer's rule for 16k tiles); tr 32
     or 64 read it twice in chunks of tr rows, which leaves registers for occupancy 4 or 4 warps
-    (searched, as for the rowwise quantizer, only on those two-pass tiles). col: x is a transposed view
-    (its rows are contiguous): chunks 16-32 rows tall first, 32 rows at 4 warps as the 1x128
-    quantizer's transposed winner. G = 2 (256 float32 columns per row of the tile) compiled 5x
-    slower and is left out. The last field, latency (0: no hint), is the chunk loads' hint: on
-    an H100 (16384x4096 transposed view) 32-row chunks at 8 warps, occupancy 4 ran 1.23x faster
-    at 8 (108.6 against 133.8 us) and no faster at 2 or 4; the other chunk shapes gained at most
-    8% (64 rows, 4 warps) or lost up to 15% at 8, and the row-major tiles lost at 8. flat: the
+    (searched, as for the rowwise quantizer, only on those two-pass tiles). col: x is a
+    transposed view (its rows are contiguous): chunks 16-32 rows tall first, 32 rows at 4 warps
+    as the 1x128 quantizer's transposed winner. G = 2 (256 float32 columns per row of the tile)
+    compiled 5x slower and is left out. latency (0: no hint) is the chunk loads' hint: on an
+    H100 (16384x4096 transposed view) 32-row chunks at 8 warps, occupancy 4 ran 1.23x faster at
+    8 (108.6 against 133.8 us) and no faster at 2 or 4; the other chunk shapes gained at most 8%
+    (64 rows, 4 warps) or lost up to 15% at 8, and the row-major tiles lost at 8. flat: the
     kernel's tiles are 2-D (TR, 128) rather than (TR, 1, 128): on an H100 (16384x4096 and
     4096x14336, every config in turns) the row-major space ran 1.16x faster at its winner (whole
     blocks, 82.1 against 95.1 us and 72.7 against 84.5) and 1.08-2.1x at every other entry; on
@@ -1166,7 +1166,7 @@ def quantize_fp8_pair(x, granularity="block128x128", dtype=torch.float8_e4m3fn):
 # rowwise: one scale per row of each operand (per output row/column of the GEMM); block: 1x128
 # groups for activations and gradients, 128x128 blocks for the weight (DeepSeek-V3). The block
 # weight's two quantizations are one quantize_fp8_pair apart, but keeping w^T's FP8 from the
-# forward to the backward would hold N*K bytes a layer to save one weight read (about 23 us at
+# forward to the backward would hold N*K bytes a layer to save one weight read (15-23 us at
 # 14336x4096 on an H100), so the backward quantizes w^T again.
 
 # recipe -> (groups of the forward's and dgrad's (activation-like, weight) operands, groups of

@@ -196,7 +196,7 @@ def run(model_specs, seqs, batch, dtype, backward, out=print, share=(0, 1), sync
     error = None
     try:
         _step(models, first, batch, dtype, backward, out, report)
-    except BaseException as e:       # the others wait at the barrier: reach it, then raise
+    except Exception as e:           # the others wait at the barrier: reach it, then raise
         error = e
     if sync is not None and world > 1:
         sync()

@@ -319,7 +319,8 @@ def test_tune_prints_each_key_and_a_summary_and_saves_them(gpu, capsys):
 
 def test_tune_starts_the_compile_workers_before_building_the_first_model(gpu, monkeypatch):
     models_built_at_warm = []
-    monkeypatch.setattr(precompile, "warm", lambda n=None: models_built_at_warm.append(len(gpu.built)))
+    monkeypatch.setattr(precompile, "warm",
+                        lambda n=None: models_built_at_warm.append(len(gpu.built)))
     assert main(["tune", "--preset", "llama3.2-1b", "--seq", "1024"]) == 0
     assert models_built_at_warm == [0] and len(gpu.built) == 1
 
