@@ -282,6 +282,21 @@ def _block_chunks(rows, block, TR):
     return first, ct.minimum(ct.cdiv(rows, TR) - first, BLOCK // TR)
 
 
+def _quantize_block_chunks(x, q, r, c, fp8_max, TR, G, LATENCY, FLAT):
+    """Quantize block row r, column block(s) c of x into q in chunks of TR rows, read twice
+    (amax, then cast: the second read hits L2). Returns the scale."""
+    first, chunks = _block_chunks(x.shape[0], r, TR)
+    amax = ct.zeros((1, 1) if FLAT else (1, G, 1), ct.float32)
+    for i in range(chunks):
+        tile = _block_tile(x, first + i, c, TR, G, LATENCY, FLAT)
+        amax = ct.maximum(amax, _block_amax(tile, FLAT), propagate_nan=True)
+    scale = _fp8_scale(amax, fp8_max)
+    for i in range(chunks):
+        tile = _block_tile(x, first + i, c, TR, G, LATENCY, FLAT)
+        _store_block_tile(q, tile, scale, fp8_max, first + i, c, TR, G)
+    return scale
+
+
 @ct.kernel
 def quantize_128x128_kernel(x, q, s, fp8_max, TR: ct.Constant[int], G: ct.Constant[int],
                             LATENCY: ct.Constant[int], FLAT: ct.Constant[bool]):
@@ -301,15 +316,7 @@ def quantize_128x128_kernel(x, q, s, fp8_max, TR: ct.Constant[int], G: ct.Consta
             scale = _fp8_scale(_block_amax(tile, FLAT), fp8_max)
             _store_block_tile(q, tile, scale, fp8_max, r, c, BLOCK, G)
         else:
-            first, chunks = _block_chunks(x.shape[0], r, TR)
-            amax = ct.zeros((1, 1) if FLAT else (1, G, 1), ct.float32)
-            for i in range(chunks):
-                tile = _block_tile(x, first + i, c, TR, G, LATENCY, FLAT)
-                amax = ct.maximum(amax, _block_amax(tile, FLAT), propagate_nan=True)
-            scale = _fp8_scale(amax, fp8_max)
-            for i in range(chunks):
-                tile = _block_tile(x, first + i, c, TR, G, LATENCY, FLAT)
-                _store_block_tile(q, tile, scale, fp8_max, first + i, c, TR, G)
+            scale = _quantize_block_chunks(x, q, r, c, fp8_max, TR, G, LATENCY, FLAT)
         ct.store(s, (r, c), ct.reshape(scale, (1, G)))
 
 
@@ -325,15 +332,7 @@ def quantize_128x128_pair_kernel(x, x_t, q, s, q_t, s_t, fp8_max, TR: ct.Constan
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], BLOCK) * col_tiles, ct.num_blocks(0)):
         r = t // col_tiles
         c = t % col_tiles
-        first, chunks = _block_chunks(x.shape[0], r, TR)
-        amax = ct.zeros((1, 1), ct.float32)
-        for i in range(chunks):
-            tile = _block_tile(x, first + i, c, TR, 1, 0, True)
-            amax = ct.maximum(amax, _block_amax(tile, True), propagate_nan=True)
-        scale = _fp8_scale(amax, fp8_max)
-        for i in range(chunks):
-            tile = _block_tile(x, first + i, c, TR, 1, 0, True)
-            _store_block_tile(q, tile, scale, fp8_max, first + i, c, TR, 1)
+        scale = _quantize_block_chunks(x, q, r, c, fp8_max, TR, 1, 0, True)
         first, chunks = _block_chunks(x.shape[1], c, TR)
         for i in range(chunks):
             tile = _block_tile(x_t, first + i, r, TR, 1, 0, True)
