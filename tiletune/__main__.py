@@ -319,26 +319,25 @@ def cmd_tune(args):
     winners as a shipped file."""
     import torch
     from tiletune import autotune, pretune
-    fail = _tune_fail
     if not torch.cuda.is_available():
-        return fail("no CUDA GPU here: tune runs the model's kernels on one to time them; "
-                    "nothing was tuned. Run it on the GPU model the winners are for.")
+        return _tune_fail("no CUDA GPU here: tune runs the model's kernels on one to time them; "
+                          "nothing was tuned. Run it on the GPU model the winners are for.")
     if autotune.disabled():
-        return fail("DISABLE_AUTOTUNE=1 is set: nothing would be searched. Unset it to tune.")
+        return _tune_fail("DISABLE_AUTOTUNE=1 is set: nothing would be searched. Unset it to tune.")
     path = store.db_path()
     if path is None:
-        return fail(f"the store is off (TILETUNE_CACHE_DIR="
-                    f"{os.environ.get('TILETUNE_CACHE_DIR', '')}): the winners would not be "
-                    "saved. Point TILETUNE_CACHE_DIR at a folder.")
+        return _tune_fail(f"the store is off (TILETUNE_CACHE_DIR="
+                          f"{os.environ.get('TILETUNE_CACHE_DIR', '')}): the winners would not be "
+                          "saved. Point TILETUNE_CACHE_DIR at a folder.")
     import importlib.util
     if importlib.util.find_spec("transformers") is None:
-        return fail("tune builds transformers models, and transformers is not installed: "
-                    "pip install 'tiletune[hf]'")
+        return _tune_fail("tune builds transformers models, and transformers is not installed: "
+                          "pip install 'tiletune[hf]'")
     if args.export and os.path.exists(args.export):
         try:                          # before the searches: the file is merged into at the end
             store.read_shipped(args.export)
         except (OSError, ValueError) as e:
-            return fail(f"cannot export to {args.export}: {type(e).__name__}: {e}")
+            return _tune_fail(f"cannot export to {args.export}: {type(e).__name__}: {e}")
     rank, world = pretune.start_job()     # under torchrun: the ranks share the work out
     try:
         return _tune_job(args, path, rank, world)

@@ -170,10 +170,10 @@ class Report:
 
 
 def shares(n_pairs, world):
-    """[indices of the (model, sequence length) pairs] per rank of a job of `world`: pair 0 on
-    rank 0 alone, before the others start (the job's first compiles fill the compile cache the
-    ranks of a host share: two H100 ranks that each stepped a first pair at once took 35 s
-    apiece where one took 24 s alone), then pair i on rank i mod world."""
+    """[indices of the (model, sequence length) pairs] per rank of a job of `world`: pair i on
+    rank i mod world. run() steps pair 0 on rank 0 before the other ranks start (its compiles
+    fill the compile cache the ranks of a host share: two H100 ranks that each stepped a first
+    pair at once took 35 s apiece where one took 24 s alone)."""
     return [[i for i in range(n_pairs) if i % world == r] for r in range(world)]
 
 
