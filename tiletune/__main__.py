@@ -366,7 +366,7 @@ def _tune_job(args, path, rank, world):
     try:
         report = pretune.run(args.specs, seqs, args.batch, pretune.DTYPES[args.dtype],
                              not args.no_backward, out=lambda line: print(tag + line, flush=True),
-                             share=(rank, world), sync=lambda: pretune.barrier(world))
+                             share=(rank, world))
     except autotune.TuningFailedError as e:
         failed = str(e)
     except Exception as e:           # in a job: reported at the gather, the others not left

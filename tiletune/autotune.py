@@ -517,17 +517,17 @@ class Autotuner:
         config, each timing a share of the configs; the rank whose decision stands writes the
         store. Called under the device's search lock, after DISABLE_AUTOTUNE and the store."""
         t0 = time.perf_counter()
-        built = []
+        built, compiled = [], {}
 
         def the_search():
             if not built:
                 built.append(search if isinstance(search, Search) else search(cfgs))
             return built[0]
 
-        def measure(indices):
+        def measure(indices, ahead=()):
             if not built:
                 self.searches += 1       # this rank times configs of the key
-            return self._measure(key, dev, cfgs, indices, the_search())
+            return self._measure(key, dev, cfgs, indices, the_search(), ahead, compiled)
 
         def conclude(timings, failures):
             try:
@@ -571,26 +571,31 @@ class Autotuner:
         timings, failures = self._measure(key, dev, cfgs, range(len(cfgs)), search)
         return self._conclude(key, dev, cfgs, timings, failures, search, t0)
 
-    def _measure(self, key, dev, cfgs, indices, search):
+    def _measure(self, key, dev, cfgs, indices, search, ahead=(), compiled=None):
         """Compile and time the configs at `indices`: ([{i, mean_us, error_us, samples}],
         [{i, error, message}]), `i` being the config's index in `cfgs`. When every one of them
-        fails, each is launched alone for its own error."""
+        fails, each is launched alone for its own error. ahead: configs that a later call may
+        time, compiled in this call's batch; compiled: {i: the compiler's rejection or None}
+        across the calls of one search (configs in it are not compiled again)."""
         from cuda.tile.tune import exhaustive_search
         indices = list(indices)
         subset = [cfgs[i] for i in indices]
         stream = torch.cuda.current_stream(dev)
-        rejected = {}
-        if len(subset) > 1 and precompile.enabled():
+        compiled = {} if compiled is None else compiled
+        batch = [i for i in dict.fromkeys([*indices, *ahead]) if i not in compiled]
+        if len(batch) > 1 and precompile.enabled():
             # compile every config at once in worker processes and hand each cubin to the
             # config's kernel object, which the search, the final round and the launch share.
             # Configs the compiler rejects are failures already: the search skips them.
             arch = _device.arch(dev)
-            rejected, compiled = precompile.precompile(
-                [(self.search_kernel(c), self.hints(c), search.args_fn(c)) for c in subset],
-                arch, COMPILE_TIMEOUT_SEC)
-            for j, (sig, cubin) in compiled.items():
-                precompile.hand_over(self._with_hints(self.search_kernel(subset[j]), subset[j],
-                                                      dev), sig, arch, cubin)
+            refused, cubins = precompile.precompile(
+                [(self.search_kernel(cfgs[i]), self.hints(cfgs[i]), search.args_fn(cfgs[i]))
+                 for i in batch], arch, COMPILE_TIMEOUT_SEC)
+            for j, (sig, cubin) in cubins.items():
+                precompile.hand_over(self._with_hints(self.search_kernel(cfgs[batch[j]]),
+                                                      cfgs[batch[j]], dev), sig, arch, cubin)
+            compiled.update({i: refused.get(j) for j, i in enumerate(batch)})
+        rejected = {j: compiled[i] for j, i in enumerate(indices) if compiled.get(i)}
         # A compile timeout in a loaded parallel precompile is no verdict on the config: the
         # search compiles it again, alone. So does every config if the precompile rejected all.
         rejected = {j: e for j, e in rejected.items() if e[0] != "CompilerTimeoutError"}

@@ -15,7 +15,9 @@ set-once decision:
 2. A rank whose persistent store holds a winner publishes it as the decision.
 3. Otherwise the key's configs are cut into W chunks (config i in chunk i mod W). A rank that
    meets the key takes the next chunk with an atomic counter (`store.add`), times it, and
-   publishes its timings; once it has timed one chunk it takes every chunk still left. A rank
+   publishes its timings; once it has timed one chunk it takes every chunk still left. The
+   chunks nobody has taken yet are compiled in the first chunk's batch, so a rank alone on a
+   key compiles once, as a search outside a job does. A rank
    that finds nothing left asks to be the finisher (`compare_set`, first one wins); the
    finisher waits for every chunk's timings, ranks the merged timings (ties go to the earlier
    config), runs the final round on its own GPU (the close finishers and the default, timed in
@@ -221,8 +223,9 @@ class Agreement:
 
     def agree(self, name, n, measure, conclude, stored=None, fresh=False):
         """Resolve one key over the job. name: the key as every rank spells it (device-neutral,
-        with its config space). n: the number of configs. measure(indices) -> (timings,
-        failures) as the engine's `_measure` returns them. conclude(timings, failures) -> the
+        with its config space). n: the number of configs. measure(indices, ahead) -> (timings,
+        failures) as the engine's `_measure` returns them; `ahead`: configs this rank may time
+        next, to compile in the same batch. conclude(timings, failures) -> the
         entry to publish (ranking and final round on this GPU). stored: this rank's stored
         entry, if any. fresh: a new round even if the key was decided (a stored winner that no
         longer launches). Returns an Outcome."""
@@ -253,11 +256,12 @@ class Agreement:
         out.role = role if out.decided_here or role != "store" else "adopted"
         return self._adopt(json.loads(now), out, role)
 
-    def _time(self, indices, measure, out):
-        """measure(indices) with this rank's mark on each result; on an error, every config
-        given is a failure (published by the caller, so nobody waits for it) and it raises."""
+    def _time(self, indices, measure, out, ahead=()):
+        """measure(indices, ahead) with this rank's mark on each result; on an error, every
+        config given is a failure (published by the caller, so nobody waits for it) and it
+        raises."""
         try:
-            timings, failures = measure(indices)
+            timings, failures = measure(indices, ahead)
             error = None
         except BaseException as e:          # noqa: B902 (published, then raised again)
             timings, error = [], e
@@ -291,8 +295,11 @@ class Agreement:
             taken = [c for c in range(top - step, top) if c < chunks]
             if not taken:
                 break
+            # The chunks nobody has taken yet are compiled with this one: a rank that turns
+            # out to be alone on the key would otherwise compile them in a second batch.
+            ahead = [i for c in range(top, chunks) for i in chunk(c)]
             timings, failures, error = self._time([i for c in taken for i in chunk(c)],
-                                                  measure, out)
+                                                  measure, out, ahead)
             for c in taken:
                 mine = set(chunk(c))
                 self.store.set(f"{ns}/c{c}", json.dumps({

@@ -163,46 +163,45 @@ class Report:
     wall_s: float = 0.0
 
     def count(self, source):
-        return sum(1 for r in self.records if r.source == source)
+        """Keys resolved from `source`; for "search", those this rank decided (in a job, the
+        ranks that helped time a key record it too)."""
+        return sum(1 for r in self.records if r.source == source and _mine(r))
 
     def search_s(self):
-        return sum(r.search_s for r in self.records if r.source == "search")
+        return sum(r.search_s for r in self.records if r.source == "search" and _mine(r))
+
+
+def _mine(record):
+    """False for a key another rank of the job decided (its record carries that rank's
+    search)."""
+    return not record.agreement or record.agreement.get("by") == record.agreement.get("rank")
 
 
 def shares(n_pairs, world):
-    """[indices of the (model, sequence length) pairs] per rank of a job of `world`: pair i on
-    rank i mod world. run() steps pair 0 on rank 0 before the other ranks start (its compiles
-    fill the compile cache the ranks of a host share: two H100 ranks that each stepped a first
-    pair at once took 35 s apiece where one took 24 s alone)."""
-    return [[i for i in range(n_pairs) if i % world == r] for r in range(world)]
+    """[indices of the (model, sequence length) pairs] per rank of a job of `world`: pair 0 on
+    every rank, then pair i on rank (i - 1) mod world. Most of a cold run is the first pair's
+    compiles (later sequence lengths reuse them); stepping it together, the ranks meet its
+    keys at once and split each key's configs (tiletune.distributed), where ranks that each
+    stepped a different first pair compiled the same kernels twice."""
+    if world <= 1:
+        return [list(range(n_pairs))]
+    return [[i for i in range(n_pairs) if i == 0 or (i - 1) % world == r] for r in range(world)]
 
 
-def run(model_specs, seqs, batch, dtype, backward, out=print, share=(0, 1), sync=None):
+def run(model_specs, seqs, batch, dtype, backward, out=print, share=(0, 1)):
     """Build each spec's model and step it at each sequence length; print a line per key
     resolved (searched, or found in the store or the shipped winners) and one per step.
     share (rank, world size): in a job of several ranks this rank steps its pairs of
-    shares(); rank 0 steps pair 0 first and `sync()` (a barrier every rank calls once) holds
-    the others until it is done. A key that several ranks meet is still decided once
-    (tiletune.distributed). Returns a Report."""
+    shares(); a key that several ranks meet is decided once (tiletune.distributed). Returns
+    a Report."""
     rank, world = share
     pairs = [(spec, seq) for spec in model_specs for seq in seqs]
     mine = [pairs[i] for i in shares(len(pairs), world)[rank]]
-    first, rest = (mine[:1], mine[1:]) if rank == 0 and world > 1 else ([], mine)
     report = Report()
-    models = registry.models()
     t0 = time.perf_counter()
     if mine:
         precompile.warm()    # the compile workers start while the first model builds
-    error = None
-    try:
-        _step(models, first, batch, dtype, backward, out, report)
-    except Exception as e:           # the others wait at the barrier: reach it, then raise
-        error = e
-    if sync is not None and world > 1:
-        sync()
-    if error is not None:
-        raise error
-    _step(models, rest, batch, dtype, backward, out, report)
+    _step(registry.models(), mine, batch, dtype, backward, out, report)
     report.wall_s = time.perf_counter() - t0
     return report
 
@@ -254,13 +253,6 @@ def end_job(world):
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def barrier(world):
-    """Every rank of the job waits here (nothing outside a job)."""
-    if world > 1:
-        import torch.distributed as dist
-        dist.barrier()
 
 
 def gather(obj, world):

@@ -33,10 +33,13 @@ def ranks(world, store=None, **kw):
     return [Agreement(store, r, world, prefix="t", **kw) for r in range(world)]
 
 
-def fake_measure(rank, log, delay=0.0, fail=()):
-    """measure(indices): config i takes 10 + i + rank us (so a rank alone would pick config 0),
-    those in `fail` fail; logs (rank, i) of what it timed."""
-    def measure(indices):
+def fake_measure(rank, log, delay=0.0, fail=(), aheads=None):
+    """measure(indices, ahead): config i takes 10 + i + rank us (so a rank alone would pick
+    config 0), those in `fail` fail; logs (rank, i) of what it timed, and each call's `ahead`
+    into `aheads`."""
+    def measure(indices, ahead=()):
+        if aheads is not None:
+            aheads.append(list(ahead))
         time.sleep(delay)
         log.extend((rank, i) for i in indices)
         timings = [{"i": i, "mean_us": 10.0 + i + rank, "error_us": 0.1, "samples": 5}
@@ -94,6 +97,15 @@ def test_a_key_one_rank_meets_costs_it_no_wait_and_the_others_take_its_decision(
     later = job[0].agree("x", 4, fake_measure(0, log), conclude)
     assert later.role == "adopted" and later.timed == [] and later.entry == alone.entry
     assert len(log) == 4
+
+
+def test_a_rank_compiles_the_chunks_nobody_took_with_its_own():
+    """Alone on a key, a rank times its chunk, then the rest: the rest is compiled in the first
+    call's batch (`ahead`), so the second call compiles nothing new."""
+    log, aheads, job = [], [], ranks(3, timeout=5.0)
+    out = job[2].agree("y", 7, fake_measure(2, log, aheads=aheads), conclude)
+    assert out.how == "alone" and sorted(out.timed) == list(range(7))
+    assert [sorted(a) for a in aheads] == [[1, 2, 4, 5], []]    # chunks 1 and 2 of (0, 3, 6)
 
 
 def test_keys_met_in_opposite_orders_do_not_wait_for_each_other():
@@ -158,7 +170,7 @@ def test_a_rank_whose_search_raises_publishes_its_configs_as_failed():
     """Nobody waits for the timings of a rank that raised: its configs count as failures."""
     job, log = ranks(2, timeout=10.0), []
 
-    def broken(indices):
+    def broken(indices, ahead=()):
         raise RuntimeError("device lost")
     t0 = time.perf_counter()
     bad, good = together([lambda: job[0].agree("e", 4, broken, conclude),

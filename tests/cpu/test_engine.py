@@ -320,6 +320,22 @@ def test_configs_the_precompile_rejects_are_failures_not_searched(env, monkeypat
     assert cfg.occupancy != 2 and len(rec.timings) == 2
 
 
+def test_configs_compiled_ahead_are_not_compiled_again_and_keep_their_verdict(env, monkeypatch):
+    """A job's rank times the configs of a key in chunks: `ahead` compiles the next chunk with
+    this one, and the next call compiles nothing (a rejection found ahead still counts)."""
+    sent = []
+    monkeypatch.setattr(precompile, "enabled", lambda: True)
+    monkeypatch.setattr(precompile, "precompile", lambda items, arch, timeout: (
+        sent.append(len(items)) or ({2: ("TileTypeError", "too large")}, {})))
+    t = env.make()
+    cfgs, done = t.config_list("sm_90", {"n": 16}), {}
+    timings, failures = t._measure(("k",), 0, cfgs, [0], search(), ahead=[1, 2], compiled=done)
+    assert sent == [3] and [x["i"] for x in timings] == [0] and failures == []
+    timings, failures = t._measure(("k",), 0, cfgs, [1, 2], search(), compiled=done)
+    assert sent == [3] and [x["i"] for x in timings] == [1]
+    assert [(f["i"], f["error"]) for f in failures] == [(2, "TileTypeError")]
+
+
 def test_the_workers_cubins_go_to_the_kernels_the_search_launches(env, monkeypatch):
     """Each compiled config's cubin is handed to the very kernel object the search, the final
     round and the launch share (one per kernel, hints and device)."""

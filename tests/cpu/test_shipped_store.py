@@ -360,7 +360,6 @@ def _job(monkeypatch, rank, world, other=None):
     monkeypatch.setattr(pretune, "start_job", lambda: (rank, world))
     monkeypatch.setattr(pretune, "end_job", lambda world: None)
     gathered = []
-    monkeypatch.setattr(pretune, "barrier", lambda w: gathered.append("barrier"))
 
     def gather(mine, w):
         gathered.append(mine)
@@ -371,16 +370,16 @@ def _job(monkeypatch, rank, world, other=None):
 
 def test_tune_in_a_job_steps_its_share_and_rank_0_reports_the_job(gpu, monkeypatch, tmp_path,
                                                                    capsys):
-    """Under torchrun each rank steps every world-th (model, sequence length) pair, rank 0 its
-    first pair before the others start (a barrier); rank 0 prints the header and the job's
-    summary and exports every rank's rows once; the others print their own keys only."""
-    assert pretune.shares(5, 2) == [[0, 2, 4], [1, 3]] and pretune.shares(1, 3) == [[0], [], []]
+    """Under torchrun every rank steps the first (model, sequence length) pair, then every
+    world-th of the others; rank 0 prints the header and the job's summary and exports every
+    rank's rows once; the others print their own keys only."""
+    assert pretune.shares(5, 2) == [[0, 1, 3], [0, 2, 4]]
+    assert pretune.shares(1, 3) == [[0], [0], [0]] and pretune.shares(3, 1) == [[0, 1, 2]]
     path = tmp_path / "job.json"
     seqs = ["--seq", "1024", "2048", "4096"]
     gathered = _job(monkeypatch, 0, 2, lambda mine: dict(
         mine, search=2, search_s=1.5, wall_s=99.0, rows=mine["rows"][:1]))
     steps = []
-    monkeypatch.setattr(pretune, "barrier", lambda w: steps.append("barrier"))
     runner = registry.models()
     counted = SimpleNamespace(build_model=runner.build_model, model_step=lambda m, b, seq, bw:
                               steps.append(seq) or runner.model_step(m, b, seq, bw))
@@ -388,35 +387,33 @@ def test_tune_in_a_job_steps_its_share_and_rank_0_reports_the_job(gpu, monkeypat
     assert main(["tune", "--preset", "llama3.2-1b", *seqs, "--export", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("tuning on 2 x Fake H200 (sm_90) at batch 1 x seq 1024, 2048, 4096")
-    assert steps == [1024, "barrier", 4096]
-    assert gpu.built == [("llama3.2-1b", 1024, torch.bfloat16),
-                         ("llama3.2-1b", 4096, torch.bfloat16)]
+    assert steps == [1024, 2048]
+    assert gpu.built == [("llama3.2-1b", 2048, torch.bfloat16)]
     assert [line for line in out if "new key" in line] == [
         line for line in out if line.startswith("[rank 0] llama3.2-1b batch 1 x seq ")]
     assert [line.split(" x seq ")[1].split(":")[0] for line in out if "new key" in line] == \
-        ["1024", "4096"]
+        ["1024", "2048"]
     mine = gathered[0]
     assert mine["failed"] is None and mine["search"] == 3 and len(mine["rows"]) == 3
     assert re.match(r"5 keys tuned in \d+\.\ds of search on 2 ranks \(0 already in the store, "
                     r"0 shipped\); 99\.0s in all", out[-2])
     assert out[-1].startswith(f"exported 3 entries to {path}")     # rank 1's row: one of these
-    # rank 1: its share after the barrier, no header, no summary, no export
+    # rank 1: the first pair, then its share; no header, no summary, no export
     autotune.clear_cache()
     gpu.built.clear()
     steps.clear()
     _job(monkeypatch, 1, 2, lambda mine: dict(mine, rows=[]))
-    monkeypatch.setattr(pretune, "barrier", lambda w: steps.append("barrier"))
     assert main(["tune", "--preset", "llama3.2-1b", *seqs, "--export",
                  str(tmp_path / "rank1.json")]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert steps == ["barrier", 2048]
-    assert gpu.built == [("llama3.2-1b", 2048, torch.bfloat16)]
+    assert steps == [1024, 4096]
+    assert gpu.built == [("llama3.2-1b", 4096, torch.bfloat16)]
     assert out and all(line.startswith("[rank 1] ") for line in out)
     assert not (tmp_path / "rank1.json").exists()
     # a rank whose search failed: every rank still gathers, and the job exits 1
     _job(monkeypatch, 0, 2, lambda mine: dict(mine, failed="rank 1: every config failed"))
     assert main(["tune", "--preset", "llama3.2-1b", *seqs]) == 1
-    # rank 0's first pair raises: it still reaches the barrier and the gather, and says why
+    # a rank whose step raises still reaches the gather, and says why
     autotune.clear_cache()
     gathered = _job(monkeypatch, 0, 2, lambda mine: dict(mine, failed=None))
 
@@ -425,8 +422,18 @@ def test_tune_in_a_job_steps_its_share_and_rank_0_reports_the_job(gpu, monkeypat
     monkeypatch.setattr(registry, "models", lambda: SimpleNamespace(
         build_model=lambda spec, max_seq, dtype: None, model_step=broken))
     assert main(["tune", "--preset", "llama3.2-1b", *seqs]) == 1
-    assert gathered[0] == "barrier" and gathered[1]["failed"] == "RuntimeError: CUDA out of memory"
+    assert gathered[0]["failed"] == "RuntimeError: CUDA out of memory"
     assert "[rank 0] RuntimeError: CUDA out of memory" in capsys.readouterr().err
+
+
+def test_a_job_counts_a_key_as_searched_on_the_rank_that_decided_it():
+    """Ranks that helped time a key record it too; the job's summary counts it once."""
+    def rec(by):
+        return autotune.TuningRecord("op", ("k", by), {}, "search", search_s=2.0,
+                                     agreement={"rank": 0, "by": by})
+    report = pretune.Report(records=[rec(0), rec(1), autotune.TuningRecord(
+        "op", ("alone",), {}, "search", search_s=1.0)])
+    assert report.count("search") == 2 and report.search_s() == 3.0
 
 
 def test_start_job_joins_torchrun_and_sets_the_process_group(tmp_path):
@@ -440,7 +447,6 @@ def test_start_job_joins_torchrun_and_sets_the_process_group(tmp_path):
         port = sock.getsockname()[1]
     code = ("from tiletune import distributed, pretune\n"
             "rank, world = pretune.start_job('gloo')\n"
-            "pretune.barrier(world)\n"
             "print(rank, world, distributed.current().world_size,\n"
             "      pretune.gather(rank * 10, world))\n"
             "pretune.end_job(world)\n")
