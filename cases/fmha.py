@@ -81,7 +81,7 @@ def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
     combine = None
     if cfg.splits > 1:
         combine = [o_part, lse_part, q, rows, group, tg, tq,
-                   *FM.combine_tiles(cfg.splits, tq, td)]
+                   *FM.combine_tiles(cfg.splits, sq, td)]
     return kernel, combine
 
 

@@ -28,7 +28,7 @@ import torch
 
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket, bucketed
-from tiletune.device import major
+from tiletune.device import major, persistent_ctas
 from tiletune.space import cdiv, f32_row, next_pow2, table
 from tiletune.torch_op import TrainableOp
 
@@ -372,41 +372,46 @@ def fmha_decode_kernel(q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset
 
 @ct.kernel
 def fmha_decode_combine_kernel(o_part, lse_part, o, lse, GROUP: ct.Constant[int],
-                               TG: ct.Constant[int], TQ: ct.Constant[int], SP: ct.Constant[int],
-                               TDC: ct.Constant[int]):
-    """o and lse (B*Hq, Sq) of one q head from the splits' partials: each split's output
-    weighted by 2^(its LSE2 - the total's). Every split is loaded at once (SP >= splits, a
-    power of two; LSE2 pads with -inf, weight 0) so the loads are in flight together; each CTA
-    takes TDC columns of the head dim. The head's TQ rows are row block (b * Hkv + hk) * TG + g
-    of the partials. Grid (B*Hq, cdiv(TD, TDC))."""
-    bh = ct.bid(0)
+                               TG: ct.Constant[int], TQ: ct.Constant[int], TS: ct.Constant[int],
+                               SP: ct.Constant[int], TDC: ct.Constant[int]):
+    """o and lse (B*Hq, Sq) of each q head from the splits' partials: each split's output
+    weighted by 2^(its LSE2 - the total's). A head's TQ partial rows are row block
+    (b * Hkv + hk) * TG + g of TQ; the first TS (Sq rounded up to a power of two, <= TQ) are
+    read (the others are the decode CTA's padding). Every split is loaded at once (SP >=
+    splits, a power of two; LSE2 pads with -inf, weight 0) so the loads are in flight
+    together; each CTA takes TDC columns of the head dim. Grid (CTAs striding over the B*Hq
+    heads, cdiv(TD, TDC)): one CTA per head spent longer starting than loading (16-23 us for
+    1024 heads on an H100)."""
     c = ct.bid(1)
     hq = o.shape[1]
-    b, h = _unflatten(bh, hq)
-    hk = h // GROUP
-    g = h - hk * GROUP
-    blk = (b * (hq // GROUP) + hk) * TG + g
-    # Measured on an H100: from TQ 8 a (SP, TQ) tile load of LSE2 faulted (a misaligned 8-byte
-    # read, though the tile lies inside the array), so those rows are gathered; at TQ <= 4 the
-    # load is clean and the gather cost up to 60 us at 32 splits.
-    if TQ <= 4:
-        part_lse = ct.load(lse_part, (0, blk), (SP, TQ), padding_mode=ct.PaddingMode.NEG_INF)
-    else:
-        split = ct.arange(SP, dtype=ct.int32)[:, None]
-        part_lse = ct.gather(lse_part, (split, blk * TQ + ct.arange(TQ, dtype=ct.int32)[None, :]),
-                             mask=split < lse_part.shape[0], padding_value=NEG_INF)
-    part_lse = ct.reshape(part_lse, (SP, TQ, 1))
-    m = ct.max(part_lse, axis=0, keepdims=True)                        # [1, TQ, 1]
-    m_use = ct.where(m == NEG_INF, 0.0, m)
-    w = ct.exp2(part_lse - m_use, flush_to_zero=True)                  # [SP, TQ, 1]
-    total = ct.sum(w, axis=0)                                          # [TQ, 1]
-    part = ct.load(o_part, (0, blk, c), (SP, TQ, TDC), padding_mode=ZERO)
-    live = total > 0.0
-    out = ct.sum(w * part, axis=0) * ct.where(live, 1.0 / total, 0.0)  # [TQ, TDC]
-    ct.store(o, (b, h, 0, c), ct.reshape(out.astype(o.dtype), (1, 1, TQ, TDC)))
-    if c == 0:
-        lse2 = ct.where(live, ct.reshape(m_use, (TQ, 1)) + ct.log2(total), POS_INF)
-        ct.store(lse, (bh, 0), ct.reshape(lse2, (1, TQ)))
+    for bh in range(ct.bid(0), o.shape[0] * hq, ct.num_blocks(0)):
+        b, h = _unflatten(bh, hq)
+        hk = h // GROUP
+        g = h - hk * GROUP
+        blk = ((b * (hq // GROUP) + hk) * TG + g) * (TQ // TS)     # in blocks of TS rows
+        # Measured on an H100: from 8 rows a (SP, rows) tile load of LSE2 faulted (a misaligned
+        # 8-byte read, though the tile lies inside the array), so those rows are gathered; at
+        # 4 rows or fewer the load is clean and the gather cost up to 60 us at 32 splits.
+        if TS <= 4:
+            part_lse = ct.load(lse_part, (0, blk), (SP, TS),
+                               padding_mode=ct.PaddingMode.NEG_INF)
+        else:
+            split = ct.arange(SP, dtype=ct.int32)[:, None]
+            part_lse = ct.gather(lse_part,
+                                 (split, blk * TS + ct.arange(TS, dtype=ct.int32)[None, :]),
+                                 mask=split < lse_part.shape[0], padding_value=NEG_INF)
+        part_lse = ct.reshape(part_lse, (SP, TS, 1))
+        m = ct.max(part_lse, axis=0, keepdims=True)                    # [1, TS, 1]
+        m_use = ct.where(m == NEG_INF, 0.0, m)
+        w = ct.exp2(part_lse - m_use, flush_to_zero=True)              # [SP, TS, 1]
+        total = ct.sum(w, axis=0)                                      # [TS, 1]
+        part = ct.load(o_part, (0, blk, c), (SP, TS, TDC), padding_mode=ZERO)
+        live = total > 0.0
+        out = ct.sum(w * part, axis=0) * ct.where(live, 1.0 / total, 0.0)   # [TS, TDC]
+        ct.store(o, (b, h, 0, c), ct.reshape(out.astype(o.dtype), (1, 1, TS, TDC)))
+        if c == 0:
+            lse2 = ct.where(live, ct.reshape(m_use, (TS, 1)) + ct.log2(total), POS_INF)
+            ct.store(lse, (bh, 0), ct.reshape(lse2, (1, TS)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -533,13 +538,15 @@ DECODE_FIELDS = ("tn", "splits", "num_worker_warps", "occupancy")
 # launch hints occupancy 4 (64 registers, no spill on sm_90): the compiler's default took all
 # 255 and so one CTA per SM, a wave per 132 heads.
 COMBINE_TILE = 4096
-COMBINE = fmha_decode_combine_kernel.replace_hints(occupancy=4)
+COMBINE_OCCUPANCY = 4
+COMBINE = fmha_decode_combine_kernel.replace_hints(occupancy=COMBINE_OCCUPANCY)
 
 
-def combine_tiles(splits, tq, td):
-    """(SP, TDC): splits padded to a power of two, and the head-dim columns per combine CTA."""
-    sp = next_pow2(splits)
-    return sp, max(8, min(td, COMBINE_TILE // (sp * tq)))
+def combine_tiles(splits, sq, td):
+    """(TS, SP, TDC): the combine's rows per head (Sq rounded up to a power of two), splits
+    padded to a power of two, and the head-dim columns per combine CTA."""
+    ts, sp = next_pow2(sq), next_pow2(splits)
+    return ts, sp, max(8, min(td, COMBINE_TILE // (sp * ts)))
 
 
 def decode_rows(group, sq):
@@ -795,9 +802,10 @@ def _decode_run(cfg, kernel, stream, dev, q, k, v, used, o, lse, qk_scale, offse
     args = _decode_args(cfg, q, k, v, used, o, lse, qk_scale, offset, td, causal, lengths, buf)
     ct.launch(stream, _decode_grid(cfg, dev, q, k), kernel, args)
     if buf is not None:
-        sp, tdc = combine_tiles(cfg.splits, args[12], td)
-        ct.launch(stream, (q.shape[0] * q.shape[1], td // tdc), COMBINE,
-                  (args[6], args[7], o, lse, args[10], args[11], args[12], sp, tdc))
+        tiles = combine_tiles(cfg.splits, q.shape[2], td)
+        ct.launch(stream, (persistent_ctas(q.shape[0] * q.shape[1], dev, COMBINE_OCCUPANCY),
+                           td // tiles[2]), COMBINE,
+                  (args[6], args[7], o, lse, args[10], args[11], args[12], *tiles))
 
 
 def _decode_work(q, k, v, used, o, lse, qk_scale, offset, td, causal, lengths):

@@ -108,6 +108,7 @@ def stubbed_launch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
     monkeypatch.setattr(device, "arch", lambda d=None: "sm_90")
+    monkeypatch.setattr(device, "sm_count", lambda i=None: 132)
     monkeypatch.setattr(device, "current_stream", lambda dev: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     launches = []
@@ -201,7 +202,7 @@ def test_host_launches_decode(stubbed_launch, monkeypatch):
     (n1, g1, f1), (n2, g2, f2) = stubbed_launch
     assert (n1, g1, n2, g2) == ("fmha_decode_kernel", (8, 4), "fmha_decode_combine_kernel",
                                 (8, 1))
-    assert (f2["SP"], f2["TDC"]) == (8, 64)
+    assert (f2["TS"], f2["SP"], f2["TDC"]) == (4, 8, 64)    # Sq 3: 4 of the 8 rows a head
     assert (f1["GROUP"], f1["TG"], f1["TQ"], f1["TN"], f1["TD"]) == (2, 2, 8, 64, 64)
     assert (f1["CAUSAL"], f1["USED"], f1["SPLIT"], f1["offset"]) == (True, False, True, 330)
     assert f1["o_part"].shape == (8, 64, 64) and f1["lse_part"].shape == (8, 64)
@@ -216,6 +217,12 @@ def test_host_launches_decode(stubbed_launch, monkeypatch):
     assert {c.kind for c in space} == {"split", "plain"}
     assert all(c.kind == "split" for c in
                FM.decode_configs("sm_90", 64, 3, 512, kv_heads=4, causal=True, used=True))
+    # 1024 q heads: the combine's CTAs stride over them, 4 per SM of the 132
+    stubbed_launch.clear()
+    q, k, v = _qkv(B=32, hq=32, hkv=1, sq=1, sk=2048, d=128)
+    FM._fmha(q, k, v, False, 0, 0.125)
+    (n1, g1, _), (n2, g2, f2) = stubbed_launch
+    assert n2 == "fmha_decode_combine_kernel" and g2 == (4 * 132, 128 // f2["TDC"])
 
 
 def test_host_launches_under_torch_compile(stubbed_launch, monkeypatch):

@@ -292,6 +292,6 @@ def test_aot_signature_matches_jit_packed_and_decode():
         assert jit.parameters == signature(kernel).parameters, (B, hq, hkv, sq, sk, d)
         jit = KernelSignature.from_kernel_args(
             FM.COMBINE, (args[6], args[7], o, args[5], args[10], args[11], args[12],
-                         *FM.combine_tiles(cfg.splits, args[12], args[14])),
+                         *FM.combine_tiles(cfg.splits, sq, args[14])),
             conv)
         assert jit.parameters == signature(combine).parameters, (B, hq, hkv, sq, sk, d)

@@ -86,6 +86,7 @@ DECODE_CASES = [  # B, Hq, Hkv, Sq, Sk, D, causal, dtype
     (1, 8, 8, 1, 4097, 64, True, torch.float16),
     (4, 8, 8, 1, 1, 64, True, torch.bfloat16),
     (2, 8, 8, 1, 77, 64, False, torch.float16),
+    (32, 32, 1, 1, 1000, 128, False, torch.bfloat16),    # 1024 heads: combine CTAs loop
     # (b) a few query rows, causal bottom-right and not
     (2, 8, 2, 2, 333, 128, False, torch.bfloat16),
     (2, 8, 2, 2, 333, 128, True, torch.bfloat16),
