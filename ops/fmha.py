@@ -20,6 +20,7 @@
 # reduction over heads. P is recomputed from LSE2 in both.
 #
 # No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
+import functools
 import math
 from types import SimpleNamespace
 
@@ -542,6 +543,7 @@ COMBINE_OCCUPANCY = 4
 COMBINE = fmha_decode_combine_kernel.replace_hints(occupancy=COMBINE_OCCUPANCY)
 
 
+@functools.lru_cache(maxsize=None)
 def combine_tiles(splits, sq, td):
     """(TS, SP, TDC): the combine's rows per head (Sq rounded up to a power of two), splits
     padded to a power of two, and the head-dim columns per combine CTA."""
@@ -549,6 +551,7 @@ def combine_tiles(splits, sq, td):
     return ts, sp, max(8, min(td, COMBINE_TILE // (sp * ts)))
 
 
+@functools.lru_cache(maxsize=None)
 def decode_rows(group, sq):
     """(TG, TQ): the padded group and query rows a decode CTA packs, at least 16 rows in all
     (the MMA's smallest M) and two query rows (TQ 1 made the sm_90 compile of MQA's
@@ -798,14 +801,20 @@ def _decode_args(cfg, q, k, v, used, o, lse, qk_scale, offset, td, causal, lengt
 
 def _decode_run(cfg, kernel, stream, dev, q, k, v, used, o, lse, qk_scale, offset, td, causal,
                 lengths, buf):
-    """The decode kernel, then for splits > 1 the combine of its partials."""
+    """The decode kernel, then for splits > 1 the combine of its partials (its grid and
+    arguments made before the first launch, so that the GPU need not wait for the host
+    between the two kernels)."""
     args = _decode_args(cfg, q, k, v, used, o, lse, qk_scale, offset, td, causal, lengths, buf)
-    ct.launch(stream, _decode_grid(cfg, dev, q, k), kernel, args)
-    if buf is not None:
-        tiles = combine_tiles(cfg.splits, q.shape[2], td)
-        ct.launch(stream, (persistent_ctas(q.shape[0] * q.shape[1], dev, COMBINE_OCCUPANCY),
-                           td // tiles[2]), COMBINE,
-                  (args[6], args[7], o, lse, args[10], args[11], args[12], *tiles))
+    grid = _decode_grid(cfg, dev, q, k)
+    if buf is None:
+        ct.launch(stream, grid, kernel, args)
+        return
+    tiles = combine_tiles(cfg.splits, q.shape[2], td)
+    combine_grid = (persistent_ctas(q.shape[0] * q.shape[1], dev, COMBINE_OCCUPANCY),
+                    td // tiles[2])
+    combine_args = (args[6], args[7], o, lse, args[10], args[11], args[12], *tiles)
+    ct.launch(stream, grid, kernel, args)
+    ct.launch(stream, combine_grid, COMBINE, combine_args)
 
 
 def _decode_work(q, k, v, used, o, lse, qk_scale, offset, td, causal, lengths):
