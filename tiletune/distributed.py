@@ -17,8 +17,8 @@ set-once decision:
    meets the key takes the next chunk with an atomic counter (`store.add`), times it, and
    publishes its timings; once it has timed one chunk it takes every chunk still left. The
    chunks nobody has taken yet are compiled in the first chunk's batch, so a rank alone on a
-   key compiles once, as a search outside a job does. A rank
-   that finds nothing left asks to be the finisher (`compare_set`, first one wins); the
+   key compiles once, as a search outside a job does. A rank that finds nothing left asks
+   to be the finisher (`compare_set`, first one wins); the
    finisher waits for every chunk's timings, ranks the merged timings (ties go to the earlier
    config), runs the final round on its own GPU (the close finishers and the default, timed in
    turns on one GPU: timings of two GPUs are no basis for a 1 % call) and publishes the

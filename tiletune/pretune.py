@@ -180,9 +180,9 @@ def _mine(record):
 def shares(n_pairs, world):
     """[indices of the (model, sequence length) pairs] per rank of a job of `world`: pair 0 on
     every rank, then pair i on rank (i - 1) mod world. Most of a cold run is the first pair's
-    compiles (later sequence lengths reuse them); stepping it together, the ranks meet its
-    keys at once and split each key's configs (tiletune.distributed), where ranks that each
-    stepped a different first pair compiled the same kernels twice."""
+    compiles (later sequence lengths reuse them): stepping it together, the ranks meet its
+    keys at once and split each key's configs (tiletune.distributed); ranks that each stepped
+    a different first pair compiled the same kernels twice."""
     if world <= 1:
         return [list(range(n_pairs))]
     return [[i for i in range(n_pairs) if i == 0 or (i - 1) % world == r] for r in range(world)]
