@@ -18,11 +18,11 @@ set-once decision:
    publishes its timings; once it has timed one chunk it takes every chunk still left. The
    chunks nobody has taken yet are compiled in the first chunk's batch, so a rank alone on a
    key compiles once, as a search outside a job does. A rank that finds nothing left asks
-   to be the finisher (`compare_set`, first one wins); the
-   finisher waits for every chunk's timings, ranks the merged timings (ties go to the earlier
-   config), runs the final round on its own GPU (the close finishers and the default, timed in
-   turns on one GPU: timings of two GPUs are no basis for a 1 % call) and publishes the
-   decision, the full tuning record. Everyone else waits for the decision.
+   to be the finisher (`compare_set`, first one wins); the finisher waits for every chunk's
+   timings, ranks the merged timings (ties go to the earlier config), runs the final round on
+   its own GPU (the close finishers and the default, timed in turns on one GPU: timings of two
+   GPUs are no basis for a 1 % call) and publishes the decision, the full tuning record.
+   Everyone else waits for the decision.
 4. The decision is written with `compare_set(key, "", value)`: the first value is the one every
    rank reads, whoever wrote it and however (a search, a stored winner, a rank that gave up
    waiting). Agreement never depends on timing; only the wall time does. The rank whose value
