@@ -467,9 +467,10 @@ def _tune_parser(sub):
                     "on this GPU, patch it with apply_tiletune, and run a forward and backward\n"
                     "at each --seq: every op key of that shape is searched once and saved to\n"
                     "the store (keys do not depend on the number of layers or the vocabulary).\n"
-                    "Under torchrun (torchrun --nproc_per_node N -m tiletune tune ...) rank 0\n"
-                    "steps the first (model, --seq) pair alone, then each rank every N-th of the\n"
-                    "rest; rank 0 prints the job's summary and writes --export.",
+                    "Under torchrun (torchrun --nproc_per_node N -m tiletune tune ...) every\n"
+                    "rank steps the first (model, --seq) pair, splitting each key's configs,\n"
+                    "then every N-th of the rest; rank 0 prints the job's summary and writes\n"
+                    "--export.",
         epilog="presets:\n" + "\n".join(f"  {s.describe()}" for s in pretune.PRESETS.values()))
     t.add_argument("--preset", nargs="+", choices=list(pretune.PRESETS), metavar="NAME",
                    help=f"one or more of: {', '.join(pretune.PRESETS)}")

@@ -183,8 +183,6 @@ def shares(n_pairs, world):
     compiles (later sequence lengths reuse them): stepping it together, the ranks meet its
     keys at once and split each key's configs (tiletune.distributed); ranks that each stepped
     a different first pair compiled the same kernels twice."""
-    if world <= 1:
-        return [list(range(n_pairs))]
     return [[i for i in range(n_pairs) if i == 0 or (i - 1) % world == r] for r in range(world)]
 
 
