@@ -7,6 +7,11 @@ does), after warm-up; every number in a row comes from the same process and card
 candidates (tuned, fixed, baselines, ceiling) are timed in turns, so that clock drift during the
 row does not favour one of them.
 
+A row may also time every candidate captured in a CUDA graph (`BenchCase.graph`): the kernels'
+time without the host's, which is what a caller that replays graphs (a decode loop in serving)
+sees, beside the eager call's time, which holds the host's where the call's host time passes its
+kernels'.
+
 `main` prints one line per row as it finishes, then a table per op, the store and the number of
 searches this process ran, and the host overheads; it writes the rows to JSON after every row.
 """
@@ -37,6 +42,7 @@ class BenchCase:
     timing: dict = field(default_factory=dict)   # time_interleaved's rounds/reps/warmup
     setup: object = None  # (case) -> None: fills in ours, baselines, ... when the row runs
                           # (rows that allocate gigabytes, so --match can skip them cheaply)
+    graph: bool = False   # also time each candidate replayed from a CUDA graph (<label>_graph)
 
 
 def host_in_turns(fns, n=300, rounds=7):
@@ -124,6 +130,47 @@ def _error(e):
     return f"{type(e).__name__}: {str(e)[:120]}"
 
 
+def graphed(fn, context=None):
+    """fn captured once into a CUDA graph, warmed up first on a side stream (as capture needs),
+    both under `context` (a context-manager factory or None) as fn's timed runs are; returns the
+    graph's replay."""
+    ctx = context or contextlib.nullcontext
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), ctx():
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with ctx(), torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _time_graphs(row, candidates, timing):
+    """The row's `<label>_graph` entries: each candidate replayed from its CUDA graph, timed in
+    turns; ratios as the eager ones (`vs_fixed_graph`: the fixed default's). A candidate that
+    cannot be captured is reported (`<label>_graph_error`), not fatal."""
+    replays, us = [], {}
+    for label, fn, ctx in candidates:
+        try:
+            replays.append((label, graphed(fn, ctx), None))
+        except Exception as e:
+            us[label] = e
+    us.update(time_interleaved(replays, **timing) if replays else {})
+    tuned = us["tuned"]
+    if isinstance(tuned, Exception):
+        row["tuned_graph_error"] = _error(tuned)
+        return
+    row["tuned_graph_us"] = tuned
+    for label, _, _ in candidates[1:]:
+        if isinstance(us[label], Exception):
+            row[f"{label}_graph_error"] = _error(us[label])
+            continue
+        row[f"{label}_graph_us"] = us[label]
+        row[f"vs_{label}_graph"] = us[label] / tuned
+
+
 def run_case(case, skip_peers=(), seen_peers=None):
     """Time one row. skip_peers: baseline labels not to time; seen_peers (a set): gets the
     row's baseline labels, skipped ones included."""
@@ -165,6 +212,8 @@ def run_case(case, skip_peers=(), seen_peers=None):
         else:
             row[f"{label}_us"] = us[label] * case.ceiling_scale
             row[f"frac_{label}"] = row[f"{label}_us"] / row["tuned_us"]
+    if case.graph:                    # tuned, fixed and the baselines (not the ceiling)
+        _time_graphs(row, candidates[:2 + len(case.baselines)], case.timing)
     if case.bytes:
         row["tuned_GBps"] = case.bytes / row["tuned_us"] / 1e3
     if case.flops:
@@ -191,6 +240,8 @@ def progress_line(row):
     tuning N s` (the first call's time: search or store lookup, compiles). A ratio > 1 means the tuned op is faster; a baseline that could not run
     reads `<peer> failed`."""
     parts = [f"{row['tuned_us']:.2f} us", f"{row['speedup_over_fixed']:.2f}x fixed"]
+    if "tuned_graph_us" in row:
+        parts.append(f"{row['tuned_graph_us']:.2f} us from a CUDA graph")
     for label in _peers(row):
         v = row.get(f"vs_{label}")
         parts.append(f"{v:.2f}x {label}" if v is not None else f"{label} failed")
@@ -212,6 +263,8 @@ def _columns(rows):
     cols = [("case", lambda r: str(r["case"])), ("mode", lambda r: str(r["mode"])),
             ("tuned us", num("tuned_us", "{:.2f}")), ("fixed us", num("fixed_us", "{:.2f}")),
             ("vs fixed", num("speedup_over_fixed", "{:.2f}x"))]
+    if any("tuned_graph_us" in r for r in rows):
+        cols.append(("graph us", num("tuned_graph_us", "{:.2f}")))
     peers = list(dict.fromkeys(p for r in rows for p in _peers(r)))
     cols += [(f"vs {p}", ratio(p)) for p in peers]
     ceilings = list(dict.fromkeys(k[5:] for r in rows for k in r if k.startswith("frac_")))

@@ -1,6 +1,7 @@
 """The bench's row logic on a fake clock: candidates timed in turns, fixed runs under
 DISABLE_AUTOTUNE with the default kernels kept, a failing baseline reported and not fatal; a
 row's progress line, the per-op tables and the plot."""
+import contextlib
 import os
 import sys
 
@@ -82,6 +83,58 @@ def test_run_case_sets_up_lazy_rows_and_skips_peers_after(clock):
     assert row["vs_peer"] == pytest.approx(2.0) and "vs_slow" not in row
     assert row["built"] is True and seen == {"peer", "slow"}
     assert clock.trace[-2 * 3 * 3:].count("peer") == 2 * 3       # rounds x reps, as asked
+
+
+def test_a_graph_row_times_each_candidate_replayed_from_its_cuda_graph(clock, monkeypatch):
+    """BenchCase.graph: every candidate is also captured (the fixed one under its context) and
+    its replays timed in turns; one that cannot be captured is reported, the row goes on."""
+    capturing = []         # while a candidate is captured: where it puts its (name, graph us)
+
+    def timed(name, eager_us, graph_us):
+        if capturing:
+            capturing[-1].append((name, graph_us))
+        else:
+            clock.run(name, eager_us)
+
+    def ours():            # host-bound when called eagerly: the graph replays run faster
+        fixed = os.environ.get("DISABLE_AUTOTUNE") == "1"
+        timed("fixed" if fixed else "tuned", 70.0 if fixed else 60.0, 50.0 if fixed else 40.0)
+
+    def uncapturable():
+        if capturing:
+            raise RuntimeError("not capturable")
+        clock.run("nocap", 80.0)
+
+    def fake_graphed(fn, context=None):
+        capturing.append([])
+        try:
+            with (context or contextlib.nullcontext)():
+                fn()
+        finally:
+            got = capturing.pop()
+        (name, us), = got
+        return lambda: clock.run(name + " graph", us)
+
+    monkeypatch.setattr(bench, "graphed", fake_graphed)
+    case = bench.BenchCase("op", "decode", "fwd", ours,
+                           {"peer": lambda: timed("peer", 45.0, 44.0), "nocap": uncapturable},
+                           graph=True)
+    row = bench.run_case(case)
+    assert row["tuned_us"] == pytest.approx(60.0) and row["vs_peer"] == pytest.approx(45 / 60)
+    assert row["tuned_graph_us"] == pytest.approx(40.0)
+    assert row["fixed_graph_us"] == pytest.approx(50.0)
+    assert row["vs_fixed_graph"] == pytest.approx(50 / 40)
+    assert row["vs_peer_graph"] == pytest.approx(44 / 40)
+    assert row["nocap_graph_error"] == "RuntimeError: not capturable"
+    assert row["vs_nocap"] == pytest.approx(80 / 60) and "vs_nocap_graph" not in row
+    assert os.environ.get("DISABLE_AUTOTUNE") != "1"
+    # the replays take turns in blocks, as the eager calls do
+    assert clock.trace[-150::10] == ["tuned graph", "fixed graph", "peer graph"] * 5
+    line = bench.progress_line(row)
+    assert "60.00 us, 1.17x fixed, 40.00 us from a CUDA graph, " in line
+    assert "1.10x peer_graph" in line and "nocap_graph failed" in line
+    header = [h for h, _ in bench._columns([row])]
+    assert "graph us" in header and "vs peer_graph" in header and "vs fixed_graph" in header
 
 
 def test_train_step_rows_are_full_only_and_lazy():
@@ -197,3 +250,9 @@ def test_plot_without_matplotlib_says_so_in_one_line(tmp_path, monkeypatch, caps
     assert capsys.readouterr().out == \
         "--plot ignored: matplotlib is not installed (pip install matplotlib)\n"
     assert not (tmp_path / "bench.png").exists()
+
+
+def test_decode_rows_are_also_timed_from_cuda_graphs():
+    from tiletune.cases import fmha
+    decode = fmha._decode_cases(full=True)          # lazy rows: nothing allocated on the CPU
+    assert len(decode) == len(fmha.DECODE_SHAPES) + 1 and all(c.graph for c in decode)
