@@ -273,7 +273,8 @@ def cmd_bench(args):
         given = [flag for flag, value in (("--full", args.full), ("--host", args.host),
                                           ("--json", args.json),
                                           ("--plot", args.plot), ("--match", args.match),
-                                          ("--skip-peer", args.skip_peer)) if value]
+                                          ("--skip-peer", args.skip_peer),
+                                          ("--graph", args.graph)) if value]
         if given:
             print(f"{', '.join(given)} ignored: no GPU to benchmark", flush=True)
         return _compile(args.ops, ["sm_90"], None)
@@ -281,7 +282,7 @@ def cmd_bench(args):
     return bench.main(args.ops, full=args.full, host=args.host,
                       json_path=args.json or bench.DEFAULT_JSON,
                       plot_path=args.plot, match=args.match or (),
-                      skip_peers=args.skip_peer or ())
+                      skip_peers=args.skip_peer or (), graph=args.graph)
 
 
 def _positive(text):
@@ -438,6 +439,10 @@ def parser():
                         "--match H32/8 --match 'D64 bf16 fwd$'")
     b.add_argument("--skip-peer", action="append", metavar="LABEL",
                    help="a baseline not to time (repeatable), e.g. tilegym")
+    b.add_argument("--graph", action="store_true",
+                   help="also time every row's candidates replayed from a CUDA graph (the "
+                        "decode rows always are): the kernels' time without the eager call's "
+                        "host time")
     k = sub.add_parser("compile", epilog=_ops_epilog,
                        help="AOT-compile every config of every kernel (no GPU needed)")
     k.add_argument("ops", nargs="*", help="ops to compile (default: all)")

@@ -395,7 +395,7 @@ def _matches(label, pattern):
 
 
 def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=None, match=(),
-         skip_peers=()):
+         skip_peers=(), graph=False):
     """Benchmark the named ops (default: every registered op, in registration order).
 
     full: every row of each op (`bench_cases(full=True)`), not only its headline rows, and the
@@ -405,6 +405,7 @@ def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=
     trailing "$" anchors at the end);
     skip_peers: baseline labels not to time (e.g. "tilegym", whose own first-call tuning is
     slow);
+    graph: time every row's candidates replayed from CUDA graphs too (`BenchCase.graph`);
     json_path: written after every row and at the end (None: no JSON)."""
     modules = registry.ops()
     names = list(ops or modules)
@@ -429,6 +430,7 @@ def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=
             label = f"{case.name} {case.mode}".lower()
             if match and not any(_matches(label, m.lower()) for m in match):
                 continue
+            case.graph = case.graph or graph
             try:
                 row = run_case(case, skip_peers, seen_peers)
             except Exception as e:

@@ -193,10 +193,11 @@ def test_bench_without_a_gpu_compiles_and_names_ignored_flags(ops, compiles, mon
                                                               capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["bench", "alpha", "--plot", "x.png", "--json", "r.json", "--match", "fwd",
-                 "--skip-peer", "liger", "--full"]) == 0
+                 "--skip-peer", "liger", "--full", "--graph"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("No CUDA GPU here")
-    assert out[1] == "--full, --json, --plot, --match, --skip-peer ignored: no GPU to benchmark"
+    assert out[1] == ("--full, --json, --plot, --match, --skip-peer, --graph ignored: no GPU to "
+                      "benchmark")
     assert compiles == [(["alpha"], ["sm_90"], compiles[0][2])]
     assert not os.path.exists("r.json") and not os.path.exists("x.png")
     assert main(["bench"]) == 0                       # no flags given: no "ignored" line
@@ -282,6 +283,29 @@ def test_bench_prints_a_line_per_row_before_the_tables(ops, clock, monkeypatch, 
     data = json.loads(path.read_text())
     assert data["rows"] == [] and data["host_us"] == {"alpha": {"bare_launch": 3.0,
                                                                 "fast_path_over_bare": 1.25}}
+
+
+def test_bench_graph_times_every_row_from_cuda_graphs_too(ops, clock, monkeypatch, tmp_path,
+                                                          capsys):
+    """--graph: every row's candidates are also captured and replayed (a stand-in capture here:
+    the replay runs the candidate at 3/4 of its eager time); without it only rows that ask."""
+    monkeypatch.delenv("DISABLE_AUTOTUNE", raising=False)
+    monkeypatch.setattr(bench, "graphed", lambda fn, context=None: lambda: clock.run(
+        "graph", 0.75 * 20.0))
+    ops["alpha"].bench_cases = lambda full=False: [
+        bench.BenchCase("alpha", "n1", "fwd", lambda: clock.run("ours", 20.0),
+                        {"peer": lambda: clock.run("peer", 25.0)})]
+    ops["beta"].bench_cases = lambda full=False: [
+        bench.BenchCase("beta", "m1", "fwd", lambda: clock.run("ours", 20.0), {}, graph=True)]
+    path = tmp_path / "b.json"
+    assert main(["bench", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert "tuned_graph_us" not in rows[0] and rows[1]["tuned_graph_us"] == pytest.approx(15.0)
+    assert main(["bench", "--graph", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert all(r["tuned_graph_us"] == pytest.approx(15.0) for r in rows)
+    assert rows[0]["vs_peer_graph"] == pytest.approx(1.0)
+    assert "15.00 us from a CUDA graph" in capsys.readouterr().out
 
 
 def test_bench_says_when_no_headline_row_matches(ops, clock, tmp_path, capsys):
