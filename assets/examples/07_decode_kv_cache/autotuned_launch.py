@@ -1,7 +1,8 @@
 """After: the same decode step through `fmha(q, k, v, seqused_k=used)`: its first call searches
 how many CTAs share each sequence's key range (1 to 64 splits, the key tile and the occupancy;
-with a split, a second small kernel merges the partial softmaxes), keyed by (B x Hkv, the
-cache's capacity bucketed, D, causal, dtype), so a longer cache next step reuses the winner. The
+with a split, a second small kernel merges the partial softmaxes), tuned per (B x Hkv and the
+cache's capacity, both bucketed to powers of two, Sq, D, the mask, the GQA group, lengths given or
+not, dtype), so a longer cache next step reuses the winner. The
 step is captured once into a CUDA graph and replayed: the call reads the filled lengths on the
 device, so the next token is the same graph with `used` raised in place."""
 import torch
