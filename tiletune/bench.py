@@ -7,10 +7,10 @@ does), after warm-up; every number in a row comes from the same process and card
 candidates (tuned, fixed, baselines, ceiling) are timed in turns, so that clock drift during the
 row does not favour one of them.
 
-A row may also time every candidate captured in a CUDA graph (`BenchCase.graph`): the kernels'
-time without the host's, which is what a caller that replays graphs (a decode loop in serving)
-sees, beside the eager call's time, which holds the host's where the call's host time passes its
-kernels'.
+A row may also time each candidate replayed from a CUDA graph (`BenchCase.graph`, or `--graph`
+for every row). A replay costs the kernels' time alone, which is what a caller that replays
+graphs sees (a serving loop's decode). The eager time includes the host's wherever a call spends
+longer on the host than its kernels run.
 
 `main` prints one line per row as it finishes, then a table per op, the store and the number of
 searches this process ran, and the host overheads; it writes the rows to JSON after every row.
