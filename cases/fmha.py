@@ -19,7 +19,8 @@ from tiletune.ops import fmha as FM
 # (B*H, S) float32 (rows padded to 16 bytes). Every sm_90 config of the three kernels at B4 H32 S4096 D128 bf16 causal;
 # the sm_100 and fallback configs not already in it; then each kernel's default for non-causal,
 # D64 fp16, a ragged Sq/Sk (1000/4097: no 16-divisible shapes), GQA 32/8,
-# D256, and the forward for decode (Sq = 1) and D80 (zero-padded to 128).
+# D256, and the forward for decode (Sq = 1) and D80 (zero-padded to 128); the two-tile forward
+# non-causal, at D64 fp16, D256 and an odd number of query tiles.
 
 I32 = ScalarConstraint(ct.int32)     # a Python int argument
 TUNERS = {"fwd": FM._fwd, "dq": FM._dq, "dkdv": FM._dkdv}
@@ -118,6 +119,15 @@ def compile_cases():
             cfg = next(GENS[kind]("sm_90", FM.head_tile(d), bucket(sq), bucket(sk)))
             yield CompileCase("fmha", TUNERS[kind].build(cfg), _params(kind, cfg, *shape),
                               f"fmha {kind} {label} default {vars(cfg)}")
+    for label, shape in [("non-causal", (bf, 4, 32, 32, 4096, 4096, 128, False)),
+                         ("D64 fp16 causal", (f16, 8, 16, 16, 2048, 2048, 64, True)),
+                         ("ragged Sq4097 Sk1000", (bf, 2, 8, 2, 4097, 1000, 128, True)),
+                         ("D256 causal", (bf, 2, 8, 8, 2048, 2048, 256, True))]:
+        dt, B, hq, hkv, sq, sk, d, causal = shape
+        cfg = next(c for c in FM.fwd_configs("sm_90", FM.head_tile(d), bucket(sq), bucket(sk))
+                   if getattr(c, "pair", False))
+        yield CompileCase("fmha", FM._fwd.build(cfg), _params("fwd", cfg, *shape),
+                          f"fmha fwd {label} pair {vars(cfg)}")
     for label, kinds, shape in [
             ("packed B8 T8000 H32/8 D128 causal", ("fwd", "dq", "dkdv"),
              (bf, 8, 32, 8, 8000, 8000, 128, True)),
@@ -179,6 +189,8 @@ BENCH_SHAPES = (  # B, Hq, Hkv, Sq, Sk, D, causal
     (8, 16, 16, 2048, 2048, 64, False), (8, 16, 16, 2048, 2048, 64, True),
     (4, 32, 8, 4096, 4096, 128, True),          # GQA 4:1
     (4, 32, 32, 1024, 4096, 128, True),         # Sq != Sk: chunked prefill, bottom-right
+    (16, 32, 32, 1024, 1024, 128, True),        # short sequences
+    (1, 32, 8, 16384, 16384, 128, True),        # long, GQA 4:1
 )
 HEADLINE = (4, 32, 32, 4096, 4096, 128, True)
 

@@ -90,10 +90,15 @@ def _row(a, bh, i, TI):
     return ct.load(a, (bh, i), (1, TI), padding_mode=ZERO)
 
 
-def _scores(qt, k, b, hk, n, TN, TD):
-    """S [R, TN] = qt [R, TD] k[b, hk] tile n^T in float32 (keys past Sk load as zeros)."""
+def _keys_t(k, b, hk, n, TN, TD):
+    """[TD, TN] tile n of k[b, hk], transposed (keys past Sk load as zeros)."""
     kt = ct.load(k, (b, hk, 0, n), (1, 1, TD, TN), order=(0, 1, 3, 2), padding_mode=ZERO)
-    return ct.mma(qt, ct.reshape(kt, (TD, TN)), ct.zeros((qt.shape[0], TN), ct.float32))
+    return ct.reshape(kt, (TD, TN))
+
+
+def _scores(qt, k, b, hk, n, TN, TD):
+    """S [R, TN] = qt [R, TD] k[b, hk] tile n^T in float32."""
+    return ct.mma(qt, _keys_t(k, b, hk, n, TN, TD), ct.zeros((qt.shape[0], TN), ct.float32))
 
 
 def _masked(s, n, cols, sk, last_key, TN, CAUSAL):
@@ -106,17 +111,34 @@ def _masked(s, n, cols, sk, last_key, TN, CAUSAL):
     return ct.where(ok, s, NEG_INF)
 
 
-def _softmax_step(s, m_i, l_i, acc, v, b, hk, n, qk_scale, TN, TD):
-    """Fold key tile n into the online softmax of a block of rows: s [R, TN] (masked keys at
-    -inf) updates the running max m_i (base 2, scaled), the sum l_i and the output acc [R, TD]
-    (rescaled, plus P v[b, hk] tile n). Returns the new (m_i, l_i, acc)."""
+def _online_softmax(s, m_i, l_i, qk_scale):
+    """One key tile's scores s [R, TN] (masked keys at -inf) folded into a block of rows' running
+    max m_i (base 2, scaled) and sum l_i. Returns (m_new, l_new, P [R, TN], alpha [R, 1]): the
+    caller adds P v and rescales its output by alpha."""
     m_new = ct.maximum(m_i, ct.max(s, axis=1, keepdims=True) * qk_scale)
     m_use = ct.where(m_new == NEG_INF, 0.0, m_new)     # rows with no key yet: no NaN
     p = ct.exp2(s * qk_scale - m_use, flush_to_zero=True)             # [R, TN]
     alpha = ct.exp2(m_i - m_use, flush_to_zero=True)                   # [R, 1]
-    l_i = l_i * alpha + ct.sum(p, axis=1, keepdims=True)
+    return m_new, l_i * alpha + ct.sum(p, axis=1, keepdims=True), p, alpha
+
+
+def _softmax_step(s, m_i, l_i, acc, v, b, hk, n, qk_scale, TN, TD):
+    """Fold key tile n into the online softmax of a block of rows: s [R, TN] (masked keys at
+    -inf) updates the running max m_i, the sum l_i and the output acc [R, TD] (rescaled, plus
+    P v[b, hk] tile n). Returns the new (m_i, l_i, acc)."""
+    m_new, l_i, p, alpha = _online_softmax(s, m_i, l_i, qk_scale)
     vt = _tile(v, b, hk, n, TN, TD)                                    # [TN, TD]
     return m_new, l_i, ct.mma(p.astype(v.dtype), vt, acc * alpha)
+
+
+def _store_rows(o, lse, b, h, bh, m, acc, m_i, l_i, TM, TD):
+    """Query tile m's output acc / l_i into o[b, h] and its LSE2 into lse[bh]; rows that saw no
+    key get 0 and +inf."""
+    live = l_i > 0.0
+    out = acc * ct.where(live, 1.0 / l_i, 0.0)
+    ct.store(o, (b, h, m, 0), ct.reshape(out.astype(o.dtype), (1, 1, TM, TD)))
+    lse2 = ct.where(live, m_i + ct.log2(l_i), POS_INF)
+    ct.store(lse, (bh, m), ct.reshape(lse2, (1, TM)))
 
 
 def _span(cu, seq):
@@ -190,11 +212,61 @@ def fmha_fwd_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.Consta
         if n >= n_mask:
             s = _masked(s, n, cols, sk, last_key, TN, CAUSAL)
         m_i, l_i, acc = _softmax_step(s, m_i, l_i, acc, v, b, hk, n, qk_scale, TN, TD)
-    live = l_i > 0.0                                   # False: the row saw no key at all
-    out = acc * ct.where(live, 1.0 / l_i, 0.0)
-    ct.store(o, (b, h, m, 0), ct.reshape(out.astype(o.dtype), (1, 1, TM, TD)))
-    lse2 = ct.where(live, m_i + ct.log2(l_i), POS_INF)
-    ct.store(lse, (bh, m), ct.reshape(lse2, (1, TM)))
+    _store_rows(o, lse, b, h, bh, m, acc, m_i, l_i, TM, TD)
+
+
+@ct.kernel
+def fmha_fwd_pair_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.Constant[int],
+                         TN: ct.Constant[int], TD: ct.Constant[int], CAUSAL: ct.Constant[bool],
+                         HEAVY_FIRST: ct.Constant[bool], PACKED: ct.Constant[bool]):
+    """fmha_fwd_kernel's result with one CTA per two neighbouring query tiles (2p, 2p + 1).
+    Grid (cdiv(cdiv(Sq, TM), 2), B*Hq). Each K and V tile is loaded once for both, so K/V cross
+    L2 once per 2 * TM query rows, and the two online softmaxes are independent chains: on sm_90
+    tileiras runs them on two consumer warpgroups beside the TMA producer (384 threads), the
+    structure of cuDNN's forward. A second tile past the sequence's end computes on zero
+    padding and its stores are clipped."""
+    p, b, h, hk, q0, q1 = _query_block(q, k, cu_q, HEAVY_FIRST, PACKED)
+    m0 = 2 * p
+    m1 = m0 + 1
+    if PACKED:
+        if m0 * TM >= q1 - q0:
+            return
+    k, v, sk, offset, b, bh = _sequence_keys(cu_k, b, h, k, v, q1 - q0, offset, CAUSAL, PACKED)
+    if PACKED:
+        q, o, lse = q.slice(2, q0, q1), o.slice(2, q0, q1), lse.slice(1, q0, q1)
+    qt0 = _tile(q, b, h, m0, TM, TD)
+    qt1 = _tile(q, b, h, m1, TM, TD)
+    end0, mask0 = _key_tiles(m0, sk, offset, TM, TN, CAUSAL)
+    end1, mask1 = _key_tiles(m1, sk, offset, TM, TN, CAUSAL)
+    if not CAUSAL:
+        # The same value (sk // TN), written so the compiler cannot merge the two tiles' mask
+        # branches: merged, the chains share one warpgroup and the sm_90 build spills.
+        mask1 = min(mask1, end1 + m1)
+    rows = ct.arange(TM, dtype=ct.int32)[:, None]
+    last0 = m0 * TM + rows + offset
+    last1 = m1 * TM + rows + offset
+    cols = ct.arange(TN, dtype=ct.int32)[None, :]
+    m_0 = ct.full((TM, 1), NEG_INF, ct.float32)
+    l_0 = ct.zeros((TM, 1), ct.float32)
+    acc0 = ct.zeros((TM, TD), ct.float32)
+    m_1 = ct.full((TM, 1), NEG_INF, ct.float32)
+    l_1 = ct.zeros((TM, 1), ct.float32)
+    acc1 = ct.zeros((TM, TD), ct.float32)
+    for n in range(max(end0, end1)):       # tile 0's extra tiles are fully masked: P = 0
+        kt = _keys_t(k, b, hk, n, TN, TD)
+        s0 = ct.mma(qt0, kt, ct.zeros((TM, TN), ct.float32))
+        s1 = ct.mma(qt1, kt, ct.zeros((TM, TN), ct.float32))
+        if n >= mask0:
+            s0 = _masked(s0, n, cols, sk, last0, TN, CAUSAL)
+        if n >= mask1:
+            s1 = _masked(s1, n, cols, sk, last1, TN, CAUSAL)
+        vt = _tile(v, b, hk, n, TN, TD)
+        m_0, l_0, p0, alpha0 = _online_softmax(s0, m_0, l_0, qk_scale)
+        acc0 = ct.mma(p0.astype(v.dtype), vt, acc0 * alpha0)
+        m_1, l_1, p1, alpha1 = _online_softmax(s1, m_1, l_1, qk_scale)
+        acc1 = ct.mma(p1.astype(v.dtype), vt, acc1 * alpha1)
+    _store_rows(o, lse, b, h, bh, m0, acc0, m_0, l_0, TM, TD)
+    _store_rows(o, lse, b, h, bh, m1, acc1, m_1, l_1, TM, TD)
 
 
 @ct.kernel
@@ -502,21 +574,31 @@ def _entries(kind, arch, td, sq, sk):
 HEAVY_FIRST_TRIALS = [(64, 128, 2, 4), (128, 128, 1, 8)]     # (tm, tn, occupancy, worker warps)
 
 
-def fwd_configs(arch, td, sq=4096, sk=4096, causal=False):
+# sm_90, dense batches: the pair kernel (two query tiles a CTA on one K/V stream), per head-dim
+# tile. Its sm_90 builds run two consumer warpgroups (384 threads, 168 registers, no spill) at
+# every TD; with PACKED the two chains share one warpgroup and spill, so packed keys leave it out.
+PAIR_ENTRIES = {64: [(64, 128, 1, 4)], 128: [(64, 128, 1, 4)], 256: [(64, 64, 1, 4)]}
+
+
+def fwd_configs(arch, td, sq=4096, sk=4096, causal=False, packed=False):
     cfgs = list(_entries("fwd", arch, td, sq, sk))
+    if major(arch) == 9 and not packed:
+        cfgs += [SimpleNamespace(**vars(c), pair=True) for c in
+                 table(FIELDS, PAIR_ENTRIES[64 if td <= 64 else td], num_ctas=1)
+                 if 2 * c.tm <= max(64, next_pow2(sq)) and c.tn <= max(64, next_pow2(sk))]
     yield from cfgs
     if causal and major(arch) == 9:
         for c in cfgs:
             entry = (c.tm, c.tn, c.occupancy, getattr(c, "num_worker_warps", None))
-            if c.num_ctas == 1 and entry in HEAVY_FIRST_TRIALS:
+            if c.num_ctas == 1 and (entry in HEAVY_FIRST_TRIALS or getattr(c, "pair", False)):
                 yield SimpleNamespace(**vars(c), heavy_first=True)
 
 
-def dq_configs(arch, td, sq=4096, sk=4096, causal=False):
+def dq_configs(arch, td, sq=4096, sk=4096, causal=False, packed=False):
     yield from _entries("dq", arch, td, sq, sk)
 
 
-def dkdv_configs(arch, td, sq=4096, sk=4096, causal=False):
+def dkdv_configs(arch, td, sq=4096, sk=4096, causal=False, packed=False):
     yield from _entries("dkdv", arch, td, sq, sk)
 
 
@@ -611,7 +693,7 @@ def _shape(q, k, *rest):
     """The config generators' arguments."""
     td, causal, packed = rest[-3:]
     sq, sk = packed[1:] if packed else (q.shape[2], k.shape[2])
-    return dict(td=td, sq=bucket(sq), sk=bucket(sk), causal=causal)
+    return dict(td=td, sq=bucket(sq), sk=bucket(sk), causal=causal, packed=packed is not None)
 
 
 def _pair_work(flops):
@@ -630,7 +712,13 @@ def _query_grid(c, dev, q, *rest):
     packed = rest[-1]
     if packed:
         return (cdiv(packed[1], c.tm), packed[0] * q.shape[1])
+    if getattr(c, "pair", False):
+        return (cdiv(q.shape[2], 2 * c.tm), q.shape[0] * q.shape[1])
     return (cdiv(q.shape[2], c.tm), q.shape[0] * q.shape[1])
+
+
+def fwd_kernel_for(c):
+    return fmha_fwd_pair_kernel if getattr(c, "pair", False) else fmha_fwd_kernel
 
 
 def _key_grid(c, dev, q, k, *rest):
@@ -660,7 +748,7 @@ def _dkdv_args(c, q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, scale, 
 # Launch keys: (B * Hq, Sq, Sk, D, diagonal, group, dtype, device), for a packed batch with the
 # maximum lengths as Sq and Sk and "packed" in the diagonal; tuning buckets the first three.
 _BY_SIZES = bucketed(0, 1, 2)
-_fwd = Autotuner("fmha_fwd", fmha_fwd_kernel, fwd_configs, default=DEFAULT, space=_shape,
+_fwd = Autotuner("fmha_fwd", fwd_kernel_for, fwd_configs, default=DEFAULT, space=_shape,
                  grid=_query_grid, args=_fwd_args, work=_pair_work(4.0), tune_key=_BY_SIZES)
 _dq = Autotuner("fmha_bwd_dq", fmha_bwd_dq_kernel, dq_configs, default=DEFAULT, space=_shape,
                 grid=_query_grid, args=_dq_args, work=_pair_work(6.0), tune_key=_BY_SIZES)

@@ -131,6 +131,29 @@ def test_every_config_is_correct(fresh, monkeypatch, tuner, d, sq, sk):
         check(q, k, v, True)
 
 
+@pytest.mark.parametrize("case", [
+    (1, 4, 2, 4097, 4097, 128, True, torch.bfloat16),     # 65 query tiles: the last pair's
+    (1, 4, 2, 4097, 1000, 128, False, torch.bfloat16),    # second tile lies past Sq
+    (2, 4, 1, 300, 300, 64, True, torch.float16),
+    (1, 4, 4, 1000, 4097, 64, False, torch.float16),
+    (1, 2, 2, 333, 333, 256, True, torch.bfloat16),
+    (1, 4, 4, 4097, 1000, 128, True, torch.bfloat16),     # 3097 rows see no key
+], ids=str)
+def test_pair_forward(fresh, monkeypatch, case):
+    """The two-tile forward (with and without the heavy-first order) against the reference:
+    odd tile counts, causal and not, GQA/MQA, D64/128/256, rows that see no key."""
+    B, hq, hkv, sq, sk, d, causal, dt = case
+    q, k, v = make(B, hq, hkv, sq, sk, d, dt)
+    td = FM.head_tile(d)
+    pairs = [c for c in FM.fwd_configs("sm_90", td, sq, sk, causal=causal)
+             if getattr(c, "pair", False)]
+    assert len(pairs) == (2 if causal else 1)
+    for _ in each_config(monkeypatch, FM._fwd, pairs):
+        o, _grads = check(q, k, v, causal)
+        dead = min(max(sq - sk, 0), sq) if causal else 0
+        assert (o[:, :, :dead] == 0).all()
+
+
 def test_second_call_does_not_search(fresh):
     q, k, v = make(2, 8, 2, 300, 300, 64, torch.bfloat16)
     check(q, k, v, True)
