@@ -8,6 +8,9 @@
 # iff j <= i + offset: offset = Sk - Sq aligns the diagonal bottom-right (FlashAttention 2,
 # `fmha(causal=True)`), offset = 0 top-left (torch SDPA's `is_causal`). A query row that sees no
 # key (bottom-right with Sq > Sk) gets output 0 and LSE2 = +inf, so its P is 0 in the backward.
+# The forward has two kernels the search chooses between per key: one query tile a CTA, or (dense
+# batches, sm_90) two neighbouring tiles a CTA on one K/V stream, which tileiras runs on two
+# consumer warpgroups.
 #
 # Backward (dO given):
 #   delta_i = rowsum(dO_i * O_i); dP = dO V^T; dS = P * (dP - delta)
