@@ -226,17 +226,14 @@ def fmha_fwd_pair_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.C
     Grid (cdiv(cdiv(Sq, TM), 2), B*Hq). Each K and V tile is loaded once for both, so K/V cross
     L2 once per 2 * TM query rows, and the two online softmaxes are independent chains: on sm_90
     tileiras runs them on two consumer warpgroups beside the TMA producer (384 threads), the
-    structure of cuDNN's forward. A second tile past the sequence's end computes on zero
-    padding and its stores are clipped."""
-    p, b, h, hk, q0, q1 = _query_block(q, k, cu_q, HEAVY_FIRST, PACKED)
+    structure of cuDNN's forward. A second tile past Sq computes on zero padding and its
+    stores are clipped. Dense batches only: with PACKED's sliced views the sm_90 build puts both
+    chains in one warpgroup and spills, so packed keys never choose it."""
+    ct.static_assert(not PACKED, "fmha_fwd_pair_kernel takes dense batches only")
+    p, b, h, hk, _, _ = _query_block(q, k, cu_q, HEAVY_FIRST, False)
     m0 = 2 * p
     m1 = m0 + 1
-    if PACKED:
-        if m0 * TM >= q1 - q0:
-            return
-    k, v, sk, offset, b, bh = _sequence_keys(cu_k, b, h, k, v, q1 - q0, offset, CAUSAL, PACKED)
-    if PACKED:
-        q, o, lse = q.slice(2, q0, q1), o.slice(2, q0, q1), lse.slice(1, q0, q1)
+    sk, bh = k.shape[2], ct.bid(1)
     qt0 = _tile(q, b, h, m0, TM, TD)
     qt1 = _tile(q, b, h, m1, TM, TD)
     end0, mask0 = _key_tiles(m0, sk, offset, TM, TN, CAUSAL)
@@ -552,6 +549,12 @@ def head_tile(d):
     return max(16, next_pow2(d))
 
 
+def _tile_caps(sq, sk):
+    """The longest query and key tiles worth a config at these (bucketed) lengths: longer ones
+    only compute padding."""
+    return max(64, next_pow2(sq)), max(64, next_pow2(sk))
+
+
 def _entries(kind, arch, td, sq, sk):
     mj = major(arch)
     if mj == 9:
@@ -564,7 +567,7 @@ def _entries(kind, arch, td, sq, sk):
         entries = OTHER_SPACES[kind]
     # Tiles longer than the (bucketed) sequence only compute padding: leave them out (decode,
     # short prompts); if that leaves nothing, the first entry with its tiles cut to fit.
-    cap_m, cap_n = max(64, next_pow2(sq)), max(64, next_pow2(sk))
+    cap_m, cap_n = _tile_caps(sq, sk)
     fits = [e for e in entries if e[0] <= cap_m and e[1] <= cap_n]
     if not fits:
         e = entries[0]
@@ -586,9 +589,10 @@ PAIR_ENTRIES = {64: [(64, 128, 1, 4)], 128: [(64, 128, 1, 4)], 256: [(64, 64, 1,
 def fwd_configs(arch, td, sq=4096, sk=4096, causal=False, packed=False):
     cfgs = list(_entries("fwd", arch, td, sq, sk))
     if major(arch) == 9 and not packed:
+        cap_m, cap_n = _tile_caps(sq, sk)
         cfgs += [SimpleNamespace(**vars(c), pair=True) for c in
                  table(FIELDS, PAIR_ENTRIES[64 if td <= 64 else td], num_ctas=1)
-                 if 2 * c.tm <= max(64, next_pow2(sq)) and c.tn <= max(64, next_pow2(sk))]
+                 if 2 * c.tm <= cap_m and c.tn <= cap_n]
     yield from cfgs
     if causal and major(arch) == 9:
         for c in cfgs:
