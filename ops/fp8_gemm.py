@@ -866,7 +866,7 @@ def _fp8_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, out, scaling):
     mode, a_group, b_group = scaling
     M, K = a.shape
     N = b.shape[1]
-    c = out if out is not None else torch.empty((M, N), device=a.device, dtype=out_dtype)
+    c = out if out is not None else a.new_empty(M, N, dtype=out_dtype)
     if c.numel() == 0:
         return c
     if K == 0:
@@ -1013,10 +1013,10 @@ def _quantize_raw(x, granularity, dtype):
         _scales_view(granularity, storage, M, K).copy_(s)
         return q, storage
     dev = x.get_device()
-    q = torch.empty((M, K), device=x.device, dtype=dtype)
+    q = x.new_empty(M, K, dtype=dtype)
     key = (granularity, M, K, x.dtype, layout(x), dtype, dev)
     if granularity == "row":
-        s = torch.empty((M, 1), device=x.device, dtype=torch.float32)
+        s = x.new_empty(M, 1, dtype=torch.float32)
         _quantize_row.launch(key, dev, x, q, s, fp8_max)
     elif granularity == "block1x128":
         s = torch.empty(_scale_storage(granularity, M, K), device=x.device, dtype=torch.float32)
@@ -1025,8 +1025,8 @@ def _quantize_raw(x, granularity, dtype):
         s = torch.empty(_block_scale_storage(M, K), device=x.device, dtype=torch.float32)
         _quantize_128x128.launch(key, dev, x, q, s[:, :cdiv(K, BLOCK)], fp8_max)
     else:
-        bits = torch.zeros((1,), device=x.device, dtype=torch.int32)
-        s = torch.empty((1,), device=x.device, dtype=torch.float32)
+        bits = x.new_zeros(1, dtype=torch.int32)
+        s = x.new_empty(1, dtype=torch.float32)
         _tensor_amax.launch(key, dev, x, bits)
         _quantize_tensor.launch(key, dev, x, bits, q, s, fp8_max)
     return q, s
@@ -1102,8 +1102,8 @@ def _quantize_pair_raw(x, dtype):
         return _quantize_raw(x, "block128x128", dtype), _quantize_raw(x.t(), "block128x128", dtype)
     M, K = x.shape
     dev = x.get_device()
-    q = torch.empty((M, K), device=x.device, dtype=dtype)
-    q_t = torch.empty((K, M), device=x.device, dtype=dtype)
+    q = x.new_empty(M, K, dtype=dtype)
+    q_t = x.new_empty(K, M, dtype=dtype)
     s = torch.empty(_block_scale_storage(M, K), device=x.device, dtype=torch.float32)
     s_t = torch.empty(_block_scale_storage(K, M), device=x.device, dtype=torch.float32)
     pair = [(x, q, s[:, :cdiv(K, BLOCK)]), (x.t(), q_t, s_t[:, :cdiv(M, BLOCK)])]

@@ -162,9 +162,9 @@ def _forward(x, w_gate, w_up, act, save):
     x2 = _rows(x)
     M, K = x2.shape
     N = w_gate.shape[0]
-    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    gate = torch.empty((M, N) if save else (0,), device=x.device, dtype=x.dtype)
-    up = torch.empty((M, N) if save else (0,), device=x.device, dtype=x.dtype)
+    y = x.new_empty(M, N)
+    gate = x.new_empty(M, N) if save else x.new_empty(0)
+    up = x.new_empty(M, N) if save else x.new_empty(0)
     if y.numel():
         if K == 0:       # empty products: gate = up = 0, y = act(0) * 0 = 0
             for t in (y, gate, up):

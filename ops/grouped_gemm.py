@@ -285,7 +285,7 @@ def launch_k(a, b, offs, out):
 
 
 def _mgrouped(x, w, offs):
-    out = torch.empty((x.shape[0], w.shape[2]), device=x.device, dtype=x.dtype)
+    out = x.new_empty(x.shape[0], w.shape[2])
     if out.numel():
         if x.shape[1] == 0 or w.shape[0] == 0:
             out.zero_()
@@ -295,7 +295,7 @@ def _mgrouped(x, w, offs):
 
 
 def _kgrouped(a, b, offs):
-    out = torch.empty((offs.shape[0], a.shape[0], b.shape[1]), device=a.device, dtype=a.dtype)
+    out = a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
     if out.numel():
         if a.shape[1] == 0:
             out.zero_()

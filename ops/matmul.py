@@ -260,7 +260,7 @@ def plain_matmul(a, b):
     a3, b3 = (a, b) if batched else (a[None], b[None])
     Z, M, K = a3.shape
     N = b3.shape[2]
-    c3 = torch.empty((Z, M, N), device=a.device, dtype=a.dtype)
+    c3 = a.new_empty(Z, M, N)
     if c3.numel():
         if K == 0:
             c3.zero_()

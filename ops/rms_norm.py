@@ -293,8 +293,8 @@ def _forward(x, weight, eps):
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    rstd = torch.empty(M, device=x.device, dtype=torch.float32)
+    y = x2.new_empty(M, N)            # (new_empty with int sizes: the cheapest allocation)
+    rstd = x2.new_empty(M, dtype=torch.float32)
     if M and N:
         w = weight if weight.stride(0) == 1 else weight.contiguous()
         if M * N <= _MAX_CHUNK_ELEMS:
@@ -316,7 +316,7 @@ def _backward(dy, x, weight, rstd):
     if dy2.stride(-1) != 1:
         dy2 = dy2.contiguous()
     M = x2.shape[0]
-    dx = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    dx = x2.new_empty(M, N)
     if not (M and N):
         return dx.view(x.shape), torch.zeros_like(weight)
     w = weight if weight.stride(0) == 1 else weight.contiguous()
