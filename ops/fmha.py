@@ -791,7 +791,7 @@ def _rows(*shape, like):
     at S % 4 != 0, the compiler stages the slices through shared memory from every warp that
     holds a copy, which racecheck reports as write/write hazards.)"""
     *lead, s = shape
-    return like.new_empty((*lead, f32_row(s)), dtype=torch.float32)[..., :s]
+    return like.new_empty(*lead, f32_row(s), dtype=torch.float32)[..., :s]
 
 
 _UNREAD = {}
