@@ -1,0 +1,93 @@
+"""The host side of each op allocates its outputs: the shape, dtype and contiguity the kernels
+write and the callers read. Run on CPU tensors with ct.launch stubbed (nothing is computed)."""
+import pytest
+import torch
+
+from tiletune import autotune, device, validate
+from tiletune.ops import fmha as FM
+from tiletune.ops import fp8_gemm as F8
+from tiletune.ops import gated_mlp as GM
+from tiletune.ops import grouped_gemm as GG
+from tiletune.ops import matmul as MM
+from tiletune.ops import rms_norm as R
+from tiletune.ops import swiglu as SW
+from tests.cpu.stand_ins import resolve_misses_to_default
+
+BF16, F32, E4M3 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
+
+
+@pytest.fixture
+def host_only(launches, monkeypatch):
+    resolve_misses_to_default(monkeypatch, lambda tuner, dev: f"{tuner.name} kernel")
+    monkeypatch.setitem(device._SM_COUNT, -1, 132)      # a CPU tensor's device index
+    monkeypatch.setattr(validate, "tensor", lambda op, name, t, device=None, dtypes=None: t)
+    monkeypatch.setattr(F8, "_check_arch", lambda *a: None)
+    monkeypatch.setattr(F8, "device_arch", lambda dev: "sm_90")
+    monkeypatch.setattr(R, "launch_bwd", lambda *a: None)   # its scratch needs a device index
+    autotune.clear_cache()
+    yield
+    autotune.clear_cache()
+
+
+def _outputs():
+    x3 = torch.randn(3, 5, 64, dtype=BF16)
+    w = torch.rand(64, dtype=BF16)
+    g3 = torch.randn(2, 3, 128, dtype=BF16)
+    a, b = torch.randn(64, 256, dtype=BF16), torch.randn(256, 128, dtype=BF16)
+    xg = torch.randn(7, 64, dtype=BF16)
+    wg = torch.randn(4, 128, 64, dtype=BF16).transpose(-2, -1)
+    offs = torch.tensor([2, 4, 6, 7], dtype=torch.int32)
+    wgate, wup = torch.randn(128, 64, dtype=BF16), torch.randn(128, 64, dtype=BF16)
+    a8 = torch.randn(64, 256).to(E4M3)
+    b8 = torch.randn(128, 256).to(E4M3).t()
+    xq = torch.randn(64, 256, dtype=BF16)
+    y, rstd = R._forward(x3, w, 1e-6)
+    dx, _ = R._backward(torch.randn_like(x3), x3, w, rstd)
+    dgate, dup = SW.backward(g3, g3, g3, "silu")
+    gy, gate, up = GM._forward(torch.randn(2, 8, 64, dtype=BF16), wgate, wup, "silu", True)
+    _, unsaved, _ = GM._forward(torch.randn(16, 64, dtype=BF16), wgate, wup, "silu", False)
+    (pq, _), (pq_t, _) = F8.quantize_fp8_pair(xq)
+    yield "rms_norm y", y, (3, 5, 64), BF16
+    yield "rms_norm rstd", rstd, (15,), F32
+    yield "rms_norm dx", dx, (3, 5, 64), BF16
+    yield "rms_norm y, x transposed", R._forward(x3.transpose(0, 1), w, 1e-6)[0], (5, 3, 64), BF16
+    yield "swiglu", SW._forward(g3, g3, "silu"), (2, 3, 128), BF16
+    yield "swiglu dgate", dgate, (2, 3, 128), BF16
+    yield "swiglu dup", dup, (2, 3, 128), BF16
+    gate_half, up_half = torch.randn(2, 3, 256, dtype=BF16).chunk(2, -1)     # strided views
+    yield "swiglu of chunk() halves", SW._forward(gate_half, up_half, "silu"), (2, 3, 128), BF16
+    yield "matmul", MM.plain_matmul(a, b), (64, 128), BF16
+    yield "matmul batched", MM.plain_matmul(a.expand(2, -1, -1), b.expand(2, -1, -1)), \
+        (2, 64, 128), BF16
+    yield "grouped_mm", GG._mgrouped(xg, wg, offs), (7, 128), BF16
+    yield "grouped_mm K-grouped", GG._kgrouped(xg.t(), torch.randn(7, 32, dtype=BF16), offs), \
+        (4, 64, 32), BF16
+    yield "gated_mlp y", gy.reshape(16, 128), (16, 128), BF16
+    yield "gated_mlp gate", gate, (16, 128), BF16
+    yield "gated_mlp up", up, (16, 128), BF16
+    yield "gated_mlp gate not saved", unsaved, (0,), BF16
+    yield "fp8_mm", F8.fp8_mm(a8, b8, torch.rand(64, 1) + 0.5, torch.rand(1, 128) + 0.5), \
+        (64, 128), BF16
+    for granularity, scales in (("row", (64, 1)), ("tensor", ()), ("block1x128", (64, 2)),
+                                ("block128x128", (1, 2))):
+        q, s = F8.quantize_fp8(xq, granularity)
+        yield f"quantize_fp8 {granularity}", q, (64, 256), E4M3
+        yield f"quantize_fp8 {granularity} scales", s.contiguous(), scales, F32
+    yield "quantize_fp8_pair q", pq, (64, 256), E4M3
+    yield "quantize_fp8_pair q^T", pq_t, (256, 64), E4M3
+
+
+def test_outputs_have_the_shape_dtype_and_layout_the_kernels_write(host_only):
+    seen = 0
+    for name, t, shape, dtype in _outputs():
+        assert tuple(t.shape) == shape, (name, tuple(t.shape))
+        assert t.dtype == dtype, (name, t.dtype)
+        assert t.is_contiguous(), (name, t.stride())
+        seen += 1
+    assert seen == 27      # every output above was checked
+
+
+def test_statistics_rows_are_padded_to_16_bytes(host_only):
+    rows = FM._rows(2, 4, 1001, like=torch.empty(1, dtype=BF16))
+    assert tuple(rows.shape) == (2, 4, 1001) and rows.dtype == F32
+    assert rows.stride() == (4 * 1004, 1004, 1)
