@@ -62,7 +62,7 @@ def _outputs():
     yield "grouped_mm", GG._mgrouped(xg, wg, offs), (7, 128), BF16
     yield "grouped_mm K-grouped", GG._kgrouped(xg.t(), torch.randn(7, 32, dtype=BF16), offs), \
         (4, 64, 32), BF16
-    yield "gated_mlp y", gy.reshape(16, 128), (16, 128), BF16
+    yield "gated_mlp y", gy, (2, 8, 128), BF16
     yield "gated_mlp gate", gate, (16, 128), BF16
     yield "gated_mlp up", up, (16, 128), BF16
     yield "gated_mlp gate not saved", unsaved, (0,), BF16
