@@ -828,20 +828,8 @@ def _check_arch(op, name, t):
 
 
 def _check_out(out, M, N, out_dtype, a, inputs):
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"fp8_mm: out must be a torch.Tensor, got {type(out).__name__}")
-    if tuple(out.shape) != (M, N):
-        raise ValueError(f"fp8_mm: out has shape {tuple(out.shape)} but the result is {(M, N)}")
-    if out.dtype != out_dtype:
-        raise TypeError(f"fp8_mm: out dtype {out.dtype} differs from out_dtype {out_dtype}")
-    if out.device != a.device:
-        raise ValueError(f"fp8_mm: out is on {out.device} but the inputs are on {a.device}")
-    if validate.self_overlaps(out):
-        raise ValueError(f"fp8_mm: out {tuple(out.shape)} with strides {out.stride()} has "
-                         "elements that share memory")
-    for name, t in inputs.items():
-        if validate.overlaps(out, t):
-            raise ValueError(f"fp8_mm: out overlaps {name} in memory")
+    validate.out("fp8_mm", out, (M, N), out_dtype, a.device, dtype_of="out_dtype",
+                 inputs=inputs)
 
 
 def _operands(a, b):
@@ -877,6 +865,8 @@ def _fp8_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, out, scaling):
     else:
         sa, sb = _scale_vectors(mode, scale_a, scale_b, M, N)
         launch(mode, a, b, sa, sb, c, fast_accum)
+    if out is not None:      # written by the kernel: tell autograd that out changed
+        torch.autograd.graph.increment_version(out)
     return c
 
 
@@ -922,7 +912,7 @@ def fp8_mm(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, fast_accum=False
     e4m3/e5m2 pair (float16 path) or off Hopper (cuTile ignores it there).
 
     `out`, if given, receives the result: exactly (M, N), out_dtype, on a's device, not
-    overlapping an input. Needs compute capability 9.0 or newer (ValueError below). Not
+    overlapping an input, not requiring grad. Needs compute capability 9.0 or newer (ValueError below). Not
     differentiable, as torch._scaled_mm is not. Works under torch.compile(fullgraph=True).
     """
     scaling = _check(a, b, scale_a, scale_b, out_dtype, fast_accum)
@@ -1145,6 +1135,8 @@ def quantize_fp8_pair(x, granularity="block128x128", dtype=torch.float8_e4m3fn):
     quantize_fp8's; works under torch.compile(fullgraph=True)."""
     _check_quantize(x, granularity, dtype, op="quantize_fp8_pair")
     if granularity != "block128x128":
+        if not torch.compiler.is_compiling():
+            _check_arch("quantize_fp8_pair", "x", x)
         return quantize_fp8(x, granularity, dtype), quantize_fp8(x.t(), granularity, dtype)
     if torch.compiler.is_compiling():
         q, s, q_t, s_t = _quantize_pair_op(x, dtype)
@@ -1206,6 +1198,7 @@ class _FP8Linear(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable   # FP8 kernels: no double backward
     def backward(ctx, dy):
         x2, weight = ctx.saved_tensors
         need_x, need_w, need_b, _ = ctx.needs_input_grad
@@ -1257,7 +1250,7 @@ def _check_linear(x, weight, bias, recipe):
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if recipe not in RECIPES:
+    if not isinstance(recipe, str) or recipe not in RECIPES:
         raise ValueError(f"{op}: recipe must be one of {sorted(RECIPES)}, got {recipe!r}")
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"{op}: x (..., K) and weight (N, K) must share K; got x "
@@ -1265,9 +1258,9 @@ def _check_linear(x, weight, bias, recipe):
     N, K = weight.shape
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"{op}: bias must be (N,) = ({N},); got {tuple(bias.shape)}")
-    if K % 16 or N % 16:
-        raise ValueError(f"{op}: K ({K}) and N ({N}) must be multiples of 16 (the reduction "
-                         "dims of the forward and input-gradient FP8 GEMMs)")
+    if K % 16 or N % 16 or K == 0:
+        raise ValueError(f"{op}: K ({K}) and N ({N}) must be multiples of 16, K at least 16 "
+                         "(the reduction dims of the forward and input-gradient FP8 GEMMs)")
     for name, t in named:
         validate.tensor(op, name, t, device=x.device, dtypes=IN_DTYPES)
     _check_arch(op, "x", x)

@@ -408,15 +408,7 @@ def _result_shape(mode, x, w, offs):
 
 
 def _check_out(out, shape, x):
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"grouped_mm: out must be a torch.Tensor, got {type(out).__name__}")
-    if tuple(out.shape) != shape:
-        raise ValueError(f"grouped_mm: out has shape {tuple(out.shape)} but the result is "
-                         f"{shape}")
-    if out.dtype != x.dtype:
-        raise TypeError(f"grouped_mm: out dtype {out.dtype} differs from the inputs' {x.dtype}")
-    if out.device != x.device:
-        raise ValueError(f"grouped_mm: out is on {out.device} but the inputs are on {x.device}")
+    validate.out("grouped_mm", out, shape, x.dtype, x.device)
 
 
 def grouped_mm(x, w, offs=None, *, out=None):
@@ -436,7 +428,8 @@ def grouped_mm(x, w, offs=None, *, out=None):
     to [the previous end, T]: a wrong result, but no hang and no access outside the tensors.
     Differentiable in x and w (offs gets no gradient); the weight gradient comes back in w's
     layout. Works under torch.compile(fullgraph=True). `out`, if given, receives a copy of the
-    result (not differentiable): exactly the result's shape, dtype and device. Arrays of up to
+    result (gradients flow through it as through `out.copy_(result)`): exactly the result's
+    shape, dtype and device, and writable (not a leaf that requires grad, no stride-0 dims). Arrays of up to
     2^31 - 1 elements."""
     mode = _check(x, w, offs)
     if out is not None:

@@ -309,23 +309,16 @@ _matmul_op = TrainableOp(
 
 def _check_out(a, b, out):
     """`out` must be exactly the result's shape, a's dtype and device (no broadcasting)."""
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"matmul: out must be a torch.Tensor, got {type(out).__name__}")
-    shape = (*a.shape[:-1], b.shape[-1])
-    if tuple(out.shape) != shape:
-        raise ValueError(f"matmul: out has shape {tuple(out.shape)} but the result is {shape}")
-    if out.dtype != a.dtype:
-        raise TypeError(f"matmul: out dtype {out.dtype} differs from the inputs' {a.dtype}")
-    if out.device != a.device:
-        raise ValueError(f"matmul: out is on {out.device} but the inputs are on {a.device}")
+    validate.out("matmul", out, (*a.shape[:-1], b.shape[-1]), a.dtype, a.device)
 
 
 def matmul(a, b, *, out=None):
     """C = A @ B. a (M, K) and b (K, N), or batched (Z, M, K) and (Z, K, N); bf16 or fp16 (both
     alike), float32 accumulation, output in the input dtype. Either operand may be a transposed
-    (column-major) view: no copies. Any M, N, K. `out`, if given, receives the result (copied;
-    it is not differentiable): it must have the result's shape, a's dtype and device (else
-    ValueError / TypeError). Differentiable in a and b; works under
+    (column-major) view: no copies. Any M, N, K. `out`, if given, receives a copy of the result (gradients flow
+    through it as through `out.copy_(result)`): it must have the result's shape, a's dtype and
+    device, and be writable (not a leaf that requires grad, no stride-0 dims); else ValueError /
+    TypeError. Differentiable in a and b; works under
     torch.compile(fullgraph=True)."""
     _check(a, b)
     if out is not None:

@@ -35,7 +35,7 @@ from tiletune.autotune import Autotuner, Work, bucketed
 from tiletune.device import major, persistent_ctas
 from tiletune.ops.grouped_gemm import grouped_mm
 from tiletune.ops.swiglu import swiglu
-from tiletune.space import cdiv, next_pow2
+from tiletune.space import INT32_MAX, cdiv, next_pow2
 from tiletune.torch_op import TrainableOp
 
 ZERO = ct.PaddingMode.ZERO
@@ -325,8 +325,8 @@ def _check_permute(x, topk_ids, num_experts):
     validate.is_tensor(op, "topk_ids", topk_ids)
     if isinstance(num_experts, bool) or not isinstance(num_experts, int):
         raise TypeError(f"{op}: num_experts must be an int, got {type(num_experts).__name__}")
-    if num_experts < 1:
-        raise ValueError(f"{op}: num_experts must be >= 1, got {num_experts}")
+    if not 1 <= num_experts < INT32_MAX:   # int32 offsets, and num_experts marks stray ids
+        raise ValueError(f"{op}: num_experts must be in [1, 2^31 - 2], got {num_experts}")
     validate.dims(op, "x", x, 2, "(tokens, hidden)")
     validate.dims(op, "topk_ids", topk_ids, 2, "(tokens, k)")
     if topk_ids.shape[0] != x.shape[0]:
@@ -351,6 +351,8 @@ def _check_unpermute(y_sorted, inverse, topk_weights):
     if tuple(topk_weights.shape) != tuple(inverse.shape):
         raise ValueError(f"{op}: topk_weights has shape {tuple(topk_weights.shape)} but inverse "
                          f"has {tuple(inverse.shape)}")
+    if inverse.shape[1] < 1:
+        raise ValueError(f"{op}: inverse must hold at least one slot per token (k >= 1)")
     if y_sorted.shape[0] != inverse.numel():
         raise ValueError(f"{op}: y_sorted has {y_sorted.shape[0]} rows but inverse has "
                          f"{inverse.numel()} slots (tokens * k)")

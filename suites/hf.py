@@ -179,10 +179,18 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     float32 models, CPU tensors, and under torch.compile the calls `tiletune_mask` must leave a
     mask on, take this path: never a different result, only a different kernel. A packed batch
     with its sequence lengths (`packed_lengths`) runs `fmha_varlen` on them; the mask
-    transformers built for it (the same block-diagonal pattern) is not needed.
-    Returns ((B, S, H, D), None)."""
+    transformers built for it (the same block-diagonal pattern) is not needed, unless a
+    sliding window is shorter than the longest sequence (then the mask goes to SDPA).
+    Attention sinks (`s_aux`, GPT-OSS) raise ValueError. Returns ((B, S, H, D), None)."""
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("tiletune attention: attention sinks (s_aux) are not supported (the "
+                         "kernel and SDPA have no sink term); use attn_implementation='eager' "
+                         "for this model")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     packed = packed_lengths(kwargs, query.shape[0])
+    window = kwargs.get("sliding_window")
+    if packed is not None and window is not None and packed[3] > window:
+        packed = None            # the window reaches inside a sequence: the mask decides
     route = attention_route(
         q_length=query.shape[2], kv_length=key.shape[2], head_dim=query.shape[3],
         dtype=query.dtype, on_cuda=query.is_cuda,
@@ -254,6 +262,13 @@ def _fusable(x, *projections):
                     for p in projections))
 
 
+def experts_supported(hidden_dtype, weight_dtypes):
+    """The grouped-GEMM experts serve bf16/fp16 hidden states with weights of that dtype (a
+    float32 model, or float32 weights under autocast, keeps transformers' experts)."""
+    return hidden_dtype in (torch.bfloat16, torch.float16) and \
+        all(d == hidden_dtype for d in weight_dtypes)
+
+
 class _ExpertsForward:
     _tiletune_activations = SWIGLU_ACTIVATIONS
 
@@ -262,6 +277,12 @@ class _ExpertsForward:
         if act not in SWIGLU_ACTIVATIONS:
             _log_once(f"tiletune experts: hidden_act {act!r} has no tiletune kernel: using "
                       "transformers' experts")
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+        if not experts_supported(hidden_states.dtype,
+                                 (self.gate_up_proj.dtype, self.down_proj.dtype)):
+            _log_once(f"tiletune experts: {hidden_states.dtype} hidden states with "
+                      f"{self.gate_up_proj.dtype} weights (the kernels take bf16/fp16 of one "
+                      "dtype): using transformers' experts")
             return super().forward(hidden_states, top_k_index, top_k_weights)
         return _moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
                             self.down_proj)

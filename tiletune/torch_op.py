@@ -18,6 +18,8 @@ class TrainableOp:
         args, in order (None where not needed); the rest of the args get None.
     backward_schema / backward_fake: likewise for the backward's custom op (its first argument
         is `bool[] needs`).
+    The backward runs kernels, so it is differentiable once: `create_graph=True` gives the
+    gradients, and differentiating those gradients raises instead of silently giving zero.
     """
 
     def __init__(self, name, *, forward, forward_schema, forward_fake, backward,
@@ -85,6 +87,7 @@ def _autograd_function(name, forward, save, backward, outputs):
             return results[0] if outputs == 1 else tuple(results[:outputs])
 
         @staticmethod
+        @torch.autograd.function.once_differentiable   # kernels: no double backward
         def backward(ctx, *grads):
             result = backward(tuple(ctx.needs_input_grad), *grads, *ctx.saved_tensors,
                               *ctx.constants)

@@ -54,6 +54,39 @@ def eps(op, value):
     return float(value)
 
 
+
+def out(op, t, shape, dtype, device, dtype_of="the inputs'", inputs=None):
+    """An `out=` tensor: exactly `shape`, `dtype` and `device`, and writable. An op that copies
+    its result into `out` (inputs None) refuses, under grad mode, a leaf that requires grad, as
+    torch's copy_ does; an op whose kernel writes `out` directly while reading `inputs`
+    ({name: tensor}) refuses any `out` that requires grad (autograd would not see the write)
+    and memory shared with the inputs. Neither takes elements that share memory (an expanded,
+    stride-0 dim would be written twice). The memory checks read addresses, which torch.compile
+    does not trace: they run eagerly (a compiled op writes a fresh tensor, then copies it).
+    TypeError / ValueError naming `op`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: out must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{op}: out has shape {tuple(t.shape)} but the result is "
+                         f"{tuple(shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{op}: out dtype {t.dtype} differs from {dtype_of} {dtype}")
+    if t.device != device:
+        raise ValueError(f"{op}: out is on {t.device} but the inputs are on {device}")
+    if torch.is_grad_enabled() and t.requires_grad and (inputs is not None or t.is_leaf):
+        what = "a tensor" if inputs is not None else "a leaf tensor"
+        raise ValueError(f"{op}: out is {what} that requires grad, which cannot be written in "
+                         "place")
+    if torch.compiler.is_compiling():
+        return t
+    if self_overlaps(t):
+        raise ValueError(f"{op}: out {tuple(t.shape)} with strides {t.stride()} has elements "
+                         "that share memory (an expanded, stride-0 dim?)")
+    for name, other in (inputs or {}).items():
+        if overlaps(t, other):
+            raise ValueError(f"{op}: out overlaps {name} in memory")
+    return t
+
 # ---------------------------------------------------------------------------------------------
 # Tensors written in place: memory overlap. Pure functions of (address, shape,
 # strides, element size): no device work, any device. Conservative: "may overlap" is refused.

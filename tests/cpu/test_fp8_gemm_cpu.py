@@ -280,6 +280,13 @@ def test_out_is_checked():
     with pytest.raises(ValueError, match="fp8_mm: out overlaps a in memory"):
         F8._check_out(over, 64, 32, BF16, a, {"a": buf.view(E4M3).view(64, 128)})
     F8._check_out(torch.empty(64, 32, dtype=BF16), 64, 32, BF16, a, inputs)
+    # the kernel writes out behind autograd's back: no out that requires grad, leaf or not
+    p = torch.ones(64, 32, dtype=BF16, requires_grad=True)
+    for out in (p, p * 2):
+        with pytest.raises(ValueError, match="fp8_mm: out is a tensor that requires grad"):
+            F8._check_out(out, 64, 32, BF16, a, inputs)
+    with torch.no_grad():
+        F8._check_out(p, 64, 32, BF16, a, inputs)
 
 
 QBAD = [
@@ -715,6 +722,9 @@ BAD_LINEAR = [
     (([1.0], W), {}, TypeError, "x must be a torch.Tensor"),
     ((X, W, 0.5), {}, TypeError, "bias must be a torch.Tensor"),
     ((X, W), {"recipe": "tensorwise"}, ValueError, "recipe must be one of"),
+    ((X, W), {"recipe": ["rowwise"]}, ValueError, "recipe must be one of"),
+    ((torch.zeros(8, 0, dtype=BF16), torch.zeros(32, 0, dtype=BF16)), {}, ValueError,
+     r"K \(0\) and N \(32\) must be multiples of 16, K at least 16"),
     ((X, torch.zeros(32, 48, dtype=BF16)), {}, ValueError, "must share K"),
     ((X, W, torch.zeros(31, dtype=BF16)), {}, ValueError, r"bias must be \(N,\) = \(32,\)"),
     ((torch.zeros(8, 40, dtype=BF16), torch.zeros(32, 40, dtype=BF16)), {}, ValueError,

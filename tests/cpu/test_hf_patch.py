@@ -125,6 +125,7 @@ def ops(monkeypatch):
         "geglu", lambda g, u, approximate: F.gelu(g, approximate=approximate) * u))
     monkeypatch.setattr(hf, "_moe_experts", counted("moe", ref_moe))
     monkeypatch.setattr(hf, "scaled_dot_product_attention", counted("attention", sdpa))
+    monkeypatch.setattr(hf, "experts_supported", lambda hidden, weights: True)
     monkeypatch.setattr(hf, "attention_route", lambda **kw: route(
         **{**kw, "on_cuda": True, "dtype": torch.bfloat16}))
     monkeypatch.setattr(hf, "_logged", set())
@@ -218,6 +219,24 @@ def test_unsupported_activation_keeps_hf_mlp(caplog, monkeypatch):
     assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
     assert type(model.model.norm).__name__ == "TiletuneLlamaRMSNorm"
     assert sum("hidden_act 'relu'" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_float32_experts_keep_hf_experts(caplog, monkeypatch):
+    """The grouped-GEMM experts take bf16/fp16: a float32 Qwen3-MoE (or float32 weights under
+    autocast) runs transformers' experts, with one warning, instead of raising."""
+    monkeypatch.setattr(hf, "_logged", set())
+    monkeypatch.setattr(hf, "_moe_experts", lambda *a: pytest.fail("float32 reached the kernel"))
+    assert hf.experts_supported(torch.bfloat16, (torch.bfloat16, torch.bfloat16))
+    assert not hf.experts_supported(torch.bfloat16, (torch.float32, torch.float32))
+    assert not hf.experts_supported(torch.float32, (torch.float32, torch.float32))
+    model = build("qwen3_moe")
+    reference = copy.deepcopy(model)
+    hf.apply_tiletune(model, rms_norm=False, rope=False, attention=False, mlp=False)
+    ids = torch.randint(0, 128, (2, 12))
+    with caplog.at_level(logging.WARNING, logger="tiletune"):
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits)
+    assert sum("tiletune experts: torch.float32" in r.getMessage()
+               for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -515,6 +534,46 @@ def test_packed_batch_runs_fmha_varlen(monkeypatch):
     assert hf.packed_lengths(lengths, 1) == (cu, cu, 6, 6)
     assert hf.packed_lengths(lengths, 2) is None
     assert hf.packed_lengths({**lengths, "max_length_k": None}, 1) is None
+
+
+def test_packed_batch_with_a_shorter_sliding_window_takes_the_mask(monkeypatch):
+    """A sliding window shorter than the longest packed sequence reaches inside it: plain
+    causal varlen attention would be wrong there, so the mask transformers built (packed and
+    windowed) goes to SDPA. A window that no sequence reaches past keeps fmha_varlen."""
+    monkeypatch.setattr(hf, "_logged", set())
+    monkeypatch.setattr(hf, "fmha_varlen", lambda *a, **kw: pytest.fail("varlen ran"))
+    route_on_cpu = hf.attention_route
+    monkeypatch.setattr(hf, "attention_route", lambda **kw: route_on_cpu(**{**kw, "on_cuda": True}))
+    q = torch.randn(1, 4, 10, 16, dtype=torch.bfloat16)
+    k, v = torch.randn(1, 2, 10, 16, dtype=torch.bfloat16), torch.randn(1, 2, 10, 16,
+                                                                         dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4, 10])
+    lengths = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6, max_length_k=6)
+    pos = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4, 5])
+    seq = torch.tensor([0] * 4 + [1] * 6)
+    window = 3
+    allowed = (seq[:, None] == seq[None]) & (pos[None] <= pos[:, None]) & \
+        (pos[:, None] - pos[None] < window)
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=2, training=False)
+    out, _ = hf.attention_forward(module, q, k, v, allowed[None, None], scaling=0.25,
+                                  sliding_window=window, **lengths)
+    expect = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(2, 1),
+                                            v.float().repeat_interleave(2, 1),
+                                            attn_mask=allowed, scale=0.25)
+    torch.testing.assert_close(out.float(), expect.transpose(1, 2), atol=2e-2, rtol=2e-2)
+    ran = []
+    monkeypatch.setattr(hf, "fmha_varlen", lambda q, *a, **kw: ran.append(1) or torch.zeros_like(q))
+    hf.attention_forward(module, q, k, v, allowed[None, None], scaling=0.25, sliding_window=6,
+                         **lengths)
+    assert ran == [1]
+
+
+def test_attention_sinks_are_refused():
+    q = torch.randn(1, 4, 8, 16, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"tiletune attention: attention sinks \(s_aux\)"):
+        hf.attention_forward(SimpleNamespace(is_causal=True), q, k, k, None,
+                             s_aux=torch.zeros(4))
 
 
 def test_tiletune_mask():

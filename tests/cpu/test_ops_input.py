@@ -1,6 +1,6 @@
 """Host-side input checks of the ops that need no GPU: in-place RoPE's memory-overlap helpers
 (against a brute-force enumeration of the bytes each view touches) and its leaf rule; matmul's
-`out` check, its split-K scratch bound over the batch and the batch in its key and space; the
+`out` check (the shared out= rules), its split-K scratch bound over the batch and the batch in its key and space; the
 CausalBias size check of scaled_dot_product_attention; rms_norm's int32-safe row chunks and its
 refusal of rows wider than 2^31 - 1 elements."""
 import itertools
@@ -159,6 +159,26 @@ def test_matmul_out_must_match_the_result():
         MM._check_out(a3, b3, torch.empty(3, 7, dtype=torch.half))
 
 
+def test_out_must_be_writable():
+    """An out= tensor that torch cannot write in place, or whose elements share memory, is
+    refused before any work, naming the op (matmul and grouped_mm copy into it; fp8_mm writes it
+    directly and also refuses memory shared with its inputs)."""
+    a, b = torch.zeros(3, 5, dtype=torch.bfloat16), torch.zeros(5, 7, dtype=torch.bfloat16)
+    leaf = torch.empty(3, 7, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match=r"matmul: out is a leaf tensor that requires grad"):
+        MM._check_out(a, b, leaf)
+    with torch.no_grad():             # as torch: a leaf may be written under no_grad
+        MM._check_out(a, b, leaf)
+    with pytest.raises(ValueError, match=r"matmul: out \(3, 7\) with strides \(0, 1\) has "
+                                         r"elements that share memory"):
+        MM._check_out(a, b, torch.empty(1, 7, dtype=torch.bfloat16).expand(3, 7))
+    MM._check_out(a, b, torch.empty(7, 3, dtype=torch.bfloat16).t())    # any strides otherwise
+    x = torch.empty(10, 4)
+    with pytest.raises(ValueError, match=r"op: out overlaps x in memory"):
+        validate.out("op", x[:, :2], (10, 2), torch.float32, x.device, inputs={"x": x[:, 1:]})
+    validate.out("op", x[:, :2], (10, 2), torch.float32, x.device, inputs={"x": x[:, 2:]})
+
+
 def splits(*args, **kw):
     return [MM.split_of(c) for c in MM.matmul_configs(*args, **kw) if MM.split_of(c) > 1]
 
@@ -243,3 +263,14 @@ def test_rms_norm_refuses_rows_over_2_31_minus_1(monkeypatch):
         else:
             with pytest.raises(ValueError, match=r"rms_norm: x rows of \d+ elements"):
                 RN._check(x, w, 1e-6)
+
+
+def test_out_checks_trace_under_torch_compile():
+    """The memory checks read addresses, which torch.compile cannot trace: under compile they
+    are skipped (the compiled ops write a fresh tensor, then copy), so out= keeps fullgraph."""
+    def f(x, out):
+        validate.out("op", out, (4, 4), torch.float32, x.device, inputs={"x": x})
+        validate.out("op", out, (4, 4), torch.float32, x.device)
+        return out.copy_(x * 2)
+    x, out = torch.randn(4, 4), torch.empty(4, 4)
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(x, out), x * 2)
