@@ -19,6 +19,8 @@
 # bf16/fp16 operands (alike), float32 accumulation, any strides.
 #
 # No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
+import math
+
 import cuda.tile as ct
 import torch
 
@@ -27,7 +29,7 @@ from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import major, persistent_ctas
 from tiletune.ops.gemm_tiles import layout, output_tile, tile_coords, tile_count
 from tiletune.ops.matmul import matmul
-from tiletune.space import cdiv, next_pow2, table
+from tiletune.space import INT32_MAX, cdiv, next_pow2, table
 from tiletune.torch_op import TrainableOp
 
 ZERO = ct.PaddingMode.ZERO
@@ -396,6 +398,12 @@ def _check(x, w, offs):
         if t is not None:
             validate.tensor("grouped_mm", name, t, device=x.device,
                             dtypes=(*DTYPES, torch.int32))
+    if mode != "3d3d":                    # (the batched product is matmul's: any size)
+        for name, n in (("x", x.numel()), ("w", w.numel()),
+                        ("the result", math.prod(_result_shape(mode, x, w, offs)))):
+            if n > INT32_MAX:
+                raise ValueError(f"grouped_mm: {name} has {n} elements, more than the kernels "
+                                 "index (2^31 - 1); split the tokens")
     return mode
 
 
@@ -429,8 +437,9 @@ def grouped_mm(x, w, offs=None, *, out=None):
     Differentiable in x and w (offs gets no gradient); the weight gradient comes back in w's
     layout. Works under torch.compile(fullgraph=True). `out`, if given, receives a copy of the
     result (gradients flow through it as through `out.copy_(result)`): exactly the result's
-    shape, dtype and device, and writable (not a leaf that requires grad, no stride-0 dims). Arrays of up to
-    2^31 - 1 elements."""
+    shape, dtype and device, and writable (not a leaf that requires grad, no stride-0 dims).
+    x, w and the result of the grouped forms hold up to 2^31 - 1 elements each (ValueError
+    beyond)."""
     mode = _check(x, w, offs)
     if out is not None:
         _check_out(out, _result_shape(mode, x, w, offs), x)

@@ -105,6 +105,23 @@ def test_bad_input_is_refused_naming_the_argument(args, error, message):
         grouped_mm(*args)
 
 
+def test_arrays_past_2_31_elements_are_refused(monkeypatch):
+    """The grouped kernels index with int32: x, w or the result of more than 2^31 - 1
+    elements is refused by name (meta tensors: no memory; the device check stubbed)."""
+    monkeypatch.setattr(GG.validate, "tensor", lambda op, name, t, **kw: t)
+    big = dict(device="meta", dtype=torch.bfloat16)
+    offs = torch.empty(4, device="meta", dtype=torch.int32)
+    cases = [((2**20, 2**12), (4, 2**12, 8), "x has 4294967296 elements"),
+             ((8, 2**12), (4, 2**12, 2**18), "w has 4294967296 elements"),
+             ((2**20, 8), (4, 8, 2**12), "the result has 4294967296 elements")]
+    for xs, ws, message in cases:
+        with pytest.raises(ValueError, match="^grouped_mm: " + message):
+            GG._check(torch.empty(xs, **big), torch.empty(ws, **big), offs)
+    with pytest.raises(ValueError, match="^grouped_mm: the result has 17179869184 elements"):
+        GG._check(torch.empty(2**16, 16, **big), torch.empty(16, 2**16, **big), offs)  # (E, M, N)
+    GG._check(torch.empty(2**18, 2**12, **big), torch.empty(4, 2**12, 2**10, **big), offs)
+
+
 def test_cpu_tensors_are_refused_after_every_other_check():
     for x, w, offs in [(t(8, 4), t(2, 4, 8), offsets(4, 8)), (t(4, 8), t(8, 6), offsets(4, 8)),
                        (t(2, 8, 4), t(2, 4, 6), None)]:
