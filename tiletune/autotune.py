@@ -42,12 +42,18 @@ from tiletune.space import INT32_MAX, next_pow2
 log = logging.getLogger("tiletune")
 
 
+# Errors of a stored winner's first launch that say nothing about the config: raised to the
+# caller, the store entry kept.
+_NOT_THE_CONFIG = (ValueError, TypeError, torch.OutOfMemoryError,
+                   ct.TileCompilerTimeoutError)
+
+
 def _configure_logging():
     """TILETUNE_LOG=1: every tuning at INFO on a handler of the `tiletune` logger only;
     TILETUNE_LOG=0: silent, even the one line a long search prints. The user's root logger is
     never touched."""
-    level = os.environ.get("TILETUNE_LOG", "").strip().lower()
-    if level in ("0", "off", "false", "no"):
+    level = os.environ.get("TILETUNE_LOG", "").strip()
+    if level and env.flag_off(level):
         log.setLevel(logging.ERROR)
     elif level:
         handler = logging.StreamHandler()
@@ -342,7 +348,9 @@ class Autotuner:
         """A miss of `launch`: resolve the key's tuning key, launch, and keep the launch's plan
         (kernel, grid, config) under the key. A winner read from the store that no longer
         launches (a driver or device that refuses its kernel) is deleted from the store, the
-        key is searched again, and the new winner launches."""
+        key is searched again, and the new winner launches. Errors that say nothing about the
+        config (bad inputs, out of memory, a compile timeout on a busy host) go to the caller
+        and leave the store alone."""
         tkey = self.tune_key(key)
         entry = self.cache.get(tkey) or self._resolve(tkey, dev, inputs)
         skey = self._unproven.pop(tkey, None)
@@ -350,7 +358,8 @@ class Autotuner:
             return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
         try:
             return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
-        except (ValueError, TypeError):      # about the inputs, not the config
+        except _NOT_THE_CONFIG:
+            self._unproven[tkey] = skey      # still unproven: a later launch decides
             raise
         except Exception as e:
             cfg = entry[0]
@@ -485,13 +494,13 @@ class Autotuner:
             hit = self.cache.get(key)
             if hit is not None:          # another thread resolved it while we waited
                 return hit
+            cfgs = self.config_list(_device.arch(dev), shape)
+            if disabled():               # before anything else: the default, always
+                record = TuningRecord(self.name, key, config_dict(cfgs[0]), "default")
+                return self._finish(key, cfgs[0], record, None, dev)
             failed = self._failed.get(key)
             if failed is not None:       # every config failed for this key: no new search
                 raise failed
-            cfgs = self.config_list(_device.arch(dev), shape)
-            if disabled():
-                record = TuningRecord(self.name, key, config_dict(cfgs[0]), "default")
-                return self._finish(key, cfgs[0], record, None, dev)
             skey = self.store_key(key, dev, cfgs)
             stored = store.load(self.name, skey) if use_store else None
             cfg = self._find(cfgs, stored.get("config")) if isinstance(stored, dict) else None

@@ -51,6 +51,9 @@ _conns = {}                         # path -> (pid, (st_dev, st_ino), sqlite3.Co
 _used = {}
 
 
+_folders = {}
+
+
 def cache_dir():
     """The store's folder, or None when TILETUNE_CACHE_DIR is off (off, 0, no, none, false,
     disable, or blank; case-insensitive). Unset: ~/.cache/tiletune."""
@@ -59,7 +62,9 @@ def cache_dir():
         return os.path.join(os.path.expanduser("~"), ".cache", "tiletune")
     if env.flag_off(d):
         return None
-    return d
+    # "~" expanded; a relative folder resolved against the working directory of its first
+    # use, so that a later os.chdir does not move the store
+    return _folders.setdefault(d, os.path.abspath(os.path.expanduser(d.strip())))
 
 
 def db_path():
@@ -260,6 +265,9 @@ def load_own(op, key):
     try:
         return json.loads(row[0])
     except (ValueError, TypeError, RecursionError):
+        env.warn_once(("tiletune.store.entry", path, op),
+                      f"tiletune: an unreadable {op} entry in the store at {path} is ignored "
+                      "(it is searched again and replaced)")
         return None
 
 

@@ -530,6 +530,44 @@ def test_a_stored_winner_that_fails_to_launch_is_searched_again(env, monkeypatch
         t.launch(("k2",), "cpu", x, 32)
 
 
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"),
+                                   ct.TileCompilerTimeoutError("compile timed out", "", "13.4"),
+                                   ValueError("bad input")],
+                         ids=["oom", "compile timeout", "value error"])
+def test_a_stored_winner_meeting_a_transient_error_stays_stored(env, monkeypatch, error):
+    """An error of the first launch that says nothing about the stored config (out of memory,
+    a compile timeout on a loaded host, bad inputs) goes to the caller: the store entry stays,
+    nothing is searched, and the next launch still checks the stored winner."""
+    x = torch.zeros(4)
+    t = _declared(env, monkeypatch, "transient", grid=lambda c, dev, x, n: (1,),
+                  args=lambda c, x, n: (x, c.occupancy))
+    t.launch(("k",), "cpu", x, 32)
+    t.clear()
+    failures = [error]
+
+    def launch(stream, grid, kernel, args):
+        if failures:
+            raise failures.pop()
+        env.launches.append(args)
+    monkeypatch.setattr(ct, "launch", launch)
+    with pytest.raises(type(error)):
+        t.launch(("k",), "cpu", x, 32)
+    assert env.fake.calls == 1 and len(store.entries(t.name)[t.name]) == 1
+    t.launch(("k",), "cpu", x, 32)                   # the stored winner launches
+    assert env.fake.calls == 1 and env.launches[-1] == (x, 2)
+
+
+def test_disable_autotune_wins_over_a_key_whose_every_config_failed(env, monkeypatch):
+    t = _declared(env, monkeypatch, "allfail", grid=lambda c, dev, x, n: (1,),
+                  args=lambda c, x, n: (x, c.occupancy))
+    t._failed[("k",)] = autotune.TuningFailedError("allfail", ("k",), {})
+    with pytest.raises(autotune.TuningFailedError):
+        t.launch(("k",), "cpu", torch.zeros(4), 32)
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    t.launch(("k",), "cpu", torch.zeros(4), 32)      # the default, as the contract says
+    assert env.fake.calls == 0 and env.launches[-1][3][1] == next(_space("sm_90", 32)).occupancy
+
+
 def test_launch_scratch_is_allocated_per_launch_and_shared_in_the_search(env, monkeypatch):
     seen = []
     t = _declared(env, monkeypatch, "scratch",

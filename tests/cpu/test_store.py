@@ -249,6 +249,31 @@ def test_an_entry_that_is_not_json_is_not_saved(folder):
     assert stored(folder) == {"k": {"config": {"tile": 64}}}
 
 
+def test_an_unreadable_entry_warns_once_and_reads_as_missing(folder):
+    store.save(OP, "k", {"config": {"tile": 64}})
+    with sqlite3.connect(folder / store.DB_NAME) as conn:
+        conn.execute(f"UPDATE {store.TABLE} SET entry = '{{not json' WHERE key = 'k'")
+    result, warned = recorded(store.load, OP, "k")
+    assert result is None and len(warned) == 1 and "unreadable matmul entry" in warned[0]
+    assert recorded(store.load, OP, "k") == (None, [])
+    store.save(OP, "k", {"config": {"tile": 32}})                # a new search replaces it
+    assert store.load(OP, "k") == {"config": {"tile": 32}}
+
+
+def test_a_relative_or_home_folder_is_one_folder_whatever_the_cwd(monkeypatch, tmp_path):
+    monkeypatch.setattr(store, "_folders", {})
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", "~/tt")
+    assert store.cache_dir() == str(tmp_path / "home" / "tt")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", "rel/store")
+    store.save(OP, "k", {"config": {"tile": 64}})
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert store.cache_dir() == str(tmp_path / "rel" / "store")
+    assert store.load(OP, "k") == {"config": {"tile": 64}}
+
+
 def test_a_removed_database_is_recreated(folder):
     store.save(OP, "k", {"config": {"tile": 64}})
     for name in os.listdir(folder):
