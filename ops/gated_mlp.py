@@ -162,7 +162,10 @@ def _forward(x, w_gate, w_up, act, save):
     x2 = _rows(x)
     M, K = x2.shape
     N = w_gate.shape[0]
-    y = x.new_empty(M, N)
+    # y in its final shape (a view made here could not be changed in place by the caller under
+    # autograd); the kernel writes its (M, N) view
+    y_out = x.new_empty(*x.shape[:-1], N)
+    y = y_out.view(M, N)
     gate = x.new_empty(M, N) if save else x.new_empty(0)
     up = x.new_empty(M, N) if save else x.new_empty(0)
     if y.numel():
@@ -173,7 +176,7 @@ def _forward(x, w_gate, w_up, act, save):
             y3 = y[None]
             launch(x2[None], w_gate.t()[None], w_up.t()[None], y3,
                    gate[None] if save else y3, up[None] if save else y3, act, save)
-    return y.view(*x.shape[:-1], N), gate, up
+    return y_out, gate, up
 
 
 def _backward(needs, dy, x, w_gate, w_up, gate, up, act):

@@ -274,8 +274,9 @@ _MAX_CHUNK_ELEMS = INT32_MAX   # kernels index with int32: launch at most this m
 def _check(x, weight, eps):
     validate.tensor("rms_norm", "x", x)
     validate.tensor("rms_norm", "weight", weight, device=x.device)
-    if x.dim() < 1:
-        raise ValueError("rms_norm: x must have at least one dimension (the hidden size)")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError("rms_norm: x must have a last dimension (the hidden size) of at "
+                         f"least 1, got shape {tuple(x.shape)}")
     if x.shape[-1] > _MAX_CHUNK_ELEMS:
         raise ValueError(f"rms_norm: x rows of {x.shape[-1]} elements are not supported (at most "
                          f"{_MAX_CHUNK_ELEMS} = 2^31 - 1: the kernels index a row with int32)")
@@ -293,7 +294,10 @@ def _forward(x, weight, eps):
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    y = x2.new_empty(M, N)            # (new_empty with int sizes: the cheapest allocation)
+    # (new_empty with int sizes: the cheapest allocation). Not 2-D: y in x's shape, the kernel
+    # writing its rows (a view made here could not be changed in place under autograd)
+    y_out = x2.new_empty(M, N) if two_d else x.new_empty(*x.shape)
+    y = y_out if two_d else y_out.view(M, N)
     rstd = x2.new_empty(M, dtype=torch.float32)
     if M and N:
         w = weight if weight.stride(0) == 1 else weight.contiguous()
@@ -302,7 +306,7 @@ def _forward(x, weight, eps):
         else:
             for s, e in row_chunks(M, N):
                 launch_fwd(x2[s:e], w, y[s:e], rstd[s:e], eps)
-    return (y if two_d else y.view(x.shape)), rstd
+    return y_out, rstd
 
 
 def _backward(dy, x, weight, rstd):

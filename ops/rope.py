@@ -225,7 +225,9 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     memory (k is q, overlapping views) nor have overlapping elements (a stride-0 expanded dim),
     and neither may be a leaf that requires grad: ValueError. (Disjoint views of one buffer, such
     as the q and k columns of a fused qkv projection, are fine.) Differentiable in q and k. Works
-    under torch.compile(fullgraph=True) (in place: the out-of-place op, copied back).
+    under torch.compile(fullgraph=True). In place under torch.compile, and on views that need a
+    gradient (autograd's rule for in-place writes to views), the out-of-place op runs and its
+    results are copied back.
     """
     cos, sin, pos, rot = prepare("apply_rope", q, k, cos, sin, position_ids, rotary_dim)
     if inplace and torch.compiler.is_compiling():
@@ -233,6 +235,12 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
         return q.copy_(qo), k.copy_(ko)
     if inplace:      # (cos/sin are not checked against q and k: microseconds on every call)
         validate.inplace("apply_rope", {"q": q, "k": k})
+        if (q._is_view() or k._is_view()) and torch.is_grad_enabled() and \
+                (q.requires_grad or k.requires_grad):
+            # autograd takes an in-place write to a view from a Function with one output
+            # only: rotate out of place and copy back, as under torch.compile
+            qo, ko = _rope_op(q, k, cos, sin, pos, rot, False)
+            return q.copy_(qo), k.copy_(ko)
     return _rope_op(q, k, cos, sin, pos, rot, bool(inplace))
 
 

@@ -114,6 +114,10 @@ def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
     if cos.dim() != 3 or cos.shape[0] not in (1, B):
         raise ValueError(f"{op}: cos/sin must be (S, R), (1, S, R) or ({B}, S, R), got "
                          f"{tuple(cos.shape)}")
+    if rotary_dim is not None and (isinstance(rotary_dim, bool) or
+                                   not isinstance(rotary_dim, (int, torch.SymInt))):
+        raise TypeError(f"{op}: rotary_dim must be an int or None, got "
+                        f"{type(rotary_dim).__name__}")
     rot = cos.shape[-1] if rotary_dim is None else int(rotary_dim)
     if rot <= 0 or rot % 2 or rot > D:
         raise ValueError(f"{op}: rotary width must be even and in [2, head_dim={D}], got {rot}")

@@ -265,6 +265,21 @@ def test_rms_norm_refuses_rows_over_2_31_minus_1(monkeypatch):
                 RN._check(x, w, 1e-6)
 
 
+def test_rms_norm_refuses_an_empty_hidden_dim_and_rope_a_rotary_dim_that_is_no_int(
+        monkeypatch):
+    monkeypatch.setattr(validate, "tensor", lambda op, name, t, device=None, dtypes=None: t)
+    for shape in ((2, 3, 0), (4, 0), ()):
+        with pytest.raises(ValueError, match=r"rms_norm: x must have a last dimension"):
+            RN._check(torch.zeros(shape), torch.zeros(0), 1e-6)
+    from tiletune.ops.rotary import prepare
+    q, k = torch.zeros(1, 4, 8, 16), torch.zeros(1, 2, 8, 16)
+    cos = sin = torch.zeros(8, 16)
+    assert prepare("apply_rope", q, k, cos, sin, None, 8)[3] == 8
+    for bad in ("8", 8.0, True):
+        with pytest.raises(TypeError, match="apply_rope: rotary_dim must be an int or None"):
+            prepare("apply_rope", q, k, cos, sin, None, bad)
+
+
 def test_out_checks_trace_under_torch_compile():
     """The memory checks read addresses, which torch.compile cannot trace: under compile they
     are skipped (the compiled ops write a fresh tensor, then copy), so out= keeps fullgraph."""

@@ -91,3 +91,26 @@ def test_statistics_rows_are_padded_to_16_bytes(host_only):
     rows = FM._rows(2, 4, 1001, like=torch.empty(1, dtype=BF16))
     assert tuple(rows.shape) == (2, 4, 1001) and rows.dtype == F32
     assert rows.stride() == (4 * 1004, 1004, 1)
+
+
+def test_outputs_a_caller_may_change_in_place_under_autograd(host_only):
+    """A Function's output that is a view it made itself cannot be changed in place under
+    autograd (`y.mul_(2)` raises): the ops allocate outputs in their final shape; in-place RoPE
+    on views that need a gradient rotates out of place and copies back."""
+    from tiletune.ops.gated_mlp import swiglu_linear
+    from tiletune.ops.rms_norm import rms_norm
+    from tiletune.ops.rope import apply_rope
+    x3 = torch.randn(3, 5, 64, dtype=BF16, requires_grad=True)
+    w = torch.rand(64, dtype=BF16, requires_grad=True)
+    wgate = torch.randn(128, 64, dtype=BF16, requires_grad=True)
+    wup = torch.randn(128, 64, dtype=BF16, requires_grad=True)
+    for y in (rms_norm(x3, w), swiglu_linear(x3, wgate, wup), swiglu_linear(x3[0], wgate, wup)):
+        assert y.requires_grad and not y._is_view()
+        y.mul_(2)
+    qkv = torch.randn(2, 7, 4 + 2 + 2, 16, dtype=BF16, requires_grad=True) * 1   # (B, S, H, D)
+    q, k = qkv[:, :, :4].transpose(1, 2), qkv[:, :, 4:6].transpose(1, 2)       # HF's views
+    cos = sin = torch.rand(7, 16, dtype=BF16)
+    q_out, k_out = apply_rope(q, k, cos, sin, inplace=True)
+    assert q_out is q and k_out is k
+    (g,) = torch.autograd.grad((q_out.float().sum() + k_out.float().sum()), qkv)
+    assert g.shape == qkv.shape
