@@ -805,9 +805,21 @@ def _unread(q, dev):
     return a
 
 
+MAX_GRID_Y = 65535
+
+
+def _check_heads(q, packed):
+    """The grids put (batch x query heads) on their second axis, which CUDA caps at 65535."""
+    rows = (packed[0] if packed else q.shape[0]) * q.shape[1]
+    if rows > MAX_GRID_Y:
+        raise ValueError(f"fmha: batch x query heads = {rows} is more than the kernels' grid "
+                         f"takes ({MAX_GRID_Y}); split the batch into calls of fewer sequences")
+
+
 def launch_fwd(q, k, v, o, lse, causal, offset, scale, packed=None, cu_q=None, cu_k=None):
     """o (like q) and lse (B, Hq, Sq) float32 written in place. A packed batch: q/k/v/o are its
     (1, H, T, D) views, packed = (B, max_seqlen_q, max_seqlen_k), cu_q/cu_k its offsets."""
+    _check_heads(q, packed)
     dev = q.get_device()
     if packed is None:
         cu_q = cu_k = _unread(q, dev)
@@ -837,6 +849,7 @@ def launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale, pa
     """dq, dk, dv and delta (B*Hq, Sq) float32 written in place (a packed batch as in
     launch_fwd). The dQ kernel runs (and on a miss is tuned) first: it writes delta, which
     the dK/dV kernel reads."""
+    _check_heads(q, packed)
     dev = q.get_device()
     if packed is None:
         cu_q = cu_k = _unread(q, dev)
@@ -1014,7 +1027,7 @@ def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     batch = cu_q.shape[0] - 1
     if o.numel() == 0:
         return o, lse
-    if k.shape[0] == 0 or batch == 0 or max_q == 0:
+    if k.shape[0] == 0 or batch == 0 or max_q == 0 or max_k == 0:
         o.zero_()                  # no keys anywhere (or no sequence): every row fully masked
         lse.fill_(POS_INF)
         return o, lse
@@ -1028,7 +1041,7 @@ def _varlen_backward(do, q, k, v, cu_q, cu_k, o, lse, max_q, max_k, causal, scal
     if 0 in do.stride() and do.numel():
         do = do.contiguous()
     batch = cu_q.shape[0] - 1
-    if q.numel() == 0 or k.numel() == 0 or batch == 0 or max_q == 0:
+    if q.numel() == 0 or k.numel() == 0 or batch == 0 or max_q == 0 or max_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = _rows(q.shape[1], q.shape[0], like=q)
     launch_bwd(_packed(do), _packed(q), _packed(k), _packed(v), _packed(o), lse, _packed(dq),
@@ -1175,9 +1188,11 @@ def fmha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 
     q: (Tq, Hq, D), k and v: (Tk, Hkv, D): the tokens of every sequence, one after another
     (Hq a multiple of Hkv: GQA/MQA). cu_seqlens_q / cu_seqlens_k: int32 (B + 1,) on q's device,
-    0 first, sequence b owning rows [cu[b], cu[b+1]) (empty sequences allowed); they are read
-    on the device only, so a call is CUDA-graph capturable. max_seqlen_q / max_seqlen_k: ints at
-    least every sequence's length (rows past max_seqlen_q are not computed). Each sequence
+    non-decreasing from 0 to Tq (Tk), sequence b owning rows [cu[b], cu[b+1]) (empty sequences
+    allowed). max_seqlen_q / max_seqlen_k: ints at least every sequence's length. The offsets
+    are read on the device only (a call is CUDA-graph capturable), so, as in FlashAttention-2,
+    these rules are not checked: offsets that leave rows outside every sequence, or a max_seqlen
+    below a sequence's length, give unspecified values in those rows and gradients. Each sequence
     attends only to its own keys; causal=True aligns the diagonal bottom-right per sequence
     (query i sees key j iff j <= i + Lk - Lq); rows that see no key return 0. dtypes, D, scale
     and numerics as `fmha`. Returns o (Tq, Hq, D) laid out like q; differentiable in q, k, v.

@@ -288,3 +288,15 @@ def test_decode_space(arch):
         assert first.splits == max(s for s in allowed if s <= want)
     assert FM.decode_rows(32, 1) == (32, 2) and FM.decode_rows(7, 3) == (8, 4)
     assert FM.decode_rows(1, 1) == (1, 16) and FM.decodes(32, 16, 128) is False
+
+
+def test_more_heads_than_the_grid_takes_are_refused_by_name():
+    """The dense and packed kernels' grids hold batch x query heads on an axis CUDA caps at
+    65535: past it, a ValueError before any launch instead of a launch error."""
+    q = torch.zeros(1, 1, 1, 16).expand(2048, 32, 4, 16)           # 65536 rows, no memory
+    for launch in (lambda: FM.launch_fwd(q, q, q, q, q, True, 0, 0.25),
+                   lambda: FM.launch_bwd(q, q, q, q, q, q, q, q, q, q, True, 0, 0.25),
+                   lambda: FM.launch_fwd(q[:1], q, q, q, q, True, 0, 0.25, (2048 * 32, 4, 4))):
+        with pytest.raises(ValueError, match=r"fmha: batch x query heads = \d+ is more than"):
+            launch()
+    FM._check_heads(q[:, :31], None)                                  # 63488: fine

@@ -114,3 +114,14 @@ def test_outputs_a_caller_may_change_in_place_under_autograd(host_only):
     assert q_out is q and k_out is k
     (g,) = torch.autograd.grad((q_out.float().sum() + k_out.float().sum()), qkv)
     assert g.shape == qkv.shape
+
+
+def test_packed_batch_without_keys_launches_nothing(host_only, launches):
+    """max_seqlen_k 0 (every sequence without keys, whatever tokens k holds past them): zero
+    output and gradients, and no launch (the dK/dV grid would have no key tile)."""
+    q, k = torch.randn(6, 4, 16, dtype=BF16), torch.randn(3, 2, 16, dtype=BF16)
+    cu_q, cu_k = torch.tensor([0, 2, 6], dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    o, lse = FM._varlen_forward(q, k, k, cu_q, cu_k, 4, 0, True, 0.25)
+    dq, dk, dv = FM._varlen_backward(q, q, k, k, cu_q, cu_k, o, lse, 4, 0, True, 0.25)
+    assert launches == []
+    assert not (o.any() or dq.any() or dk.any() or dv.any()) and torch.isinf(lse).all()
