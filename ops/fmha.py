@@ -1142,7 +1142,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     j <= i) when Sq != Sk; `attn_mask` may be None or a torch.nn.attention.bias.CausalBias
     (`causal_upper_left` / `causal_lower_right`) made for q's Sq and k's Sk; other masks, a
     CausalBias of other sizes and dropout_p > 0 raise ValueError. Key/value heads may differ
-    from query heads only with enable_gqa=True.
+    from query heads only with enable_gqa=True. `scale` must be a finite number > 0 (torch
+    also takes 0 and negative values; ValueError here).
     """
     op = "scaled_dot_product_attention"
     if dropout_p:

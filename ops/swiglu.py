@@ -319,9 +319,10 @@ def swiglu(gate, up):
 
 
 def geglu(gate, up, approximate="tanh"):
-    """`gelu(gate, approximate=approximate) * up` in one pass, as torch.nn.functional.gelu:
-    approximate="tanh" (HF's "gelu_pytorch_tanh", Gemma) or "none" (the erf form, HF's "gelu";
-    cuTile has no erf: a float32 fit with relative error below 1.2e-7 stands in).
+    """`gelu(gate, approximate=approximate) * up` in one pass, gelu as torch.nn.functional.gelu
+    computes it: approximate="tanh" (HF's "gelu_pytorch_tanh", Gemma; the default here, as in
+    Liger's GeGLU, while F.gelu defaults to "none") or "none" (the erf form, HF's "gelu"; cuTile
+    has no erf: a float32 fit with relative error below 1.2e-7 stands in).
 
     Inputs, layouts, output and autograd as `swiglu`.
     """
