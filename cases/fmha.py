@@ -225,6 +225,12 @@ def bench_cases(full=False):
         kw = dict(attn_mask=mask, is_causal=causal and mask is None, enable_gqa=hkv != hq)
 
         def torch_fn(backend, kw=kw):
+            if mask is not None and backend == SDPBackend.CUDNN_ATTENTION:
+                # a CausalBias under cuDNN alone builds its (Sq, Sk) mask on every call (its
+                # lower-right fast paths are flash's and efficient's): built once here instead
+                dense = torch.ones(sq, sk, dtype=torch.bool, device="cuda").tril(sk - sq)
+                kw = dict(kw, attn_mask=dense)
+
             def f(q, k, v):
                 with sdpa_kernel(backend):
                     return sdpa(q, k, v, **kw)

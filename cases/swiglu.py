@@ -133,9 +133,11 @@ def bench_cases(full=False):
 
         def train_step(f, grads=grads, dy=dy, split=split):   # grad(): no accumulation
             return lambda: torch.autograd.grad(f(*split(*grads)), grads, dy)
+        # Liger's backward writes the gradients into the inputs it saved: inputs of its own
         cases.append(BenchCase(
             "swiglu", name, "fwd+bwd", train_step(ours),
-            {k: train_step(f) for k, f in fns.items()},
+            {k: train_step(f, grads=tuple(t.detach().clone().requires_grad_() for t in leaves))
+             if k == "liger" else train_step(f) for k, f in fns.items()},
             bytes=nbytes * 8 / 3,   # fwd: read gate, up, write y; bwd: read dy, gate, up, write 2
             ceiling=copy, ceiling_scale=4.0))
     return cases

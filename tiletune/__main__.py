@@ -278,7 +278,12 @@ def cmd_bench(args):
         if given:
             print(f"{', '.join(given)} ignored: no GPU to benchmark", flush=True)
         return _compile(args.ops, ["sm_90"], None)
-    from tiletune import bench
+    from tiletune import autotune, bench
+    if autotune.disabled() and not args.host:
+        print("tiletune bench: DISABLE_AUTOTUNE=1 is set: every tuned column would time the "
+              "default configs. Unset it (the fixed column times the defaults).",
+              file=sys.stderr, flush=True)
+        return 2
     return bench.main(args.ops, full=args.full, host=args.host,
                       json_path=args.json or bench.DEFAULT_JSON,
                       plot_path=args.plot, match=args.match or (),

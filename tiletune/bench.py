@@ -181,15 +181,21 @@ def run_case(case, skip_peers=(), seen_peers=None):
     for peer in skip_peers:
         case.baselines.pop(peer, None)
     row = {"op": case.op, "case": case.name, "mode": case.mode}
+    # torch.compile peers compile for this row's shapes alone: rows that wrap one function
+    # would otherwise share dynamo's cache (a dynamic-shape graph from the second row on)
+    torch._dynamo.reset()
     t0 = time.perf_counter()
     case.ours()                       # first call tunes (or loads the store)
     torch.cuda.synchronize()
     row["first_call_s"] = round(time.perf_counter() - t0, 3)
-    with fixed_configs():
-        case.ours()                   # builds the default kernels once
-        fixed = _caches()
-    candidates = [("tuned", case.ours, None),
-                  ("fixed", case.ours, lambda: fixed_configs(fixed))]
+    candidates = [("tuned", case.ours, None)]
+    try:
+        with fixed_configs():
+            case.ours()               # builds the default kernels once
+            fixed = _caches()
+        candidates.append(("fixed", case.ours, lambda: fixed_configs(fixed)))
+    except Exception as e:            # reported in the row; the tuned and peer numbers stand
+        row["fixed_error"] = _error(e)
     candidates += [(label, fn, None) for label, fn in case.baselines.items()]
     if case.ceiling:
         candidates.append((case.ceiling[0], case.ceiling[1], None))
@@ -197,8 +203,11 @@ def run_case(case, skip_peers=(), seen_peers=None):
     if isinstance(us["tuned"], Exception):
         raise us["tuned"]
     row["tuned_us"] = us["tuned"]
-    row["fixed_us"] = us["fixed"]
-    row["speedup_over_fixed"] = row["fixed_us"] / row["tuned_us"]
+    if isinstance(us.get("fixed"), Exception):
+        row["fixed_error"] = _error(us["fixed"])
+    elif "fixed" in us:
+        row["fixed_us"] = us["fixed"]
+        row["speedup_over_fixed"] = row["fixed_us"] / row["tuned_us"]
     for label in case.baselines:
         if isinstance(us[label], Exception):   # a baseline that cannot run is reported, not fatal
             row[f"{label}_error"] = _error(us[label])
@@ -213,7 +222,8 @@ def run_case(case, skip_peers=(), seen_peers=None):
             row[f"{label}_us"] = us[label] * case.ceiling_scale
             row[f"frac_{label}"] = row[f"{label}_us"] / row["tuned_us"]
     if case.graph:                    # tuned, fixed and the baselines (not the ceiling)
-        _time_graphs(row, candidates[:2 + len(case.baselines)], case.timing)
+        _time_graphs(row, [c for c in candidates if c[0] != (case.ceiling or ("",))[0]],
+                     case.timing)
     if case.bytes:
         row["tuned_GBps"] = case.bytes / row["tuned_us"] / 1e3
     if case.flops:
@@ -232,14 +242,16 @@ def _peers(row):
     """The row's baseline labels in timing order: timed ones (vs_<label>) and those that could
     not run (<label>_error)."""
     return [k[3:] if k.startswith("vs_") else k[:-6] for k in row
-            if k.startswith("vs_") or k.endswith("_error")]
+            if k.startswith("vs_") or (k.endswith("_error") and k != "fixed_error")]
 
 
 def progress_line(row):
     """One row in words: `op case mode: tuned us, Nx fixed, Nx <peer>..., N% of <ceiling>;
     tuning N s` (the first call's time: search or store lookup, compiles). A ratio > 1 means the tuned op is faster; a baseline that could not run
     reads `<peer> failed`."""
-    parts = [f"{row['tuned_us']:.2f} us", f"{row['speedup_over_fixed']:.2f}x fixed"]
+    parts = [f"{row['tuned_us']:.2f} us",
+             f"{row['speedup_over_fixed']:.2f}x fixed" if "speedup_over_fixed" in row
+             else "fixed failed"]
     if "tuned_graph_us" in row:
         parts.append(f"{row['tuned_graph_us']:.2f} us from a CUDA graph")
     for label in _peers(row):

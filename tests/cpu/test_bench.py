@@ -67,6 +67,43 @@ def test_run_case_times_every_candidate_in_turns(clock):
     assert blocks == ["tuned", "fixed", "peer", "copy"] * 5
 
 
+@pytest.mark.parametrize("when", ["first call", "warm-up"])
+def test_a_fixed_default_that_fails_is_reported_and_the_row_stands(clock, when):
+    calls = []
+
+    def ours():
+        if os.environ.get("DISABLE_AUTOTUNE") == "1":
+            calls.append(1)
+            if when == "first call" or len(calls) > 1:
+                raise RuntimeError("default config refused")
+            clock.run("fixed", 30.0)
+        else:
+            clock.run("tuned", 20.0)
+
+    case = bench.BenchCase("op", "shape", "fwd", ours, {"peer": lambda: clock.run("peer", 25.0)})
+    row = bench.run_case(case)
+    assert row["fixed_error"] == "RuntimeError: default config refused"
+    assert "speedup_over_fixed" not in row and "fixed_us" not in row
+    assert row["tuned_us"] == pytest.approx(20.0) and row["vs_peer"] == pytest.approx(1.25)
+    assert bench._peers(row) == ["peer"] and "fixed failed" in bench.progress_line(row)
+    assert os.environ.get("DISABLE_AUTOTUNE") != "1"
+
+
+def test_bench_refuses_to_run_with_disable_autotune_set(monkeypatch, capsys):
+    """Under DISABLE_AUTOTUNE=1 every tuned column would time the defaults: refused (exit 2);
+    the host tables, which time defaults anyway, still run."""
+    from tiletune.__main__ import main
+    ran = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "main", lambda *a, **kw: ran.append(kw["host"]) or 0)
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    assert main(["bench", "rms_norm"]) == 2 and ran == []
+    assert "DISABLE_AUTOTUNE=1 is set" in capsys.readouterr().err
+    assert main(["bench", "rms_norm", "--host"]) == 0 and ran == [True]
+    monkeypatch.delenv("DISABLE_AUTOTUNE")
+    assert main(["bench", "rms_norm"]) == 0 and ran == [True, False]
+
+
 def test_run_case_sets_up_lazy_rows_and_skips_peers_after(clock):
     """A row with `setup` builds its callables only when it runs; --skip-peer applies to the
     baselines the setup made, and the caller still learns every label offered."""
