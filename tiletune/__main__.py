@@ -70,7 +70,6 @@ def _ops(parser, names):
 
 def _compile(ops, archs, jobs):
     from tiletune import aot
-    os.environ.setdefault("CUDA_TILE_COMPILER_TIMEOUT_SEC", "120")
     n = sum(len(aot.op_cases(op)) for op in ops)
     compiles = n * len(archs)
     if not compiles:
@@ -97,20 +96,19 @@ def cmd_compile(args):
 
 
 def _installed_versions():
-    """(cuda-tile version or None, tileiras version): what Autotuner.store_key puts in keys."""
-    try:
-        import cuda.tile as ct
-        cuda_tile = ct.__version__
-    except Exception:
-        return None, "unknown"
+    """(cuda-tile version, tileiras version or None): what Autotuner.store_key puts in keys;
+    None where this environment cannot tell (then prune does not check that part: pruning
+    against "unknown" would delete every entry a real compiler wrote)."""
+    import cuda.tile as ct
     from tiletune.autotune import tileiras_version
-    return cuda_tile, tileiras_version()
+    tileiras = tileiras_version()
+    return ct.__version__, None if tileiras == "unknown" else tileiras
 
 
 def _prune(d, older_than_days):
     cuda_tile, tileiras = _installed_versions()
-    if cuda_tile is None:
-        print("cuda-tile cannot be imported: its version is not checked")
+    if tileiras is None:
+        print("tileiras version unknown here (no compiler found): it is not checked")
     removed = store.prune(cuda_tile, tileiras,
                           None if older_than_days is None else older_than_days * 86400.0)
     for op, n in removed.items():
@@ -118,7 +116,7 @@ def _prune(d, older_than_days):
     total = sum(removed.values())
     age = "" if older_than_days is None else f", or saved over {older_than_days:g} days ago"
     print(f"pruned {total} entr{'y' if total == 1 else 'ies'} from {d} (keyed by other than "
-          f"cuda-tile {cuda_tile or '?'} / tileiras {tileiras}{age})")
+          f"cuda-tile {cuda_tile} / tileiras {tileiras or 'any'}{age})")
     return 0
 
 
@@ -284,6 +282,12 @@ def cmd_bench(args):
               "default configs. Unset it (the fixed column times the defaults).",
               file=sys.stderr, flush=True)
         return 2
+    for path, flag in ((args.json or bench.DEFAULT_JSON, "--json"), (args.plot, "--plot")):
+        try:
+            bench._check_writable(path, flag)     # before any row is tuned and timed
+        except ValueError as e:
+            print(f"tiletune bench: {e}", file=sys.stderr, flush=True)
+            return 2
     return bench.main(args.ops, full=args.full, host=args.host,
                       json_path=args.json or bench.DEFAULT_JSON,
                       plot_path=args.plot, match=args.match or (),
@@ -519,6 +523,8 @@ def main(argv=None):
         args.ops = _ops(subs[args.cmd], args.ops)
     if args.cmd == "tune":
         args.specs = _tune_specs(subs["tune"], args)
+    if args.cmd == "cache" and args.older_than is not None and args.action != "prune":
+        subs["cache"].error(f"--older-than is an option of prune, not of {args.action}")
     return {"bench": cmd_bench, "cache": cmd_cache, "compile": cmd_compile,
             "tune": cmd_tune}[args.cmd](args)
 

@@ -100,11 +100,17 @@ class CompileReport:
     failed: list = field(default_factory=list)  # (label, error)
 
 
+COMPILE_TIMEOUT_SEC = 120    # per compile: a hung tileiras fails its case, not the command
+
+
 def compile_case(case, arch):
     """Compile one case to a cubin for `arch` with the real tileiras. Returns seconds taken."""
+    import cuda.tile as ct
     t0 = time.perf_counter()
-    export_kernel(case.kernel, [signature(case.params)], io.BytesIO(),
-                  gpu_code=arch, output_format="cubin")
+    # (a context, not CUDA_TILE_COMPILER_TIMEOUT_SEC: cuTile read its settings at import)
+    with ct.compiler_timeout(COMPILE_TIMEOUT_SEC):
+        export_kernel(case.kernel, [signature(case.params)], io.BytesIO(),
+                      gpu_code=arch, output_format="cubin")
     return time.perf_counter() - t0
 
 
@@ -133,7 +139,6 @@ def compile_all(ops, archs, jobs=None):
     """Compile every AOT case of the named ops for every arch, in a process pool (compiles are
     serialized inside one process). Returns a CompileReport."""
     from concurrent.futures import ProcessPoolExecutor
-    os.environ.setdefault("CUDA_TILE_COMPILER_TIMEOUT_SEC", "120")
     work = [(op, i, a) for op in ops for i in range(len(op_cases(op))) for a in archs]
     report = CompileReport()
     jobs = jobs or os.cpu_count() or 1
@@ -141,7 +146,14 @@ def compile_all(ops, archs, jobs=None):
         results = list(map(_compile_worker, work))
     else:
         with ProcessPoolExecutor(jobs) as pool:
-            results = list(pool.map(_compile_worker, work, chunksize=4))
+            futures = [pool.submit(_compile_worker, w) for w in work]
+            results = []
+            for (op, i, arch), f in zip(work, futures):
+                try:
+                    results.append(f.result())
+                except Exception as e:   # a compile process died (killed, crashed): reported
+                    results.append((op_cases(op)[i].label, arch, None,
+                                    f"{type(e).__name__}: {e or 'a compile process died'}"))
     for label, arch, secs, err in results:
         if err is None:
             report.ok.append((f"{label} [{arch}]", secs))

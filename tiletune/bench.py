@@ -247,8 +247,8 @@ def _peers(row):
 
 def progress_line(row):
     """One row in words: `op case mode: tuned us, Nx fixed, Nx <peer>..., N% of <ceiling>;
-    tuning N s` (the first call's time: search or store lookup, compiles). A ratio > 1 means the tuned op is faster; a baseline that could not run
-    reads `<peer> failed`."""
+    tuning N s` (the first call's time: search or store lookup, compiles). A ratio > 1 means
+    the tuned op is faster; a baseline that could not run reads `<peer> failed`."""
     parts = [f"{row['tuned_us']:.2f} us",
              f"{row['speedup_over_fixed']:.2f}x fixed" if "speedup_over_fixed" in row
              else "fixed failed"]
@@ -424,18 +424,21 @@ def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=
     unknown = [n for n in names if n not in modules]
     if unknown:
         raise ValueError(f"unknown op(s) {', '.join(unknown)}; known: {', '.join(modules)}")
+    for path, what in ((json_path, "--json"), (plot_path, "--plot")):
+        _check_writable(path, what)   # before any row is tuned and timed
     dev = torch.cuda.get_device_name(0)
     precompile.warm()        # the compile workers start while the first rows set up
     print(f"device: {dev}, torch {torch.__version__}; "
           + ("host tables only (--host)" if host else "every row (--full)" if full
              else "headline rows (--full: every row)"), flush=True)
-    rows, tables, seen_peers, considered = [], {}, set(), 0
+    rows, tables, seen_peers, considered, failed = [], {}, set(), 0, 0
     for op in names:
         mod = modules[op]
         try:
             cases = [] if host else mod.bench_cases(full=full)
         except Exception as e:       # one op that cannot set up must not stop the others
             print(f"{op}: bench setup failed: {type(e).__name__}: {e}", flush=True)
+            failed += 1
             continue
         for case in cases:
             considered += 1
@@ -447,6 +450,7 @@ def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=
                 row = run_case(case, skip_peers, seen_peers)
             except Exception as e:
                 print(f"{op} {case.name} {case.mode}: FAILED {type(e).__name__}: {e}", flush=True)
+                failed += 1
                 continue
             rows.append(row)
             print(progress_line(row), flush=True)
@@ -458,6 +462,7 @@ def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=
                     tables[op] = mod.bench_host()
             except Exception as e:
                 print(f"{op}: host overhead failed: {type(e).__name__}: {e}", flush=True)
+                failed += 1
             else:
                 print(_host_line(op, tables[op]), flush=True)
     print()
@@ -482,4 +487,20 @@ def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=
             print("--plot ignored: no rows to plot")
         elif plot(rows, plot_path, title=f"{dev}, torch {torch.__version__}"):
             print(f"wrote {plot_path}")
-    return 0
+    if failed:
+        print(f"{failed} row{'s' if failed > 1 else ''} or setup{'s' if failed > 1 else ''} "
+              "failed (above): exit status 1")
+    return 1 if failed else 0
+
+
+def _check_writable(path, what):
+    """ValueError naming the flag when `path`'s folder cannot be made or written."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{what} {path}: cannot create its folder ({e.strerror})") from None
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{what} {path}: not writable")

@@ -23,6 +23,7 @@ config near the compile timeout may time out here that would just pass serially;
 are too slow to compile to belong in a space anyway.
 """
 import atexit
+import hashlib
 import logging
 import os
 import pickle
@@ -91,17 +92,38 @@ class Cubin:
         self.symbol, self.data = symbol, data
 
 
-def compile_job(module, name, hints, params, calling_convention, arch, timeout_sec):
+def code_digest(kernel):
+    """A digest of the kernel's code and of every helper it reaches (what the store's
+    fingerprint hashes): a worker compiles a job only if the code it imported has the parent's
+    digest (another module of that name first on its path, or a source edited on disk since
+    the parent imported it, would otherwise hand the parent a cubin of other code)."""
+    from tiletune.autotune import _kernel_code
+    fn = kernel._pyfunc
+    digest = _digests.get(fn)
+    if digest is None:
+        digest = _digests[fn] = hashlib.sha256(b"".join(_kernel_code(fn))).hexdigest()
+    return digest
+
+
+_digests = {}
+
+
+def compile_job(module, name, hints, params, calling_convention, digest, arch, timeout_sec):
     """Compile module.name with these hints for one signature (into the disk cache, as
     `export_kernel` does). Returns a Cubin, None (compiled, but it needs more than a cubin to
     load: library lifecycle providers), or (error type name, message, whether it is cuTile's
-    verdict on the kernel rather than trouble here)."""
+    verdict on the kernel rather than trouble here). `digest`: the parent's `code_digest` of
+    the kernel; other code under that name is not compiled (no verdict: the parent compiles)."""
     import importlib
     import cuda.tile as ct
     from cuda.tile._compile import compile_tile
     from cuda.tile.compilation import CallingConvention, KernelSignature
     try:
-        kernel = getattr(importlib.import_module(module), name).replace_hints(**hints)
+        kernel = getattr(importlib.import_module(module), name)
+        if code_digest(kernel) != digest:
+            return ("CodeMismatch", f"{module}.{name} here is not the code the caller "
+                    "imported", False)
+        kernel = kernel.replace_hints(**hints)
         sig = KernelSignature(list(params), CallingConvention.from_code(calling_convention))
         with ct.compiler_timeout(timeout_sec):
             result = compile_tile(kernel._annotated_function, [sig], arch,
@@ -253,7 +275,13 @@ def _take(n):
         taken = fresh[:n]
     for w in stale:
         w.close()
-    return taken + [_Worker(environ) for _ in range(n - len(taken))]
+    try:
+        for _ in range(n - len(taken)):
+            taken.append(_Worker(environ))
+    except OSError as e:         # no process to start (fds, memory): fewer workers, maybe none
+        log.warning("tiletune: could not start a precompile worker (%s); %d at work",
+                    e.strerror or type(e).__name__, len(taken))
+    return taken
 
 
 def _give_back(workers):
@@ -285,15 +313,17 @@ def _failed(worker, error):
 def run_jobs(jobs_list, arch, timeout_sec, workers):
     """Compile [(index, module, name, hints, params, cc code)] in `workers` worker processes.
     Returns {index: compile_job's result}; jobs whose worker failed are missing."""
-    chunks = [jobs_list[i::workers] for i in range(workers)]
     pool = _take(workers)
+    if not pool:                 # the search compiles every config itself
+        return {}
+    chunks = [jobs_list[i::len(pool)] for i in range(len(pool))]
     results, healthy = {}, []
     deadline = time.monotonic() + max(len(c) for c in chunks) * timeout_sec + 120
     for w, chunk in zip(pool, chunks):
         try:
             w.send(chunk, arch, timeout_sec)
             healthy.append(w)
-        except OSError as e:
+        except Exception as e:       # worker trouble is not a verdict on the configs
             _failed(w, e)
     pool, healthy = healthy, []
     for w in pool:
@@ -324,7 +354,8 @@ def precompile(items, arch, timeout_sec):
         except Exception:         # an argument the signature reader does not know: JIT decides
             continue
         sigs[i] = sig
-        work.append((i, *where, hints, sig.parameters, sig.calling_convention.code))
+        work.append((i, *where, hints, sig.parameters, sig.calling_convention.code,
+                     code_digest(kernel)))
     if not work:
         return {}, {}
     results = run_jobs(work, arch, timeout_sec, min(jobs(), len(work)))

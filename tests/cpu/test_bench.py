@@ -293,3 +293,31 @@ def test_decode_rows_are_also_timed_from_cuda_graphs():
     from tiletune.cases import fmha
     decode = fmha._decode_cases(full=True)          # lazy rows: nothing allocated on the CPU
     assert len(decode) == len(fmha.DECODE_SHAPES) + 1 and all(c.graph for c in decode)
+
+
+def test_bench_checks_its_output_paths_first_and_exits_1_when_a_row_failed(monkeypatch, tmp_path,
+                                                                          capsys, clock):
+    from tiletune import registry
+    from tiletune.__main__ import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
+    monkeypatch.setattr(bench.precompile, "warm", lambda: None)
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    assert main(["bench", "rms_norm", "--json", str(blocker / "out.json")]) == 2
+    assert "--json" in capsys.readouterr().err
+
+    class Op:
+        @staticmethod
+        def bench_cases(full=False):
+            def broken():
+                raise RuntimeError("no kernel")
+            return [bench.BenchCase("op", "fine", "fwd", lambda: clock.run("tuned", 20.0), {}),
+                    bench.BenchCase("op", "broken", "fwd", broken, {})]
+    monkeypatch.setattr(registry, "ops", lambda: {"op": Op})
+    monkeypatch.setattr(bench.registry, "ops", lambda: {"op": Op})
+    json_path = str(tmp_path / "out" / "bench.json")
+    assert bench.main(["op"], json_path=json_path) == 1
+    out = capsys.readouterr().out
+    assert "op broken fwd: FAILED" in out and "exit status 1" in out
+    assert os.path.exists(json_path)

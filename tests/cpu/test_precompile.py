@@ -28,10 +28,24 @@ def test_enabled_follows_jobs_and_disk_cache(monkeypatch):
     assert not precompile.enabled()
 
 
+def test_a_worker_compiles_only_the_code_the_caller_imported(monkeypatch, tmp_path):
+    """A job carries the digest of the caller's kernel code: a worker that imports other code
+    under that name (another module first on its path, a source edited since) answers with no
+    verdict, and the caller compiles the config itself."""
+    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
+    job = (0, "tiletune.ops.rms_norm", "rms_norm_fwd_rows", {"occupancy": 2}, fwd_params(4096),
+           "t2", "0" * 64)
+    etype, msg, verdict = precompile.compile_job(*job[1:], "sm_90", 120)
+    assert etype == "CodeMismatch" and not verdict and "rms_norm_fwd_rows" in msg
+    digest = precompile.code_digest(R.rms_norm_fwd_rows)
+    assert digest == precompile.code_digest(R.rms_norm_fwd_rows.replace_hints(occupancy=4))
+    assert digest != precompile.code_digest(R.rms_norm_fwd_chunked)
+
+
 def test_workers_fill_the_disk_cache_and_report_rejections(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
     job = lambda i, tile_n: (i, "tiletune.ops.rms_norm", "rms_norm_fwd_rows", {"occupancy": 2},
-                             fwd_params(tile_n), "t2")
+                             fwd_params(tile_n), "t2", precompile.code_digest(R.rms_norm_fwd_rows))
     res = precompile.run_jobs([job(0, 4096), job(1, 4095), job(2, 2048)], "sm_90", 120, 2)
     assert isinstance(res[0], precompile.Cubin) and isinstance(res[2], precompile.Cubin)
     assert res[0].data[:4] == b"\x7fELF" and res[0].symbol.startswith("rms_norm_fwd_rows")
@@ -47,7 +61,7 @@ def ok(results):
 
 def _job(i, tile_n):
     return (i, "tiletune.ops.rms_norm", "rms_norm_fwd_rows", {"occupancy": 1}, fwd_params(tile_n),
-            "t2")
+            "t2", precompile.code_digest(R.rms_norm_fwd_rows))
 
 
 def test_workers_stay_for_the_next_search_in_the_same_environment(monkeypatch, tmp_path):
@@ -81,6 +95,19 @@ def test_a_dead_or_idle_worker_is_replaced(monkeypatch, tmp_path):
         w.last_used -= precompile.IDLE_EXIT_SEC
     assert ok(precompile.run_jobs([_job(0, 32)], "sm_90", 120, 1)) == {0}
     assert worker not in precompile._idle and len(precompile._idle) == 1
+
+
+def test_workers_that_cannot_start_leave_the_search_to_compile(monkeypatch, tmp_path, caplog):
+    """A worker process that cannot start (out of fds or memory) is no crash: the jobs go to
+    the workers that did start, and with none the search compiles every config itself."""
+    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
+    precompile._close_idle()
+
+    def refused(environ):
+        raise OSError(24, "Too many open files")
+    monkeypatch.setattr(precompile, "_Worker", refused)
+    assert precompile.run_jobs([_job(0, 64), _job(1, 32)], "sm_90", 120, 2) == {}
+    assert "could not start a precompile worker (Too many open files); 0 at work" in caplog.text
 
 
 def test_launch_signature_uses_the_launch_calling_convention():

@@ -186,6 +186,25 @@ def test_prune_removes_other_versions_and_old_rows(folder, monkeypatch, capsys):
     assert set(store.entries()["rope"]) == {"no versions in this key"}
     with pytest.raises(SystemExit):
         main(["cache", "prune", "--older-than", "-1"])
+    for action in ("clear", "show"):          # an option of prune only: refused, nothing cleared
+        with pytest.raises(SystemExit):
+            main(["cache", action, "--older-than", "30"])
+    assert set(store.entries()["rope"]) == {"no versions in this key"}
+
+
+def test_prune_without_a_known_compiler_version_keeps_every_tileiras_version(folder, monkeypatch,
+                                                                             capsys):
+    """Where no tileiras can be found ("unknown"), prune checks cuda-tile alone: pruning against
+    "unknown" would delete every row a real compiler wrote (a login node sharing the store)."""
+    import cuda.tile as ct
+    from tiletune import autotune
+    monkeypatch.setattr(autotune, "tileiras_version", lambda: "unknown")
+    store.save(OP, skey(1, ct=ct.__version__), {"config": {}})
+    store.save(OP, skey(2, ct="0.9.0"), {"config": {}})
+    assert main(["cache", "prune"]) == 0
+    out = capsys.readouterr().out
+    assert "tileiras version unknown here" in out and "pruned 1 entry" in out
+    assert list(store.entries()[OP]) == [skey(1, ct=ct.__version__)]
 
 
 # 6. a database that cannot be used: one warning, no crash, nothing persisted
