@@ -386,6 +386,25 @@ def test_tune_without_a_gpu_exits_2_and_says_why(monkeypatch, tmp_path, capsys):
     assert not path.exists() and not (tmp_path / "store").exists()
 
 
+def test_tune_checks_that_the_store_and_the_export_can_be_written_first(monkeypatch, tmp_path,
+                                                                       capsys):
+    from tiletune import pretune
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(pretune, "start_job", lambda: pytest.fail("tuning started"))
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(blocker / "store"))
+    assert main(["tune", "--preset", "llama3-8b", "--seq", "1024"]) == 2
+    assert "cannot be written" in capsys.readouterr().err
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "store"))
+    assert main(["tune", "--preset", "llama3-8b", "--seq", "1024",
+                 "--export", str(blocker / "out.json")]) == 2
+    assert "cannot export to" in capsys.readouterr().err
+    from tiletune.__main__ import _unwritable
+    assert _unwritable(str(tmp_path / "new" / "deeper" / "store.sqlite3")) == ""
+    assert "is not a folder" in _unwritable(str(blocker / "store.sqlite3"))
+
+
 @pytest.mark.parametrize("argv, message", [
     ([], "give --preset NAME (llama3-8b, llama3.2-1b, qwen3-8b, qwen3-30b-a3b, mistral-7b) or "
          "--model FAMILY"),
