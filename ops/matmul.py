@@ -315,10 +315,10 @@ def _check_out(a, b, out):
 def matmul(a, b, *, out=None):
     """C = A @ B. a (M, K) and b (K, N), or batched (Z, M, K) and (Z, K, N); bf16 or fp16 (both
     alike), float32 accumulation, output in the input dtype. Either operand may be a transposed
-    (column-major) view: no copies. Any M, N, K. `out`, if given, receives a copy of the result (gradients flow
-    through it as through `out.copy_(result)`): it must have the result's shape, a's dtype and
-    device, and be writable (not a leaf that requires grad, no stride-0 dims); else ValueError /
-    TypeError. Differentiable in a and b; works under
+    (column-major) view: no copies. Any M, N, K. `out`, if given, receives a copy of the result
+    (gradients flow through it as through `out.copy_(result)`): it must have the result's shape,
+    a's dtype and device, and be writable (not a leaf that requires grad, no stride-0 dims);
+    else ValueError / TypeError. Differentiable in a and b; works under
     torch.compile(fullgraph=True)."""
     _check(a, b)
     if out is not None:
