@@ -245,9 +245,11 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-    """HF-compatible functional form: returns (q_embed, k_embed). cos/sin as HF passes them
-    ((B, S, D) or (S, D)); `unsqueeze_dim` is accepted for signature compatibility (q/k must be
-    (B, H, S, D), i.e. unsqueeze_dim=1)."""
+    """HF-compatible functional form (transformers 4.x argument order: pass `unsqueeze_dim` by
+    keyword, as transformers 5 dropped `position_ids`): returns (q_embed, k_embed). cos/sin as
+    HF passes them ((B, S, D) or (S, D)); `unsqueeze_dim` is accepted for signature
+    compatibility (q/k must be (B, H, S, D), i.e. unsqueeze_dim=1). The transformers suite
+    patches models with its own wrapper of transformers 5's signature."""
     if unsqueeze_dim != 1:
         raise ValueError("apply_rotary_pos_emb: only unsqueeze_dim=1 ((B, H, S, D) q/k) is supported")
     return apply_rope(q, k, cos, sin, position_ids=position_ids)

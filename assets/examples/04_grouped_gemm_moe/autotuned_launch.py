@@ -1,8 +1,9 @@
 """After: the same kernel through the op's tuner: the first launch searches the sm_90 space
-(tile shapes, worker warps, occupancy, 2-CTA clusters, the L2 swizzle, and how x's rows are
-read: TMA through one view stepping a row at a time, or gathers), keyed by (E, K, N,
-bucket(T), dtype, layouts, device), not by the token split, so a new routing next step reuses
-it; every later call is a dict lookup and a ct.launch of the cached, already-hinted kernel."""
+(tile shapes, worker warps, occupancy, the L2 swizzle, and how x's rows are read: TMA through
+one view stepping a row at a time, or gathers; the space's 256-row 2-CTA clusters are taller
+than this key's 128-row groups, so they leave it here), keyed by (E, K, N, bucket(T), dtype,
+layouts, device), not by the token split, so a new routing next step reuses it; every later
+call is a dict lookup and a ct.launch of the cached, already-hinted kernel."""
 import torch
 
 from tiletune.ops import grouped_gemm as GG
