@@ -57,11 +57,23 @@ def each_config(monkeypatch, tuner, space):
 
 
 def poison_allocator(torch):
-    """Fill freed blocks of the caching allocator with NaN so unwritten outputs show up."""
+    """Make the caching allocator hand out NaN-filled memory, so unwritten outputs show up.
+    - Cached blocks go back to the driver first: the block a previous output freed (in an
+      every-config loop, the previous config's correct result) would be the next one handed
+      out.
+    - All bits set is NaN in every float dtype (float32, bf16, fp16, e4m3, e5m2); a float32
+      NaN's bytes read as 0.0 in half the elements of a 2-byte dtype.
+    - One large block poisons the large pool (requests over 1 MiB); 1 MiB blocks poison the
+      small pool that serves the rest (2 MiB segments)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     free = torch.cuda.mem_get_info()[0]
-    n = min(free // 4, 1 << 26)          # up to 256 MiB of NaN, then released to the cache
-    t = torch.full((n // 4,), float("nan"), device="cuda")
-    del t
+    n = min(free // 4, 1 << 28)          # up to 256 MiB, then released to the cache
+    large = torch.full((n // 4,), -1, dtype=torch.int32, device="cuda")
+    small = [torch.full(((1 << 20) // 4,), -1, dtype=torch.int32, device="cuda")
+             for _ in range(64)]
+    torch.cuda.synchronize()
+    del large, small
 
 
 def run_example_pair(folder):

@@ -279,6 +279,7 @@ def test_quantize_every_config_transposed_input_and_nan(fresh, monkeypatch, gran
             space = dict(m=512, k=1000, col=xi.stride(0) == 1) if per_layout \
                 else dict(m=512, k=1000)
             for cfg in each_config(monkeypatch, tuner, list(tuner.configs("sm_90", **space))):
+                poison_allocator(torch)
                 q, s = quantize_fp8(xi, granularity)
                 assert torch.equal(s, rs) and same_bits(q, rq), vars(cfg)
     x = x.contiguous()
@@ -308,6 +309,7 @@ def test_quantize_every_config_strides_over_many_tiles(fresh, monkeypatch, granu
             space = dict(m=4096, k=4100, col=col) if tuner in F8.LAYOUT_TUNERS \
                 else dict(m=4096, k=4100)
             for cfg in each_config(monkeypatch, tuner, list(tuner.configs("sm_90", **space))):
+                poison_allocator(torch)
                 q, s = quantize_fp8(x, granularity)
                 assert torch.equal(s, rs) and same_bits(q, rq), (col, vars(cfg))
                 rows, cols = (128, 128 * cfg.g) if granularity == "block128x128" else \

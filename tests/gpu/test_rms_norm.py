@@ -80,6 +80,15 @@ def test_disable_autotune_never_searches(fresh, monkeypatch, shape, dt):
     assert all(t.searches == 0 for t in tiletune.tuners().values())
 
 
+@pytest.mark.parametrize("eps", [0.5, 1e-2], ids=str)
+def test_eps_moves_the_result(fresh, monkeypatch, eps):
+    """Inputs of mean square 9 leave eps=1e-6 invisible: here eps is a few percent of the mean
+    square (float32: a kernel that ignores or misplaces eps misses the 2e-5 tolerance)."""
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    check((65, 4096), torch.float32, torch.float32, eps=eps * 9)
+    check((3, 20000), torch.float32, torch.float32, eps=eps * 9)      # the chunked kernel
+
+
 @pytest.mark.parametrize("dt,wdt", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
                                     (torch.float32, torch.bfloat16)], ids=str)
 def test_weight_dtype_differs(fresh, dt, wdt):

@@ -6,7 +6,7 @@ import torch
 from tiletune.ops import rope as R
 from tiletune.ops.rope import apply_rope, apply_rotary_pos_emb
 
-from .conftest import disable_autotune, each_config, run_example_pair
+from .conftest import disable_autotune, each_config, poison_allocator, run_example_pair
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -95,6 +95,7 @@ def test_every_config_is_correct(fresh, monkeypatch, shape, inplace):
     assert len({c.tile_s for c in space}) > 1
     for cfg in each_config(monkeypatch, tuner, space):
         qi, ki = q.clone(), k.clone()           # HF-layout strides kept by clone
+        poison_allocator(torch)                 # out of place: unwritten outputs show as NaN
         qo, ko = apply_rope(qi, ki, cos, sin, inplace=inplace)
         assert rel(qo, rq) < TOL[torch.bfloat16] and rel(ko, rk) < TOL[torch.bfloat16], vars(cfg)
 
