@@ -773,6 +773,11 @@ class Autotuner:
         if cfg is None and not disabled():
             stored = store.load(self.name, self.store_key(key, dev, cfgs))
             cfg = self._find(cfgs, stored.get("config")) if isinstance(stored, dict) else None
+            cfg = cfg or cfgs[0]
+            if agreement is not None:     # the job's decision from now on: no rank diverges
+                stands = agreement.decide_now(self.agreement_name(key, dev, cfgs),
+                                              {"config": config_dict(cfg)})
+                cfg = self._find(cfgs, stands.get("config")) or cfg
         cfg = cfg or cfgs[0]
         entry = (cfg, self._with_hints(self.base_kernel(cfg), cfg, dev))
         self._capture_cache[key] = entry

@@ -221,6 +221,13 @@ class Agreement:
         text = self._get(self._namespace(name, False) + "/d")
         return None if text is None else json.loads(text)["entry"]
 
+    def decide_now(self, name, entry):
+        """Publish `entry` as the decision for `name` unless one stands, and return the entry
+        that stands; never waits (the CUDA-graph capture path: a rank that meets a key first
+        while capturing picks its stored or default config, and every rank then takes it)."""
+        mine = json.dumps({"entry": entry, "by": self.rank, "how": "capture"}, sort_keys=True)
+        return json.loads(self._set_once(self._namespace(name, False) + "/d", mine))["entry"]
+
     def agree(self, name, n, measure, conclude, stored=None, fresh=False):
         """Resolve one key over the job. name: the key as every rank spells it (device-neutral,
         with its config space). n: the number of configs. measure(indices, ahead) -> (timings,

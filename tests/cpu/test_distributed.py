@@ -315,6 +315,28 @@ def test_capture_takes_the_jobs_decision(engine, monkeypatch):
         distributed.clear_process_group()
 
 
+def test_a_key_first_met_in_capture_becomes_the_jobs_decision(engine, monkeypatch):
+    """A rank that meets a key first while capturing a CUDA graph (no search there) publishes
+    the config it takes, so the job's later resolution of the key (any rank, here this one
+    after the capture) adopts it instead of searching another; nothing is stored (nothing was
+    tuned)."""
+    t, x = engine.tuner, torch.zeros(4)
+    distributed.set_process_group(store=dist.HashStore(), rank=0, world_size=2)
+    try:
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        with pytest.warns(UserWarning, match="capture"):
+            cfg, _ = t.tune((64, 0), 0, Search(dict(n=64), lambda c: (1,), lambda c: ()))
+        assert cfg.occupancy == 1 and engine.searched == []     # the default, not searched
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        t.clear()
+        t.launch((64, 0), 0, x, 64)
+        rec = t.records[(64, 0)]
+        assert rec.config["occupancy"] == 1 and rec.source == "agreed" and engine.searched == []
+        assert rec.agreement["how"] == "capture" and store.entries() == {}
+    finally:
+        distributed.clear_process_group()
+
+
 # -- every op keys its launches by device ------------------------------------------------------------
 
 def _device_runs():
