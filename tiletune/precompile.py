@@ -28,6 +28,7 @@ import logging
 import os
 import pickle
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -211,10 +212,11 @@ class _Worker:
 
     def __init__(self, environ):
         self.compile_environ = _compile_environ(environ)
+        # a process group of its own: kill() ends the compiler processes it started too
         self.proc = subprocess.Popen([sys.executable, "-m", "tiletune.precompile",
                                       str(IDLE_EXIT_SEC)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     env=environ)
+                                     env=environ, start_new_session=True)
         self.last_used = time.monotonic()
 
     def fresh(self, now, compile_environ):
@@ -234,7 +236,12 @@ class _Worker:
         return result
 
     def kill(self):
-        self.proc.kill()
+        """The worker and what it started (a tileiras run past its timeout would otherwise go on
+        using a core)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:           # already gone, or no process group to signal
+            self.proc.kill()
         self.close()
 
     def close(self):

@@ -85,6 +85,34 @@ def test_workers_stay_for_the_next_search_in_the_same_environment(monkeypatch, t
                        == str(second)}
 
 
+def test_killing_a_worker_ends_the_processes_it_started(monkeypatch):
+    """A worker is killed at its deadline (a compile past its timeout): the compiler process it
+    started goes too, instead of running on and taking a core from the next compiles. (The
+    worker here is a shell that starts a long child, as a compile starts tileiras.)"""
+    import os
+    import subprocess
+    import time
+    popen = subprocess.Popen
+    monkeypatch.setattr(precompile.subprocess, "Popen", lambda cmd, **kw: popen(
+        ["sh", "-c", "sleep 60 & echo $!; wait"], **kw))
+    worker = precompile._Worker(dict(os.environ))
+    assert os.getpgid(worker.proc.pid) == worker.proc.pid        # a process group of its own
+    child = int(worker.proc.stdout.readline())
+    worker.kill()
+    for _ in range(100):                                          # gone within a second
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{child}/stat") as f:                    # a zombie until reaped
+            if f.read().split()[2] == "Z":
+                break
+        time.sleep(0.01)
+    else:
+        raise AssertionError("the worker's child outlived it")
+    assert worker.proc.poll() is not None
+
+
 def test_a_dead_or_idle_worker_is_replaced(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
     precompile.run_jobs([_job(0, 64)], "sm_90", 120, 1)
