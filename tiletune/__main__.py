@@ -9,7 +9,7 @@ import re
 import sys
 
 import tiletune
-from tiletune import store
+from tiletune import env, store
 
 KNOWN_MAJORS = (8, 9, 10, 11, 12)      # compute capability majors tileiras compiles for
 
@@ -339,12 +339,12 @@ def cmd_tune(args):
         return _tune_fail(f"the store is off (TILETUNE_CACHE_DIR="
                           f"{os.environ.get('TILETUNE_CACHE_DIR', '')}): the winners would not be "
                           "saved. Point TILETUNE_CACHE_DIR at a folder.")
-    unwritable = _unwritable(path)
+    unwritable = env.unwritable(path)
     if unwritable:
         return _tune_fail(f"the store at {path} cannot be written ({unwritable}): the winners "
                           "would not be saved. Point TILETUNE_CACHE_DIR at a writable folder.")
     if args.export:
-        unwritable = _unwritable(os.path.abspath(args.export))
+        unwritable = env.unwritable(os.path.abspath(args.export))
         if unwritable:
             return _tune_fail(f"cannot export to {args.export} ({unwritable})")
     import importlib.util
@@ -361,19 +361,6 @@ def cmd_tune(args):
         return _tune_job(args, path, rank, world)
     finally:
         pretune.end_job(world)
-
-
-def _unwritable(path):
-    """Why `path` (a file, or its folder if the file is not there yet) cannot be written, or
-    "" when it can: checked before any search, so an hour of tuning is not lost at the end."""
-    folder = os.path.dirname(path)
-    while folder and not os.path.exists(folder):       # to be made: its first existing parent
-        folder = os.path.dirname(folder) if os.path.dirname(folder) != folder else ""
-    if os.path.exists(path):
-        return "" if os.access(path, os.W_OK) else "not writable"
-    if folder and not os.path.isdir(folder):
-        return f"{folder} is not a folder"
-    return "" if not folder or os.access(folder, os.W_OK) else f"{folder} is not writable"
 
 
 def _tune_job(args, path, rank, world):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiletune import autotune, precompile, registry, store
+from tiletune import autotune, env, precompile, registry, store
 from tiletune.timing import time_interleaved
 
 
@@ -494,13 +494,7 @@ def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=
 
 
 def _check_writable(path, what):
-    """ValueError naming the flag when `path`'s folder cannot be made or written."""
-    if not path:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"{what} {path}: cannot create its folder ({e.strerror})") from None
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"{what} {path}: not writable")
+    """ValueError naming the flag when `path` cannot be written."""
+    reason = env.unwritable(os.path.abspath(path)) if path else ""
+    if reason:
+        raise ValueError(f"{what} {path}: {reason}")

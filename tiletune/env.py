@@ -81,3 +81,16 @@ def flag_on(value):
     """True when a setting's value means "on": 1, on, yes, true, enable(d) (case-insensitive).
     None (unset) and anything else are not on."""
     return value is not None and value.strip().lower() in ON
+
+
+def unwritable(path):
+    """Why `path` (a file, or the folder it would be made in) cannot be written, or "" when
+    it can: what a command checks before its work, so a long run is not lost at the end."""
+    folder = os.path.dirname(path)
+    while folder and not os.path.exists(folder):       # to be made: its first existing parent
+        folder = os.path.dirname(folder) if os.path.dirname(folder) != folder else ""
+    if os.path.exists(path):
+        return "" if os.access(path, os.W_OK) else "not writable"
+    if folder and not os.path.isdir(folder):
+        return f"{folder} is not a folder"
+    return "" if not folder or os.access(folder, os.W_OK) else f"{folder} is not writable"

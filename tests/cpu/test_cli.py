@@ -400,9 +400,9 @@ def test_tune_checks_that_the_store_and_the_export_can_be_written_first(monkeypa
     assert main(["tune", "--preset", "llama3-8b", "--seq", "1024",
                  "--export", str(blocker / "out.json")]) == 2
     assert "cannot export to" in capsys.readouterr().err
-    from tiletune.__main__ import _unwritable
-    assert _unwritable(str(tmp_path / "new" / "deeper" / "store.sqlite3")) == ""
-    assert "is not a folder" in _unwritable(str(blocker / "store.sqlite3"))
+    from tiletune.env import unwritable
+    assert unwritable(str(tmp_path / "new" / "deeper" / "store.sqlite3")) == ""
+    assert "is not a folder" in unwritable(str(blocker / "store.sqlite3"))
 
 
 @pytest.mark.parametrize("argv, message", [
