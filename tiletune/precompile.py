@@ -294,6 +294,18 @@ def _take(n):
 def _give_back(workers):
     with _idle_lock:
         _idle.extend(workers)
+    # the workers exit by themselves once idle: reap them then (no zombies between searches)
+    timer = threading.Timer(IDLE_EXIT_SEC + _REUSE_MARGIN_SEC, _reap_exited)
+    timer.daemon = True
+    timer.start()
+
+
+def _reap_exited():
+    with _idle_lock:
+        exited = [w for w in _idle if w.proc.poll() is not None]
+        _idle[:] = [w for w in _idle if w not in exited]
+    for w in exited:
+        w.close()
 
 
 @atexit.register

@@ -113,6 +113,23 @@ def test_killing_a_worker_ends_the_processes_it_started(monkeypatch):
     assert worker.proc.poll() is not None
 
 
+def test_workers_that_exit_idle_are_reaped_without_another_search(monkeypatch, tmp_path):
+    """An idle worker exits after IDLE_EXIT_SEC; it is reaped then, not left a zombie until the
+    process's next search."""
+    import time
+    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
+    precompile._close_idle()
+    monkeypatch.setattr(precompile, "IDLE_EXIT_SEC", 1.0)
+    monkeypatch.setattr(precompile, "_REUSE_MARGIN_SEC", 0.5)
+    assert ok(precompile.run_jobs([_job(0, 64)], "sm_90", 120, 1)) == {0}
+    (worker,) = precompile._idle
+    for _ in range(100):
+        if not precompile._idle:
+            break
+        time.sleep(0.1)
+    assert precompile._idle == [] and worker.proc.returncode is not None     # exited, reaped
+
+
 def test_a_dead_or_idle_worker_is_replaced(monkeypatch, tmp_path):
     monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
     precompile.run_jobs([_job(0, 64)], "sm_90", 120, 1)
