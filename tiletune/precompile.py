@@ -294,16 +294,29 @@ def _take(n):
 def _give_back(workers):
     with _idle_lock:
         _idle.extend(workers)
-    # the workers exit by themselves once idle: reap them then (no zombies between searches)
-    timer = threading.Timer(IDLE_EXIT_SEC + _REUSE_MARGIN_SEC, _reap_exited)
-    timer.daemon = True
-    timer.start()
+        _schedule_reaper()
+
+
+_reaper = None
+
+
+def _schedule_reaper():
+    """One timer at a time (under _idle_lock): the workers exit by themselves once idle, and
+    are reaped then, not left as zombies until the next search."""
+    global _reaper
+    if _idle and (_reaper is None or not _reaper.is_alive()):
+        _reaper = threading.Timer(IDLE_EXIT_SEC + _REUSE_MARGIN_SEC, _reap_exited)
+        _reaper.daemon = True
+        _reaper.start()
 
 
 def _reap_exited():
+    global _reaper
     with _idle_lock:
         exited = [w for w in _idle if w.proc.poll() is not None]
         _idle[:] = [w for w in _idle if w not in exited]
+        _reaper = None
+        _schedule_reaper()               # the workers still idle: looked at again later
     for w in exited:
         w.close()
 

@@ -119,6 +119,9 @@ def test_workers_that_exit_idle_are_reaped_without_another_search(monkeypatch, t
     import time
     monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
     precompile._close_idle()
+    if precompile._reaper is not None:       # one scheduled by an earlier search, 130 s away
+        precompile._reaper.cancel()
+    monkeypatch.setattr(precompile, "_reaper", None)
     monkeypatch.setattr(precompile, "IDLE_EXIT_SEC", 1.0)
     monkeypatch.setattr(precompile, "_REUSE_MARGIN_SEC", 0.5)
     assert ok(precompile.run_jobs([_job(0, 64)], "sm_90", 120, 1)) == {0}
