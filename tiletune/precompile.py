@@ -94,15 +94,19 @@ class Cubin:
 
 
 def code_digest(kernel):
-    """A digest of the kernel's code and of every helper it reaches (what the store's
-    fingerprint hashes): a worker compiles a job only if the code it imported has the parent's
-    digest (another module of that name first on its path, or a source edited on disk since
-    the parent imported it, would otherwise hand the parent a cubin of other code)."""
+    """A digest of the kernel's code: the sources of it and of every helper it reaches (what
+    the store's fingerprint hashes) and its own bytecode as imported. A worker compiles a job
+    only if the code it imported has the parent's digest: another module of that name first on
+    its path, or the kernel's file edited since the parent imported it, would otherwise hand
+    the parent a cubin of other code. (The sources are read from disk, so a helper edited
+    after the parent's first search is not told apart.)"""
     from tiletune.autotune import _kernel_code
     fn = kernel._pyfunc
     digest = _digests.get(fn)
     if digest is None:
-        digest = _digests[fn] = hashlib.sha256(b"".join(_kernel_code(fn))).hexdigest()
+        h = hashlib.sha256(b"".join(_kernel_code(fn)))
+        h.update(fn.__code__.co_code)
+        digest = _digests[fn] = h.hexdigest()
     return digest
 
 
