@@ -769,7 +769,11 @@ def _diagonal(causal, offset, sq, sk):
                                     "top_left" if offset == 0 else "offset")
 
 
+MAX_GRID_Y = 65535      # CUDA's cap on a grid's second axis, where the kernels put B x Hq
+
+
 def _key(q, k, causal, offset, dev, packed):
+    """The dense and packed kernels' launch key; batch x query heads past MAX_GRID_Y raise."""
     B, hq, sq, d = q.shape
     if packed:
         B, sq, sk = packed
@@ -777,6 +781,9 @@ def _key(q, k, causal, offset, dev, packed):
     else:
         sk = k.shape[2]
         diagonal = _diagonal(causal, offset, sq, sk)
+    if B * hq > MAX_GRID_Y:
+        raise ValueError(f"fmha: batch x query heads = {B * hq} is more than the kernels' grid "
+                         f"takes ({MAX_GRID_Y}); split the batch into calls of fewer sequences")
     return (B * hq, sq, sk, d, diagonal, hq // k.shape[1], q.dtype, dev)
 
 
@@ -805,21 +812,9 @@ def _unread(q, dev):
     return a
 
 
-MAX_GRID_Y = 65535
-
-
-def _check_heads(q, packed):
-    """The grids put (batch x query heads) on their second axis, which CUDA caps at 65535."""
-    rows = (packed[0] if packed else q.shape[0]) * q.shape[1]
-    if rows > MAX_GRID_Y:
-        raise ValueError(f"fmha: batch x query heads = {rows} is more than the kernels' grid "
-                         f"takes ({MAX_GRID_Y}); split the batch into calls of fewer sequences")
-
-
 def launch_fwd(q, k, v, o, lse, causal, offset, scale, packed=None, cu_q=None, cu_k=None):
     """o (like q) and lse (B, Hq, Sq) float32 written in place. A packed batch: q/k/v/o are its
     (1, H, T, D) views, packed = (B, max_seqlen_q, max_seqlen_k), cu_q/cu_k its offsets."""
-    _check_heads(q, packed)
     dev = q.get_device()
     if packed is None:
         cu_q = cu_k = _unread(q, dev)
@@ -849,7 +844,6 @@ def launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale, pa
     """dq, dk, dv and delta (B*Hq, Sq) float32 written in place (a packed batch as in
     launch_fwd). The dQ kernel runs (and on a miss is tuned) first: it writes delta, which
     the dK/dV kernel reads."""
-    _check_heads(q, packed)
     dev = q.get_device()
     if packed is None:
         cu_q = cu_k = _unread(q, dev)

@@ -294,9 +294,9 @@ def _forward(x, weight, eps):
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    # (new_empty with int sizes: the cheapest allocation). Not 2-D: y in x's shape, the kernel
-    # writing its rows (a view made here could not be changed in place under autograd)
-    y_out = x2.new_empty(M, N) if two_d else x.new_empty(*x.shape)
+    # y in x's shape, the kernel writing its rows (a view made here could not be changed in
+    # place under autograd); new_empty with int sizes: the cheapest allocation
+    y_out = x.new_empty(*x.shape)
     y = y_out if two_d else y_out.view(M, N)
     rstd = x2.new_empty(M, dtype=torch.float32)
     if M and N:

@@ -230,18 +230,18 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     results are copied back.
     """
     cos, sin, pos, rot = prepare("apply_rope", q, k, cos, sin, position_ids, rotary_dim)
-    if inplace and torch.compiler.is_compiling():
+    if not inplace:
+        return _rope_op(q, k, cos, sin, pos, rot, False)
+    compiling = torch.compiler.is_compiling()
+    if not compiling:   # (cos/sin are not checked against q and k: microseconds on every call)
+        validate.inplace("apply_rope", {"q": q, "k": k})
+    # The custom op has no in-place form, and autograd takes an in-place write to a view from
+    # a Function with one output only: there, rotate out of place and copy back.
+    if compiling or ((q._is_view() or k._is_view()) and torch.is_grad_enabled()
+                     and (q.requires_grad or k.requires_grad)):
         qo, ko = _rope_op(q, k, cos, sin, pos, rot, False)
         return q.copy_(qo), k.copy_(ko)
-    if inplace:      # (cos/sin are not checked against q and k: microseconds on every call)
-        validate.inplace("apply_rope", {"q": q, "k": k})
-        if (q._is_view() or k._is_view()) and torch.is_grad_enabled() and \
-                (q.requires_grad or k.requires_grad):
-            # autograd takes an in-place write to a view from a Function with one output
-            # only: rotate out of place and copy back, as under torch.compile
-            qo, ko = _rope_op(q, k, cos, sin, pos, rot, False)
-            return q.copy_(qo), k.copy_(ko)
-    return _rope_op(q, k, cos, sin, pos, rot, bool(inplace))
+    return _rope_op(q, k, cos, sin, pos, rot, True)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):

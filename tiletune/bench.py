@@ -197,9 +197,8 @@ def run_case(case, skip_peers=(), seen_peers=None):
     except Exception as e:            # reported in the row; the tuned and peer numbers stand
         row["fixed_error"] = _error(e)
     candidates += [(label, fn, None) for label, fn in case.baselines.items()]
-    if case.ceiling:
-        candidates.append((case.ceiling[0], case.ceiling[1], None))
-    us = time_interleaved(candidates, **case.timing)
+    ceiling = [(case.ceiling[0], case.ceiling[1], None)] if case.ceiling else []
+    us = time_interleaved(candidates + ceiling, **case.timing)
     if isinstance(us["tuned"], Exception):
         raise us["tuned"]
     row["tuned_us"] = us["tuned"]
@@ -222,8 +221,7 @@ def run_case(case, skip_peers=(), seen_peers=None):
             row[f"{label}_us"] = us[label] * case.ceiling_scale
             row[f"frac_{label}"] = row[f"{label}_us"] / row["tuned_us"]
     if case.graph:                    # tuned, fixed and the baselines (not the ceiling)
-        _time_graphs(row, [c for c in candidates if c[0] != (case.ceiling or ("",))[0]],
-                     case.timing)
+        _time_graphs(row, candidates, case.timing)
     if case.bytes:
         row["tuned_GBps"] = case.bytes / row["tuned_us"] / 1e3
     if case.flops:
