@@ -77,47 +77,49 @@ def _group_tile(x, w, out, rows_view, g, start, end, tile, num_n, TM, TN, TK, GR
                mask=rows[:, None] < end)
 
 
+def _window(offs, g, T, WALK: ct.Constant[int]):
+    """offs[g+1 .. g+WALK] (past the end: T) as a tuple, loaded together."""
+    ends = ()
+    for j in ct.static_iter(range(WALK)):
+        ends += (ct.gather(offs, g + 1 + j, padding_value=T),)
+    return ends
+
+
+def _advance(t, g, start, end, base, items, ends, T, TM, num_n):
+    """Step the walk over the groups whose ends are `ends` while item t is past group g."""
+    for j in ct.static_iter(range(len(ends))):
+        if t >= base + items:
+            base += items
+            start = end
+            end = ct.minimum(ct.maximum(ends[j], start), T)
+            items = _group_items(start, end, TM, num_n)
+            g += 1
+    return g, start, end, base, items
+
+
 @ct.kernel
 def grouped_mm_kernel(x, w, offs, out, TM: ct.Constant[int], TN: ct.Constant[int],
                       TK: ct.Constant[int], GROUP_M: ct.Constant[int],
-                      GATHER: ct.Constant[bool], ITEM_LOOP: ct.Constant[bool]):
+                      GATHER: ct.Constant[bool], WALK: ct.Constant[int]):
     """x (T, K), w (E, K, N), offs (E,) int32, out (T, N); a 1-D persistent grid. Rows of x
     come through one tiled view that steps one row at a time (TMA from any row, one descriptor
     for the whole kernel) or, with GATHER, through gathers; a tile's rows past its group hold
     the next group's data and are not stored (the store is a masked scatter).
 
-    ITEM_LOOP: first count the work items (the count's loop has a fixed trip count, so its
-    loads issue together), then loop over this CTA's items, stepping the group forward as they
-    pass. Otherwise loop over the groups and take this CTA's items in each. A branch on a loaded
-    value around the mma loop (the group loop's item test) makes tileiras 13.4 hand each item
-    from the TMA producer to the consumers and back (an mbarrier pair), so the producer cannot
-    load the next item while the consumers store this one; the item loop has no such branch."""
+    WALK 0: loop over the groups and take this CTA's items in each. A branch on a loaded value
+    around the mma loop (the group loop's item test) makes tileiras 13.4 hand each item from the
+    TMA producer to the consumers and back (an mbarrier pair), so the producer cannot load the
+    next item while the consumers store this one.
+    WALK >= 1: first count the work items (the count's loop has a fixed trip count, so its loads
+    issue together), then loop over this CTA's items, stepping the group forward as they pass:
+    one offset load at a time (WALK 1), or from a window of the next WALK offsets loaded
+    together and reloaded as soon as the walk moves, so its loads are in flight while the item
+    runs (a CTA's next item is usually several groups ahead: num_blocks items later)."""
     T = x.shape[0]
     E = w.shape[0]
     num_n = ct.cdiv(w.shape[2], TN)
     rows_view = x.tiled_view((TM, TK), padding_mode=ZERO, traversal_steps=(1, TK))
-    if ITEM_LOOP:
-        total = 0
-        start = 0
-        for g in range(E + 1):
-            end = _group_end(offs, g, start, T)
-            total += _group_items(start, end, TM, num_n)
-            start = end
-        g = 0
-        start = 0
-        base = 0           # work items of the groups before g
-        end = _group_end(offs, 0, start, T)
-        items = _group_items(start, end, TM, num_n)
-        for t in range(ct.bid(0), total, ct.num_blocks(0)):
-            while t >= base + items:
-                base += items
-                start = end
-                g += 1
-                end = _group_end(offs, g, start, T)
-                items = _group_items(start, end, TM, num_n)
-            _group_tile(x, w, out, rows_view, g, start, end, t - base, num_n, TM, TN, TK,
-                        GROUP_M, GATHER)
-    else:
+    if WALK == 0:
         t = ct.bid(0)      # this CTA's next work item, counted over all groups
         base = 0
         start = 0
@@ -130,6 +132,37 @@ def grouped_mm_kernel(x, w, offs, out, TM: ct.Constant[int], TN: ct.Constant[int
                 t += ct.num_blocks(0)
             base += items
             start = end
+    else:
+        total = 0
+        start = 0
+        for g in range(E + 1):
+            end = _group_end(offs, g, start, T)
+            total += _group_items(start, end, TM, num_n)
+            start = end
+        g = 0
+        start = 0
+        base = 0           # work items of the groups before g
+        end = _group_end(offs, 0, start, T)
+        items = _group_items(start, end, TM, num_n)
+        if WALK == 1:
+            for t in range(ct.bid(0), total, ct.num_blocks(0)):
+                while t >= base + items:
+                    base += items
+                    start = end
+                    g += 1
+                    end = _group_end(offs, g, start, T)
+                    items = _group_items(start, end, TM, num_n)
+                _group_tile(x, w, out, rows_view, g, start, end, t - base, num_n, TM, TN, TK,
+                            GROUP_M, GATHER)
+        else:
+            ends = _window(offs, g, T, WALK)
+            for t in range(ct.bid(0), total, ct.num_blocks(0)):
+                while t >= base + items:
+                    g, start, end, base, items = _advance(t, g, start, end, base, items, ends,
+                                                          T, TM, num_n)
+                    ends = _window(offs, g, T, WALK)
+                _group_tile(x, w, out, rows_view, g, start, end, t - base, num_n, TM, TN, TK,
+                            GROUP_M, GATHER)
 
 
 @ct.kernel
@@ -170,38 +203,44 @@ def grouped_mm_k_kernel(a, b, offs, out, TM: ct.Constant[int], TN: ct.Constant[i
 # the row-stepping view led the gathers at every key; gathers stay in the space for layouts TMA
 # cannot take; 2-way occupancy of 128x128 ran 3-10x behind and gathers in 2-CTA clusters 9x
 # behind: left out. In the K-grouped kernel gathers of both operands ran 3-6x behind the sliced
-# views: views only. The M-grouped kernel walks its work items (item_loop) or its groups: per
-# config on an H100 the item loop ran 0-6% faster at K 768-2048 (Qwen3-MoE, DeepSeek-like down)
-# and the group loop 1-3.5% faster at 128x256 with K 4096-7168. At 128x256 (8 warps) tileiras
-# 13.4 takes ~10 s to compile the item loop (1 s the group loop; 0.5-2 s the item loop at other
-# tiles), on every new signature, and the item loop there led the group loop by at most 1.2%
-# where it led at all: 128x256 keeps the group loop, the other tiles take the item loop.
+# views: views only. The M-grouped kernel walks its work items (walk >= 1) or its groups (walk
+# 0): per config on an H100 the item loop ran 0-6% faster at K 768-2048 (Qwen3-MoE, DeepSeek-like
+# down) and the group loop 1-3.5% faster at 128x256 with K 4096-7168. At 128x256 (8 warps)
+# tileiras 13.4 takes ~10 s to compile the one-offset walk (1 s the group loop; 0.5-2 s the walk
+# at other tiles), on every new signature, and it led the group loop there by at most 1.2%:
+# 128x256 keeps the group loop, the other tiles walk. At 128x128 the walk from a window of 4 or
+# 8 offsets ran up to 6% faster than the one-offset walk on an H200 (and up to 3% slower) on the
+# MoE bench keys, in no order that the shape predicts: both are searched.
 # 128x128 at 4 worker warps ran 4-5x behind the same tile at 8 in the M-grouped kernel (0.20-0.27x
 # _grouped_mm on five forward and dX keys, H100) and 25-35% behind the best config in the
 # K-grouped one; it was also the slowest of the space to compile (2.2 s on a 2-core CPU): sm_90
 # leaves it out, sm_100 (accumulators in tensor memory) keeps it.
 
 FIELDS = ("tm", "tn", "tk", "occupancy", "num_ctas", "num_worker_warps", "gather", "group_m")
-M_FIELDS = FIELDS + ("item_loop",)
+M_FIELDS = FIELDS + ("walk",)
 SM90_SPACE = [
-    (128, 256, 64, 1, 1, 8, False, 8, False),  # the default
-    (128, 256, 64, 1, 1, 8, True, 8, False),
+    (128, 256, 64, 1, 1, 8, False, 8, 0),      # the default
+    (128, 256, 64, 1, 1, 8, True, 8, 0),
     (256, 128, 64, 1, 1, 8, False, 8),
     (256, 128, 64, 1, 1, 8, True, 8),
     (256, 256, 64, 1, 2, 8, False, 8),         # 128x256 per CTA, pairs in a cluster
     (128, 128, 64, 1, 1, 8, False, 8),
     (128, 128, 64, 1, 1, 8, True, 8),
+    (128, 128, 64, 1, 1, 8, False, 8, 4),      # walks from a window of 4 or 8 offsets
+    (128, 128, 64, 1, 1, 8, False, 8, 8),
     (128, 128, 128, 1, 1, None, False, 8),
-    (128, 256, 64, 1, 1, 8, False, 4, False),
+    (128, 256, 64, 1, 1, 8, False, 4, 0),
     (64, 256, 64, 1, 1, None, False, 8),
     (64, 256, 64, 1, 1, None, True, 8),
     (64, 128, 64, 2, 1, None, False, 8),
     (64, 128, 64, 2, 1, None, True, 8),
     (64, 64, 64, 2, 1, None, False, 8),
 ]
-# The K-grouped kernel: the M-grouped entries without gathers, GROUP_M 8 only, and 128x64 in
-# place of 64x128 at 2-way occupancy (its M is the weight's rows, usually the larger side).
-SM90_K_SPACE = [r[:8] for r in SM90_SPACE if not r[6] and r[7] == 8 and r[:2] != (64, 128)] + [
+# The K-grouped kernel (no walk): the M-grouped entries without gathers, GROUP_M 8 only, each
+# once, and 128x64 in place of 64x128 at 2-way occupancy (its M is the weight's rows, usually the
+# larger side).
+SM90_K_SPACE = list(dict.fromkeys(r[:8] for r in SM90_SPACE
+                                  if not r[6] and r[7] == 8 and r[:2] != (64, 128))) + [
     (128, 64, 64, 2, 1, None, False, 8)]
 # sm_100 (compile-checked only): accumulators live in tensor memory; the 4-warp entries and a
 # 4-warp cluster. Anything else: a conservative pair, never measured.
@@ -225,7 +264,7 @@ def grouped_configs(arch, t, e, k, n):
     rows = max(64, next_pow2(cdiv(t, max(e, 1))))
     space = _space(arch, SM90_SPACE, SM100_SPACE)
     yield from table(M_FIELDS, [r for i, r in enumerate(space) if i == 0 or r[0] <= rows],
-                     item_loop=True)
+                     walk=1)
 
 
 def k_grouped_configs(arch, t, e, m, n):
@@ -242,7 +281,7 @@ def _k_args(cfg, a, b, offs, out):
 
 
 def _args(cfg, x, w, offs, out):
-    return (x, w, offs, out, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, cfg.gather, cfg.item_loop)
+    return (x, w, offs, out, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, cfg.gather, cfg.walk)
 
 
 def _grid(cfg, dev, x, w, offs, out):
@@ -259,7 +298,7 @@ def _k_grid(cfg, dev, a, b, offs, out):
 # Both kernels: the launch key holds T itself (the grid needs it), the tuning key its bucket.
 _grouped = Autotuner(
     "grouped_mm", grouped_mm_kernel, grouped_configs, grid=_grid, args=_args,
-    default=next(table(M_FIELDS, OTHER_SPACE, item_loop=True)), tune_key=bucketed(3),
+    default=next(table(M_FIELDS, OTHER_SPACE, walk=1)), tune_key=bucketed(3),
     space=lambda x, w, *_: dict(t=bucket(x.shape[0]), e=w.shape[0], k=x.shape[1], n=w.shape[2]),
     work=lambda x, w, *_: Work(flops=2.0 * x.shape[0] * x.shape[1] * w.shape[2]))
 _k_grouped = Autotuner(

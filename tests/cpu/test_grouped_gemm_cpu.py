@@ -47,17 +47,20 @@ def test_both_load_styles_are_searched_where_both_can_win(arch):
                    for c in GG.grouped_configs("sm_100", 16384, 8, 4096, 14336))
 
 
-def test_both_walks_are_searched_on_sm90():
+def test_every_walk_is_searched_on_sm90():
     """The item loop leads at short K, the group loop at 128x256 with long K (and compiles in a
     tenth of the time there): sm_90's 128x256 entries, the default among them, keep the group
-    loop, the other tiles take the item loop; sm_100 has the item loop only."""
+    loop (walk 0), the other tiles walk their items, 128x128 also from windows of 4 and 8
+    offsets; sm_100 walks one offset at a time."""
     sm90 = list(GG.grouped_configs("sm_90", 16384, 8, 4096, 14336))
-    assert not sm90[0].item_loop and (sm90[0].tm, sm90[0].tn) == (128, 256)
-    assert all(c.item_loop == ((c.tm, c.tn) != (128, 256)) for c in sm90)
-    assert {c.item_loop for c in sm90} == {True, False}
-    assert all(c.item_loop for c in GG.grouped_configs("sm_100", 16384, 8, 4096, 14336))
-    assert not any(hasattr(c, "item_loop") for c in GG.k_grouped_configs("sm_90", 16384, 8,
-                                                                          4096, 14336))
+    assert sm90[0].walk == 0 and (sm90[0].tm, sm90[0].tn) == (128, 256)
+    assert all((c.walk == 0) == ((c.tm, c.tn) == (128, 256)) for c in sm90)
+    assert {c.walk for c in sm90} == {0, 1, 4, 8}
+    assert {c.walk for c in sm90 if c.walk > 1} == {4, 8}
+    assert all((c.tm, c.tn, c.gather) == (128, 128, False) for c in sm90 if c.walk > 1)
+    assert all(c.walk == 1 for c in GG.grouped_configs("sm_100", 16384, 8, 4096, 14336))
+    assert not any(hasattr(c, "walk") for c in GG.k_grouped_configs("sm_90", 16384, 8,
+                                                                     4096, 14336))
 
 
 def test_tiles_taller_than_the_average_group_are_left_out():

@@ -22,7 +22,10 @@ from tiletune.ops.gated_mlp import swiglu_linear
 from .conftest import disable_autotune, each_config, poison_allocator
 
 BF16, F16 = torch.bfloat16, torch.float16
-TOL = {BF16: 1e-2, F16: 2e-3}
+# Outputs: relative Frobenius error against the float32 reference rounded to the output's dtype
+# (one rounding, like the kernel's: at most 1.2e-4 bf16, 3.9e-5 fp16 for every config on an
+# H200). Gradients pass through the SwiGLU backward's rounded intermediates: unrounded bounds.
+TOL = {BF16: 5e-4, F16: 2e-4}
 GRAD_TOL = {BF16: 2e-2, F16: 5e-3}
 
 
@@ -31,6 +34,10 @@ def rel(a, b):
     assert a.shape == b.shape
     assert torch.isfinite(a).all(), "non-finite values (an unwritten output?)"
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def rel_rounded(a, b):
+    return rel(a, b.to(a.dtype))
 
 
 def make(lead, N, K, dt, seed=0):
@@ -58,7 +65,7 @@ def check(x, wg, wu, needs=(True, True, True), view=lambda x: x):
     refs = [t.detach().float().requires_grad_(n) for t, n in zip((x, wg, wu), needs)]
     ref = reference(view(refs[0]), refs[1], refs[2])
     assert y.dtype == dt and y.is_contiguous() and y.shape == ref.shape
-    assert rel(y, ref) < TOL[dt]
+    assert rel_rounded(y, ref) < TOL[dt]
     if any(needs):
         dy = torch.randn_like(y)
         grads = torch.autograd.grad(y, [t for t in leaves if t.requires_grad], dy)
@@ -92,11 +99,11 @@ def test_disable_autotune(fresh, monkeypatch, shape, dt):
 def test_tuned(fresh, dt):
     """The inference and the training kernel are tuned apart; a second call searches nothing."""
     x, wg, wu = make((1000,), 1001, 1000, dt)
-    assert rel(swiglu_linear(x, wg, wu), reference(x, wg, wu)) < TOL[dt]
+    assert rel_rounded(swiglu_linear(x, wg, wu), reference(x, wg, wu)) < TOL[dt]
     assert G._gated.searches == 1
     wu.requires_grad_()
     y = swiglu_linear(x, wg, wu)       # no backward: it would tune matmul's keys
-    assert rel(y, reference(x, wg, wu)) < TOL[dt]
+    assert rel_rounded(y, reference(x, wg, wu)) < TOL[dt]
     assert G._gated.searches == 2
     assert all(r.source == "search" for r in G._gated.records.values())
     assert sorted(k[8] for k in G._gated.records) == [False, True]
@@ -120,8 +127,8 @@ def test_every_config_is_correct(fresh, monkeypatch, shape):
         poison_allocator(torch)
         y = swiglu_linear(*leaves)
         gate, up = y.grad_fn.saved_tensors[3:5]
-        assert rel(gate, ref_g) < TOL[BF16], vars(cfg)
-        assert rel(up, x.float() @ wu.float().T) < TOL[BF16], vars(cfg)
+        assert rel_rounded(gate, ref_g) < TOL[BF16], vars(cfg)
+        assert rel_rounded(up, x.float() @ wu.float().T) < TOL[BF16], vars(cfg)
         check(x, wg, wu)
         assert all(c is cfg for c, _ in G._gated.cache.values()), vars(cfg)
 
@@ -228,7 +235,7 @@ def test_cuda_graph_replay(fresh):
     x.copy_(make((256,), 1024, 512, BF16, seed=1)[0])
     graph.replay()
     torch.cuda.synchronize()
-    assert rel(y, reference(x, wg, wu)) < TOL[BF16]
+    assert rel_rounded(y, reference(x, wg, wu)) < TOL[BF16]
 
 
 def test_bad_input():

@@ -46,7 +46,8 @@ def test_precompiled_key_is_the_launch_key(monkeypatch, case):
     sig = precompile.launch_signature(KernelSignature.from_kernel_args(kernel, args, v2).parameters)
     module, name = precompile.kernel_location(kernel)
     assert isinstance(precompile.compile_job(module, name, hints, sig.parameters,
-                                             sig.calling_convention.code, device.arch(), 120),
+                                             sig.calling_convention.code,
+                                             precompile.code_digest(kernel), device.arch(), 120),
                       precompile.Cubin)
     ct.launch(torch.cuda.current_stream(), grid, kernel.replace_hints(**hints), args)
     torch.cuda.synchronize()

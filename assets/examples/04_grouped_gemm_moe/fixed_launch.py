@@ -16,14 +16,14 @@ w = (torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5).trans
 offs = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * (T // E)
 out = torch.empty(T, N, device="cuda", dtype=torch.bfloat16)
 
-TM, TN, TK, GROUP_M, GATHER, ITEM_LOOP = 64, 64, 64, 8, True, True
+TM, TN, TK, GROUP_M, GATHER, WALK = 64, 64, 64, 8, True, 1
 kernel = grouped_mm_kernel.replace_hints(occupancy=2, num_ctas=1)
 grid = (torch.cuda.get_device_properties(0).multi_processor_count * 2,)
 
 
 def run():
     ct.launch(torch.cuda.current_stream(), grid, kernel,
-              (x, w, offs, out, TM, TN, TK, GROUP_M, GATHER, ITEM_LOOP))
+              (x, w, offs, out, TM, TN, TK, GROUP_M, GATHER, WALK))
 
 
 run()
