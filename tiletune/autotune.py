@@ -346,9 +346,10 @@ class Autotuner:
 
     def _first_launch(self, key, dev, inputs, launch_config):
         """A miss of `launch`: resolve the key's tuning key, launch, and keep the launch's plan
-        (kernel, grid, config) under the key. A winner read from the store that no longer
-        launches (a driver or device that refuses its kernel) is deleted from the store, the
-        key is searched again, and the new winner launches. Errors that say nothing about the
+        (kernel, grid, config) under the key. A winner read from the store, or a job's decision
+        this rank did not time, that no longer launches (a driver or device that refuses its
+        kernel) is deleted from the store, the key is searched again (in a job: in the key's
+        next round), and the new winner launches. Errors that say nothing about the
         config (bad inputs, out of memory, a compile timeout on a busy host) go to the caller
         and leave the store alone."""
         tkey = self.tune_key(key)
@@ -363,8 +364,8 @@ class Autotuner:
             raise
         except Exception as e:
             cfg = entry[0]
-            log.warning("tiletune: %s %s: the stored config %s failed to launch (%s: %s); "
-                        "searching again", self.name, tkey, config_dict(cfg), type(e).__name__,
+            log.warning("tiletune: %s %s: the stored or agreed config %s failed to launch "
+                        "(%s: %s); searching again", self.name, tkey, config_dict(cfg), type(e).__name__,
                         str(e).splitlines()[0] if str(e) else "")
             store.delete(self.name, skey)
             self.cache.pop(tkey, None)
@@ -560,9 +561,13 @@ class Autotuner:
             raise distributed.DistributedTuningError(
                 f"tiletune: {self.name} {key}: rank {outcome.by}'s decision "
                 f"{entry.get('config')} is not a config of this rank's space")
+        if cfgs.index(decided) not in outcome.timed:
+            # Not launched on this rank yet (its stored winner, or another rank's pick): if its
+            # first launch fails, the key is searched again in its next round, which every rank
+            # whose launch fails the same way joins (tiletune/distributed.py, `fresh`).
+            self._unproven[key] = skey
         if cfg is not None and decided == cfg:   # the winner this rank's store holds
             source = store.source_of(stored)
-            self._unproven[key] = skey           # until its first launch succeeds
         else:
             source = "search" if outcome.timed else "agreed"
             if outcome.decided_here:             # once per job: the rank whose decision stands

@@ -234,8 +234,9 @@ class Agreement:
         failures) as the engine's `_measure` returns them; `ahead`: configs this rank may time
         next, to compile in the same batch. conclude(timings, failures) -> the
         entry to publish (ranking and final round on this GPU). stored: this rank's stored
-        entry, if any. fresh: a new round even if the key was decided (a stored winner that no
-        longer launches). Returns an Outcome."""
+        entry, if any. fresh: the key's next round even if it was decided (the decision did
+        not launch here); each rank counts its own rounds per key, so the ranks on which the
+        decision failed alike meet in the same round. Returns an Outcome."""
         ns = self._namespace(name, fresh)
         out = Outcome()
         found = self._decided(ns)

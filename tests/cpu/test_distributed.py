@@ -3,6 +3,7 @@ over one c10d HashStore; the engine with a stand-in search in one process (devic
 store shared by every device of a model); every op's keys carry the device; and a job of two
 processes over gloo running the engine's real miss path (tests/cpu/dist_worker.py)."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -333,6 +334,59 @@ def test_a_key_first_met_in_capture_becomes_the_jobs_decision(engine, monkeypatc
         rec = t.records[(64, 0)]
         assert rec.config["occupancy"] == 1 and rec.source == "agreed" and engine.searched == []
         assert rec.agreement["how"] == "capture" and store.entries() == {}
+    finally:
+        distributed.clear_process_group()
+
+
+def test_an_adopted_decision_that_fails_to_launch_is_searched_again_in_the_next_round(
+        engine, monkeypatch, caplog):
+    """A decision this rank adopted without timing it (another rank's stored winner, say one
+    tuned under a driver that no longer takes its kernel) fails its first launch here: one
+    warning, the key is searched in its next round (the round every rank whose launch fails the
+    same way joins, so they agree again), the new winner launches and is the job's decision."""
+    x = torch.zeros(4)
+    t = Autotuner(f"dist_refused_{id(engine)}", _k, _space,
+                  default=SimpleNamespace(tile=8, occupancy=1), space=lambda x, n: dict(n=n),
+                  grid=lambda c, dev, x, n: (1,), args=lambda c, x, n: (x, c.occupancy))
+    distributed.set_process_group(store=dist.HashStore(), rank=0, world_size=2)
+    try:
+        agreement = distributed.current()
+        cfgs = t.config_list(device.arch(0), dict(n=16))
+        name = t.agreement_name((16, 0), 0, cfgs)
+        agreement.decide_now(name, {"config": autotune.config_dict(cfgs[2])})   # occupancy 4
+        refused, launched = [], []
+
+        def launch(stream, grid, kernel, args):
+            if args[1] == 4:
+                refused.append(args)
+                raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")
+            launched.append(args)
+        monkeypatch.setattr(ct, "launch", launch)
+        with caplog.at_level(logging.WARNING, logger="tiletune"):
+            t.launch((16, 0), 0, x, 16)
+        assert len(refused) == 1 and "failed to launch" in caplog.text
+        assert launched[-1] == (x, 2) and t.records[(16, 0)].config["occupancy"] == 2
+        assert agreement.decision(name)["config"]["occupancy"] == 2     # the next round's
+        assert sorted(sum(engine.searched, [])) == [1, 2, 4]           # both chunks, here
+        t.launch((16, 0), 0, x, 16)
+        assert launched[-1] == (x, 2) and len(refused) == 1
+    finally:
+        distributed.clear_process_group()
+
+
+def test_a_decision_timed_here_that_fails_to_launch_is_the_callers_error(engine, monkeypatch):
+    """As outside a job: a config this rank launched in its own search is not searched again
+    when a later launch fails (the error says something about the inputs or the GPU)."""
+    x = torch.zeros(4)
+    t = engine.tuner
+    distributed.set_process_group(store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t.launch((32, 0), 0, x, 32)             # searched here: the first launch succeeds
+        t._plans.clear()
+        monkeypatch.setattr(ct, "launch", lambda *a: (_ for _ in ()).throw(RuntimeError("bad")))
+        with pytest.raises(RuntimeError, match="bad"):
+            t.launch((32, 0), 0, x, 32)
+        assert len(engine.searched) == 1
     finally:
         distributed.clear_process_group()
 
