@@ -94,6 +94,17 @@ def run_example_pair(folder):
     return res["fixed"], res["autotuned"]
 
 
+def assert_pair_agrees(fixed, tuned, rel=2e-3):
+    """The example pair's outputs differ by at most about `rel` of their norm: their squared
+    norms (`checksum`) within 2 rel, and their projections on one random vector (`probe`,
+    which any wrong or misplaced value moves; the difference of two projections is a normal
+    variable with the outputs' distance as its deviation) within 4 rel of the norm."""
+    na, nb = float(fixed["checksum"]), float(tuned["checksum"])
+    pa, pb = float(fixed["probe"]), float(tuned["probe"])
+    assert abs(na - nb) <= 2 * rel * na, (fixed, tuned)
+    assert abs(pa - pb) <= 4 * rel * na ** 0.5, (fixed, tuned)
+
+
 def rotate_half(x):
     """HF's rotate_half: (-second half, first half) of the last dim."""
     half = x.shape[-1] // 2

@@ -39,5 +39,9 @@ def run():
 
 run()                                   # tunes once
 print(f"best={next(iter(tuner.records.values())).config}")
-print(f"checksum={y.double().sum().item():.6e}")
+res = y.double()
+r = torch.randn(res.shape, device="cuda", dtype=torch.float64,
+                generator=torch.Generator("cuda").manual_seed(1))
+print(f"checksum={res.square().sum().item():.9e}")   # the squared norm
+print(f"probe={(res * r).sum().item():.9e}")         # a random projection: any wrong value moves it
 print(f"us={time_us(run):.2f}")

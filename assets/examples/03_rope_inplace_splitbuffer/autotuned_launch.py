@@ -51,5 +51,9 @@ def run():
 run()                                    # tunes (search on scratch), then rotates q and k once
 rec = next(iter(tuner.records.values()))
 print(f"best={rec.config} source={rec.source}")
-print(f"checksum={q.double().sum().item() + k.double().sum().item():.6e}")
+res = torch.cat((q.flatten(), k.flatten())).double()
+r = torch.randn(res.shape, device="cuda", dtype=torch.float64,
+                generator=torch.Generator("cuda").manual_seed(1))
+print(f"checksum={res.square().sum().item():.9e}")   # the squared norm
+print(f"probe={(res * r).sum().item():.9e}")         # a random projection: any wrong value moves it
 print(f"us={time_us(run):.2f}")
