@@ -19,7 +19,7 @@ CASES = [(2, 32, 8, 123, 128, 128, False), (3, 7, 1, 51, 80, 40, True)]
 # Each case x dtype with the default config; tuned (forward and backward searches of 10 configs,
 # 40-100 s of compiling on the GPU machine) on the small case.
 RUNS = ([(c, dt, True) for c in CASES for dt in (torch.float32, torch.bfloat16)] +
-        [(CASES[1], torch.float32, False)])
+        [(CASES[1], torch.float16, True), (CASES[1], torch.float32, False)])
 
 
 @pytest.mark.parametrize("case,dt,disable", RUNS,
@@ -42,6 +42,29 @@ def test_forward_backward(fresh, monkeypatch, case, dt, disable):
     want = torch.autograd.grad((rq, rk), ref_leaves, (dq.double(), dk.double()))
     for g, w in zip(got, want):
         assert rel(g, w) < 2 * TOL[dt]
+
+
+@pytest.mark.parametrize("wdt", [torch.float32, torch.float16], ids=str)
+def test_weight_dtype_differs(fresh, monkeypatch, wdt):
+    """bf16 q and k with weights in another dtype (float32 master weights, say): outputs in
+    q's dtype, weight gradients in the weights'."""
+    disable_autotune(monkeypatch)
+    B, Hq, Hk, S, D, R_, _ = CASES[1]
+    q, k, cos, sin = make(B, Hq, Hk, S, D, R_, torch.bfloat16)
+    wq = torch.rand(D, device="cuda", dtype=wdt) + 0.5
+    wk = torch.rand(D, device="cuda", dtype=wdt) + 0.5
+    leaves = [t.detach().requires_grad_() for t in (q, k, wq, wk)]
+    qo, ko = rms_norm_rope(*leaves, cos, sin)
+    assert qo.dtype == ko.dtype == torch.bfloat16
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, wq, wk)]
+    rq, rk = reference(*ref_leaves, cos, sin, None, R_, 1e-6)
+    assert rel(qo, rq) < TOL[torch.bfloat16] and rel(ko, rk) < TOL[torch.bfloat16]
+    dq, dk = torch.randn_like(qo), torch.randn_like(ko)
+    got = torch.autograd.grad((qo, ko), leaves, (dq, dk))
+    want = torch.autograd.grad((rq, rk), ref_leaves, (dq.double(), dk.double()))
+    assert got[2].dtype == got[3].dtype == wdt
+    for g, w in zip(got, want):
+        assert rel(g, w) < 2 * TOL[torch.bfloat16]
 
 
 def test_torch_compile_fullgraph(fresh):
