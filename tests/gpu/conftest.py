@@ -96,11 +96,11 @@ def run_example_pair(folder):
 
 def assert_pair_agrees(fixed, tuned, rel=2e-3):
     """The example pair's outputs differ by at most about `rel` of their norm: their squared
-    norms (`checksum`) within 2 rel, and their projections on one random vector (`probe`,
+    norms (`checksum`) within 2 rel, and their projections on one random vector (`projection`,
     which any wrong or misplaced value moves; the difference of two projections is a normal
     variable with the outputs' distance as its deviation) within 4 rel of the norm."""
     na, nb = float(fixed["checksum"]), float(tuned["checksum"])
-    pa, pb = float(fixed["probe"]), float(tuned["probe"])
+    pa, pb = float(fixed["projection"]), float(tuned["projection"])
     assert abs(na - nb) <= 2 * rel * na, (fixed, tuned)
     assert abs(pa - pb) <= 4 * rel * na ** 0.5, (fixed, tuned)
 

@@ -27,5 +27,5 @@ res = out.double()
 r = torch.randn(res.shape, device="cuda", dtype=torch.float64,
                 generator=torch.Generator("cuda").manual_seed(1))
 print(f"checksum={res.square().sum().item():.9e}")   # the squared norm
-print(f"probe={(res * r).sum().item():.9e}")         # a random projection: any wrong value moves it
+print(f"projection={(res * r).sum().item():.9e}")    # on a random vector: any wrong value moves it
 print(f"us={time_us(run):.2f}")
