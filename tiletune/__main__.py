@@ -282,16 +282,14 @@ def cmd_bench(args):
               "default configs. Unset it (the fixed column times the defaults).",
               file=sys.stderr, flush=True)
         return 2
-    for path, flag in ((args.json or bench.DEFAULT_JSON, "--json"), (args.plot, "--plot")):
-        try:
-            bench._check_writable(path, flag)     # before any row is tuned and timed
-        except ValueError as e:
-            print(f"tiletune bench: {e}", file=sys.stderr, flush=True)
-            return 2
-    return bench.main(args.ops, full=args.full, host=args.host,
-                      json_path=args.json or bench.DEFAULT_JSON,
-                      plot_path=args.plot, match=args.match or (),
-                      skip_peers=args.skip_peer or (), graph=args.graph)
+    try:
+        return bench.main(args.ops, full=args.full, host=args.host,
+                          json_path=args.json or bench.DEFAULT_JSON,
+                          plot_path=args.plot, match=args.match or (),
+                          skip_peers=args.skip_peer or (), graph=args.graph)
+    except bench.OutputNotWritable as e:      # refused before any row is tuned and timed
+        print(f"tiletune bench: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 def _positive(text):

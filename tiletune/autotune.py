@@ -365,8 +365,8 @@ class Autotuner:
         except Exception as e:
             cfg = entry[0]
             log.warning("tiletune: %s %s: the stored or agreed config %s failed to launch "
-                        "(%s: %s); searching again", self.name, tkey, config_dict(cfg), type(e).__name__,
-                        str(e).splitlines()[0] if str(e) else "")
+                        "(%s: %s); searching again", self.name, tkey, config_dict(cfg),
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             store.delete(self.name, skey)
             self.cache.pop(tkey, None)
             self.records.pop(tkey, None)
@@ -770,20 +770,15 @@ class Autotuner:
             self._warned_capture = True
         cfgs = self.config_list(_device.arch(dev), shape)
         cfg = None
-        agreement = None if disabled() else distributed.current()
-        if agreement is not None:         # a decision the job has made already
-            decided = agreement.decision(self.agreement_name(key, dev, cfgs))
-            if isinstance(decided, dict) and "config" in decided:
-                cfg = self._find(cfgs, decided["config"])
-        if cfg is None and not disabled():
+        if not disabled():
             stored = store.load(self.name, self.store_key(key, dev, cfgs))
             cfg = self._find(cfgs, stored.get("config")) if isinstance(stored, dict) else None
-            cfg = cfg or cfgs[0]
-            if agreement is not None:     # the job's decision from now on: no rank diverges
-                stands = agreement.decide_now(self.agreement_name(key, dev, cfgs),
-                                              {"config": config_dict(cfg)})
-                cfg = self._find(cfgs, stands.get("config")) or cfg
         cfg = cfg or cfgs[0]
+        agreement = None if disabled() else distributed.current()
+        if agreement is not None:     # a decision the job made stands; else this one becomes it
+            stands = agreement.decide_now(self.agreement_name(key, dev, cfgs),
+                                          {"config": config_dict(cfg)})
+            cfg = self._find(cfgs, stands.get("config")) or cfg
         entry = (cfg, self._with_hints(self.base_kernel(cfg), cfg, dev))
         self._capture_cache[key] = entry
         self.records.setdefault(key, TuningRecord(self.name, key, config_dict(cfg), "capture"))

@@ -236,6 +236,10 @@ def run_case(case, skip_peers=(), seen_peers=None):
 DEFAULT_JSON = "bench-results/bench.json"
 
 
+class OutputNotWritable(ValueError):
+    """--json or --plot names a path that cannot be written (checked before any row runs)."""
+
+
 def _peers(row):
     """The row's baseline labels in timing order: timed ones (vs_<label>) and those that could
     not run (<label>_error)."""
@@ -423,7 +427,9 @@ def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=
     if unknown:
         raise ValueError(f"unknown op(s) {', '.join(unknown)}; known: {', '.join(modules)}")
     for path, what in ((json_path, "--json"), (plot_path, "--plot")):
-        _check_writable(path, what)   # before any row is tuned and timed
+        reason = env.unwritable(os.path.abspath(path)) if path else ""
+        if reason:                    # before any row is tuned and timed
+            raise OutputNotWritable(f"{what} {path}: {reason}")
     dev = torch.cuda.get_device_name(0)
     precompile.warm()        # the compile workers start while the first rows set up
     print(f"device: {dev}, torch {torch.__version__}; "
@@ -489,10 +495,3 @@ def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=
         print(f"{failed} row{'s' if failed > 1 else ''} or setup{'s' if failed > 1 else ''} "
               "failed (above): exit status 1")
     return 1 if failed else 0
-
-
-def _check_writable(path, what):
-    """ValueError naming the flag when `path` cannot be written."""
-    reason = env.unwritable(os.path.abspath(path)) if path else ""
-    if reason:
-        raise ValueError(f"{what} {path}: {reason}")

@@ -216,11 +216,6 @@ class Agreement:
             out.wait_s += time.monotonic() - t0
 
     # -- the protocol ---------------------------------------------------------------------------
-    def decision(self, name):
-        """The decided entry for `name`, or None; never waits (the CUDA-graph capture path)."""
-        text = self._get(self._namespace(name, False) + "/d")
-        return None if text is None else json.loads(text)["entry"]
-
     def decide_now(self, name, entry):
         """Publish `entry` as the decision for `name` unless one stands, and return the entry
         that stands; never waits (the CUDA-graph capture path: a rank that meets a key first

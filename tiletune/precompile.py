@@ -93,6 +93,9 @@ class Cubin:
         self.symbol, self.data = symbol, data
 
 
+_digests = {}              # kernel function -> code_digest
+
+
 def code_digest(kernel):
     """A digest of the kernel's code: the sources of it and of every helper it reaches (what
     the store's fingerprint hashes) and its own bytecode as imported. A worker compiles a job
@@ -108,9 +111,6 @@ def code_digest(kernel):
         h.update(fn.__code__.co_code)
         digest = _digests[fn] = h.hexdigest()
     return digest
-
-
-_digests = {}
 
 
 def compile_job(module, name, hints, params, calling_convention, digest, arch, timeout_sec):

@@ -54,7 +54,6 @@ def eps(op, value):
     return float(value)
 
 
-
 def out(op, t, shape, dtype, device, dtype_of="the inputs'", inputs=None):
     """An `out=` tensor: exactly `shape`, `dtype` and `device`, and writable. An op that copies
     its result into `out` (inputs None) refuses, under grad mode, a leaf that requires grad, as

@@ -308,6 +308,20 @@ def test_bench_graph_times_every_row_from_cuda_graphs_too(ops, clock, monkeypatc
     assert "15.00 us from a CUDA graph" in capsys.readouterr().out
 
 
+def test_bench_refuses_an_output_it_cannot_write_before_any_row(ops, clock, tmp_path, capsys):
+    ran = []
+    ops["alpha"].bench_cases = lambda full=False: ran.append(1) or []
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["bench", "alpha", "--json", str(blocker / "b.json")]) == 2
+    assert main(["bench", "alpha", "--json", str(tmp_path / "b.json"),
+                 "--plot", str(blocker / "p.png")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"tiletune bench: --json {blocker / 'b.json'}: ")
+    assert err[1].startswith(f"tiletune bench: --plot {blocker / 'p.png'}: ")
+    assert all("is not a folder" in line for line in err) and ran == []
+
+
 def test_bench_says_when_no_headline_row_matches(ops, clock, tmp_path, capsys):
     ops["alpha"].bench_cases = lambda full=False: [
         bench.BenchCase("alpha", "n1", "fwd", lambda: clock.run("ours", 1.0), {})]

@@ -350,10 +350,9 @@ def test_an_adopted_decision_that_fails_to_launch_is_searched_again_in_the_next_
                   grid=lambda c, dev, x, n: (1,), args=lambda c, x, n: (x, c.occupancy))
     distributed.set_process_group(store=dist.HashStore(), rank=0, world_size=2)
     try:
-        agreement = distributed.current()
         cfgs = t.config_list(device.arch(0), dict(n=16))
-        name = t.agreement_name((16, 0), 0, cfgs)
-        agreement.decide_now(name, {"config": autotune.config_dict(cfgs[2])})   # occupancy 4
+        distributed.current().decide_now(t.agreement_name((16, 0), 0, cfgs),
+                                         {"config": autotune.config_dict(cfgs[2])})  # occupancy 4
         refused, launched = [], []
 
         def launch(stream, grid, kernel, args):
@@ -366,10 +365,13 @@ def test_an_adopted_decision_that_fails_to_launch_is_searched_again_in_the_next_
             t.launch((16, 0), 0, x, 16)
         assert len(refused) == 1 and "failed to launch" in caplog.text
         assert launched[-1] == (x, 2) and t.records[(16, 0)].config["occupancy"] == 2
-        assert agreement.decision(name)["config"]["occupancy"] == 2     # the next round's
         assert sorted(sum(engine.searched, [])) == [1, 2, 4]           # both chunks, here
         t.launch((16, 0), 0, x, 16)
         assert launched[-1] == (x, 2) and len(refused) == 1
+        t.clear()                       # the next round's decision stands: no search again
+        t.launch((16, 0), 0, x, 16)
+        assert t.records[(16, 0)].config["occupancy"] == 2 and launched[-1] == (x, 2)
+        assert len(engine.searched) == 2 and len(refused) == 1
     finally:
         distributed.clear_process_group()
 
