@@ -913,7 +913,8 @@ def fp8_mm(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, fast_accum=False
 
     `out`, if given, receives the result: exactly (M, N), out_dtype, on a's device, not
     overlapping an input, not requiring grad. Needs compute capability 9.0 or newer (ValueError
-    below). Not differentiable, as torch._scaled_mm is not. Works under torch.compile(fullgraph=True).
+    below). Not differentiable, as torch._scaled_mm is not. Works under
+    torch.compile(fullgraph=True).
     """
     scaling = _check(a, b, scale_a, scale_b, out_dtype, fast_accum)
     M, N = a.shape[0], b.shape[1]

@@ -1,8 +1,8 @@
 """Host-side input checks of the ops that need no GPU: in-place RoPE's memory-overlap helpers
 (against a brute-force enumeration of the bytes each view touches) and its leaf rule; matmul's
-`out` check (the shared out= rules), its split-K scratch bound over the batch and the batch in its key and space; the
-CausalBias size check of scaled_dot_product_attention; rms_norm's int32-safe row chunks and its
-refusal of rows wider than 2^31 - 1 elements."""
+`out` check (the shared out= rules), its split-K scratch bound over the batch and the batch in
+its key and space; the CausalBias size check of scaled_dot_product_attention; rms_norm's
+int32-safe row chunks and its refusal of rows wider than 2^31 - 1 elements."""
 import itertools
 import random
 
