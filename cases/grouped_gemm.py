@@ -22,7 +22,18 @@ def _m_params(cfg, dt, E, T, K, N, w_t=True, x_t=False):
     transposed view of (E, N, K)), offs (E,) int32, out (T, N)."""
     x = jit_array(dt, (T, K), (1, T) if x_t else None)
     w = jit_array(dt, (E, K, N), (N * K, 1, K) if w_t else None)
-    return list(GG._args(cfg, x, w, jit_array(torch.int32, (E,)), jit_array(dt, (T, N))))
+    table = jit_array(torch.int32, (5, _most_items(cfg, E, T, N)))
+    return list(GG._args(cfg, x, w, jit_array(torch.int32, (E,)), jit_array(dt, (T, N)), table))
+
+
+def _most_items(cfg, E, T, N):
+    return (GG.cdiv(T, cfg.tm) + E + 1) * GG.cdiv(N, cfg.tn)
+
+
+def _schedule_params(cfg, E, T, N):
+    """The schedule kernel's arguments for cfg's table at E groups of T rows, N columns."""
+    return [jit_array(torch.int32, (E,)), jit_array(torch.int32, (5, _most_items(cfg, E, T, N))),
+            T, cfg.tm, GG.cdiv(N, cfg.tn), GG.next_pow2(E + 1), GG.SCHEDULE_CHUNK]
 
 
 def _k_params(cfg, dt, E, T, M, N):
@@ -67,6 +78,14 @@ def compile_cases():
         for cfg in _both_styles(GG.grouped_configs, T, E, K, N):
             yield CompileCase("grouped_gemm", GG._grouped.build(cfg),
                               _m_params(cfg, *shape, **kw), f"grouped_mm {label} {vars(cfg)}")
+    # the table walk's schedule kernel, at the group counts whose tiles differ in size
+    tables = {cfg.tm: cfg for arch in ("sm_90", "sm_100")
+              for cfg in GG.grouped_configs(arch, 32768, 256, 2048, 1536) if cfg.walk == GG.TABLE}
+    for cfg in tables.values():
+        for E in (1, 8, 128, 256, GG.TABLE_MAX_GROUPS):
+            yield CompileCase("grouped_gemm", GG.grouped_schedule_kernel,
+                              _schedule_params(cfg, E, 32768, 1536),
+                              f"grouped_mm schedule E{E} {vars(cfg)}")
     for label, shape in [("fp16 odd 4095x1000", (f16, 8, 4096, 4095, 1000)),
                          ("E256", (bf, 256, 32768, 2048, 1536)),
                          ("T1", (bf, 8, 1, 4096, 14336))]:

@@ -165,6 +165,69 @@ def grouped_mm_kernel(x, w, offs, out, TM: ct.Constant[int], TN: ct.Constant[int
                             GROUP_M, GATHER)
 
 
+def _group_bounds(offs, T, EP: ct.Constant[int]):
+    """Every group's (start, end) as tiles of EP (group E: the rows no group owns; groups past
+    it empty), clamped as _group_end clamps them: an end is the running maximum of offs,
+    within [0, T]."""
+    g = ct.arange(EP, dtype=ct.int32)
+    end = ct.scan(ct.maximum(ct.gather(offs, g, padding_value=T), 0), 0, ct.maximum, 0)
+    start = ct.scan(ct.maximum(ct.gather(offs, g - 1, padding_value=0), 0), 0, ct.maximum, 0)
+    return g, ct.minimum(start, T), ct.minimum(end, T)
+
+
+@ct.kernel
+def grouped_schedule_kernel(offs, table, T: int, TM: ct.Constant[int], num_n: int,
+                            EP: ct.Constant[int], CHUNK: ct.Constant[int]):
+    """The M-grouped kernel's work items for the table walk: CTA g writes group g's items
+    (group, start row, end row, tile within the group) to columns base_g.. of table rows 0-3;
+    CTA 0 writes the item count to table[4, 0]. One CTA per group (E + 1)."""
+    groups, starts, ends = _group_bounds(offs, T, EP)
+    items = _group_items(starts, ends, TM, num_n)
+    after = ct.cumsum(items, 0)
+    g = ct.bid(0)
+    mine = groups == g
+    start = ct.sum(ct.where(mine, starts, 0))
+    end = ct.sum(ct.where(mine, ends, 0))
+    base = ct.sum(ct.where(mine, after - items, 0))
+    count = ct.sum(ct.where(mine, items, 0))
+    for c in range(ct.cdiv(count, CHUNK)):
+        tile = c * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
+        col = base + tile
+        keep = tile < count
+        ct.scatter(table, (0, col), ct.full((CHUNK,), g, ct.int32), mask=keep)
+        ct.scatter(table, (1, col), ct.full((CHUNK,), start, ct.int32), mask=keep)
+        ct.scatter(table, (2, col), ct.full((CHUNK,), end, ct.int32), mask=keep)
+        ct.scatter(table, (3, col), tile, mask=keep)
+    if g == 0:
+        ct.scatter(table, (4, ct.arange(1, dtype=ct.int32)),
+                   ct.full((1,), ct.sum(items), ct.int32))
+
+
+def _table_item(table, t):
+    """Work item t's (group, start, end, tile): four loads that depend on t alone."""
+    return (ct.gather(table, (0, t)), ct.gather(table, (1, t)), ct.gather(table, (2, t)),
+            ct.gather(table, (3, t)))
+
+
+@ct.kernel
+def grouped_mm_table_kernel(x, w, offs, out, table, TM: ct.Constant[int],
+                            TN: ct.Constant[int], TK: ct.Constant[int],
+                            GROUP_M: ct.Constant[int], GATHER: ct.Constant[bool]):
+    """The M-grouped kernel reading its work items from the table grouped_schedule_kernel
+    wrote: the next item's fields are loaded before this item runs, so no load waits on
+    another and none is waited for between items (the walks load one group end after
+    another, in the consumers, between an item's epilogue and the next item's K loop)."""
+    num_n = ct.cdiv(w.shape[2], TN)
+    rows_view = x.tiled_view((TM, TK), padding_mode=ZERO, traversal_steps=(1, TK))
+    total = ct.minimum(ct.gather(table, (4, 0)), table.shape[1])
+    g, start, end, tile = _table_item(table, ct.bid(0))
+    for t in range(ct.bid(0), total, ct.num_blocks(0)):
+        following = _table_item(table, t + ct.num_blocks(0))
+        _group_tile(x, w, out, rows_view, g, start, end, tile, num_n, TM, TN, TK, GROUP_M,
+                    GATHER)
+        g, start, end, tile = following
+
+
 @ct.kernel
 def grouped_mm_k_kernel(a, b, offs, out, TM: ct.Constant[int], TN: ct.Constant[int],
                         TK: ct.Constant[int], GROUP_M: ct.Constant[int],
@@ -210,7 +273,11 @@ def grouped_mm_k_kernel(a, b, offs, out, TM: ct.Constant[int], TN: ct.Constant[i
 # at other tiles), on every new signature, and it led the group loop there by at most 1.2%:
 # 128x256 keeps the group loop, the other tiles walk. At 128x128 the walk from a window of 4 or
 # 8 offsets ran up to 6% faster than the one-offset walk on an H200 (and up to 3% slower) on the
-# MoE bench keys, in no order that the shape predicts: both are searched.
+# MoE bench keys, in no order that the shape predicts: both are searched. The table walk (a
+# schedule kernel writes every item's group and rows first; the M-grouped kernel then reads its
+# next item with loads that wait on nothing) ran 2-5% ahead of the walks at 128x128 on Qwen3-MoE
+# gate_up and down and 13% ahead on E 256 with T 777, and 1-6% behind them with K 2048-4096 at
+# E 8-32 (H200): both are searched, the table timed with its schedule kernel.
 # 128x128 at 4 worker warps ran 4-5x behind the same tile at 8 in the M-grouped kernel (0.20-0.27x
 # _grouped_mm on five forward and dX keys, H100) and 25-35% behind the best config in the
 # K-grouped one; it was also the slowest of the space to compile (2.2 s on a 2-core CPU): sm_90
@@ -218,6 +285,8 @@ def grouped_mm_k_kernel(a, b, offs, out, TM: ct.Constant[int], TN: ct.Constant[i
 
 FIELDS = ("tm", "tn", "tk", "occupancy", "num_ctas", "num_worker_warps", "gather", "group_m")
 M_FIELDS = FIELDS + ("walk",)
+TABLE = "table"        # the walk of grouped_mm_table_kernel
+TABLE_MAX_GROUPS = 1023  # the schedule kernel holds every group's bounds in one tile
 SM90_SPACE = [
     (128, 256, 64, 1, 1, 8, False, 8, 0),      # the default
     (128, 256, 64, 1, 1, 8, True, 8, 0),
@@ -228,6 +297,8 @@ SM90_SPACE = [
     (128, 128, 64, 1, 1, 8, True, 8),
     (128, 128, 64, 1, 1, 8, False, 8, 4),      # walks from a window of 4 or 8 offsets
     (128, 128, 64, 1, 1, 8, False, 8, 8),
+    (128, 128, 64, 1, 1, 8, False, 8, TABLE),  # items read from the schedule kernel's table
+    (128, 256, 64, 1, 1, 8, False, 8, TABLE),
     (128, 128, 128, 1, 1, None, False, 8),
     (128, 256, 64, 1, 1, 8, False, 4, 0),
     (64, 256, 64, 1, 1, None, False, 8),
@@ -246,7 +317,7 @@ SM90_K_SPACE = list(dict.fromkeys(r[:8] for r in SM90_SPACE
 # 4-warp cluster. Anything else: a conservative pair, never measured.
 SM100_DEFAULT = (128, 128, 64, 1, 1, None, False, 8)     # 128x128 at 4 warps
 SM100_SPACE = [SM100_DEFAULT] + [r for r in SM90_SPACE if r[5] is None] + [
-    (256, 256, 64, 1, 2, None, False, 8)]
+    (256, 256, 64, 1, 2, None, False, 8), (128, 128, 64, 1, 1, None, False, 8, TABLE)]
 SM100_K_SPACE = [SM100_DEFAULT] + [r for r in SM90_K_SPACE if r[5] is None] + [
     (256, 256, 64, 1, 2, None, False, 8)]
 OTHER_SPACE = [(128, 128, 32, 1, 1, None, False, 8), (64, 128, 32, 2, 1, None, True, 8)]
@@ -263,8 +334,8 @@ def grouped_configs(arch, t, e, k, n):
     64) are mostly padding and are left out."""
     rows = max(64, next_pow2(cdiv(t, max(e, 1))))
     space = _space(arch, SM90_SPACE, SM100_SPACE)
-    yield from table(M_FIELDS, [r for i, r in enumerate(space) if i == 0 or r[0] <= rows],
-                     walk=1)
+    yield from table(M_FIELDS, [r for i, r in enumerate(space) if i == 0 or (
+        r[0] <= rows and (r[8:] != (TABLE,) or e <= TABLE_MAX_GROUPS))], walk=1)
 
 
 def k_grouped_configs(arch, t, e, m, n):
@@ -274,20 +345,52 @@ def k_grouped_configs(arch, t, e, m, n):
 
 # ---------------------------------------------------------------------------------------------
 # Launch. The M-grouped grid is bounded by the most work items any offs can make: every group
-# adds at most one partly filled row tile (E groups and the unowned rows).
+# adds at most one partly filled row tile (E groups and the unowned rows). The table walk's
+# configs launch two kernels (the search times both): the schedule into a scratch table of that
+# many columns, then the M-grouped kernel reading it.
 
 def _k_args(cfg, a, b, offs, out):
     return (a, b, offs, out, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, cfg.gather)
 
 
-def _args(cfg, x, w, offs, out):
+def _m_kernel(cfg):
+    return grouped_mm_table_kernel if cfg.walk == TABLE else grouped_mm_kernel
+
+
+def _args(cfg, x, w, offs, out, table=None):
+    if cfg.walk == TABLE:
+        return (x, w, offs, out, table, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, cfg.gather)
     return (x, w, offs, out, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, cfg.gather, cfg.walk)
 
 
-def _grid(cfg, dev, x, w, offs, out):
+def _most_items(cfg, x, w):
+    return (cdiv(x.shape[0], cfg.tm) + w.shape[0] + 1) * cdiv(w.shape[2], cfg.tn)
+
+
+def _grid(cfg, dev, x, w, offs, out, table=None):
     """The grid counts clusters of num_ctas CTAs (one per logical tile)."""
-    items = (cdiv(x.shape[0], cfg.tm) + w.shape[0] + 1) * cdiv(w.shape[2], cfg.tn)
-    return (persistent_ctas(items, dev, cfg.occupancy, cfg.num_ctas),)
+    return (persistent_ctas(_most_items(cfg, x, w), dev, cfg.occupancy, cfg.num_ctas),)
+
+
+def _table_scratch(cfg, dev, x, w, offs, out):
+    """The table walk's item table: rows group, start, end, tile; row 4 holds the count."""
+    return ((5, _most_items(cfg, x, w)), torch.int32) if cfg.walk == TABLE else None
+
+
+SCHEDULE_CHUNK = 256     # items a schedule CTA writes per step
+
+
+def _schedule_args(cfg, x, w, offs, table):
+    return (offs, table, x.shape[0], cfg.tm, cdiv(w.shape[2], cfg.tn), next_pow2(w.shape[0] + 1),
+            SCHEDULE_CHUNK)
+
+
+def _m_run(cfg, kernel, stream, dev, x, w, offs, out, table):
+    if table is not None:
+        ct.launch(stream, (w.shape[0] + 1,), grouped_schedule_kernel,
+                  _schedule_args(cfg, x, w, offs, table))
+    ct.launch(stream, _grid(cfg, dev, x, w, offs, out), kernel,
+              _args(cfg, x, w, offs, out, table))
 
 
 def _k_grid(cfg, dev, a, b, offs, out):
@@ -297,7 +400,8 @@ def _k_grid(cfg, dev, a, b, offs, out):
 
 # Both kernels: the launch key holds T itself (the grid needs it), the tuning key its bucket.
 _grouped = Autotuner(
-    "grouped_mm", grouped_mm_kernel, grouped_configs, grid=_grid, args=_args,
+    "grouped_mm", _m_kernel, grouped_configs, grid=_grid, args=_args, scratch=_table_scratch,
+    run=_m_run, timed_by_run=lambda cfg: cfg.walk == TABLE,
     default=next(table(M_FIELDS, OTHER_SPACE, walk=1)), tune_key=bucketed(3),
     space=lambda x, w, *_: dict(t=bucket(x.shape[0]), e=w.shape[0], k=x.shape[1], n=w.shape[2]),
     work=lambda x, w, *_: Work(flops=2.0 * x.shape[0] * x.shape[1] * w.shape[2]))

@@ -160,6 +160,8 @@ class Search:
     partly_timed: cfg -> bool, True where the search's time leaves out part of the config's
              launch sequence (split-K's sum kernel). Such times are lower bounds, so the final
              round's margin counts from the fastest fully timed config, which always joins it.
+    timed_by_run: cfg -> bool, True for configs whose kernel cannot run alone (it reads what an
+             earlier kernel of run_fn writes): the search times them through run_fn.
     """
     shape: dict
     grid_fn: Callable
@@ -167,6 +169,7 @@ class Search:
     work: Optional[Work] = None
     run_fn: Optional[Callable] = None
     partly_timed: Optional[Callable] = None
+    timed_by_run: Optional[Callable] = None
 
 
 @dataclasses.dataclass
@@ -227,6 +230,8 @@ class Autotuner:
              (split-K's sum): runs instead of the one `ct.launch`; the final round times it.
     partly_timed(cfg) -> bool: True where the search's time of the kernel leaves out part of
              `run` (so it is a lower bound: the final round decides).
+    timed_by_run(cfg) -> bool: True where the kernel reads what an earlier kernel of `run`
+             writes (a schedule), so it cannot be timed alone: the search times `run`.
     work(*inputs) -> Work: bytes/FLOPs of one launch, for the record's achieved rate.
     search_inputs(*inputs) -> inputs: what the search launches instead (built once per miss):
              in-place kernels search their split-buffer twin (`search_kernel`, same body and
@@ -242,8 +247,8 @@ class Autotuner:
     """
 
     def __init__(self, name, kernel, configs, *, default, space=None, grid=None, args=None,
-                 scratch=None, run=None, partly_timed=None, work=None, search_kernel=None,
-                 search_inputs=None, tune_key=None, hints=default_hints):
+                 scratch=None, run=None, partly_timed=None, timed_by_run=None, work=None,
+                 search_kernel=None, search_inputs=None, tune_key=None, hints=default_hints):
         if name in _registry:
             raise ValueError(f"an Autotuner named {name!r} already exists")
         self.name = name
@@ -254,6 +259,7 @@ class Autotuner:
         self._search_kernel = search_kernel
         self._space, self._grid, self._args, self._scratch = space, grid, args, scratch
         self._run, self._partly_timed, self._work = run, partly_timed, work
+        self._timed_by_run = timed_by_run
         self._search_inputs = search_inputs
         self.tune_key = tune_key or _same_key
         # the grid is planned once per launch key only where the op says its keys are exact
@@ -409,7 +415,7 @@ class Autotuner:
             args_fn=lambda c: args(c, *with_scratch(c)),
             work=self._work(*inputs) if self._work else None,
             run_fn=(lambda c, k: run(c, k, stream(dev), dev, *with_scratch(c))) if run else None,
-            partly_timed=self._partly_timed)
+            partly_timed=self._partly_timed, timed_by_run=self._timed_by_run)
 
     # -- pieces -----------------------------------------------------------------------------
     def base_kernel(self, cfg):
@@ -620,6 +626,10 @@ class Autotuner:
         failures = [{"i": indices[j], "error": rejected[j][0], "message": rejected[j][1]}
                     for j in sorted(rejected)]
         candidates = [(indices[j], c) for j, c in enumerate(subset) if j not in rejected]
+        by_run = search.timed_by_run or (lambda c: False)
+        timings, more = self._time_runs([(i, c) for i, c in candidates if by_run(c)], search, dev)
+        failures += more
+        candidates = [(i, c) for i, c in candidates if not by_run(c)]
         result = None
         if candidates:
             try:
@@ -635,16 +645,36 @@ class Autotuner:
             for i, c in candidates:
                 etype, msg = self._probe(c, search, dev)
                 failures.append({"i": i, "error": etype, "message": msg})
-            return [], failures
+            return timings, failures
         ids = {id(c): i for i, c in candidates}
 
         def where(c):        # the search hands back the configs it was given
             i = ids.get(id(c))
             return i if i is not None else next(i for i, d in candidates if d == c)
-        timings = [{"i": where(m.config), "mean_us": m.mean_us, "error_us": m.error_margin_us,
-                    "samples": m.num_samples} for m in result.successes]
+        timings += [{"i": where(m.config), "mean_us": m.mean_us, "error_us": m.error_margin_us,
+                     "samples": m.num_samples} for m in result.successes]
         failures += [{"i": where(c), "error": t.__name__, "message": msg}
                      for c, t, msg in result.failures]
+        return timings, failures
+
+    def _time_runs(self, candidates, search, dev):
+        """Time the (index, config) pairs through search.run_fn, in turns: (timings, failures)
+        in `_measure`'s form. A config whose run raises is a failure."""
+        if not candidates:
+            return [], []
+        runs = [(i, lambda c=c, k=self._with_hints(self.search_kernel(c), c, dev):
+                 search.run_fn(c, k), None) for i, c in candidates]
+        rounds, reps = 3, 10
+        with ct.compiler_timeout(COMPILE_TIMEOUT_SEC), torch.cuda.device(dev):
+            us = timing.time_interleaved(runs, rounds=rounds, reps=reps, warmup=2)
+        timings, failures = [], []
+        for i, _ in candidates:
+            if isinstance(us[i], Exception):
+                failures.append({"i": i, "error": type(us[i]).__name__,
+                                 "message": str(us[i])})
+            else:
+                timings.append({"i": i, "mean_us": us[i], "error_us": 0.0,
+                                "samples": rounds * reps})
         return timings, failures
 
     def _conclude(self, key, dev, cfgs, timings, failures, search, t0):

@@ -427,6 +427,36 @@ def test_without_a_final_round_a_partly_timed_config_does_not_win(env):
     assert cfg.occupancy == 2 and t.records[("k", 12)].best_us == 12.0
 
 
+def test_configs_timed_by_run_are_timed_whole_and_the_rest_alone(env):
+    """A kernel that reads what an earlier kernel of `run` writes (grouped_mm's schedule)
+    cannot be timed alone: the search times `run` for it, the kernel alone for the others,
+    and the ranking holds both."""
+    ran = []
+    env.final.times = {2: 5.0}       # the run-timed config (index 2 of the space): 5 us
+    t = env.make()
+    s = Search(shape=dict(n=16), grid_fn=lambda c: (1,), args_fn=lambda c: (),
+               run_fn=lambda c, kernel: ran.append(c.occupancy),
+               timed_by_run=lambda c: c.occupancy == 4)
+    cfg, _ = t.tune(("k", 13), 0, s)
+    assert env.final.calls[0] == [2] and ran[0] == 4
+    assert len(env.fake.kernels) == 2                  # exhaustive_search saw occ 1 and 2
+    rec = t.records[("k", 13)]
+    assert {m["config"]["occupancy"]: m["mean_us"] for m in rec.timings} == {
+        4: 5.0, 2: 10.0, 1: 11.0}
+    assert cfg.occupancy == 4
+
+
+def test_a_run_timed_config_that_raises_is_a_failure(env):
+    env.final.times = {2: RuntimeError("schedule refused")}   # as time_interleaved reports it
+    t = env.make()
+    s = Search(shape=dict(n=16), grid_fn=lambda c: (1,), args_fn=lambda c: (),
+               run_fn=lambda c, kernel: None, timed_by_run=lambda c: c.occupancy == 4)
+    cfg, _ = t.tune(("k", 14), 0, s)
+    assert cfg.occupancy == 2
+    assert [(f["config"]["occupancy"], f["error"]) for f in t.records[("k", 14)].failures] == [
+        (4, "RuntimeError")]
+
+
 # -- the launch idiom: an op declares grid, arguments, scratch and run once ---------------------
 
 def _declared(env, monkeypatch, name, **hooks):

@@ -51,16 +51,27 @@ def test_every_walk_is_searched_on_sm90():
     """The item loop leads at short K, the group loop at 128x256 with long K (and compiles in a
     tenth of the time there): sm_90's 128x256 entries, the default among them, keep the group
     loop (walk 0), the other tiles walk their items, 128x128 also from windows of 4 and 8
-    offsets; sm_100 walks one offset at a time."""
+    offsets; 128x128 and 128x256 also read the schedule kernel's table. sm_100 walks one offset
+    at a time or reads the table."""
     sm90 = list(GG.grouped_configs("sm_90", 16384, 8, 4096, 14336))
     assert sm90[0].walk == 0 and (sm90[0].tm, sm90[0].tn) == (128, 256)
-    assert all((c.walk == 0) == ((c.tm, c.tn) == (128, 256)) for c in sm90)
-    assert {c.walk for c in sm90} == {0, 1, 4, 8}
-    assert {c.walk for c in sm90 if c.walk > 1} == {4, 8}
-    assert all((c.tm, c.tn, c.gather) == (128, 128, False) for c in sm90 if c.walk > 1)
-    assert all(c.walk == 1 for c in GG.grouped_configs("sm_100", 16384, 8, 4096, 14336))
+    walks = [c for c in sm90 if c.walk != GG.TABLE]
+    assert all((c.walk == 0) == ((c.tm, c.tn) == (128, 256)) for c in walks)
+    assert {c.walk for c in sm90} == {0, 1, 4, 8, GG.TABLE}
+    assert {c.walk for c in walks if c.walk > 1} == {4, 8}
+    assert all((c.tm, c.tn, c.gather) == (128, 128, False) for c in walks if c.walk > 1)
+    assert sorted((c.tm, c.tn, c.gather) for c in sm90 if c.walk == GG.TABLE) == [
+        (128, 128, False), (128, 256, False)]
+    assert {c.walk for c in GG.grouped_configs("sm_100", 16384, 8, 4096, 14336)} == {
+        1, GG.TABLE}
     assert not any(hasattr(c, "walk") for c in GG.k_grouped_configs("sm_90", 16384, 8,
                                                                      4096, 14336))
+
+
+def test_the_table_walk_only_where_one_tile_holds_every_group():
+    many = GG.TABLE_MAX_GROUPS + 1
+    assert any(c.walk == GG.TABLE for c in GG.grouped_configs("sm_90", 2**20, many - 1, 64, 64))
+    assert not any(c.walk == GG.TABLE for c in GG.grouped_configs("sm_90", 2**20, many, 64, 64))
 
 
 def test_tiles_taller_than_the_average_group_are_left_out():
@@ -163,6 +174,25 @@ def test_one_persistent_launch_with_a_grid_bounded_for_any_offs(launches, monkey
     k_cfg = next(GG.k_grouped_configs("sm_90", 1024, 8, 64, 300))
     assert (k_cfg.tm, k_cfg.tn) == (128, 256)
     assert GG._k_grid(k_cfg, DEV, t(64, 1000), t(1000, 300), offs, t(8, 64, 300)) == (8 * 2,)
+
+
+def test_the_table_walk_launches_its_schedule_first(launches, monkeypatch):
+    """The schedule kernel (one CTA per group and one for the unowned rows) writes the item
+    table into a scratch buffer as wide as the grid's bound; the M-grouped kernel reads it."""
+    x, w, offs, out = t(1000, 64), t(8, 64, 300), offsets(*range(100, 900, 100)), t(1000, 300)
+    cfg = next(c for c in GG.grouped_configs("sm_90", 1024, 8, 64, 300)
+               if c.walk == GG.TABLE and c.tn == 256)
+    key = (8, 64, 300, 1000, torch.bfloat16, "row", "row", DEV)
+    monkeypatch.setitem(GG._grouped.cache, GG._grouped.tune_key(key), (cfg, "kernel"))
+    GG._grouped.launch(key, DEV, x, w, offs, out)
+    (sgrid, skernel, sargs), (grid, kernel, args) = launches
+    table = sargs[1]
+    assert table.shape == (5, 34) and table.dtype == torch.int32
+    assert sgrid == (9,) and skernel is GG.grouped_schedule_kernel
+    assert sargs == (offs, table, 1000, 128, 2, 16, GG.SCHEDULE_CHUNK)
+    assert grid == (34,) and kernel == "kernel"
+    assert args == (x, w, offs, out, table, 128, 256, 64, 8, False)
+    assert GG._grouped.base_kernel(cfg) is GG.grouped_mm_table_kernel
 
 
 def test_the_key_holds_shapes_and_layouts_not_offs(monkeypatch):

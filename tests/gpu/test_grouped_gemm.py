@@ -133,6 +133,22 @@ def test_every_config_is_correct(fresh, monkeypatch):
         assert rel(grouped_mm(dy.t(), x, offs), k_ref) < TOL[torch.bfloat16], vars(cfg)
 
 
+def test_the_table_walk_on_every_split(fresh, monkeypatch):
+    """The table walk's schedule (one CTA per group, the item count in the table) on the splits
+    of the forward cases: E 1 and 256, empty groups, one group with every row, T 1, odd K, N."""
+    table_cfgs = [c for c in GG.grouped_configs("sm_90", 4096, 8, 512, 768) if c.walk == GG.TABLE]
+    assert table_cfgs
+    for cfg in each_config(monkeypatch, GG._grouped, table_cfgs):
+        for E, T, K, N, kind in CASES:
+            c = counts(T, E, kind, torch.Generator().manual_seed(E * T + K))
+            x, w = torch.randn(T, K, device="cuda"), weight(E, K, N, torch.float32, True)
+            x, w = x.bfloat16(), w.bfloat16()
+            poison_allocator(torch)
+            y = grouped_mm(x, w, offsets(c))
+            assert rel(y, reference(x, w, c)) < TOL[torch.bfloat16], (vars(cfg), E, T, kind)
+            assert not y[sum(c):].any()
+
+
 def test_unchecked_bad_offsets_return(fresh, monkeypatch):
     """offs that decrease or pass T are not checked (a host sync): the result is wrong, but
     every config of the M-grouped space (both walks) and the K-grouped kernel return (ends are
