@@ -8,8 +8,9 @@
 #   3-D x 3-D: batched matmul (tiletune.ops.matmul)
 #
 # Both grouped kernels are persistent: SMs x occupancy CTAs each take every num_blocks-th work
-# item. The M-grouped kernel derives its work items from offs inside the kernel (each group has
-# cdiv(rows, TM) x cdiv(N, TN) tiles; each CTA reads the E offsets as it walks); the K-grouped
+# item. The M-grouped kernel derives its work items from offs on the device (each group has
+# cdiv(rows, TM) x cdiv(N, TN) tiles): each CTA reads the E offsets as it walks, or (the table
+# walk, a config field) a schedule kernel first writes every item to a table; the K-grouped
 # kernel's items are the fixed (E, M, N) output tiles, each summing its group's rows TK at a
 # time. A group starts at any row: the M-grouped kernel reads x through one tiled view that
 # steps a row at a time (TMA from any row, one descriptor) or through gathers, a config field the

@@ -665,8 +665,13 @@ class Autotuner:
         runs = [(i, lambda c=c, k=self._with_hints(self.search_kernel(c), c, dev):
                  search.run_fn(c, k), None) for i, c in candidates]
         rounds, reps = 3, 10
-        with ct.compiler_timeout(COMPILE_TIMEOUT_SEC), torch.cuda.device(dev):
-            us = timing.time_interleaved(runs, rounds=rounds, reps=reps, warmup=2)
+        try:
+            with ct.compiler_timeout(COMPILE_TIMEOUT_SEC), torch.cuda.device(dev):
+                us = timing.time_interleaved(runs, rounds=rounds, reps=reps, warmup=2)
+        except Exception as e:          # e.g. no memory for the L2 flush: none of them timed
+            us = {i: e for i, _ in candidates}
+        finally:
+            timing.release()
         timings, failures = [], []
         for i, _ in candidates:
             if isinstance(us[i], Exception):
