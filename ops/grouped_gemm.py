@@ -332,7 +332,7 @@ def _space(arch, sm90, sm100):
 def grouped_configs(arch, t, e, k, n):
     """The space of the M-grouped kernel for T tokens over E groups (x (T, K), w (E, K, N)),
     default first. Tiles taller than the average group (next power of two of T / E, at least
-    64) are mostly padding and are left out."""
+    64) are mostly padding and are left out, and so is the table walk past TABLE_MAX_GROUPS."""
     rows = max(64, next_pow2(cdiv(t, max(e, 1))))
     space = _space(arch, SM90_SPACE, SM100_SPACE)
     yield from table(M_FIELDS, [r for i, r in enumerate(space) if i == 0 or (
