@@ -228,6 +228,8 @@ class Autotuner:
              search shares one buffer among its configs.
     run(cfg, kernel, stream, dev, *inputs): for configs that launch more than their kernel
              (split-K's sum): runs instead of the one `ct.launch`; the final round times it.
+             A config for which `scratch` gives no buffer launches its kernel alone (with
+             `tune_key`, on the grid planned at the key's first launch), not through `run`.
     partly_timed(cfg) -> bool: True where the search's time of the kernel leaves out part of
              `run` (so it is a lower bound: the final round decides).
     timed_by_run(cfg) -> bool: True where the kernel reads what an earlier kernel of `run`
@@ -263,7 +265,8 @@ class Autotuner:
         self._search_inputs = search_inputs
         self.tune_key = tune_key or _same_key
         # the grid is planned once per launch key only where the op says its keys are exact
-        self._plans_grid = tune_key is not None and scratch is None and run is None
+        self._exact_keys = tune_key is not None
+        self._plans_grid = self._exact_keys and scratch is None and run is None
         self._plans = {}         # launch key -> (kernel, grid, cfg): the fast path reads only this
         self.cache = _TuningCache(self._plans)  # tuning key -> (cfg, tuned kernel)
         self.records = {}        # key -> TuningRecord
@@ -327,7 +330,14 @@ class Autotuner:
             plan = plan_get(key)
             if plan is None:
                 return first(key, dev, inputs, launch_config_with_scratch_or_run)
-            return launch_config_with_scratch_or_run(plan[2], plan[0], dev, inputs, None)
+            kernel, cfg_grid, cfg = plan
+            if cfg_grid is None:
+                return launch_config_with_scratch_or_run(cfg, kernel, dev, inputs, None)
+            try:               # a config without scratch: its kernel alone, on the planned grid
+                ct.launch(_device.current_stream(dev), cfg_grid, kernel, args(cfg, *inputs, None))
+            except OverflowError as e:
+                return launch_config_with_scratch_or_run(cfg, kernel, dev,
+                                                         int32_strides(name, inputs, e), None)
 
         def launch_config_with_scratch_or_run(cfg, kernel, dev, inputs, _grid):
             try:
@@ -348,7 +358,13 @@ class Autotuner:
                 ct.launch(_device.current_stream(dev), grid(cfg, dev, *inputs), kernel,
                           args(cfg, *inputs))
             return buf
-        return launch_with_scratch_or_run
+
+        def launch_checked_with_scratch_or_run(key, dev, *inputs):
+            plan = plan_get(key)
+            if plan is not None and plan[1] is not None:
+                _check_grid(name, key, plan[1], grid(plan[2], dev, *inputs, None))
+            return launch_with_scratch_or_run(key, dev, *inputs)
+        return launch_checked_with_scratch_or_run if checked else launch_with_scratch_or_run
 
     def _first_launch(self, key, dev, inputs, launch_config):
         """A miss of `launch`: resolve the key's tuning key, launch, and keep the launch's plan
@@ -381,11 +397,22 @@ class Autotuner:
 
     def _launch_planned(self, key, tkey, entry, dev, inputs, launch_config):
         cfg, kernel = entry
-        cfg_grid = self._grid(cfg, dev, *inputs) if self._plans_grid else None
+        cfg_grid = self._planned_grid(cfg, dev, inputs)
         result = launch_config(cfg, kernel, dev, inputs, cfg_grid)
         if self.cache.get(tkey) is entry:    # not a config picked during graph capture
             self._plans[key] = (kernel, cfg_grid, cfg)
         return result
+
+    def _planned_grid(self, cfg, dev, inputs):
+        """The grid a launch key's plan keeps, or None (computed on every call): where the op's
+        keys are exact (`tune_key`), for a config that launches its kernel alone (no scratch
+        and no run, or `scratch` giving none for it)."""
+        if self._plans_grid:
+            return self._grid(cfg, dev, *inputs)
+        if self._exact_keys and self._scratch is not None and \
+                self._scratch(cfg, dev, *inputs) is None:
+            return self._grid(cfg, dev, *inputs, None)
+        return None
 
     def _resolve(self, key, dev, inputs, use_store=True):
         """Tune a key that missed: the Search over the op's declared functions, built lazily (a

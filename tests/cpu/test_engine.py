@@ -502,6 +502,36 @@ def test_launch_keys_in_one_bucket_share_a_tuning_and_plan_their_own_grid(env, m
     assert grids == [20]
 
 
+def test_with_scratch_and_run_a_config_without_scratch_is_planned(env, monkeypatch):
+    """An op with scratch and run (grouped_mm's table walk, split-K): a config whose scratch
+    gives no buffer launches its kernel alone on the grid planned at its key's first launch;
+    one with a buffer goes through run on every call; the checked path still checks the plan."""
+    x, grids, ran = torch.zeros(4), [], []
+    t = _declared(env, monkeypatch, "planned_run", tune_key=autotune.bucketed(1),
+                  grid=lambda c, dev, x, n, buf: grids.append(n) or (n,),
+                  args=lambda c, x, n, buf: (x, c.tile, buf),
+                  scratch=lambda c, dev, x, n: None if c.occupancy != 4 else ((2,), torch.int32),
+                  run=lambda c, k, stream, dev, x, n, buf: ran.append(buf))
+    launch = t._fast_path()
+    for n in (20, 20, 30):
+        launch(("k", n), "cpu", x, n)
+    won = t.cache[("k", 32)][0]
+    assert env.fake.calls == 1 and won.occupancy == 2
+    ran.clear()                          # (the search's final round times through run)
+    grids.clear()
+    for n in (20, 20, 30):
+        launch(("k", n), "cpu", x, n)
+    assert ran == [] and grids == []                     # planned: no run, no grid
+    assert [g for _, g, _, _ in env.launches[-3:]] == [(20,), (20,), (30,)]
+    assert env.launches[-1][3] == (x, won.tile, None)
+    with pytest.raises(AssertionError, match="misses a size the grid depends on"):
+        t._fast_path(checked=True)(("k", 20), "cpu", x, 25)
+    t.cache[("k", 32)] = (SimpleNamespace(tile=16, occupancy=4), t.cache[("k", 32)][1])
+    launch(("k", 20), "cpu", x, 20)
+    launch(("k", 20), "cpu", x, 20)
+    assert [tuple(b.shape) for b in ran] == [(2,), (2,)]   # with scratch: run, every call
+
+
 def test_without_a_tune_key_the_grid_is_computed_on_every_call(env, monkeypatch):
     """The safe default for an op (or a user's kernel) that made no promise about its keys."""
     x = torch.zeros(4)
