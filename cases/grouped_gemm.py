@@ -78,9 +78,15 @@ def compile_cases():
         for cfg in _both_styles(GG.grouped_configs, T, E, K, N):
             yield CompileCase("grouped_gemm", GG._grouped.build(cfg),
                               _m_params(cfg, *shape, **kw), f"grouped_mm {label} {vars(cfg)}")
-    # the table walk's schedule kernel, at the group counts whose tiles differ in size
+    # the table walk: its kernels at fp16 with odd K and N, and the schedule kernel at the
+    # group counts whose tiles differ in size
     tables = {cfg.tm: cfg for arch in ("sm_90", "sm_100")
               for cfg in GG.grouped_configs(arch, 32768, 256, 2048, 1536) if cfg.walk == GG.TABLE}
+    for cfg in GG.grouped_configs("sm_90", 4096, 8, 4095, 1000):
+        if cfg.walk == GG.TABLE:
+            yield CompileCase("grouped_gemm", GG._grouped.build(cfg),
+                              _m_params(cfg, f16, 8, 4096, 4095, 1000),
+                              f"grouped_mm table fp16 odd K N 4095x1000 {vars(cfg)}")
     for cfg in tables.values():
         for E in (1, 8, 128, 256, GG.TABLE_MAX_GROUPS):
             yield CompileCase("grouped_gemm", GG.grouped_schedule_kernel,
