@@ -141,8 +141,8 @@ def test_the_table_walk_on_every_split(fresh, monkeypatch):
     for cfg in each_config(monkeypatch, GG._grouped, table_cfgs):
         for E, T, K, N, kind in CASES:
             c = counts(T, E, kind, torch.Generator().manual_seed(E * T + K))
-            x, w = torch.randn(T, K, device="cuda"), weight(E, K, N, torch.float32, True)
-            x, w = x.bfloat16(), w.bfloat16()
+            x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+            w = weight(E, K, N, torch.bfloat16, True)
             poison_allocator(torch)
             y = grouped_mm(x, w, offsets(c))
             assert rel(y, reference(x, w, c)) < TOL[torch.bfloat16], (vars(cfg), E, T, kind)
@@ -151,7 +151,7 @@ def test_the_table_walk_on_every_split(fresh, monkeypatch):
 
 def test_unchecked_bad_offsets_return(fresh, monkeypatch):
     """offs that decrease or pass T are not checked (a host sync): the result is wrong, but
-    every config of the M-grouped space (both walks) and the K-grouped kernel return (ends are
+    every config of the M-grouped space (every walk) and the K-grouped kernel return (ends are
     clamped: even 2^31 - 1 is no long loop), and the GPU stays usable."""
     x = torch.randn(600, 64, device="cuda", dtype=torch.bfloat16)
     w = weight(6, 64, 96, torch.bfloat16, True)
