@@ -689,8 +689,8 @@ class Autotuner:
         in `_measure`'s form. A config whose run raises is a failure."""
         if not candidates:
             return [], []
-        runs = [(i, lambda c=c, k=self._with_hints(self.search_kernel(c), c, dev):
-                 search.run_fn(c, k), None) for i, c in candidates]
+        stream = torch.cuda.current_stream(dev)
+        runs = [(i, self._runner(c, search, stream, dev), None) for i, c in candidates]
         rounds, reps = 3, 10
         try:
             with ct.compiler_timeout(COMPILE_TIMEOUT_SEC), torch.cuda.device(dev):
@@ -767,18 +767,20 @@ class Autotuner:
 
     def _final_round(self, finalists, search, stream, best_us, dev):
         """[(cfg, median us)] fastest first, the finalists timed in turns (~10 ms blocks)."""
-        runs = []
-        for i, c in enumerate(finalists):
-            kernel = self._with_hints(self.search_kernel(c), c, dev)
-            if search.run_fn is not None:
-                runs.append((i, lambda c=c, k=kernel: search.run_fn(c, k), None))
-                continue
-            grid, args = search.grid_fn(c), search.args_fn(c)
-            runs.append((i, lambda k=kernel, g=grid, a=args: ct.launch(stream, g, k, a), None))
+        runs = [(i, self._runner(c, search, stream, dev), None) for i, c in enumerate(finalists)]
         reps = max(3, min(20, int(10000 / max(best_us, 1.0))))
         us = timing.time_interleaved(runs, rounds=5, reps=reps, warmup=2)
         timed = [(c, us[i]) for i, c in enumerate(finalists) if not isinstance(us[i], Exception)]
         return sorted(timed, key=lambda t: t[1])
+
+    def _runner(self, c, search, stream, dev):
+        """One timed run of config c: the op's run_fn where it has one, else its kernel's
+        launch on the search's grid and arguments."""
+        kernel = self._with_hints(self.search_kernel(c), c, dev)
+        if search.run_fn is not None:
+            return lambda: search.run_fn(c, kernel)
+        grid, args = search.grid_fn(c), search.args_fn(c)
+        return lambda: ct.launch(stream, grid, kernel, args)
 
     def _probe(self, cfg, search, dev):
         """Launch one config once to get its own error (used only when every config failed)."""
