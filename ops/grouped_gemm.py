@@ -172,7 +172,10 @@ def _group_bounds(offs, T, EP: ct.Constant[int]):
     within [0, T]."""
     g = ct.arange(EP, dtype=ct.int32)
     end = ct.scan(ct.maximum(ct.gather(offs, g, padding_value=T), 0), 0, ct.maximum, 0)
-    start = ct.scan(ct.maximum(ct.gather(offs, g - 1, padding_value=0), 0), 0, ct.maximum, 0)
+    # Group 0 starts at row 0; groups past E start at T (they are empty, and their items must
+    # not count toward the table's total).
+    prior = ct.where(g > 0, ct.gather(offs, g - 1, padding_value=T), 0)
+    start = ct.scan(ct.maximum(prior, 0), 0, ct.maximum, 0)
     return g, ct.minimum(start, T), ct.minimum(end, T)
 
 

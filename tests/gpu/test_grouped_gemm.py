@@ -149,6 +149,38 @@ def test_the_table_walk_on_every_split(fresh, monkeypatch):
             assert not y[sum(c):].any()
 
 
+def scheduled_items(offs, T, E, tm, num_n):
+    """The table walk's work items counted on the host, clamped as the kernels clamp offs."""
+    items, start = [], 0
+    for g in range(E + 1):
+        end = min(max(offs[g] if g < E else T, start), T)
+        items += [[g, start, end, tile] for tile in range(-(-(end - start) // tm) * num_n)]
+        start = end
+    return items
+
+
+def test_the_schedule_lists_every_item_once(fresh):
+    """The schedule kernel's table holds each group's items in order and their count, nothing
+    for the groups it pads E + 1 to (rows past the last offset belong to group E alone), on
+    good splits and on offsets that decrease or pass T."""
+    import cuda.tile as ct
+    cfg = next(c for c in GG.grouped_configs("sm_90", 4096, 8, 512, 768) if c.walk == GG.TABLE)
+    splits = [(E, T, N, torch.tensor(counts(T, E, kind, torch.Generator().manual_seed(E * T)))
+               .cumsum(0).tolist()) for E, T, K, N, kind in CASES]
+    splits += [(6, 600, 96, [300, 100, 500, 200, 600, 0]), (6, 600, 96, [-50, -1, 100, 3, 2, 7]),
+               (5, 1000, 300, [100, 900, 1200, 1300, 2**31 - 1])]
+    for E, T, N, ends in splits:
+        x = torch.empty(T, 8, device="cuda", dtype=torch.bfloat16)
+        w = torch.empty(E, 8, N, device="cuda", dtype=torch.bfloat16)
+        offs = torch.tensor(ends, device="cuda", dtype=torch.int32)
+        table = torch.full((5, GG._most_items(cfg, x, w)), -7, device="cuda", dtype=torch.int32)
+        ct.launch(torch.cuda.current_stream(), (E + 1,), GG.grouped_schedule_kernel,
+                  GG._schedule_args(cfg, x, w, offs, table))
+        want = scheduled_items(ends, T, E, cfg.tm, -(-N // cfg.tn))
+        assert table[4, 0].item() == len(want), (E, T, ends)
+        assert table[:4, :len(want)].t().tolist() == want, (E, T, ends)
+
+
 def test_unchecked_bad_offsets_return(fresh, monkeypatch):
     """offs that decrease or pass T are not checked (a host sync): the result is wrong, but
     every config of the M-grouped space (every walk) and the K-grouped kernel return (ends are
