@@ -9,7 +9,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune import validate
-from tiletune.autotune import Autotuner, Work, bucket
+from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import major, persistent_ctas
 from tiletune.ops.gemm_tiles import layout, output_tile, tile_count
 from tiletune.space import cdiv, table
@@ -234,7 +234,7 @@ _matmul = Autotuner(
                             persistent=False),
     space=lambda a3, b3, c3: dict(m=bucket(a3.shape[1]), n=b3.shape[2], k=a3.shape[2],
                                   z=bucket(a3.shape[0])),
-    grid=_grid, args=_args, scratch=_scratch, run=_run,
+    grid=_grid, args=_args, scratch=_scratch, run=_run, tune_key=bucketed(0, 3),
     partly_timed=lambda cfg: split_of(cfg) > 1,     # the search times the partials, not the sum
     work=lambda a3, b3, c3: Work(flops=2.0 * a3.shape[0] * a3.shape[1] * b3.shape[2]
                                  * a3.shape[2]))
@@ -242,11 +242,12 @@ TUNERS = (_matmul,)
 
 
 def launch(a3, b3, c3):
-    """c3 = a3 @ b3 (all 3-D); the key buckets M and the batch Z (the space, split-K's
-    scratch bound included, is that of the bucket's largest Z)."""
+    """c3 = a3 @ b3 (all 3-D). The launch key holds M and the batch Z themselves (a config
+    without scratch launches on the grid planned for them), the tuning key their buckets (the
+    space, split-K's scratch bound included, is that of the bucket's largest Z)."""
     Z, M, K = a3.shape
     dev = a3.get_device()
-    key = (bucket(M), b3.shape[2], K, bucket(Z), a3.dtype, layout(a3), layout(b3), dev)
+    key = (M, b3.shape[2], K, Z, a3.dtype, layout(a3), layout(b3), dev)
     _matmul.launch(key, dev, a3, b3, c3)
 
 

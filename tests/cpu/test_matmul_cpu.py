@@ -18,9 +18,11 @@ def problem():
 
 
 def cached(monkeypatch, cfg):
-    """A key whose cache entry is (cfg, "kernel"): the launch takes the fast path."""
-    key = ("test", id(cfg))
-    monkeypatch.setitem(MM._matmul.cache, key, (cfg, "kernel"))
+    """A launch key (M, N, K, Z, ...) whose tuning key's cache entry is (cfg, "kernel"): the
+    launch takes it without a search."""
+    key = (16, 256, 300, 2, "test", id(cfg))
+    monkeypatch.setitem(MM._matmul.cache, MM._matmul.tune_key(key), (cfg, "kernel"))
+    monkeypatch.setattr(MM._matmul, "_plans", {})
     return key
 
 
@@ -91,10 +93,13 @@ def test_key_buckets_m_and_names_layouts(monkeypatch):
     MM.launch(a3, b3, torch.empty(1, 300, 128))
     MM.launch(torch.randn(3, 64, 300).transpose(1, 2), torch.randn(3, 64, 128),
               torch.empty(3, 300, 128))
-    # the batch is bucketed: a config tuned for few products (split-K scratch) is not reused
-    # for many
-    assert seen == [(512, 128, 64, 1, torch.float32, "row", "col", -1),
-                    (512, 128, 64, 4, torch.float32, "col", "row", -1)]
+    # the launch key holds M and the batch; the tuning key buckets both: a config tuned for
+    # few products (split-K scratch) is not reused for many
+    assert seen == [(300, 128, 64, 1, torch.float32, "row", "col", -1),
+                    (300, 128, 64, 3, torch.float32, "col", "row", -1)]
+    assert [MM._matmul.tune_key(k) for k in seen] == [
+        (512, 128, 64, 1, torch.float32, "row", "col", -1),
+        (512, 128, 64, 4, torch.float32, "col", "row", -1)]
 
 
 def test_backward_computes_only_the_gradients_needed(monkeypatch):

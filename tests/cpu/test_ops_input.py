@@ -196,8 +196,9 @@ def test_split_k_bound_counts_the_batch():
 
 
 def test_matmul_space_and_key_carry_the_batch(monkeypatch):
-    """The space is the bucket's (power-of-two) largest Z, and the key separates Z buckets, so a
-    config tuned for a small batch (split-K allowed) is never reused for a large one."""
+    """The space is the bucket's (power-of-two) largest Z, and the tuning key separates Z
+    buckets, so a config tuned for a small batch (split-K allowed) is never reused for a large
+    one."""
     def inputs(Z, M, N, K):
         return (torch.empty(Z, M, K, device="meta"), torch.empty(Z, K, N, device="meta"),
                 torch.empty(Z, M, N, device="meta"))
@@ -209,7 +210,7 @@ def test_matmul_space_and_key_carry_the_batch(monkeypatch):
     monkeypatch.setattr(MM._matmul, "launch", lambda key, dev, *a: keys.append(key))
     for Z in (1, 2, 3, 64):
         MM.launch(*inputs(Z, 1024, 1024, 4096))
-    assert [k[3] for k in keys] == [1, 2, 4, 64]
+    assert [MM._matmul.tune_key(k)[3] for k in keys] == [1, 2, 4, 64]
 
 
 # ---------------------------------------------------------------------------------------------
