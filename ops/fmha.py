@@ -798,7 +798,9 @@ def _rows(*shape, like):
     at S % 4 != 0, the compiler stages the slices through shared memory from every warp that
     holds a copy, which racecheck reports as write/write hazards.)"""
     *lead, s = shape
-    return like.new_empty(*lead, f32_row(s), dtype=torch.float32)[..., :s]
+    padded = f32_row(s)
+    rows = like.new_empty(*lead, padded, dtype=torch.float32)
+    return rows if padded == s else rows[..., :s]
 
 
 _UNREAD = {}
@@ -940,11 +942,14 @@ def _check(op, q, k, v, scale, names=("q", "k", "v")):
     dts = (torch.bfloat16, torch.float16)
     nq, nk, nv = names
     validate.tensor(op, nq, q, dtypes=dts)
-    validate.tensor(op, nk, k, device=q.device, dtypes=dts)
-    validate.tensor(op, nv, v, device=q.device, dtypes=dts)
-    validate.same_dtype(op, nq, q, {nk: k, nv: v})
-    for name, t in zip(names, (q, k, v)):
-        validate.dims(op, name, t, 4, "(B, H, S, D)")
+    dev = q.device
+    validate.tensor(op, nk, k, device=dev, dtypes=dts)
+    validate.tensor(op, nv, v, device=dev, dtypes=dts)
+    if k.dtype != q.dtype or v.dtype != q.dtype:     # (the checks' messages only on a miss)
+        validate.same_dtype(op, nq, q, {nk: k, nv: v})
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        for name, t in zip(names, (q, k, v)):
+            validate.dims(op, name, t, 4, "(B, H, S, D)")
     if v.shape != k.shape:
         raise ValueError(f"{op}: {nv} shape {tuple(v.shape)} must equal {nk} shape "
                          f"{tuple(k.shape)}")

@@ -783,37 +783,46 @@ def _scaling(M, N, K, scale_a, scale_b):
         f"({M}, {kb}) with ({kb}, {nb}) or ({kb}, {N}), or ({mb}, {kb}) with ({kb}, {N})")
 
 
+_ANY_OPERAND = (*FP8_DTYPES, torch.float32)    # what validate.tensor accepts of all four
+
+
 def _check(a, b, scale_a, scale_b, out_dtype, fast_accum):
-    """The scaling (mode, a_group, b_group), or a TypeError / ValueError naming the argument."""
-    for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
+    """The scaling (mode, a_group, b_group), or a TypeError / ValueError naming the argument.
+    (Each check reads as little as it can where it passes: this runs on every call.)"""
+    tensors = (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b))
+    for name, t in tensors:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"fp8_mm: {name} must be a torch.Tensor, got {type(t).__name__}")
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"fp8_mm: a and b must be 2-D (a (M, K), b (K, N)), got {a.dim()}-D "
                          f"and {b.dim()}-D")
-    for name, t in (("a", a), ("b", b)):
-        if t.dtype not in FP8_DTYPES:
-            validate.dtype("fp8_mm", name, t, FP8_DTYPES)
-    if a.dtype == b.dtype == torch.float8_e5m2:
+    a_dtype, b_dtype = a.dtype, b.dtype
+    if a_dtype not in FP8_DTYPES:
+        validate.dtype("fp8_mm", "a", a, FP8_DTYPES)
+    if b_dtype not in FP8_DTYPES:
+        validate.dtype("fp8_mm", "b", b, FP8_DTYPES)
+    if a_dtype == b_dtype == torch.float8_e5m2:
         raise TypeError("fp8_mm: a and b are both float8_e5m2; e5m2 is allowed for one operand "
                         "only (as torch._scaled_mm)")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"fp8_mm: inner dims differ: a {tuple(a.shape)} @ b {tuple(b.shape)}")
     M, K = a.shape
-    N = b.shape[1]
+    K_b, N = b.shape
+    if K != K_b:
+        raise ValueError(f"fp8_mm: inner dims differ: a {tuple(a.shape)} @ b {tuple(b.shape)}")
     if K % 16:
         raise ValueError(f"fp8_mm: K (a.shape[1] = b.shape[0]) must be a multiple of 16, got {K}")
-    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"fp8_mm: {name} must be float32, got {t.dtype}")
+    if scale_a.dtype != torch.float32:
+        raise TypeError(f"fp8_mm: scale_a must be float32, got {scale_a.dtype}")
+    if scale_b.dtype != torch.float32:
+        raise TypeError(f"fp8_mm: scale_b must be float32, got {scale_b.dtype}")
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"fp8_mm: out_dtype {out_dtype} is not supported (bfloat16, float16, "
                         "float32)")
     if not isinstance(fast_accum, bool):
         raise TypeError(f"fp8_mm: fast_accum must be a bool, got {type(fast_accum).__name__}")
     scaling = _scaling(M, N, K, scale_a, scale_b)
-    for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
-        validate.tensor("fp8_mm", name, t, device=a.device, dtypes=(*FP8_DTYPES, torch.float32))
+    dev = a.device
+    for name, t in tensors:
+        validate.tensor("fp8_mm", name, t, device=dev, dtypes=_ANY_OPERAND)
     return scaling
 
 

@@ -232,15 +232,24 @@ def _rows(t, N):
     return t2 if t2.stride(1) == 1 else t2.contiguous()
 
 
-def _launch_rows(launch, N, arrays):
-    """launch(*arrays) once, or per row chunk where the arrays span more than int32 indexes."""
+def _out_rows(t, N):
+    """A new contiguous output as (rows, N): itself where it is 2-D (no view: host time)."""
+    return t if t.dim() == 2 else t.view(-1, N)
+
+
+def _launch_rows(launch, N, arrays, act):
+    """launch(*arrays, act) once, or per row chunk where the arrays span more than int32
+    indexes (the stride loop written out: a generator costs a microsecond per call)."""
+    stride = N
+    for a in arrays:
+        if a.stride(0) > stride:
+            stride = a.stride(0)
     M = arrays[0].shape[0]
-    stride = max(N, *(a.stride(0) for a in arrays))
     if (M - 1) * stride + N <= _MAX_SPAN:
-        launch(*arrays)
+        launch(*arrays, act)
         return
     for s, e in row_chunks(M, N, stride, _MAX_SPAN):
-        launch(*(a[s:e] for a in arrays))
+        launch(*(a[s:e] for a in arrays), act)
 
 
 def _forward(gate, up, act):
@@ -248,8 +257,7 @@ def _forward(gate, up, act):
     out = gate.new_empty(*gate.shape)      # (sizes unpacked: a torch.Size argument costs more)
     if gate.numel():
         N = gate.shape[-1]
-        _launch_rows(lambda g, u, o: launch_fwd(g, u, o, act), N,
-                     (_rows(gate, N), _rows(up, N), out.view(-1, N)))
+        _launch_rows(launch_fwd, N, (_rows(gate, N), _rows(up, N), _out_rows(out, N)), act)
     return out
 
 
@@ -261,9 +269,8 @@ def backward(dy, gate, up, act):
     dup = gate.new_empty(*gate.shape)
     if gate.numel():
         N = gate.shape[-1]
-        _launch_rows(lambda d, g, u, dg, du: launch_bwd(d, g, u, dg, du, act), N,
-                     (_rows(dy, N), _rows(gate, N), _rows(up, N), dgate.view(-1, N),
-                      dup.view(-1, N)))
+        _launch_rows(launch_bwd, N, (_rows(dy, N), _rows(gate, N), _rows(up, N),
+                                     _out_rows(dgate, N), _out_rows(dup, N)), act)
     return dgate, dup
 
 
