@@ -46,10 +46,15 @@ def dims(op, name, t, n, layout):
         raise ValueError(f"{op}: {name} must be {n}-D {layout}, got shape {tuple(t.shape)}")
 
 
+_INF = float("inf")
+
+
 def eps(op, value):
+    if value.__class__ is float and 0.0 <= value < _INF:     # the common case, first
+        return value
     if isinstance(value, bool) or not isinstance(value, (float, int)):
         raise TypeError(f"{op}: eps must be a float, got {type(value).__name__}")
-    if not value >= 0.0 or value == float("inf"):
+    if not value >= 0.0 or value == _INF:
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {value}")
     return float(value)
 
