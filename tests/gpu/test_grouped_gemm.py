@@ -3,6 +3,7 @@ groups, one group with every row and rows past the last offset; E from 1 to 256,
 and N; both weight layouts; bf16 and fp16; every config of both kernels (both load styles); one
 tuned key per kernel (the rest under DISABLE_AUTOTUNE: searches are expensive); gradients;
 torch.compile; a CUDA graph replayed with new offsets; bad input."""
+import cuda.tile as ct
 import pytest
 import torch
 
@@ -163,7 +164,6 @@ def test_the_schedule_lists_every_item_once(fresh):
     """The schedule kernel's table holds each group's items in order and their count, nothing
     for the groups it pads E + 1 to (rows past the last offset belong to group E alone), on
     good splits and on offsets that decrease or pass T."""
-    import cuda.tile as ct
     cfg = next(c for c in GG.grouped_configs("sm_90", 4096, 8, 512, 768) if c.walk == GG.TABLE)
     splits = [(E, T, N, torch.tensor(counts(T, E, kind, torch.Generator().manual_seed(E * T)))
                .cumsum(0).tolist()) for E, T, K, N, kind in CASES]
