@@ -800,7 +800,9 @@ def _rows(*shape, like):
     *lead, s = shape
     padded = f32_row(s)
     rows = like.new_empty(*lead, padded, dtype=torch.float32)
-    return rows if padded == s else rows[..., :s]
+    # no slice where there is no padding (host time); a symbolic size (torch.compile's fake
+    # shapes) is always sliced, so that no guard on its value is made
+    return rows if padded.__class__ is int and padded == s else rows[..., :s]
 
 
 _UNREAD = {}
