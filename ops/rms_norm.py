@@ -274,14 +274,15 @@ _MAX_CHUNK_ELEMS = INT32_MAX   # kernels index with int32: launch at most this m
 def _check(x, weight, eps):
     validate.tensor("rms_norm", "x", x)
     validate.tensor("rms_norm", "weight", weight, device=x.device)
-    if x.dim() < 1 or x.shape[-1] == 0:
+    N = x.shape[-1] if x.dim() >= 1 else 0
+    if N == 0:
         raise ValueError("rms_norm: x must have a last dimension (the hidden size) of at "
                          f"least 1, got shape {tuple(x.shape)}")
-    if x.shape[-1] > _MAX_CHUNK_ELEMS:
-        raise ValueError(f"rms_norm: x rows of {x.shape[-1]} elements are not supported (at most "
+    if N > _MAX_CHUNK_ELEMS:
+        raise ValueError(f"rms_norm: x rows of {N} elements are not supported (at most "
                          f"{_MAX_CHUNK_ELEMS} = 2^31 - 1: the kernels index a row with int32)")
-    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"rms_norm: weight must have shape ({x.shape[-1]},) to match the last "
+    if weight.dim() != 1 or weight.shape[0] != N:
+        raise ValueError(f"rms_norm: weight must have shape ({N},) to match the last "
                          f"dim of x, got {tuple(weight.shape)}")
     validate.eps("rms_norm", eps)
 
