@@ -9,6 +9,7 @@ import torch
 
 from tiletune.ops import grouped_gemm as GG
 from tiletune.ops.grouped_gemm import grouped_mm
+from tiletune.space import cdiv
 
 from .conftest import disable_autotune, each_config, poison_allocator
 
@@ -155,7 +156,7 @@ def scheduled_items(offs, T, E, tm, num_n):
     items, start = [], 0
     for g in range(E + 1):
         end = min(max(offs[g] if g < E else T, start), T)
-        items += [[g, start, end, tile] for tile in range(-(-(end - start) // tm) * num_n)]
+        items += [[g, start, end, tile] for tile in range(cdiv(end - start, tm) * num_n)]
         start = end
     return items
 
@@ -176,7 +177,7 @@ def test_the_schedule_lists_every_item_once(fresh):
         table = torch.full((5, GG._most_items(cfg, x, w)), -7, device="cuda", dtype=torch.int32)
         ct.launch(torch.cuda.current_stream(), (E + 1,), GG.grouped_schedule_kernel,
                   GG._schedule_args(cfg, x, w, offs, table))
-        want = scheduled_items(ends, T, E, cfg.tm, -(-N // cfg.tn))
+        want = scheduled_items(ends, T, E, cfg.tm, cdiv(N, cfg.tn))
         assert table[4, 0].item() == len(want), (E, T, ends)
         assert table[:4, :len(want)].t().tolist() == want, (E, T, ends)
 
