@@ -255,8 +255,11 @@ def grouped_mm_k_kernel(a, b, offs, out, TM: ct.Constant[int], TN: ct.Constant[i
                     bt = ct.gather(b, (rows[:, None], ni[None, :]), mask=rows[:, None] < end)
                     acc = ct.mma(at, bt, acc)
             else:
-                ag = a.slice(1, start, end)
-                bg = b.slice(0, start, end)
+                # int64 bounds: a slice's base offset is start * stride in the bounds' type, and
+                # a strided operand's (T - 1) * stride can pass 2^31 where its size does not
+                lo, hi = ct.astype(start, ct.int64), ct.astype(end, ct.int64)
+                ag = a.slice(1, lo, hi)
+                bg = b.slice(0, lo, hi)
                 for kk in range(ct.cdiv(end - start, TK)):
                     at = ct.load(ag, (m, kk), (TM, TK), padding_mode=ZERO)
                     acc = ct.mma(at, ct.load(bg, (kk, n), (TK, TN), padding_mode=ZERO), acc)
@@ -579,8 +582,8 @@ def grouped_mm(x, w, offs=None, *, out=None):
     - 3-D x 3-D without offs: the batched matmul (E, M, K) @ (E, K, N).
 
     offs is never read on the host (CUDA-graph capturable), so it is not checked against the
-    data: offs must be non-decreasing with offs[E-1] <= T. Otherwise the kernels clamp each end
-    to [the previous end, T]: a wrong result, but no hang and no access outside the tensors.
+    data: offs must be non-decreasing with offs[E-1] <= T. Otherwise the kernels clamp the
+    bounds into [0, T]: a wrong result, but no hang and no access outside the tensors.
     Differentiable in x and w (offs gets no gradient); the weight gradient comes back in w's
     layout. Works under torch.compile(fullgraph=True). `out`, if given, receives a copy of the
     result (gradients flow through it as through `out.copy_(result)`): exactly the result's

@@ -291,12 +291,15 @@ def test_decode_space(arch):
 
 
 def test_more_heads_than_the_grid_takes_are_refused_by_name():
-    """The dense and packed kernels' grids hold batch x query heads on an axis CUDA caps at
-    65535: past it, a ValueError before any launch instead of a launch error."""
+    """The dense, packed and decode kernels' grids hold batch x query heads on an axis CUDA
+    caps at 65535: past it, a ValueError before any launch instead of a launch error."""
     q = torch.zeros(1, 1, 1, 16).expand(2048, 32, 4, 16)           # 65536 rows, no memory
+    kv = torch.zeros(1, 1, 1, 16).expand(2048, 8, 512, 16)
     for launch in (lambda: FM.launch_fwd(q, q, q, q, q, True, 0, 0.25),
                    lambda: FM.launch_bwd(q, q, q, q, q, q, q, q, q, q, True, 0, 0.25),
-                   lambda: FM.launch_fwd(q[:1], q, q, q, q, True, 0, 0.25, (2048 * 32, 4, 4))):
+                   lambda: FM.launch_fwd(q[:1], q, q, q, q, True, 0, 0.25, (2048 * 32, 4, 4)),
+                   lambda: FM.launch_decode(q[:, :, :1], kv, kv, None, q[:, :, :1], q[..., 0],
+                                            False, 0, 0.25)):
         with pytest.raises(ValueError, match=r"fmha: batch x query heads = \d+ is more than"):
             launch()
     assert FM._key(q[:, :31], q, True, 0, 0, None)[0] == 63488        # fine

@@ -120,17 +120,25 @@ def test_out_dtypes(fresh, monkeypatch, out_dtype):
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast_accum"])
 def test_every_config_is_correct(fresh, monkeypatch, fast):
     """Each config of the sm_90 spaces of both kernels, in this accumulation mode, on a ragged
-    problem (tiles overhanging M, N and a partial last K block; persistent grids, clusters)."""
+    problem (tiles overhanging M, N and a partial last K block; persistent grids, clusters).
+    Block scaling has one mode: its space runs once, with each of the three scale pairings and
+    1x128 scale_a in both of the layouts torch takes (M-major and K-major)."""
     M, N, K = 200, 270, 400
     block_space = lambda arch, *shape, fast: F8.fp8_block_configs(arch, *shape)   # one mode
-    for scaling, tuner, gen in [("rowwise", F8._scaled_tuner, F8.fp8_configs),
-                                ("block 1x128 x 128x128", F8._block_tuner, block_space)]:
+    runs = [("rowwise", F8._scaled_tuner, F8.fp8_configs)]
+    if not fast:
+        runs += [(scaling, F8._block_tuner, block_space) for scaling in SCALINGS
+                 if scaling.startswith("block")]
+    for scaling, tuner, gen in runs:
         a, b, sa, sb = operands(M, N, K, scaling)
         ref = reference(a, b, sa, sb)
+        scales_a = [sa, sa.contiguous()] if SCALINGS[scaling][0] == "block1x128" else [sa]
+        assert len(scales_a) == 1 or scales_a[0].stride() != scales_a[1].stride()
         for cfg in each_config(monkeypatch, tuner, list(gen("sm_90", 256, N, K, fast=fast))):
-            poison_allocator(torch)
-            d = diff(fp8_mm(a, b, sa, sb, fast_accum=fast), ref)
-            assert d < (FAST_LIMIT if fast else LIMIT), (scaling, vars(cfg), d)
+            for sa_i in scales_a:
+                poison_allocator(torch)
+                d = diff(fp8_mm(a, b, sa_i, sb, fast_accum=fast), ref)
+                assert d < (FAST_LIMIT if fast else LIMIT), (scaling, vars(cfg), sa_i.stride(), d)
 
 
 @pytest.mark.parametrize("scaling", list(SCALINGS))
@@ -296,6 +304,19 @@ def test_quantize_every_config_transposed_input_and_nan(fresh, monkeypatch, gran
     assert torch.equal(torch.isnan(q.float()), torch.isnan(rq.float()))
     fin = ~torch.isnan(rq.float())
     assert torch.equal(q.float()[fin], rq.float()[fin])
+
+
+def test_row_quantizer_two_pass_every_config(fresh, monkeypatch):
+    """Rows wider than one tile (K 20000: every entry reads each row twice, including the one at
+    occupancy 8) give the reference's bits."""
+    x = quant_input(300, 20000, BF16)
+    rq, rs = quantize_fp8_reference(x, "row")
+    cfgs = list(F8._quantize_row.configs("sm_90", m=512, k=20000, col=False))
+    assert any(c.occupancy == 8 for c in cfgs) and not any(c.one_pass for c in cfgs)
+    for cfg in each_config(monkeypatch, F8._quantize_row, cfgs):
+        poison_allocator(torch)
+        q, s = quantize_fp8(x, "row")
+        assert torch.equal(s, rs) and same_bits(q, rq), vars(cfg)
 
 
 @pytest.mark.parametrize("granularity", ["block128x128", "tensor"])

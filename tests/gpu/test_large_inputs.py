@@ -1,15 +1,19 @@
 """Inputs past 2^31 elements: RoPE, matmul and attention give the reference's result in the rows
-that lie beyond element 2^31 (cuTile indexes such arrays with 64-bit integers). rms_norm's own
-row chunks: tests/gpu/test_bad_input.py. Each test needs 8-18 GiB of GPU memory."""
+that lie beyond element 2^31 (cuTile indexes such arrays with 64-bit integers); so does the
+grouped weight gradient of a strided x whose offsets pass 2^31 while its size does not, and a
+packed attention batch whose later sequences start past element 2^31. rms_norm's
+own row chunks: tests/gpu/test_bad_input.py. Each test needs 8-18 GiB of GPU memory."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tiletune.ops.fmha import fmha
+from tiletune.ops.fmha import fmha, fmha_varlen
+from tiletune.ops.grouped_gemm import grouped_mm
 from tiletune.ops.matmul import matmul
 from tiletune.ops.rope import apply_rope
 
 from .conftest import disable_autotune, rotate_half
+from .test_fmha import TOL, rel
 
 INT32 = 2**31
 
@@ -75,3 +79,48 @@ def test_attention_past_2_31_elements(monkeypatch):
         want = F.scaled_dot_product_attention(q[batch].float(), k[batch].float(),
                                               v[batch].float(), is_causal=True)
         torch.testing.assert_close(o[batch].float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_grouped_weight_gradient_of_a_strided_x(monkeypatch):
+    """x = h[:, :4096] of an (T, 8192) h: under 2^31 elements, but row 270000 starts past element
+    2^31 of h. The K-grouped form (x^T dY per group) slices x at each group's first row."""
+    if _free_gib() < 10:
+        pytest.skip("needs 10 GiB of free GPU memory")
+    disable_autotune(monkeypatch)
+    T, K, N = 300000, 4096, 64
+    h = torch.empty(T, 2 * K, device="cuda", dtype=torch.bfloat16).normal_()
+    x = h[:, :K]
+    assert x.numel() < INT32 < (T - 1) * x.stride(0)
+    dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor([150000, 270000, T], device="cuda", dtype=torch.int32)
+    dw = grouped_mm(x.t(), dy, offs)
+    for g, rows in ((0, slice(0, 150000)), (2, slice(270000, T))):
+        want = x[rows].t().float() @ dy[rows].float()
+        torch.testing.assert_close(dw[g].float(), want, atol=0.5, rtol=2e-2)
+
+
+def test_packed_attention_past_2_31_elements(monkeypatch):
+    """fmha_varlen over 264 sequences of 1000 tokens, Hq 64 / Hkv 8, D 128: q holds 2.16e9
+    elements, so the last sequences' rows start past element 2^31 (the kernels slice each
+    sequence out of the packed tensors). Forward and backward of the first and last sequence."""
+    if _free_gib() < 30:
+        pytest.skip("needs 30 GiB of free GPU memory")
+    disable_autotune(monkeypatch)
+    L, B, Hq, Hkv, D = 1000, 264, 64, 8, 128
+    T = L * B
+    q = torch.empty(T, Hq, D, device="cuda", dtype=torch.bfloat16).normal_().requires_grad_()
+    k, v = (torch.randn(T, Hkv, D, device="cuda", dtype=torch.bfloat16).requires_grad_()
+            for _ in range(2))
+    assert q.numel() > INT32 and (T - L) * q.stride(0) > INT32
+    cu = torch.arange(0, T + 1, L, device="cuda", dtype=torch.int32)
+    o = fmha_varlen(q, k, v, cu, cu, L, L, causal=True)
+    do = torch.randn_like(o)
+    o.backward(do)
+    for rows in (slice(0, L), slice(T - L, T)):
+        qs, ks, vs = (t.detach()[rows].float().transpose(0, 1).requires_grad_()
+                      for t in (q, k, v))
+        want = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        want.backward(do[rows].float().transpose(0, 1))
+        assert rel(o[rows], want.transpose(0, 1)) < TOL[torch.bfloat16]
+        for got, ref in ((q.grad, qs.grad), (k.grad, ks.grad), (v.grad, vs.grad)):
+            assert rel(got[rows], ref.transpose(0, 1)) < TOL[torch.bfloat16]
