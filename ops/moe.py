@@ -392,6 +392,10 @@ def _check_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down
         raise ValueError(f"{op}: top_k_weights has shape {tuple(top_k_weights.shape)} but "
                          f"top_k_index has {tuple(top_k_index.shape)}")
     _size(op, top_k_index.numel(), max(H, two_i, 1))
+    for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if t.numel() > MAX_ELEMS:
+            raise ValueError(f"{op}: {name} has {t.numel()} elements, more than the grouped GEMM "
+                             "indexes (2^31 - 1); shard the experts")
     half = (torch.bfloat16, torch.float16)
     validate.dtype(op, "hidden_states", hidden_states, half)
     validate.dtype(op, "top_k_index", top_k_index, INDEX_DTYPES)

@@ -24,6 +24,7 @@ Two ways to patch:
 The tiletune subclasses only override `forward`; `isinstance` against the HF class still holds.
 Patching twice is harmless; flags add (a second call with a flag off does not undo the first).
 """
+import functools
 import importlib
 import logging
 import weakref
@@ -31,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (_global_forward_hooks,
+                                      _global_forward_pre_hooks)
 
 from tiletune.ops.fmha import fmha_varlen, scaled_dot_product_attention
 from tiletune.ops.gated_mlp import swiglu_linear
@@ -239,6 +242,10 @@ class _GatedMLPForward:
 
     def forward(self, x):
         act = self.config.hidden_act
+        if not _is_hf_activation(self.act_fn, act):
+            _log_once(f"tiletune MLP: act_fn is a {type(self.act_fn).__name__}, not the module "
+                      f"transformers builds for hidden_act {act!r}: using transformers' MLP")
+            return super().forward(x)
         if act in SWIGLU_ACTIVATIONS:
             if _fusable(x, self.gate_proj, self.up_proj):
                 return self.down_proj(_swiglu_linear(x, self.gate_proj.weight,
@@ -252,13 +259,33 @@ class _GatedMLPForward:
         return super().forward(x)
 
 
+def _is_hf_activation(act_fn, act):
+    """act_fn is what transformers builds for hidden_act `act` (the kernels compute that
+    activation), not a replacement set on the module."""
+    try:
+        return type(act_fn) is _hf_activation_type(act)
+    except KeyError:          # an activation transformers does not know: the kernels neither
+        return act not in SWIGLU_ACTIVATIONS and act not in GEGLU_ACTIVATIONS
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_activation_type(act):
+    from transformers.activations import ACT2FN
+    return type(ACT2FN[act])
+
+
 def _fusable(x, *projections):
-    """The gate and up projections can go through swiglu_linear's one kernel: plain bias-free
-    nn.Linear layers (not LoRA or quantized wrappers) of x's dtype, bf16 or fp16, no
-    autocast (which would change the projections' dtype)."""
+    """The gate and up projections can go through swiglu_linear's one kernel, which reads their
+    weights without calling them: plain bias-free nn.Linear layers (not LoRA or quantized
+    wrappers) of x's dtype and device (not offloaded), bf16 or fp16, with no forward hooks of
+    their own or global ones and no forward set on the instance (an offloading or calibration
+    hook must see the call), and no autocast (which would change the projections' dtype)."""
     return (x.dtype in (torch.bfloat16, torch.float16)
             and not torch.is_autocast_enabled(x.device.type)
+            and not (_global_forward_hooks or _global_forward_pre_hooks)
             and all(type(p) is nn.Linear and p.bias is None and p.weight.dtype == x.dtype
+                    and p.weight.device == x.device and not p._forward_hooks
+                    and not p._forward_pre_hooks and "forward" not in p.__dict__
                     for p in projections))
 
 
@@ -267,6 +294,9 @@ def experts_supported(hidden_dtype, weight_dtypes):
     float32 model, or float32 weights under autocast, keeps transformers' experts)."""
     return hidden_dtype in (torch.bfloat16, torch.float16) and \
         all(d == hidden_dtype for d in weight_dtypes)
+
+
+EXPERT_WEIGHT_ELEMS = 2**31 - 1     # moe_experts' limit per weight tensor (the grouped GEMM's)
 
 
 class _ExpertsForward:
@@ -283,6 +313,10 @@ class _ExpertsForward:
             _log_once(f"tiletune experts: {hidden_states.dtype} hidden states with "
                       f"{self.gate_up_proj.dtype} weights (the kernels take bf16/fp16 of one "
                       "dtype): using transformers' experts")
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+        if max(self.gate_up_proj.numel(), self.down_proj.numel()) > EXPERT_WEIGHT_ELEMS:
+            _log_once("tiletune experts: an expert weight of more than 2^31 - 1 elements (the "
+                      "grouped GEMM's limit; shard the experts): using transformers' experts")
             return super().forward(hidden_states, top_k_index, top_k_weights)
         return _moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
                             self.down_proj)

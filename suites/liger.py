@@ -105,11 +105,16 @@ class LigerRMSNorm(nn.Module):
 
 def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rotary_dim=None):
     """RoPE of q (B, Hq, S, D) and k (B, Hkv, S, D), "rotate half" convention; returns new
-    (q, k). cos/sin: (S, R), (1, S, R), (B, S, R), or 4-D with a singleton at unsqueeze_dim or
-    dim 1. The rotary width is rotary_dim, else cos's width (at most D). cos/sin may hold only
-    the first half of each row (width rotary_dim / 2, as GPT-OSS builds them).
-    position_ids is ignored."""
+    (q, k). unsqueeze_dim=2 takes q and k as (B, S, H, D), as transformers means it (Liger's
+    kernel reads (B, H, S, D) whatever its value); any other value than 1 or 2 is refused.
+    cos/sin: (S, R), (1, S, R), (B, S, R), or 4-D with a singleton at unsqueeze_dim or dim 1.
+    The rotary width is rotary_dim, else cos's width (at most D). cos/sin may hold only the
+    first half of each row (width rotary_dim / 2, as GPT-OSS builds them). position_ids is
+    ignored."""
     op = "liger_rotary_pos_emb"
+    if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in (1, 2):
+        raise ValueError(f"{op}: unsqueeze_dim must be 1 ((B, H, S, D) q/k) or 2 ((B, S, H, D)), "
+                         f"got {unsqueeze_dim!r}")
     if cos.dim() == 4:
         dim = unsqueeze_dim if cos.shape[unsqueeze_dim] == 1 else 1
         if cos.shape[dim] != 1:
@@ -126,6 +131,10 @@ def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rot
         half = rotary_dim // 2          # first halves only: the second half repeats them
         cos = torch.cat((cos[..., :half], cos[..., :half]), -1)
         sin = torch.cat((sin[..., :half], sin[..., :half]), -1)
+    if unsqueeze_dim == 2:
+        q_out, k_out = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin,
+                                  rotary_dim=rotary_dim)
+        return q_out.transpose(1, 2), k_out.transpose(1, 2)
     return apply_rope(q, k, cos, sin, rotary_dim=rotary_dim)
 
 

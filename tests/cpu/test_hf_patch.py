@@ -239,6 +239,23 @@ def test_float32_experts_keep_hf_experts(caplog, monkeypatch):
                for r in caplog.records) == 1
 
 
+def test_experts_past_the_grouped_gemm_limit_keep_hf_experts(caplog, monkeypatch):
+    """Expert weights of more than 2^31 - 1 elements (the limit lowered here to the tiny
+    model's) run transformers' experts, with one warning, instead of raising mid-model."""
+    monkeypatch.setattr(hf, "_logged", set())
+    monkeypatch.setattr(hf, "experts_supported", lambda hidden, weights: True)
+    monkeypatch.setattr(hf, "_moe_experts", lambda *a: pytest.fail("reached the kernel"))
+    model = build("qwen3_moe")
+    reference = copy.deepcopy(model)
+    hf.apply_tiletune(model, rms_norm=False, rope=False, attention=False, mlp=False)
+    experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+    monkeypatch.setattr(hf, "EXPERT_WEIGHT_ELEMS", experts.gate_up_proj.numel() - 1)
+    ids = torch.randint(0, 128, (2, 12))
+    with caplog.at_level(logging.WARNING, logger="tiletune"):
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits)
+    assert sum("more than 2^31 - 1 elements" in r.getMessage() for r in caplog.records) == 1
+
+
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_instance_patched_step_matches_hf(family, ops):
     model = build(family)
@@ -269,6 +286,28 @@ def test_bf16_mlp_runs_gate_and_up_as_one_kernel(ops, bias):
     ids = torch.randint(0, 128, (2, 12))
     torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=0, rtol=0)
     assert (ops["swiglu_linear"], ops["swiglu"]) == ((0, 2) if bias else (2, 0))
+
+
+def test_mlp_keeps_hooks_and_a_replaced_activation(ops, caplog, monkeypatch):
+    """A forward hook on a projection (calibration, steering, offloading) still sees its call:
+    that MLP runs the projections as modules, unfused; an act_fn set on the module (not the one
+    transformers builds for hidden_act) runs transformers' MLP, with one warning."""
+    monkeypatch.setattr(hf, "_logged", set())
+    model = build("llama").to(torch.bfloat16)
+    hf.apply_tiletune(model)
+    reference = build("llama").to(torch.bfloat16)
+    reference.load_state_dict(model.state_dict())
+    calls = []
+    for m in (model, reference):
+        mlp0, mlp1 = m.model.layers[0].mlp, m.model.layers[1].mlp
+        mlp0.up_proj.register_forward_hook(lambda mod, args, out: calls.append(1) or out * 0.5)
+        mlp1.act_fn = torch.nn.GELU()
+    ids = torch.randint(0, 128, (2, 12))
+    with caplog.at_level(logging.WARNING, logger="tiletune"):
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=0, rtol=0)
+    assert len(calls) == 2                                # once in each model
+    assert (ops["swiglu_linear"], ops["swiglu"]) == (0, 1)
+    assert sum("act_fn is a GELU" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_qwen3_unfused_when_only_rope(ops):

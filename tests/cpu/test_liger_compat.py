@@ -152,6 +152,24 @@ def test_rope_rotary_dim_and_half_width_cos(refs):
                                    unsqueeze_dim=2)
 
 
+def test_rope_unsqueeze_dim(refs):
+    """unsqueeze_dim=2: q and k (B, S, H, D), as transformers means it (Hq == Hkv, where the
+    shapes alone cannot tell); cos (B, S, D) or (B, S, 1, D). Other values are refused."""
+    B, S, H, D = 2, 5, 3, 8
+    q, k = torch.randn(B, S, H, D), torch.randn(B, S, H, D)
+    cos, sin = torch.randn(B, S, D), torch.randn(B, S, D)
+    for c, s_ in ((cos, sin), (cos[:, :, None], sin[:, :, None])):
+        qo, ko = liger.liger_rotary_pos_emb(q, k, c, s_, unsqueeze_dim=2)
+        assert qo.shape == q.shape and ko.shape == k.shape
+        torch.testing.assert_close(qo.transpose(1, 2), rope_reference(q.transpose(1, 2), cos,
+                                                                      sin, D))
+        torch.testing.assert_close(ko.transpose(1, 2), rope_reference(k.transpose(1, 2), cos,
+                                                                      sin, D))
+    for bad in (0, 3, 7, True):
+        with pytest.raises(ValueError, match="liger_rotary_pos_emb: unsqueeze_dim must be"):
+            liger.liger_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=bad)
+
+
 def test_glu_functions(refs):
     a, b = torch.randn(3, 8), torch.randn(3, 8)
     torch.testing.assert_close(liger.liger_swiglu(a=a, b=b), F.silu(a) * b)

@@ -161,6 +161,16 @@ def test_more_than_2_31_sorted_elements_are_refused():
         M._check_permute(x, torch.empty(2**20, 2, dtype=torch.int32, device="meta"), 8)
 
 
+def test_expert_weights_past_2_31_elements_are_refused_by_name():
+    """Qwen3-Coder-480B's experts unsharded: (160, 5120, 6144) gate_up, more than the grouped
+    GEMM indexes; refused before any launch, naming the weight."""
+    meta = lambda *shape, dt=torch.bfloat16: torch.empty(*shape, dtype=dt, device="meta")
+    args = (meta(4, 6144), torch.zeros(4, 2, dtype=torch.int32, device="meta"),
+            meta(4, 2, dt=torch.float32), meta(160, 5120, 6144), meta(160, 6144, 2560))
+    with pytest.raises(ValueError, match=r"^moe_experts: gate_up_proj has 5033164800 elements"):
+        M._check_experts(*args)
+
+
 # ---------------------------------------------------------------------------------------------
 # The routing indices.
 
