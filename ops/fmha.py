@@ -1205,7 +1205,8 @@ def fmha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     allowed). max_seqlen_q / max_seqlen_k: ints at least every sequence's length. The offsets
     are read on the device only (a call is CUDA-graph capturable), so, as in FlashAttention-2,
     these rules are not checked: offsets that leave rows outside every sequence, or a max_seqlen
-    below a sequence's length, give unspecified values in those rows and gradients. Each sequence
+    below a sequence's length, give unspecified values in those rows and in that sequence's
+    gradients (every key's included). Each sequence
     attends only to its own keys; causal=True aligns the diagonal bottom-right per sequence
     (query i sees key j iff j <= i + Lk - Lq); rows that see no key return 0. dtypes, D, scale
     and numerics as `fmha`. Returns o (Tq, Hq, D) laid out like q; differentiable in q, k, v.
