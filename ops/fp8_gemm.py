@@ -995,6 +995,8 @@ def _check_quantize(x, granularity, dtype, op="quantize_fp8"):
         raise ValueError(f"{op}: x must be 2-D (M, K), got shape {tuple(x.shape)}")
     if x.dtype not in IN_DTYPES:
         raise TypeError(f"{op}: x dtype {x.dtype} is not supported (bfloat16, float16, float32)")
+    if not isinstance(granularity, str):
+        raise TypeError(f"{op}: granularity must be a str, got {type(granularity).__name__}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"{op}: granularity must be one of {', '.join(GRANULARITIES)}; "
                          f"got {granularity!r}")

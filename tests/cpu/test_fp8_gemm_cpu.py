@@ -300,6 +300,7 @@ QBAD = [
     ((torch.zeros(4, 8, dtype=E4M3),), TypeError, "x dtype torch.float8_e4m3fn"),
     ((torch.zeros(4, 8), "col"), ValueError, "granularity must be one of tensor, row, "
                                              "block1x128, block128x128; got 'col'"),
+    ((torch.zeros(4, 8), None), TypeError, "granularity must be a str, got NoneType"),
     ((torch.zeros(4, 8), "row", torch.int8), TypeError, "dtype must be float8_e4m3fn or "
                                                         "float8_e5m2, got torch.int8"),
     ((torch.zeros(4, 8), "row", torch.float8_e4m3fnuz), TypeError, "dtype must be"),
