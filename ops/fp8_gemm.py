@@ -496,7 +496,8 @@ def row_configs(arch, m, k, col=False):
     warps on every H100 and H200 key, so 4 warps are searched only for the two-pass and the
     transposed tiles. Two-pass row-major keys add 1 x 2048 at 4 warps and occupancy 8 (32
     registers, no spill, 27 KB of shared memory a CTA): on an H200 it ran 1.05-1.08x faster than
-    the best of the rest at K 14336; the other tiles spill or run out of shared memory at 8
+    the best of the rest at K 14336; at 8 the other two-pass tiles spill or need more shared
+    memory than 8 CTAs have, except 2 x 2048 at 8 warps, not yet timed there
     (references/kernel-type-templates.md)."""
     whole = next_pow2(k)
     if col:

@@ -106,7 +106,7 @@ class LigerRMSNorm(nn.Module):
 def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rotary_dim=None):
     """RoPE of q (B, Hq, S, D) and k (B, Hkv, S, D), "rotate half" convention; returns new
     (q, k). unsqueeze_dim=2 takes q and k as (B, S, H, D), as transformers means it (Liger's
-    kernel reads (B, H, S, D) whatever its value); any other value than 1 or 2 is refused.
+    kernel reads (B, H, S, D) whatever its value); other values are refused.
     cos/sin: (S, R), (1, S, R), (B, S, R), or 4-D with a singleton at unsqueeze_dim or dim 1.
     The rotary width is rotary_dim, else cos's width (at most D). cos/sin may hold only the
     first half of each row (width rotary_dim / 2, as GPT-OSS builds them). position_ids is
