@@ -241,11 +241,19 @@ _matmul = Autotuner(
 TUNERS = (_matmul,)
 
 
+MAX_BATCH = 65535      # CUDA's cap on a grid's second axis, where non-persistent configs put Z
+
+
 def launch(a3, b3, c3):
     """c3 = a3 @ b3 (all 3-D). The launch key holds M and the batch Z themselves (a config
     without scratch launches on the grid planned for them), the tuning key their buckets (the
-    space, split-K's scratch bound included, is that of the bucket's largest Z)."""
+    space, split-K's scratch bound included, is that of the bucket's largest Z). A batch past
+    MAX_BATCH runs as launches of at most MAX_BATCH products each."""
     Z, M, K = a3.shape
+    if Z > MAX_BATCH:
+        for z in range(0, Z, MAX_BATCH):
+            launch(a3[z:z + MAX_BATCH], b3[z:z + MAX_BATCH], c3[z:z + MAX_BATCH])
+        return
     dev = a3.get_device()
     key = (M, b3.shape[2], K, Z, a3.dtype, layout(a3), layout(b3), dev)
     _matmul.launch(key, dev, a3, b3, c3)

@@ -499,7 +499,7 @@ def _tune_parser(sub):
     for flag, what in (("--hidden", "hidden size"), ("--intermediate", "MLP intermediate size"),
                        ("--heads", "attention heads"),
                        ("--kv-heads", "key/value heads (default: --heads)"),
-                       ("--head-dim", "head dim (default: hidden / heads)"),
+                       ("--head-dim", "head dim (default: the preset's, else hidden / heads)"),
                        ("--experts", "qwen3_moe: experts"),
                        ("--top-k", "qwen3_moe: experts per token"),
                        ("--moe-intermediate", "qwen3_moe: an expert's intermediate size")):

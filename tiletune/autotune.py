@@ -147,6 +147,13 @@ class Work:
         return out
 
 
+def _compiler_gave_no_verdict(error, message):
+    """A compile that timed out, or whose compiler a signal ended ("Return code -9": killed,
+    as the kernel's out-of-memory killer does), says nothing about the config."""
+    return error == "CompilerTimeoutError" or (
+        error == "CompilerExecutionError" and message.startswith("Return code -"))
+
+
 @dataclasses.dataclass
 class Search:
     """What a miss needs to search one key; built only on a miss.
@@ -376,24 +383,30 @@ class Autotuner:
         and leave the store alone."""
         tkey = self.tune_key(key)
         entry = self.cache.get(tkey) or self._resolve(tkey, dev, inputs)
-        skey = self._unproven.pop(tkey, None)
+        skey = self._unproven.get(tkey)
         if skey is None:
             return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
         try:
-            return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
+            result = self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
         except _NOT_THE_CONFIG:
-            self._unproven[tkey] = skey      # still unproven: a later launch decides
-            raise
+            raise                            # still unproven: a later launch decides
         except Exception as e:
-            cfg = entry[0]
-            log.warning("tiletune: %s %s: the stored or agreed config %s failed to launch "
-                        "(%s: %s); searching again", self.name, tkey, config_dict(cfg),
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-            store.delete(self.name, skey)
-            self.cache.pop(tkey, None)
-            self.records.pop(tkey, None)
-        entry = self._resolve(tkey, dev, inputs, use_store=False)
-        return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
+            # Every thread whose first launch of the entry fails lands here; the first one
+            # drops it, the others launch whatever is cached or resolved after.
+            with _search_lock(dev):
+                if self.cache.get(tkey) is entry:
+                    log.warning("tiletune: %s %s: the stored or agreed config %s failed to "
+                                "launch (%s: %s); searching again", self.name, tkey,
+                                config_dict(entry[0]), type(e).__name__,
+                                str(e).splitlines()[0] if str(e) else "")
+                    store.delete(self.name, skey)
+                    self.cache.pop(tkey, None)
+                    self.records.pop(tkey, None)
+                    self._unproven.pop(tkey, None)
+            entry = self.cache.get(tkey) or self._resolve(tkey, dev, inputs, use_store=False)
+            return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
+        self._unproven.pop(tkey, None)
+        return result
 
     def _launch_planned(self, key, tkey, entry, dev, inputs, launch_config):
         cfg, kernel = entry
@@ -643,9 +656,10 @@ class Autotuner:
                                                       cfgs[batch[j]], dev), sig, arch, cubin)
             compiled.update({i: refused.get(j) for j, i in enumerate(batch)})
         rejected = {j: compiled[i] for j, i in enumerate(indices) if compiled.get(i)}
-        # A compile timeout in a loaded parallel precompile is no verdict on the config: the
-        # search compiles it again, alone. So does every config if the precompile rejected all.
-        rejected = {j: e for j, e in rejected.items() if e[0] != "CompilerTimeoutError"}
+        # A compile timeout in a loaded parallel precompile is no verdict on the config, nor is
+        # a compiler killed by a signal (out of memory among many parallel compiles): the search
+        # compiles it again, alone. So does every config if the precompile rejected all.
+        rejected = {j: e for j, e in rejected.items() if not _compiler_gave_no_verdict(*e[:2])}
         if rejected and len(rejected) == len(subset):
             log.warning("tiletune: %s %s: the parallel precompile rejected every config; "
                         "compiling them one at a time", self.name, key)
@@ -785,9 +799,9 @@ class Autotuner:
     def _probe(self, cfg, search, dev):
         """Launch one config once to get its own error (used only when every config failed)."""
         try:
-            ct.launch(torch.cuda.current_stream(), search.grid_fn(cfg),
+            ct.launch(torch.cuda.current_stream(dev), search.grid_fn(cfg),
                       self._with_hints(self.search_kernel(cfg), cfg, dev), search.args_fn(cfg))
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(dev)
             return "NoError", "ran when probed alone"
         except Exception as e:
             return type(e).__name__, str(e)
@@ -798,8 +812,13 @@ class Autotuner:
             # One launch with the search's (scratch) arguments, still under the lock: the JIT
             # compiles the tuned kernel here, once, instead of in whichever threads launch it
             # first. (Not for in-place kernels: their search arguments belong to the twin.)
-            ct.launch(torch.cuda.current_stream(dev), search.grid_fn(cfg), kernel,
-                      search.args_fn(cfg))
+            # Through the op's run where it has one: a kernel that reads what an earlier
+            # kernel of the run writes (the grouped GEMM's schedule) cannot run alone.
+            if search.run_fn is not None:
+                search.run_fn(cfg, kernel)
+            else:
+                ct.launch(torch.cuda.current_stream(dev), search.grid_fn(cfg), kernel,
+                          search.args_fn(cfg))
         entry = (cfg, kernel)
         self.records[key] = record
         self.cache[key] = entry

@@ -260,16 +260,16 @@ class Agreement:
         return self._adopt(json.loads(now), out, role)
 
     def _time(self, indices, measure, out, ahead=()):
-        """measure(indices, ahead) with this rank's mark on each result; on an error, every
-        config given is a failure (published by the caller, so nobody waits for it) and it
-        raises."""
+        """measure(indices, ahead) with this rank's mark on each result, and the error it
+        raised or None. A config that fails is in the failures measure returns; an error raised
+        (out of memory, a broken compile pool, an interrupt) says nothing about the configs:
+        the caller publishes its share as abandoned, so that nobody waits for it and the rank
+        that concludes times those configs itself, then raises it here."""
         try:
             timings, failures = measure(indices, ahead)
             error = None
         except BaseException as e:          # noqa: B902 (published, then raised again)
-            timings, error = [], e
-            failures = [{"i": i, "error": type(e).__name__, "message": str(e)[:500]}
-                        for i in indices]
+            timings, failures, error = [], [], e
         for t in timings + failures:
             t["rank"] = self.rank
         out.timed += list(indices)
@@ -305,7 +305,7 @@ class Agreement:
                                                   measure, out, ahead)
             for c in taken:
                 mine = set(chunk(c))
-                self.store.set(f"{ns}/c{c}", json.dumps({
+                self.store.set(f"{ns}/c{c}", json.dumps(ABANDONED if error is not None else {
                     "timings": [t for t in timings if t["i"] in mine],
                     "failures": [f for f in failures if f["i"] in mine]}))
             if error is not None:
@@ -338,17 +338,18 @@ class Agreement:
         return found
 
     def _finish(self, ns, chunk, keys, measure, conclude, out):
-        """Merge every chunk's timings (timing here those still missing), conclude, decide."""
+        """Merge every chunk's timings (timing here those missing or abandoned), conclude,
+        decide."""
         timings, failures = [], []
         for c, key in enumerate(keys):
             text = self._get(key)
-            if text is None:            # only past a timeout: its rank stopped
-                out.took_over = True
+            part = None if text is None else json.loads(text)
+            if part is None or part == ABANDONED:   # its rank stopped (past a timeout) or raised
+                out.took_over = out.took_over or part is None
                 t, f, error = self._time(chunk(c), measure, out)
                 if error is not None:
                     raise error
-                text = json.dumps({"timings": t, "failures": f})
-            part = json.loads(text)
+                part = {"timings": t, "failures": f}
             timings += part["timings"]
             failures += part["failures"]
         return self._conclude(ns, timings, failures, conclude, out)
@@ -371,7 +372,8 @@ class Agreement:
         if found is not None:
             return self._adopt(found, out, "adopted")
         timings, failures, error = self._time(list(range(n)), measure, out)
-        self.store.set(f"{ns}/m{member}", json.dumps({"timings": timings, "failures": failures}))
+        self.store.set(f"{ns}/m{member}", json.dumps(
+            ABANDONED if error is not None else {"timings": timings, "failures": failures}))
         if error is not None:
             raise error
         if self._set_once(ns + "/fin", str(self.rank)) != str(self.rank):
@@ -388,9 +390,13 @@ class Agreement:
         found = self._await_all(ns, keys, out, "the timings of ranks that started on this key")
         if isinstance(found, dict):
             return self._adopt(found, out, "finisher")
-        parts = [json.loads(text) for text in map(self._get, keys) if text is not None]
+        parts = [part for part in (json.loads(text) for text in map(self._get, keys)
+                                   if text is not None) if part != ABANDONED]
         return self._conclude(ns, *_mean_of([(p["timings"], p["failures"]) for p in parts]),
                               conclude, out)
+
+
+ABANDONED = {"abandoned": True}     # a rank's share it could not time (it raised)
 
 
 def _mean_of(parts):

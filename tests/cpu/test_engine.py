@@ -400,8 +400,9 @@ def test_final_round_runs_the_ops_runner_when_given(env):
     s = Search(shape=dict(n=16), grid_fn=lambda c: (1,), args_fn=lambda c: (),
                run_fn=lambda c, kernel: ran.append((c.occupancy, kernel._compiler_options.occupancy)))
     cfg, _ = t.cache.get(("k", 10)) or t.tune(("k", 10), 0, s)
-    assert ran == [(2, 2), (1, 1)]          # winner and default, each with its hinted kernel
-    assert [k._compiler_options.occupancy for _, _, k, _ in env.launches] == [2]   # warm launch
+    # the final round times winner and default, each with its hinted kernel; then the winner's
+    # warm launch goes through the runner too (not its kernel alone)
+    assert ran == [(2, 2), (1, 1), (2, 2)] and env.launches == []
 
 
 def test_partly_timed_configs_count_the_margin_from_the_fastest_whole_one(env):
@@ -465,6 +466,33 @@ def _declared(env, monkeypatch, name, **hooks):
     t = Autotuner(f"{name}_{id(env)}", _k, _space, default=SimpleNamespace(tile=8, occupancy=1),
                   space=lambda x, n, *rest: dict(n=n), **hooks)
     return t
+
+
+def test_the_winners_first_launch_goes_through_its_run(env, monkeypatch):
+    """After the search the engine launches the winner once (the JIT compiles it then). A kernel
+    timed by its run reads what the run's earlier kernel writes into scratch (the grouped GEMM's
+    schedule): it is launched through the run, never alone on another config's scratch."""
+    alone = []
+
+    def launch(stream, grid, kernel, args):
+        if args[0] == "kernel" and args[2] is not None and not bool((args[2] == args[1]).all()):
+            alone.append(args[1])          # the kernel on a schedule its run did not write
+        env.launches.append(args)
+    monkeypatch.setattr(ct, "launch", launch)
+
+    def run(c, kernel, stream, dev, x, n, table):
+        if table is not None:
+            table.fill_(c.occupancy)                       # the schedule kernel
+        ct.launch(stream, (1,), kernel, ("kernel", c.occupancy, table))
+    env.final.times = {0: 4.0, 1: 5.0, 2: 5.1}            # the last finalist timed is not the winner
+    t = _declared(env, monkeypatch, "by_run",
+                  scratch=lambda c, dev, x, n: ((c.occupancy, 3), torch.int32)
+                  if c.occupancy > 1 else None,
+                  grid=lambda c, dev, x, n, table: (1,),
+                  args=lambda c, x, n, table: ("kernel", c.occupancy, table),
+                  run=run, timed_by_run=lambda c: c.occupancy > 1)
+    t.launch(("k",), "cpu", torch.zeros(4), 16)
+    assert t.cache[("k",)][0].occupancy > 1 and alone == []
 
 
 def test_launch_tunes_once_then_launches_the_cached_kernel(env, monkeypatch):
@@ -590,6 +618,40 @@ def test_a_stored_winner_that_fails_to_launch_is_searched_again(env, monkeypatch
         t.launch(("k2",), "cpu", x, 32)
 
 
+def test_threads_meeting_a_stored_winner_that_fails_to_launch_all_recover(env, monkeypatch):
+    """Two threads make the first launch of a key whose stored winner the driver refuses: the
+    first to fail drops it and searches again; the other, failing on the same entry, launches
+    the new winner instead of raising."""
+    x = torch.zeros(4)
+    t = _declared(env, monkeypatch, "race", grid=lambda c, dev, x, n: (1,),
+                  args=lambda c, x, n: (x, c.occupancy))
+    t.launch(("k",), "cpu", x, 32)                  # search: occupancy 2 wins, stored
+    t.clear()
+    env.fake.best_occ = 4
+
+    def launch(stream, grid, kernel, args):
+        if args[1] == 2:
+            time.sleep(0.2)
+            raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")
+        env.launches.append(args)
+    monkeypatch.setattr(ct, "launch", launch)
+    errors = []
+
+    def work():
+        try:
+            t.launch(("k",), "cpu", x, 32)
+        except Exception as e:
+            errors.append(e)
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    threads[0].start()
+    time.sleep(0.05)
+    threads[1].start()
+    for th in threads:
+        th.join()
+    assert errors == [] and t.cache[("k",)][0].occupancy == 4 and env.fake.calls == 2
+    assert env.launches[-2:] == [(x, 4), (x, 4)]
+
+
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"),
                                    ct.TileCompilerTimeoutError("compile timed out", "", "13.4"),
                                    ValueError("bad input")],
@@ -709,8 +771,9 @@ def test_launch_refuses_cpu_tensors_with_a_clear_message(env, monkeypatch):
 # -- reliability of the miss path ------------------------------------------------------------
 
 def test_precompile_timeouts_are_no_verdict_and_all_rejected_means_serial(env, monkeypatch):
-    """A compile timeout in the loaded parallel precompile does not drop the config; if the
-    precompile rejects every config, the search compiles them all itself."""
+    """A compile timeout in the loaded parallel precompile, or a compiler killed by a signal
+    (out of memory among parallel compiles), does not drop the config; a compiler's own error
+    does; if the precompile rejects every config, the search compiles them all itself."""
     monkeypatch.setattr(precompile, "enabled", lambda: True)
     verdicts = {0: ("CompilerTimeoutError", "over 60 s"), 1: ("TileTypeError", "too large")}
     monkeypatch.setattr(precompile, "precompile",
@@ -719,6 +782,12 @@ def test_precompile_timeouts_are_no_verdict_and_all_rejected_means_serial(env, m
     resolve(t, ("k", 1))
     rec = t.records[("k", 1)]
     assert [f["config"]["occupancy"] for f in rec.failures] == [2]       # only the verdict
+    assert sorted(m["config"]["occupancy"] for m in rec.timings) == [1, 4]
+    verdicts.update({0: ("CompilerExecutionError", "Return code -9\n"),
+                     1: ("CompilerExecutionError", "Return code 1\nerror: too much smem")})
+    resolve(t, ("k", 3))
+    rec = t.records[("k", 3)]
+    assert [f["config"]["occupancy"] for f in rec.failures] == [2]
     assert sorted(m["config"]["occupancy"] for m in rec.timings) == [1, 4]
     verdicts.update({0: ("TileTypeError", "x"), 2: ("TileTypeError", "y")})   # all rejected
     resolve(t, ("k", 2))

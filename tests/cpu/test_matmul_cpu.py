@@ -102,6 +102,22 @@ def test_key_buckets_m_and_names_layouts(monkeypatch):
         (512, 128, 64, 4, torch.float32, "col", "row", -1)]
 
 
+def test_a_batch_past_the_grid_axis_runs_in_chunks(monkeypatch):
+    """Non-persistent configs put the batch on the grid's second axis (CUDA caps it at 65535):
+    a larger batch runs as launches of at most that many products, covering every one once."""
+    seen = []
+    monkeypatch.setattr(MM._matmul, "launch",
+                        lambda key, dev, a3, b3, c3: seen.append((key[3], c3.data_ptr())))
+    Z = 2 * MM.MAX_BATCH + 7
+    a3 = torch.empty(Z, 2, 4, device="meta")
+    b3 = torch.empty(Z, 4, 3, device="meta")
+    c3 = torch.empty(Z, 2, 3)
+    MM.launch(a3, b3, c3)
+    assert [z for z, _ in seen] == [MM.MAX_BATCH, MM.MAX_BATCH, 7]
+    step = MM.MAX_BATCH * 2 * 3 * c3.element_size()
+    assert [ptr - c3.data_ptr() for _, ptr in seen] == [0, step, 2 * step]
+
+
 def test_backward_computes_only_the_gradients_needed(monkeypatch):
     products = []
 
