@@ -12,6 +12,7 @@ share the (model, sequence length) pairs out (start_job, shares), each stepping 
 tiletune.distributed's process group set.
 """
 import dataclasses
+import datetime
 import time
 from typing import Optional
 
@@ -240,9 +241,14 @@ def start_job(backend="nccl"):
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        # The job's one collective is the gather at the end, which waits for the slowest
+        # rank's whole share of tuning: far past the 10-minute default on large lists.
+        dist.init_process_group(backend, timeout=JOB_GATHER_TIMEOUT)
     distributed.set_process_group()
     return dist.get_rank(), dist.get_world_size()
+
+
+JOB_GATHER_TIMEOUT = datetime.timedelta(hours=6)
 
 
 def end_job(world):

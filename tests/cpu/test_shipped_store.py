@@ -467,6 +467,23 @@ def test_start_job_joins_torchrun_and_sets_the_process_group(tmp_path):
     assert one.stdout.strip() == "(0, 1) [7]", one.stderr
 
 
+def test_start_job_gives_the_gather_hours_not_minutes(monkeypatch):
+    """The job's one collective, the gather at the end, waits for the slowest rank's share:
+    the process group start_job makes has a timeout of hours, not torch's 10 minutes."""
+    import torch.distributed as dist
+    from tiletune import distributed
+    made = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: made.update(kw))
+    monkeypatch.setattr(distributed, "set_process_group", lambda: None)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    assert pretune.start_job("gloo") == (1, 2)
+    assert made["timeout"] == pretune.JOB_GATHER_TIMEOUT and \
+        pretune.JOB_GATHER_TIMEOUT.total_seconds() >= 3600
+
+
 def test_tune_refuses_without_autotuning_or_a_store(gpu, monkeypatch, capsys):
     monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
     assert main(["tune", "--preset", "llama3-8b"]) == 2
