@@ -219,7 +219,9 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     cos, sin: (S', R), (1, S', R), (B, S', R) or (B, 1, S', R), any of the three dtypes; R is the
     rotary width (`rotary_dim`, default cos's last dim; even, <= D): the first R dims of each head
     rotate, the rest pass through. Row s of cos/sin serves position s, or position_ids[b, s] when
-    `position_ids` (B, S) / (1, S) / (S,) is given (range checked on the host: one sync).
+    `position_ids` (B, S) / (1, S) / (S,) is given (range checked on the host: one sync;
+    not under CUDA graph capture or torch.compile, where an id past cos/sin's rows reads
+    zeros for them, so those positions' rotated dims come out zero).
     inplace=False returns new (q_embed, k_embed) laid out like q and k; inplace=True writes q and
     k in place (marked dirty for autograd) and returns them; in place, q and k must not share
     memory (k is q, overlapping views) nor have overlapping elements (a stride-0 expanded dim),
