@@ -140,10 +140,8 @@ def bench_host():
 
     def torch_fn(a, b):
         return torch.nn.functional.rms_norm(a, (1024,), b, eps)
-    out.update(host_against_torch(lambda: R.rms_norm(x, w), lambda: torch_fn(x, w),
-                                  grad_step(R.rms_norm, xw), grad_step(torch_fn, xw)))
-    peers = _peers(eps)
-    if peers:
-        out.update({f"{name}_step": us for name, us in
-                    host_in_turns({name: grad_step(f, xw) for name, f in peers.items()}).items()})
+    out.update(host_against_torch(
+        lambda: R.rms_norm(x, w), lambda: torch_fn(x, w), grad_step(R.rms_norm, xw),
+        grad_step(torch_fn, xw),
+        others={f"{name}_step": grad_step(f, xw) for name, f in _peers(eps).items()}))
     return out

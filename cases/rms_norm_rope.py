@@ -116,11 +116,13 @@ def bench_cases(full=False):
 
 
 def bench_host():
-    """Host microseconds per call at a tiny shape (B1 Hq8 Hkv2 S16 D64 bf16), against torch's
-    rms_norm per head then HF's rotation in eager: the call and one forward+backward step."""
+    """Host microseconds per call at a tiny shape (B1 Hq8 Hkv2 S16 D64 bf16), against HF's code
+    in eager (torch's rms_norm per head of the (B, S, H, D) projections, then the transposed
+    views rotated): the call and one forward+backward step."""
     dt, D = torch.bfloat16, 64
-    q = torch.randn(1, 16, 8, D, device="cuda", dtype=dt).transpose(1, 2)
-    k = torch.randn(1, 16, 2, D, device="cuda", dtype=dt).transpose(1, 2)
+    qs = torch.randn(1, 16, 8, D, device="cuda", dtype=dt)
+    ks = torch.randn(1, 16, 2, D, device="cuda", dtype=dt)
+    q, k = qs.transpose(1, 2), ks.transpose(1, 2)
     wq, wk = torch.rand(D, device="cuda", dtype=dt), torch.rand(D, device="cuda", dtype=dt)
     ang = torch.rand(16, D // 2, device="cuda") * 6.28
     cos = torch.cat((ang.cos(), ang.cos()), -1).to(dt)
@@ -129,10 +131,11 @@ def bench_host():
     def ours(q, k, wq, wk):
         return RNR.rms_norm_rope(q, k, wq, wk, cos, sin)
 
-    def torch_fn(q, k, wq, wk):
-        return hf_apply_rotary_pos_emb(torch.nn.functional.rms_norm(q, (D,), wq, 1e-6),
-                                       torch.nn.functional.rms_norm(k, (D,), wk, 1e-6),
-                                       cos[None], sin[None])
-    inputs = leaves(q, k, wq, wk)
-    return host_against_torch(lambda: ours(q, k, wq, wk), lambda: torch_fn(q, k, wq, wk),
-                              grad_step(ours, inputs), grad_step(torch_fn, inputs))
+    def torch_fn(qs, ks, wq, wk):
+        return hf_apply_rotary_pos_emb(
+            torch.nn.functional.rms_norm(qs, (D,), wq, 1e-6).transpose(1, 2),
+            torch.nn.functional.rms_norm(ks, (D,), wk, 1e-6).transpose(1, 2),
+            cos[None], sin[None])
+    return host_against_torch(lambda: ours(q, k, wq, wk), lambda: torch_fn(qs, ks, wq, wk),
+                              grad_step(ours, leaves(q, k, wq, wk)),
+                              grad_step(torch_fn, leaves(qs, ks, wq, wk)))

@@ -74,12 +74,13 @@ def hf_apply_rotary_pos_emb(q, k, cos, sin):
 
 def bench_inputs(B, Hq, Hk, S, D, dt):
     """Random q, k as HF passes them ((B, S, H, D) storage seen as (B, H, S, D)) and cos/sin
-    (B, S, D) shared over the batch (stride 0), on the GPU."""
+    (B, S, D) as HF's rotary embedding makes them: contiguous, one row per batch and position
+    (the same rows in every batch here), on the GPU."""
     q = torch.randn(B, S, Hq, D, device="cuda", dtype=dt).transpose(1, 2)
     k = torch.randn(B, S, Hk, D, device="cuda", dtype=dt).transpose(1, 2)
     ang = torch.rand(S, D // 2, device="cuda") * 6.28
-    cos = torch.cat((ang.cos(), ang.cos()), -1)[None].expand(B, S, D).to(dt)
-    sin = torch.cat((ang.sin(), ang.sin()), -1)[None].expand(B, S, D).to(dt)
+    cos = torch.cat((ang.cos(), ang.cos()), -1)[None].expand(B, S, D).to(dt).contiguous()
+    sin = torch.cat((ang.sin(), ang.sin()), -1)[None].expand(B, S, D).to(dt).contiguous()
     return q, k, cos, sin
 
 
@@ -122,7 +123,7 @@ def bench_cases(full=False):
                 "rope", f"B{B} Hq{Hq} Hkv{Hk} S{S} D{D} bf16", mode, ours,
                 {name: (lambda f=f, q=q, k=k, c=cos, s=sin: f(q, k, c, s))
                  for name, f in peers.items()},
-                bytes=2 * (q.numel() + k.numel()) * 2 + 2 * S * D * 2,
+                bytes=2 * (q.numel() + k.numel()) * 2 + 2 * B * S * D * 2,
                 ceiling=("copy", lambda qo=q_out, ko=k_out, qc=qc, kc=kc:
                          (qo.copy_(qc), ko.copy_(kc)))))
     return cases

@@ -80,13 +80,15 @@ def grad_step(f, inputs, grads=None):
     return lambda: torch.autograd.grad(f(*inputs), inputs, grads)
 
 
-def host_against_torch(call, torch_call, step=None, torch_step=None):
+def host_against_torch(call, torch_call, step=None, torch_step=None, others=None):
     """An op's host table at a tiny shape, where the GPU is never the limit: the whole call
     against torch's equivalent call and, for ops that train, one forward+backward step
-    (`torch.autograd.grad`) against torch's; ratios are ours / torch's (lower is better)."""
+    (`torch.autograd.grad`) against torch's; ratios are ours / torch's (lower is better).
+    `others` ({label: fn}, e.g. peers' steps) are timed in the same turns."""
     fns = {"call": call, "torch_call": torch_call}
     if step is not None:
         fns.update(step=step, torch_step=torch_step)
+    fns.update(others or {})
     us = host_in_turns(fns)
     us["call_over_torch"] = us["call"] / us["torch_call"]
     if step is not None:
@@ -222,10 +224,12 @@ def run_case(case, skip_peers=(), seen_peers=None):
             row[f"frac_{label}"] = row[f"{label}_us"] / row["tuned_us"]
     if case.graph:                    # tuned, fixed and the baselines (not the ceiling)
         _time_graphs(row, candidates, case.timing)
-    if case.bytes:
-        row["tuned_GBps"] = case.bytes / row["tuned_us"] / 1e3
-    if case.flops:
-        row["tuned_TFLOPs"] = case.flops / row["tuned_us"] / 1e6
+    for when in ("", "_graph"):       # rates of the eager time, and of the graph's where timed
+        us_ = row.get(f"tuned{when}_us")
+        if case.bytes and us_:
+            row[f"tuned{when}_GBps"] = case.bytes / us_ / 1e3
+        if case.flops and us_:
+            row[f"tuned{when}_TFLOPs"] = case.flops / us_ / 1e6
     row.update(case.extra)
     return row
 

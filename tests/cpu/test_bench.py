@@ -155,10 +155,13 @@ def test_a_graph_row_times_each_candidate_replayed_from_its_cuda_graph(clock, mo
     monkeypatch.setattr(bench, "graphed", fake_graphed)
     case = bench.BenchCase("op", "decode", "fwd", ours,
                            {"peer": lambda: timed("peer", 45.0, 44.0), "nocap": uncapturable},
-                           graph=True)
+                           graph=True, bytes=8e6)
     row = bench.run_case(case)
     assert row["tuned_us"] == pytest.approx(60.0) and row["vs_peer"] == pytest.approx(45 / 60)
     assert row["tuned_graph_us"] == pytest.approx(40.0)
+    # rates of both times: the graph's is the kernels' without the host's
+    assert row["tuned_GBps"] == pytest.approx(8e6 / 60.0 / 1e3)
+    assert row["tuned_graph_GBps"] == pytest.approx(8e6 / 40.0 / 1e3)
     assert row["fixed_graph_us"] == pytest.approx(50.0)
     assert row["vs_fixed_graph"] == pytest.approx(50 / 40)
     assert row["vs_peer_graph"] == pytest.approx(44 / 40)
