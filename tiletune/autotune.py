@@ -149,7 +149,7 @@ class Work:
 
 def _compiler_gave_no_verdict(error, message):
     """A compile that timed out, or whose compiler a signal ended ("Return code -9": killed,
-    as the kernel's out-of-memory killer does), says nothing about the config."""
+    as the operating system's out-of-memory killer does), says nothing about the config."""
     return error == "CompilerTimeoutError" or (
         error == "CompilerExecutionError" and message.startswith("Return code -"))
 
