@@ -37,7 +37,7 @@ from torch.nn.modules.module import (_global_forward_hooks,
 
 from tiletune.ops.fmha import fmha_varlen, scaled_dot_product_attention
 from tiletune.ops.gated_mlp import swiglu_linear
-from tiletune.ops.moe import moe_experts
+from tiletune.ops.moe import MAX_ELEMS, moe_experts
 from tiletune.ops.rms_norm import rms_norm
 from tiletune.ops.rms_norm_rope import rms_norm_rope
 from tiletune.ops.rope import apply_rope
@@ -296,7 +296,7 @@ def experts_supported(hidden_dtype, weight_dtypes):
         all(d == hidden_dtype for d in weight_dtypes)
 
 
-EXPERT_WEIGHT_ELEMS = 2**31 - 1     # moe_experts' limit per weight tensor (the grouped GEMM's)
+EXPERT_WEIGHT_ELEMS = MAX_ELEMS     # moe_experts' limit per weight tensor (the grouped GEMM's)
 
 
 class _ExpertsForward:
@@ -379,13 +379,15 @@ class _AttentionForward:
         return self.o_proj(attn_output), attn_weights
 
 
-def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, rotary_dim=None):
     """transformers' `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)` on tiletune RoPE:
-    unsqueeze_dim=1 takes (B, H, S, D) q/k, unsqueeze_dim=2 (B, S, H, D); cos/sin (B, S, D)."""
+    unsqueeze_dim=1 takes (B, H, S, D) q/k, unsqueeze_dim=2 (B, S, H, D); cos/sin (B, S, D).
+    rotary_dim as `apply_rope`'s."""
     if unsqueeze_dim == 1:
-        return apply_rope(q, k, cos, sin)
+        return apply_rope(q, k, cos, sin, rotary_dim=rotary_dim)
     if unsqueeze_dim == 2:
-        q_out, k_out = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        q_out, k_out = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin,
+                                  rotary_dim=rotary_dim)
         return q_out.transpose(1, 2), k_out.transpose(1, 2)
     raise ValueError(f"apply_rotary_pos_emb: unsqueeze_dim must be 1 or 2, got {unsqueeze_dim}")
 

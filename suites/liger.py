@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from tiletune.ops.rms_norm import rms_norm
-from tiletune.ops.rope import apply_rope
 from tiletune.ops.swiglu import geglu, swiglu
 from tiletune.suites import hf
 
@@ -131,11 +130,7 @@ def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rot
         half = rotary_dim // 2          # first halves only: the second half repeats them
         cos = torch.cat((cos[..., :half], cos[..., :half]), -1)
         sin = torch.cat((sin[..., :half], sin[..., :half]), -1)
-    if unsqueeze_dim == 2:
-        q_out, k_out = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin,
-                                  rotary_dim=rotary_dim)
-        return q_out.transpose(1, 2), k_out.transpose(1, 2)
-    return apply_rope(q, k, cos, sin, rotary_dim=rotary_dim)
+    return hf.hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, rotary_dim=rotary_dim)
 
 
 liger_rope = liger_rotary_pos_emb

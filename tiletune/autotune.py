@@ -812,13 +812,10 @@ class Autotuner:
             # One launch with the search's (scratch) arguments, still under the lock: the JIT
             # compiles the tuned kernel here, once, instead of in whichever threads launch it
             # first. (Not for in-place kernels: their search arguments belong to the twin.)
-            # Through the op's run where it has one: a kernel that reads what an earlier
-            # kernel of the run writes (the grouped GEMM's schedule) cannot run alone.
-            if search.run_fn is not None:
-                search.run_fn(cfg, kernel)
-            else:
-                ct.launch(torch.cuda.current_stream(dev), search.grid_fn(cfg), kernel,
-                          search.args_fn(cfg))
+            # As the final round runs it: through the op's run where it has one, since a
+            # kernel that reads what an earlier kernel of the run writes (the grouped GEMM's
+            # schedule) cannot run alone.
+            self._runner(cfg, search, torch.cuda.current_stream(dev), dev)()
         entry = (cfg, kernel)
         self.records[key] = record
         self.cache[key] = entry

@@ -65,6 +65,7 @@ log = logging.getLogger("tiletune")
 DEFAULT_TIMEOUT_SEC = 300.0
 MODES = ("share", "replicate")
 ON_TIMEOUT = ("local", "raise")
+ABANDONED = {"abandoned": True}     # what a rank publishes of a share it could not time
 _POLL_MIN_SEC, _POLL_MAX_SEC = 0.001, 0.02     # a wait checks the store this often
 
 
@@ -394,9 +395,6 @@ class Agreement:
                                    if text is not None) if part != ABANDONED]
         return self._conclude(ns, *_mean_of([(p["timings"], p["failures"]) for p in parts]),
                               conclude, out)
-
-
-ABANDONED = {"abandoned": True}     # a rank's share it could not time (it raised)
 
 
 def _mean_of(parts):

@@ -81,8 +81,9 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), -1)
 
 
-def ref_rope(q, k, cos, sin):
+def ref_rope(q, k, cos, sin, rotary_dim=None):
     assert q.dim() == 4 and cos.dim() == 3          # (B, H, S, D) and HF's (B, S, D)
+    assert rotary_dim is None                        # HF's models rotate the whole head
     cos, sin = cos[:, None], sin[:, None]
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 

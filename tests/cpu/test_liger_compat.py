@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tiletune.suites import liger
+from tiletune.suites import hf, liger
 
 
 def params(fn):
@@ -57,7 +57,8 @@ def test_signatures():
 
 @pytest.fixture
 def refs(monkeypatch):
-    """Torch references for the ops liger.py calls; returns the kwargs apply_rope got."""
+    """Torch references for the ops liger.py calls (its RoPE through hf.py's); returns the
+    kwargs apply_rope got."""
     seen = {}
 
     def rms(x, w, eps):
@@ -69,7 +70,7 @@ def refs(monkeypatch):
         return rope_reference(q, cos, sin, rotary_dim), rope_reference(k, cos, sin, rotary_dim)
 
     monkeypatch.setattr(liger, "rms_norm", rms)
-    monkeypatch.setattr(liger, "apply_rope", rope)
+    monkeypatch.setattr(hf, "apply_rope", rope)      # liger's RoPE runs through hf's
     monkeypatch.setattr(liger, "_swiglu", lambda g, u: F.silu(g) * u)
     monkeypatch.setattr(liger, "_geglu_tanh", lambda g, u: F.gelu(g, approximate="tanh") * u)
     return seen
