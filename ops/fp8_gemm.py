@@ -38,6 +38,7 @@ ZERO = ct.PaddingMode.ZERO
 RN = ct.RoundingMode.RN
 BLOCK = 128                      # the K (and M/N) extent of one block scale
 AMAX_EPS = 1e-12                 # an all-zero group still gets a finite, non-zero scale
+FLT_MAX = 3.4028234663852886e38  # the largest finite float32
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -193,7 +194,7 @@ def fp8_mm_block_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[i
 # ---------------------------------------------------------------------------------------------
 # Quantizer kernels. x (M, K) bf16/fp16/fp32, any strides; q (M, K) float8. Each group's scale
 # is max(amax, 1e-12) / fp8_max and q = clamp(x / scale, -fp8_max, fp8_max) cast with round to
-# nearest even: the very operations of quantize_fp8_reference, in float32, NaN propagating as
+# nearest even: the results of quantize_fp8_reference's float32 operations, NaN propagating as
 # torch's amax and clamp propagate it (bit-exact against it).
 
 def _fp8_scale(amax, fp8_max):
@@ -201,7 +202,22 @@ def _fp8_scale(amax, fp8_max):
 
 
 def _fp8_cast(xf, scale, fp8_max, dtype):
-    y = ct.truediv(xf, scale, rounding_mode=RN)
+    """clamp(x / scale) cast to `dtype`, x / scale rounded as the IEEE division rounds it, from
+    one reciprocal per scale: q = x * inv, the residual q * s - x (one FMA, exact), then
+    q - residual * inv (one FMA), the division's own fast path with the reciprocal rounded to
+    nearest. An IEEE division per element (reciprocal, Newton step, range check, slow-path
+    branch: ten sm_90 instructions) left the quantizers issue-bound on an H200. Zeros keep x's
+    sign through the residual's form (x = -0 gives -0). s is the scale capped at FLT_MAX, so an
+    infinite scale gives 0 for finite x and NaN for an infinite one, as x / inf does.
+    tests/gpu/test_fp8_gemm.py checks every pair of a 16-bit x and a scale of a 16-bit amax at
+    or above it, and float32 x of every exponent, bit for bit against the reference."""
+    inv = ct.truediv(1.0, scale, rounding_mode=RN)
+    s = ct.minimum(scale, FLT_MAX, propagate_nan=True)
+    q = xf * inv
+    # cuTile fuses a multiply into the add or subtract that is its only use, trying the left
+    # operand first: each product below stands on the left.
+    residual = q * s - xf
+    y = (-residual) * inv + q
     y = ct.minimum(ct.maximum(y, -fp8_max, propagate_nan=True), fp8_max, propagate_nan=True)
     return y.astype(dtype)
 
@@ -495,10 +511,11 @@ def row_configs(arch, m, k, col=False):
     CTAs at occupancy 2-4 ran 1.5-2.5x faster than one CTA per tile; one-pass tiles won with 8
     warps on every H100 and H200 key, so 4 warps are searched only for the two-pass and the
     transposed tiles. Two-pass row-major keys add 1 x 2048 at 4 warps and occupancy 8 (32
-    registers, no spill, 27 KB of shared memory a CTA): on an H200 it ran 1.05-1.08x faster than
-    the best of the rest at K 14336; at 8 the other two-pass tiles spill or need more shared
-    memory than 8 CTAs have, except 2 x 2048 at 8 warps, not yet timed there
-    (references/kernel-type-templates.md)."""
+    registers, no spill, 27 KB of shared memory a CTA; at 8 the other two-pass tiles spill or
+    need more shared memory than 8 CTAs have, except 2 x 2048 at 8 warps, not timed there).
+    With the IEEE division per element it led the space at K 14336 on an H200; with the
+    one-reciprocal cast the one-pass 1 x 16384 tile at occupancy 2 runs there 1.35x faster
+    than it (references/kernel-type-templates.md), so it serves rows past 16384 columns."""
     whole = next_pow2(k)
     if col:
         tiles = [(32, 256), (16, 512), (32, 512), (16, 1024)]

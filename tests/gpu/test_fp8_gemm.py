@@ -280,6 +280,68 @@ def test_quantize_is_bit_exact(fresh, monkeypatch, shape, xdt, granularity, dtyp
         assert (s.stride(0) * 4) % 16 == 0           # 16-byte rows
 
 
+def every_finite_value(dt):
+    """Every finite value of a 16-bit float dtype (both zeros included)."""
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32, device="cuda")
+    values = bits.to(torch.int16).view(dt)
+    return values[torch.isfinite(values)]
+
+
+def same_or_both_nan(q, rq):
+    """Bit-equal FP8 outside NaNs, NaN at the same places (a NaN's sign is not specified)."""
+    nan, rnan = torch.isnan(q.float()), torch.isnan(rq.float())
+    return torch.equal(nan, rnan) and torch.equal(q.view(torch.uint8)[~nan],
+                                                  rq.view(torch.uint8)[~rnan])
+
+
+@pytest.mark.parametrize("xdt", [BF16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_is_bit_exact_for_every_16_bit_value(fresh, monkeypatch, xdt, dtype):
+    """Exhaustive for 16-bit inputs: one row per non-negative finite amax a of the dtype, holding
+    every finite value clamped to [-a, a], so every scale a 16-bit row can have meets every
+    value that can share a row with it; then rows with an infinity (scale inf: zeros of x's
+    sign, NaN for the infinity). The cast divides through one reciprocal per scale
+    (F8._fp8_cast), which must round as the IEEE division does."""
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")       # the cast is the same in every config
+    values = every_finite_value(xdt)
+    amaxes = values[(values >= 0) & ~torch.signbit(values)]
+    for chunk in amaxes.split(2048):
+        x = torch.minimum(torch.maximum(values[None, :], -chunk[:, None]), chunk[:, None])
+        q, s = quantize_fp8(x, "row", dtype)
+        rq, rs = quantize_fp8_reference(x, "row", dtype)
+        assert torch.equal(s, rs)
+        assert same_bits(q, rq), (chunk[0].item(), (q.view(torch.uint8) != rq.view(torch.uint8)).sum())
+    x = values[None, :].repeat(3, 1)
+    x[0, 5], x[1, 7], x[2, 9] = float("inf"), float("-inf"), float("inf")
+    x[2, 11] = float("-inf")
+    q, s = quantize_fp8(x, "row", dtype)
+    rq, rs = quantize_fp8_reference(x, "row", dtype)
+    assert torch.isinf(s).all() and torch.equal(s, rs)
+    assert same_or_both_nan(q, rq) and torch.isnan(q.float()).sum() == 4
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_is_bit_exact_for_float32_of_every_exponent(fresh, monkeypatch, dtype):
+    """float32 inputs, which cannot be run exhaustively: random signs and mantissas, each row's
+    exponents in a window of 40 binades below a random top exponent (normal and subnormal
+    values; every scale range), in every granularity."""
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    M, K = 2048, 8192
+    top = torch.randint(1, 255, (M, 1), device="cuda", generator=gen)
+    exponent = (top - torch.randint(0, 41, (M, K), device="cuda", generator=gen)).clamp_min(0)
+    mantissa = torch.randint(0, 1 << 23, (M, K), device="cuda", generator=gen)
+    sign = torch.randint(0, 2, (M, K), device="cuda", generator=gen)
+    bits = (sign << 31) | (exponent << 23) | mantissa
+    x = ((bits + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32).view(torch.float32)
+    assert torch.isfinite(x).all()
+    for granularity in F8.GRANULARITIES:
+        q, s = quantize_fp8(x, granularity, dtype)
+        rq, rs = quantize_fp8_reference(x, granularity, dtype)
+        assert torch.equal(s, rs), granularity
+        assert same_bits(q, rq), (granularity, (q.view(torch.uint8) != rq.view(torch.uint8)).sum())
+
+
 @pytest.mark.parametrize("granularity", F8.GRANULARITIES)
 def test_quantize_every_config_transposed_input_and_nan(fresh, monkeypatch, granularity):
     x = quant_input(300, 1000, BF16, transposed=True)

@@ -79,6 +79,20 @@ def test_batched_and_gradients(fresh, monkeypatch):
     assert rel(ga, ea) < TOL[torch.bfloat16] and rel(gb, eb) < TOL[torch.bfloat16]
 
 
+def test_batch_past_the_grid_cap(fresh, monkeypatch):
+    """A batch of more than MAX_BATCH products (a grid's second axis) runs in launches of at most
+    MAX_BATCH, every product written (outputs poisoned first), the last chunk ragged."""
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    Z = MM.MAX_BATCH + 7
+    a = torch.randn(Z, 16, 24, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(Z, 24, 8, device="cuda", dtype=torch.bfloat16)
+    poison_allocator(torch)
+    c = matmul(a, b)
+    assert c.shape == (Z, 16, 8)
+    assert rel(c, a.float() @ b.float()) < TOL[torch.bfloat16]
+    assert torch.isfinite(c[-7:].float()).all() and torch.isfinite(c[:7].float()).all()
+
+
 def test_out_compile_and_one_sided_gradient(fresh, monkeypatch):
     """`out=` receives a copy; torch.compile(fullgraph=True) runs the custom op forward and
     backward; with only A requiring grad the backward runs dA alone (two keys: C and dA)."""
