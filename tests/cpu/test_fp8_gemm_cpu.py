@@ -126,10 +126,12 @@ def test_tensorwise_spaces(gen):
     """6-12 configs; the default first and kept where K is narrow; tiles no wider than the row
     (next power of two, at least 128) otherwise; both occupancies, 4 warps for the transposed
     view's 32 x 128 tile. The amax default keeps its running max in registers: an 8k-element
-    tile at occupancy 2."""
+    tile at occupancy 2; the quantize launch's holds only the tile: 8k elements at occupancy 4
+    (32 floats a thread, no stack in its sm_90 build)."""
     default = next(gen("sm_90", 4096, 4096))
     assert default.num_worker_warps == 8
-    assert default.tr * default.tc * default.occupancy <= 16384
+    budget = 16384 if gen is F8.amax_configs else 32768
+    assert default.tr * default.tc * default.occupancy <= budget
     for m, k in QUANT_SHAPES:
         cfgs = list(gen("sm_90", m, k))
         assert cfgs[0] == default and len(cfgs) <= 12
