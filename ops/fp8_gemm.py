@@ -514,8 +514,8 @@ def row_configs(arch, m, k, col=False):
     registers, no spill, 27 KB of shared memory a CTA; at 8 the other two-pass tiles spill or
     need more shared memory than 8 CTAs have, except 2 x 2048 at 8 warps, not timed there).
     With the IEEE division per element it led the space at K 14336 on an H200; with the
-    one-reciprocal cast the one-pass 1 x 16384 tile at occupancy 2 runs there 1.35x faster
-    than it (references/kernel-type-templates.md), so it serves rows past 16384 columns."""
+    one-reciprocal cast the one-pass 1 x 16384 tile at occupancy 2 runs at K 14336 1.35x
+    faster than it (references/kernel-type-templates.md), so it serves rows past 16384 columns."""
     whole = next_pow2(k)
     if col:
         tiles = [(32, 256), (16, 512), (32, 512), (16, 1024)]
