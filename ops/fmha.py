@@ -33,6 +33,7 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import major, persistent_ctas
+from tiletune.ops.gemm_tiles import slice64
 from tiletune.space import cdiv, f32_row, next_pow2, table
 from tiletune.torch_op import TrainableOp
 
@@ -180,18 +181,12 @@ def _sequence_keys(cu_k, b, h, k, v, sq, offset, CAUSAL, PACKED):
     return k, v, sk, offset, b, bh
 
 
-def _slice(a, axis, start, end):
-    """a.slice with int64 bounds: the view's base offset is start * stride in the bounds' type,
-    which passes 2^31 in a packed batch of more than 2^31 elements."""
-    return a.slice(axis, ct.astype(start, ct.int64), ct.astype(end, ct.int64))
-
-
 def _part(a, axis, start, end):
     """a's rows [start, end) along `axis` (zero-padded past end by the loads). A slice must
     start inside the array: an empty span at its very end gives a one-row view instead, which
     the caller never reads (its loops run over the span's own length)."""
     first = min(start, a.shape[axis] - 1)
-    return _slice(a, axis, first, max(end, first))
+    return slice64(a, axis, first, max(end, first))
 
 
 @ct.kernel
@@ -208,7 +203,7 @@ def fmha_fwd_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.Consta
             return
     k, v, sk, offset, b, bh = _sequence_keys(cu_k, b, h, k, v, q1 - q0, offset, CAUSAL, PACKED)
     if PACKED:
-        q, o, lse = _slice(q, 2, q0, q1), _slice(o, 2, q0, q1), _slice(lse, 1, q0, q1)
+        q, o, lse = slice64(q, 2, q0, q1), slice64(o, 2, q0, q1), slice64(lse, 1, q0, q1)
     qt = _tile(q, b, h, m, TM, TD)                                    # [TM, TD]
     n_end, n_mask = _key_tiles(m, sk, offset, TM, TN, CAUSAL)
     last_key = m * TM + ct.arange(TM, dtype=ct.int32)[:, None] + offset  # [TM, 1]
@@ -287,9 +282,9 @@ def fmha_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, cu_q, cu_k, qk_scale, sca
         if m * TM >= q1 - q0:
             return
     if PACKED:
-        q, o, do, dq = _slice(q, 2, q0, q1), _slice(o, 2, q0, q1), _slice(do, 2, q0, q1), \
-            _slice(dq, 2, q0, q1)
-        lse, delta = _slice(lse, 1, q0, q1), _slice(delta, 1, q0, q1)
+        q, o, do, dq = slice64(q, 2, q0, q1), slice64(o, 2, q0, q1), slice64(do, 2, q0, q1), \
+            slice64(dq, 2, q0, q1)
+        lse, delta = slice64(lse, 1, q0, q1), slice64(delta, 1, q0, q1)
     k, v, sk, offset, b, bh = _sequence_keys(cu_k, b, h, k, v, q1 - q0, offset, CAUSAL, PACKED)
     qt = _tile(q, b, h, m, TM, TD)
     dot = _tile(do, b, h, m, TM, TD)
@@ -337,8 +332,8 @@ def fmha_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, 
         sq = q1 - q0
         if CAUSAL:
             offset = (k1 - k0) - sq
-        k, v, dk, dv = _slice(k, 2, k0, k1), _slice(v, 2, k0, k1), _slice(dk, 2, k0, k1), \
-            _slice(dv, 2, k0, k1)
+        k, v, dk, dv = slice64(k, 2, k0, k1), slice64(v, 2, k0, k1), slice64(dk, 2, k0, k1), \
+            slice64(dv, 2, k0, k1)
         q, do = _part(q, 2, q0, q1), _part(do, 2, q0, q1)
         lse, delta = _part(lse, 1, q0, q1), _part(delta, 1, q0, q1)
         b = 0

@@ -1,9 +1,17 @@
 # What the GEMM family (matmul, grouped GEMM, FP8 GEMM) shares: the grouped order of output tiles
-# inside kernels, and the operand layout that each GEMM key holds on the host.
+# inside kernels, and the operand layout that each GEMM key holds on the host; and slice64, the
+# run-time slice of the kernels that slice arrays by device-side offsets (grouped GEMM, FMHA).
 import cuda.tile as ct
 
 from tiletune.device import persistent_ctas
 from tiletune.space import cdiv
+
+
+def slice64(a, axis, start, end):
+    """a.slice with int64 bounds: the view's base offset is start * stride in the bounds' type,
+    which passes 2^31 in a tensor of more than 2^31 elements, or in a strided one whose
+    (rows - 1) * stride does where its size does not."""
+    return a.slice(axis, ct.astype(start, ct.int64), ct.astype(end, ct.int64))
 
 
 def tile_count(rows, cols, TM, TN):

@@ -28,7 +28,7 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import major, persistent_ctas
-from tiletune.ops.gemm_tiles import layout, output_tile, tile_coords, tile_count
+from tiletune.ops.gemm_tiles import layout, output_tile, slice64, tile_coords, tile_count
 from tiletune.ops.matmul import matmul
 from tiletune.space import INT32_MAX, cdiv, next_pow2, table
 from tiletune.torch_op import TrainableOp
@@ -255,11 +255,8 @@ def grouped_mm_k_kernel(a, b, offs, out, TM: ct.Constant[int], TN: ct.Constant[i
                     bt = ct.gather(b, (rows[:, None], ni[None, :]), mask=rows[:, None] < end)
                     acc = ct.mma(at, bt, acc)
             else:
-                # int64 bounds: a slice's base offset is start * stride in the bounds' type, and
-                # a strided operand's (T - 1) * stride can pass 2^31 where its size does not
-                lo, hi = ct.astype(start, ct.int64), ct.astype(end, ct.int64)
-                ag = a.slice(1, lo, hi)
-                bg = b.slice(0, lo, hi)
+                ag = slice64(a, 1, start, end)
+                bg = slice64(b, 0, start, end)
                 for kk in range(ct.cdiv(end - start, TK)):
                     at = ct.load(ag, (m, kk), (TM, TK), padding_mode=ZERO)
                     acc = ct.mma(at, ct.load(bg, (kk, n), (TK, TN), padding_mode=ZERO), acc)

@@ -225,11 +225,11 @@ def run_case(case, skip_peers=(), seen_peers=None):
     if case.graph:                    # tuned, fixed and the baselines (not the ceiling)
         _time_graphs(row, candidates, case.timing)
     for when in ("", "_graph"):       # rates of the eager time, and of the graph's where timed
-        us_ = row.get(f"tuned{when}_us")
-        if case.bytes and us_:
-            row[f"tuned{when}_GBps"] = case.bytes / us_ / 1e3
-        if case.flops and us_:
-            row[f"tuned{when}_TFLOPs"] = case.flops / us_ / 1e6
+        tuned_us = row.get(f"tuned{when}_us")
+        if case.bytes and tuned_us:
+            row[f"tuned{when}_GBps"] = case.bytes / tuned_us / 1e3
+        if case.flops and tuned_us:
+            row[f"tuned{when}_TFLOPs"] = case.flops / tuned_us / 1e6
     row.update(case.extra)
     return row
 

@@ -227,6 +227,11 @@ def _step(models, pairs, batch, dtype, backward, out, report):
             torch.cuda.empty_cache()
 
 
+# The job's one collective, the gather at its end, waits for the slowest rank's whole share of
+# tuning: far past torch's 10-minute default on large lists.
+JOB_GATHER_TIMEOUT = datetime.timedelta(hours=6)
+
+
 def start_job(backend="nccl"):
     """(rank, world size) of the job `python -m tiletune tune` runs in: under torchrun
     (WORLD_SIZE > 1 in the environment) the process group is started here, on this rank's
@@ -241,14 +246,9 @@ def start_job(backend="nccl"):
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        # The job's one collective is the gather at the end, which waits for the slowest
-        # rank's whole share of tuning: far past the 10-minute default on large lists.
         dist.init_process_group(backend, timeout=JOB_GATHER_TIMEOUT)
     distributed.set_process_group()
     return dist.get_rank(), dist.get_world_size()
-
-
-JOB_GATHER_TIMEOUT = datetime.timedelta(hours=6)
 
 
 def end_job(world):
