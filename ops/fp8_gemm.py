@@ -376,14 +376,21 @@ def amax_kernel(x, amax_bits, TR: ct.Constant[int], TC: ct.Constant[int]):
 def quantize_tensor_kernel(x, amax_bits, q, s, fp8_max, TR: ct.Constant[int],
                            TC: ct.Constant[int]):
     """Tensorwise, second launch: one scale from amax_bits; each CTA strides over (TR, TC) tiles
-    (a persistent grid); CTA 0 writes the scale to s (1,)."""
+    (a persistent grid); CTA 0 writes the scale to s (1,). Each CTA also keeps the row maxima of
+    the tiles it reads and takes an atomic max of them into amax_bits, which changes nothing
+    (no tile's max exceeds the tensor's): tileiras 13.4 builds this loop with TMA loads and
+    stores only when it holds a reduction, and with plain LDG/STG without one, which ran 1.13-1.27x
+    slower on an H200 (references/kernel-type-templates.md)."""
     scale = _fp8_scale(ct.bitcast(ct.gather(amax_bits, 0), ct.float32), fp8_max)
     col_tiles = ct.cdiv(x.shape[1], TC)
+    seen = ct.zeros((TR, 1), ct.float32)
     for t in range(ct.bid(0), ct.cdiv(x.shape[0], TR) * col_tiles, ct.num_blocks(0)):
         r = t // col_tiles
         c = t % col_tiles
         xt = ct.load(x, (r, c), (TR, TC), padding_mode=ZERO).astype(ct.float32)
+        seen = ct.maximum(seen, _abs_max(xt, 1), propagate_nan=True)
         ct.store(q, (r, c), _fp8_cast(xt, scale, fp8_max, q.dtype))
+    ct.atomic_max(amax_bits, 0, ct.bitcast(ct.max(seen, propagate_nan=True), ct.int32))
     if ct.bid(0) == 0:
         ct.scatter(s, 0, scale)
 
@@ -508,9 +515,12 @@ def row_configs(arch, m, k, col=False):
     where a row fits one tile (read once), else each row is read twice in TC-wide chunks. col: x
     is the transposed view of a row-major tensor, whose contiguous dim is the tile's rows: tiles
     16-32 rows tall (32-64 contiguous bytes; taller ones ran 2-3x slower on an H200). Persistent
-    CTAs at occupancy 2-4 ran 1.5-2.5x faster than one CTA per tile; one-pass tiles won with 8
-    warps on every H100 and H200 key, so 4 warps are searched only for the two-pass and the
-    transposed tiles. Two-pass row-major keys add 1 x 2048 at 4 warps and occupancy 8 (32
+    CTAs at occupancy 2-4 ran 1.5-2.5x faster than one CTA per tile. One-pass tiles won with 8
+    warps on every H100 and H200 key while the cast held an IEEE division per element; with the
+    one-reciprocal cast 4 warps at occupancy 2 ran 0.97-1.02x the best 8-warp entry on an H200
+    (16384x4096: 2 x 4096 54.6 against 56.3 us; 4096x14336: 1 x 16384 50.7 against 49.6) and
+    at occupancy 4 up to 1.3x slower, so one-pass tiles add 4 warps at occupancy 2 only. Two-pass
+    row-major keys add 1 x 2048 at 4 warps and occupancy 8 (32
     registers, no spill, 27 KB of shared memory a CTA; at 8 the other two-pass tiles spill or
     need more shared memory than 8 CTAs have, except 2 x 2048 at 8 warps, not timed there).
     With the IEEE division per element it led the space at K 14336 on an H200; with the
@@ -530,26 +540,34 @@ def row_configs(arch, m, k, col=False):
     first = shapes[0] if col or k <= tiles[0][1] else shapes[1]      # two-pass: 4 warps
     default = SimpleNamespace(**first, occupancy=2 if first["tr"] * first["tc"] >= 16384 else 4)
     yield from product(default, tiles=shapes, occupancy=(2, 4))
+    for shape in shapes:
+        if shape["one_pass"] and not col:
+            yield SimpleNamespace(**{**shape, "num_worker_warps": 4}, occupancy=2)
     if not col and any(not shape["one_pass"] for shape in shapes):
         yield SimpleNamespace(tr=1, tc=2048, one_pass=False, num_worker_warps=4, occupancy=8)
 
 
 def block1x128_configs(arch, m, k, col=False):
     """(tr, g, occupancy, num_worker_warps): TR rows x G blocks of 128 columns per tile, on a
-    persistent grid (as the rowwise quantizer). Row-major x: 8 warps (every H100 winner), 16 x
-    256 at occupancy 2 first: with the one-reciprocal cast on an H200 (16384x4096 bf16, every
-    entry) each tile ran 1.02-1.20x faster at occupancy 2 than at 4 (this one 59.8 against 72.0
-    us; the best entry 57.1). col: x is a transposed view (its rows are contiguous): tiles 16-64
-    rows tall, 4 or 8 warps; 32 x 128 with 4 warps won by 1.6x on an H100."""
+    persistent grid (as the rowwise quantizer). Row-major x: 4 warps at occupancy 4 and 8 warps
+    at occupancy 2, 16 x 256 at 4 warps first: with the one-reciprocal cast on an H200
+    (16384x4096 and 4096x14336 bf16, every tile at 4 and 8 warps and occupancy 2-8, in turns) 4
+    warps at occupancy 4 ran 55.1-56.0 and 48.9-49.5 us at its three best tiles, 8 warps at
+    occupancy 2 56.5-57.6 and 50.4-51.1, and 8 warps at occupancy 4 (the H100's winners under
+    the IEEE division) 1.2x slower. col: x is a transposed view (its rows are contiguous): tiles
+    16-64 rows tall, 4 or 8 warps; 32 x 128 with 4 warps won by 1.6x on an H100."""
     blocks = cdiv(k, BLOCK)
     if col:
-        rows, warps = [(32, 1), (16, 2), (16, 4), (64, 1)], (4, 8)
+        rows = [(32, 1), (16, 2), (16, 4), (64, 1)]
         default = SimpleNamespace(tr=32, g=1, occupancy=4, num_worker_warps=4)
+        yield from product(default, tiles=[dict(tr=tr, g=g) for tr, g in rows if g <= blocks],
+                           occupancy=(2, 4), num_worker_warps=(4, 8))
     else:
-        rows, warps = [(16, 2), (8, 4), (32, 1), (4, 8), (16, 4), (64, 1)], (8,)
-        default = SimpleNamespace(tr=16, g=2, occupancy=2, num_worker_warps=8)
-    yield from product(default, tiles=[dict(tr=tr, g=g) for tr, g in rows if g <= blocks],
-                       occupancy=(2, 4), num_worker_warps=warps)
+        rows = [(16, 2), (8, 4), (32, 1), (4, 8), (16, 4), (64, 1)]
+        default = SimpleNamespace(tr=16, g=2, occupancy=4, num_worker_warps=4)
+        yield from product(default, tiles=[dict(tr=tr, g=g) for tr, g in rows if g <= blocks],
+                           hints=[dict(occupancy=4, num_worker_warps=4),
+                                  dict(occupancy=2, num_worker_warps=8)])
 
 
 def block128x128_configs(arch, m, k, col=False):
@@ -590,31 +608,36 @@ def pair_configs(arch, m, k):
                      [(32, 2, 8), (64, 2, 8), (32, 4, 4), (64, 4, 4)])
 
 
-def _flat_tiles(default, k, tiles):
-    """A tensorwise space: `default` first, then each (tr, tc) tile no wider than the row (next
-    power of two, at least 128) at 8 warps and occupancy 2 and 4, then 32 x 128 with 4 warps at
-    occupancy 4 for transposed views (the 1x128 quantizer's transposed winner)."""
+def _flat_tiles(k, rows):
+    """A tensorwise space from (tr, tc, occupancy, num_worker_warps) rows, the default first:
+    the default and each tile no wider than the row (next power of two, at least 128), then 32 x
+    128 with 4 warps at occupancy 4 for transposed views (the 1x128 quantizer's transposed
+    winner)."""
     whole = max(next_pow2(k), 128)
-    yield from product(default, tiles=[dict(tr=tr, tc=tc) for tr, tc in tiles if tc <= whole],
-                       occupancy=(4, 2))
-    yield SimpleNamespace(tr=32, tc=128, occupancy=4, num_worker_warps=4)
+    fields = ("tr", "tc", "occupancy", "num_worker_warps")
+    yield from table(fields, [rows[0]] + [r for r in rows[1:] if r[1] <= whole])
+    if (32, 128, 4, 4) not in rows:
+        yield SimpleNamespace(tr=32, tc=128, occupancy=4, num_worker_warps=4)
 
 
 def tensor_configs(arch, m, k):
     """(tr, tc, occupancy, num_worker_warps) of the tensorwise quantize launch, on a persistent
-    grid: 4-8k-element tiles at 8 warps, 16 x 512 at occupancy 4 first: the winner at both H200
-    bench shapes with the one-reciprocal cast (16384x4096 bf16: 71.6 us against 76.3 for 16 x
-    256; 4096x14336: 64.5 against 67.4)."""
-    yield from _flat_tiles(SimpleNamespace(tr=16, tc=512, occupancy=4, num_worker_warps=8), k,
-                           [(16, 256), (8, 512), (16, 512), (4, 1024)])
+    grid: 4-8k-element tiles, 4 warps at occupancy 4 first. On an H200 (16384x4096 and
+    4096x14336 bf16, every tile at 4 and 8 warps and occupancy 2-8, in turns) the eight entries
+    below ran 53.7-55.4 and 48.2-50.0 us, the 8-warp tiles at occupancy 2 and the 4-warp tiles
+    at 8 (beside 64 x 128) 1.1-1.7x slower."""
+    yield from _flat_tiles(k, [(64, 128, 4, 4), (16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 8, 4),
+                               (8, 512, 8, 4), (64, 128, 4, 8), (32, 256, 4, 8), (16, 512, 4, 8)])
 
 
 def amax_configs(arch, m, k):
     """(tr, tc, occupancy, num_worker_warps) of the tensorwise amax launch, on a persistent grid.
-    A CTA keeps a running max as large as its tile, so an 8k-element tile holds 64 floats a
-    thread at 8 warps: occupancy 2 first, as for the quantizers' 16k tiles."""
-    yield from _flat_tiles(SimpleNamespace(tr=16, tc=512, occupancy=2, num_worker_warps=8), k,
-                           [(16, 512), (8, 1024), (16, 256), (32, 256)])
+    A CTA keeps a running max as large as its tile: an 8k-element tile holds 64 floats a thread
+    at 4 warps, 32 at 8. On an H200 (16384x4096 and 4096x14336 bf16, in turns) 4 warps at
+    occupancy 4 led at every tile (36.1-37.4 and 32.5-33.8 us), 8 warps at occupancy 4 ran 1.05-1.25x
+    and occupancy 2 1.2-1.35x slower, and occupancy 8 (4 warps) 2.9x slower."""
+    yield from _flat_tiles(k, [(8, 1024, 4, 4), (128, 64, 4, 4), (16, 512, 4, 4), (64, 128, 4, 4),
+                               (128, 64, 4, 8), (16, 512, 2, 4), (64, 128, 4, 8)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -729,8 +752,8 @@ _quantize_row = Autotuner("quantize_fp8_row", quantize_rows_kernel, row_configs,
                           space=_layout_space, grid=_row_grid, args=_row_args, work=_quant_work,
                           tune_key=_BY_ROWS)
 _quantize_1x128 = Autotuner("quantize_fp8_1x128", quantize_1x128_kernel, block1x128_configs,
-                            default=SimpleNamespace(tr=16, g=2, occupancy=2,
-                                                    num_worker_warps=8), space=_layout_space,
+                            default=SimpleNamespace(tr=16, g=2, occupancy=4,
+                                                    num_worker_warps=4), space=_layout_space,
                             grid=_1x128_grid, args=_1x128_args, work=_quant_work,
                             tune_key=_BY_ROWS)
 _quantize_128x128 = Autotuner("quantize_fp8_128x128", quantize_128x128_kernel,
@@ -749,12 +772,12 @@ _quantize_pair = Autotuner("quantize_fp8_128x128_pair", quantize_128x128_pair_ke
                            tune_key=_BY_ROWS)
 # The amax launch accumulates with an atomic max, which a search may repeat: max is idempotent.
 _tensor_amax = Autotuner("quantize_fp8_amax", amax_kernel, amax_configs,
-                         default=SimpleNamespace(tr=16, tc=512, occupancy=2, num_worker_warps=8),
+                         default=SimpleNamespace(tr=8, tc=1024, occupancy=4, num_worker_warps=4),
                          space=_quant_space, grid=_tile_grid, args=_amax_args, tune_key=_BY_ROWS,
                          work=lambda x, bits: Work(bytes=float(x.numel() * x.element_size())))
 _quantize_tensor = Autotuner("quantize_fp8_tensor", quantize_tensor_kernel, tensor_configs,
-                             default=SimpleNamespace(tr=16, tc=512, occupancy=4,
-                                                     num_worker_warps=8),
+                             default=SimpleNamespace(tr=64, tc=128, occupancy=4,
+                                                     num_worker_warps=4),
                              space=_quant_space, grid=_tile_grid, args=_tensor_args,
                              work=_quant_work, tune_key=_BY_ROWS)
 # the quantizers with a space per layout of x (_layout_space)
