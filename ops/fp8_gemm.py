@@ -624,8 +624,8 @@ def tensor_configs(arch, m, k):
     """(tr, tc, occupancy, num_worker_warps) of the tensorwise quantize launch, on a persistent
     grid: 4-8k-element tiles, 4 warps at occupancy 4 first. On an H200 (16384x4096 and
     4096x14336 bf16, every tile at 4 and 8 warps and occupancy 2-8, in turns) the eight entries
-    below ran 53.7-55.4 and 48.2-50.0 us, the 8-warp tiles at occupancy 2 and the 4-warp tiles
-    at 8 (beside 64 x 128) 1.1-1.7x slower."""
+    below ran 53.7-56.2 and 48.2-51.2 us; 8 warps at occupancy 2 and 8k-element tiles at 4 warps
+    and occupancy 8 ran 1.1-1.7x slower."""
     yield from _flat_tiles(k, [(64, 128, 4, 4), (16, 512, 4, 4), (32, 256, 4, 4), (16, 256, 8, 4),
                                (8, 512, 8, 4), (64, 128, 4, 8), (32, 256, 4, 8), (16, 512, 4, 8)])
 
@@ -633,9 +633,9 @@ def tensor_configs(arch, m, k):
 def amax_configs(arch, m, k):
     """(tr, tc, occupancy, num_worker_warps) of the tensorwise amax launch, on a persistent grid.
     A CTA keeps a running max as large as its tile: an 8k-element tile holds 64 floats a thread
-    at 4 warps, 32 at 8. On an H200 (16384x4096 and 4096x14336 bf16, in turns) 4 warps at
-    occupancy 4 led at every tile (36.1-37.4 and 32.5-33.8 us), 8 warps at occupancy 4 ran 1.05-1.25x
-    and occupancy 2 1.2-1.35x slower, and occupancy 8 (4 warps) 2.9x slower."""
+    at 4 warps, 32 at 8. On an H200 (16384x4096 and 4096x14336 bf16, six tiles, in turns) 4
+    warps at occupancy 4 led at every tile (36.1-39.3 and 32.2-36.0 us); the same tiles ran
+    1.02-1.20x slower at 8 warps, 1.15-1.29x at occupancy 2 and about 2.9x at occupancy 8."""
     yield from _flat_tiles(k, [(8, 1024, 4, 4), (128, 64, 4, 4), (16, 512, 4, 4), (64, 128, 4, 4),
                                (128, 64, 4, 8), (16, 512, 2, 4), (64, 128, 4, 8)])
 
