@@ -207,10 +207,12 @@ def grouped_schedule_kernel(offs, table, T: int, TM: ct.Constant[int], num_n: in
                    ct.full((1,), ct.sum(items), ct.int32))
 
 
-def _table_item(table, t):
-    """Work item t's (group, start, end, tile): four loads that depend on t alone."""
-    return (ct.gather(table, (0, t)), ct.gather(table, (1, t)), ct.gather(table, (2, t)),
-            ct.gather(table, (3, t)))
+def _table_item(table, t, total):
+    """Work item t's (group, start, end, tile): four loads that depend on t alone, masked past
+    the item count (the columns there were never written; the walk does not use them)."""
+    live = t < total
+    return (ct.gather(table, (0, t), mask=live), ct.gather(table, (1, t), mask=live),
+            ct.gather(table, (2, t), mask=live), ct.gather(table, (3, t), mask=live))
 
 
 @ct.kernel
@@ -224,9 +226,9 @@ def grouped_mm_table_kernel(x, w, offs, out, table, TM: ct.Constant[int],
     num_n = ct.cdiv(w.shape[2], TN)
     rows_view = x.tiled_view((TM, TK), padding_mode=ZERO, traversal_steps=(1, TK))
     total = ct.minimum(ct.gather(table, (4, 0)), table.shape[1])
-    g, start, end, tile = _table_item(table, ct.bid(0))
+    g, start, end, tile = _table_item(table, ct.bid(0), total)
     for t in range(ct.bid(0), total, ct.num_blocks(0)):
-        following = _table_item(table, t + ct.num_blocks(0))
+        following = _table_item(table, t + ct.num_blocks(0), total)
         _group_tile(x, w, out, rows_view, g, start, end, tile, num_n, TM, TN, TK, GROUP_M,
                     GATHER)
         g, start, end, tile = following
