@@ -12,6 +12,10 @@ When the database is first created, the entries of `<op>.json` files of the old 
 format (tiletune-store-1) in the folder are imported (existing rows win) and each file is renamed
 to `<op>.json.imported`.
 
+A store folder on a network filesystem (NFS, Lustre, GPFS, ...: read from /proc/mounts) gets one
+warning: WAL keeps its index in shared memory, so every process using the database must run on
+one host; a multi-node job wants a node-local folder per node.
+
 Nothing here raises for I/O or database problems: the store is an optimization. A database that
 cannot be opened or written (read-only folder, permission denied), or a file at its path that is
 not a tiletune sqlite database (corrupt, foreign), is left as it is: loads return None and saves
@@ -31,6 +35,7 @@ instead of the package's (to try an exported file before shipping it).
 import contextlib
 import json
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -71,6 +76,50 @@ def db_path():
     """The database's path, or None when the store is off."""
     d = cache_dir()
     return None if d is None else os.path.join(d, DB_NAME)
+
+
+MOUNTS = "/proc/mounts"
+# Filesystem types (as /proc/mounts names them) whose files other hosts can open too.
+NETWORK_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "afs", "9p", "lustre", "gpfs", "beegfs",
+    "ceph", "glusterfs", "fuse.glusterfs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse",
+    "fuse.juicefs", "fuse.cephfs", "wekafs", "panfs", "pvfs2", "orangefs", "ocfs2", "gfs2",
+    "davfs", "fuse.davfs2"})
+
+
+def _unescape(field):
+    """A /proc/mounts field with its octal escapes (space as \\040, ...) decoded."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def filesystem(folder):
+    """The type of the filesystem that holds `folder` (the longest mount point of MOUNTS that
+    contains its real path), or None where the mount table cannot be read."""
+    try:
+        with open(MOUNTS, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    real = os.path.realpath(folder)
+    best, kind = None, None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = _unescape(fields[1])
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best)):
+            best, kind = point, fields[2]
+    return kind
+
+
+def _warn_if_shared(folder):
+    kind = filesystem(folder)
+    if kind in NETWORK_FILESYSTEMS:
+        env.warn_once(("tiletune.store.network", folder),
+                      f"tiletune: the cache folder {folder} is on a network filesystem ({kind}); "
+                      "its sqlite database (WAL mode) must only be used by processes of one "
+                      "host: on a multi-node job, set TILETUNE_CACHE_DIR to a node-local folder")
 
 
 def _trouble(path, e):
@@ -176,6 +225,7 @@ def _to_wal(conn):
 def _open(path):
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
+    _warn_if_shared(folder)
     if not os.path.exists(path):    # created by us so that its mode is 0o666 minus the umask
         os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666))
     conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None,

@@ -223,6 +223,37 @@ def test_a_read_only_folder_warns_once_and_runs_without_persisting(folder, monke
     assert not db.exists() or db.stat().st_size == 0           # nothing was written
 
 
+def test_a_folder_on_a_network_filesystem_warns_once_and_the_store_works(folder, monkeypatch,
+                                                                       tmp_path):
+    """The mount table decides: the longest mount point holding the folder's real path, with
+    /proc/mounts' octal escapes decoded. An NFS folder: one warning naming it and the fix; the
+    store still saves and loads. A local one: no warning. No mount table: no warning."""
+    folder = tmp_path / "shared home" / "store"
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(folder))
+    parent = os.path.dirname(os.path.realpath(folder)).replace(" ", "\\040")
+    assert "\\040" in parent
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/sda1 / ext4 rw 0 0\n"
+                      f"server:/export {parent} nfs4 rw,relatime 0 0\n"
+                      f"/dev/sdb1 {parent}/store-not-this-one xfs rw 0 0\n")
+    monkeypatch.setattr(store, "MOUNTS", str(mounts))
+    assert store.filesystem(str(folder)) == "nfs4"
+    assert store.filesystem("/usr") == "ext4"
+    _, warned = recorded(store.save, OP, "k", {"config": {"tile": 64}})
+    assert len(warned) == 1 and "network filesystem (nfs4)" in warned[0] and str(folder) in \
+        warned[0] and "TILETUNE_CACHE_DIR" in warned[0], warned
+    store.close()
+    assert recorded(store.load, OP, "k") == ({"config": {"tile": 64}}, [])    # once a folder
+    mounts.write_text("/dev/sda1 / ext4 rw 0 0\n")
+    monkeypatch.setattr(env, "_warned", set())
+    store.close()
+    assert recorded(store.load, OP, "k") == ({"config": {"tile": 64}}, [])
+    monkeypatch.setattr(store, "MOUNTS", str(tmp_path / "no-such-file"))
+    assert store.filesystem(str(folder)) is None
+    store.close()
+    assert recorded(store.load, OP, "k") == ({"config": {"tile": 64}}, [])
+
+
 def test_an_unwritable_database_warns_once(folder, monkeypatch):
     store.save(OP, "k", {"config": {"tile": 64}})
     monkeypatch.setattr(env, "_warned", set())
