@@ -123,6 +123,63 @@ def test_the_package_folder_holds_only_well_formed_shipped_files(monkeypatch):
         assert rows and all(store.key_facts(key) for _, key, _ in rows), name
 
 
+def _space_of(op, parts):
+    """The config generators' arguments of a shipped row, read from its tuning key (the store
+    key's parts before the GPU name) as each op's `space` function derives them from its
+    inputs. An op missing here fails the test below: add it when its rows ship."""
+    n = [int(p) if p.lstrip("-").isdigit() else p for p in parts]
+    if op in ("rms_norm_fwd", "rms_norm_bwd", "rms_norm_bwd_coef", "rms_norm_bwd_cols",
+              "swiglu_fwd", "swiglu_bwd", "column_sum"):
+        return dict(n_cols=n[0])                                   # (N, ...)
+    if op in ("rope", "rope_inplace"):                             # (Hq, Hk, D, rot, BS, ..)
+        return dict(heads=n[0], rot=n[3], has_pos=parts[7] == "True")
+    if op in ("rms_norm_rope_fwd", "rms_norm_rope_bwd"):           # (Hq, Hk, D, rot, ...)
+        return dict(heads=n[0] + n[1], rot=n[3])
+    if op in ("matmul",):                                          # (M, N, K, Z, ...)
+        return dict(m=n[0], n=n[1], k=n[2], z=n[3])
+    if op == "gated_mlp":                                          # (M, N, K, ...)
+        return dict(m=n[0], n=n[1], k=n[2])
+    if op.startswith(("moe_permute", "moe_unpermute")):            # (H, top-k, ...)
+        return dict(h=n[0], k=n[1])
+    if op.startswith("fmha_") and op != "fmha_decode":             # (BH, Sq, Sk, D, diagonal..)
+        from tiletune.ops import fmha
+        return dict(td=fmha.head_tile(n[3]), sq=autotune.bucket(n[1]),
+                    sk=autotune.bucket(n[2]), causal=parts[4] != "None",
+                    packed=parts[4].startswith("packed"))
+    if op == "grouped_mm":                                         # (E, K, N, T, ...)
+        return dict(t=autotune.bucket(n[3]), e=n[0], k=n[1], n=n[2])
+    if op == "grouped_mm_k":                                       # (E, M, N, T, ...)
+        return dict(t=autotune.bucket(n[3]), e=n[0], m=n[1], n=n[2])
+    raise AssertionError(f"no space reader for shipped op {op}")
+
+
+def test_every_shipped_row_is_found_by_the_current_code(monkeypatch):
+    """A shipped row is looked up with its config space's and kernels' fingerprint, so an edit
+    of a kernel, of a helper it calls, or of a space makes it stale: never found, the first call
+    searches again. Every row of the package's files must still be found (its fingerprint is
+    today's for the space its key names) and its winner must be a config of that space. When
+    this fails, tune the rows again, re-key them by hand where the sm_90 machine code is the
+    same, or drop them (tiletune/shipped/README.md)."""
+    monkeypatch.delenv("TILETUNE_SHIPPED", raising=False)
+    registry.ops()                       # imports every op module: each creates its tuners
+    tuners = autotune.tuners()
+    stale = []
+    for name in sorted(os.listdir(store.SHIPPED_DIR)):
+        if not name.endswith(".json"):
+            continue
+        _, rows = store.read_shipped(os.path.join(store.SHIPPED_DIR, name))
+        for op, key, row in rows:
+            parts = key.split(" | ")
+            arch, fingerprint = parts[-4], parts[-1].split()[1]
+            tuner = tuners[op]
+            cfgs = tuner.config_list(arch, _space_of(op, parts[:-5]))
+            winner = row["config"]
+            if tuner._fingerprint(cfgs) != fingerprint or \
+                    not any(autotune._as_json(autotune.config_dict(c)) == winner for c in cfgs):
+                stale.append(f"{name}: {op} {key}")
+    assert not stale, f"{len(stale)} stale shipped rows:\n" + "\n".join(stale[:20])
+
+
 def test_a_single_file_can_be_named(shipped, monkeypatch):
     path = ship(shipped, [(OP, skey(), entry())], name="try.json")
     monkeypatch.setenv("TILETUNE_SHIPPED", str(path))
