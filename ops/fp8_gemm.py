@@ -379,8 +379,9 @@ def quantize_tensor_kernel(x, amax_bits, q, s, fp8_max, TR: ct.Constant[int],
     (a persistent grid); CTA 0 writes the scale to s (1,). Each CTA also keeps the row maxima of
     the tiles it reads and takes an atomic max of them into amax_bits, which changes nothing
     (no tile's max exceeds the tensor's): tileiras 13.4 builds this loop with TMA loads and
-    stores only when it holds a reduction, and with plain LDG/STG without one, which ran 1.13-1.27x
-    slower on an H200 (references/kernel-type-templates.md)."""
+    stores only when it holds a reduction, and with plain LDG/STG without one. On an H200 the
+    plain-load build's best entry ran 1.09x slower than this build's (58.8 against 53.7 us at
+    16384x4096 bf16), its former default 1.28x (references/kernel-type-templates.md)."""
     scale = _fp8_scale(ct.bitcast(ct.gather(amax_bits, 0), ct.float32), fp8_max)
     col_tiles = ct.cdiv(x.shape[1], TC)
     seen = ct.zeros((TR, 1), ct.float32)
@@ -517,10 +518,10 @@ def row_configs(arch, m, k, col=False):
     16-32 rows tall (32-64 contiguous bytes; taller ones ran 2-3x slower on an H200). Persistent
     CTAs at occupancy 2-4 ran 1.5-2.5x faster than one CTA per tile. One-pass tiles won with 8
     warps on every H100 and H200 key while the cast held an IEEE division per element; with the
-    one-reciprocal cast 4 warps at occupancy 2 ran 0.97-1.02x the best 8-warp entry on an H200
-    (16384x4096: 2 x 4096 54.6 against 56.3 us; 4096x14336: 1 x 16384 50.7 against 49.6) and
-    at occupancy 4 up to 1.3x slower, so one-pass tiles add 4 warps at occupancy 2 only. Two-pass
-    row-major keys add 1 x 2048 at 4 warps and occupancy 8 (32
+    one-reciprocal cast 4 warps at occupancy 2 ran within 3% of the best 8-warp entry either
+    way on an H200 (16384x4096: 2 x 4096 54.6 against 56.3 us; 4096x14336: 1 x 16384 50.7
+    against 49.6) and at occupancy 4 up to 1.3x slower, so one-pass tiles add 4 warps at
+    occupancy 2 only. Two-pass row-major keys add 1 x 2048 at 4 warps and occupancy 8 (32
     registers, no spill, 27 KB of shared memory a CTA; at 8 the other two-pass tiles spill or
     need more shared memory than 8 CTAs have, except 2 x 2048 at 8 warps, not timed there).
     With the IEEE division per element it led the space at K 14336 on an H200; with the
