@@ -1,7 +1,18 @@
 import cuda.tile as ct
 import pytest
 
-from tiletune import device
+from tiletune import device, store
+
+
+@pytest.fixture(autouse=True)
+def local_store_folders(monkeypatch, tmp_path_factory):
+    """Every store folder reads as local: the CPU tests count the store's warnings, and a
+    machine whose temp folder sits on a network filesystem would add one. The test of that
+    warning names its own mount table."""
+    table = tmp_path_factory.getbasetemp() / "mounts"
+    if not table.exists():
+        table.write_text("rootfs / ext4 rw 0 0\n")
+    monkeypatch.setattr(store, "MOUNTS", str(table))
 
 
 @pytest.fixture
