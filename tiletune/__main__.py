@@ -105,16 +105,33 @@ def _installed_versions():
     return ct.__version__, None if tileiras == "unknown" else tileiras
 
 
-def _prune(d, older_than_days):
+def _visible_gpus():
+    """The names of the GPU models this process sees (an empty set without CUDA)."""
+    import torch
+    from tiletune import device
+    if not torch.cuda.is_available():
+        return set()
+    return {device.gpu_name(i) for i in range(torch.cuda.device_count())}
+
+
+def _prune(d, older_than_days, other_gpus=False):
+    gpus = None
+    if other_gpus:
+        gpus = _visible_gpus()
+        if not gpus:
+            print("no GPU is visible here: --other-gpus would delete every entry; nothing pruned")
+            return 1
     cuda_tile, tileiras = _installed_versions()
     if tileiras is None:
         print("tileiras version unknown here (no compiler found): it is not checked")
     removed = store.prune(cuda_tile, tileiras,
-                          None if older_than_days is None else older_than_days * 86400.0)
+                          None if older_than_days is None else older_than_days * 86400.0, gpus)
     for op, n in removed.items():
         print(f"  {op}: removed {n} entr{'y' if n == 1 else 'ies'}")
     total = sum(removed.values())
     age = "" if older_than_days is None else f", or saved over {older_than_days:g} days ago"
+    if gpus is not None:
+        age += ", or of GPU models other than " + ", ".join(sorted(gpus))
     print(f"pruned {total} entr{'y' if total == 1 else 'ies'} from {d} (keyed by other than "
           f"cuda-tile {cuda_tile} / tileiras {tileiras or 'any'}{age})")
     return 0
@@ -140,7 +157,7 @@ def cmd_cache(args):
             print(f"store is off (TILETUNE_CACHE_DIR={os.environ.get('TILETUNE_CACHE_DIR', '')}):"
                   f" nothing to {args.action}")
         elif args.action == "prune":
-            return _prune(d, args.older_than)
+            return _prune(d, args.older_than, args.other_gpus)
         else:
             n = store.clear()
             print(f"removed {n} entr{'y' if n == 1 else 'ies'} from {d}")
@@ -473,6 +490,9 @@ def parser():
     c.add_argument("-v", "--verbose", action="store_true", help="every timing and failure")
     c.add_argument("--older-than", type=_days, default=None, metavar="DAYS",
                    help="prune: also delete entries saved more than DAYS days ago")
+    c.add_argument("--other-gpus", action="store_true",
+                   help="prune: also delete entries of GPU models this machine does not have "
+                        "(refused where no GPU is visible)")
     t = _tune_parser(sub)
     return p, {"bench": b, "compile": k, "cache": c, "tune": t}
 
@@ -531,6 +551,8 @@ def main(argv=None):
         args.specs = _tune_specs(subs["tune"], args)
     if args.cmd == "cache" and args.older_than is not None and args.action != "prune":
         subs["cache"].error(f"--older-than is an option of prune, not of {args.action}")
+    if args.cmd == "cache" and args.other_gpus and args.action != "prune":
+        subs["cache"].error(f"--other-gpus is an option of prune, not of {args.action}")
     return {"bench": cmd_bench, "cache": cmd_cache, "compile": cmd_compile,
             "tune": cmd_tune}[args.cmd](args)
 

@@ -409,10 +409,11 @@ def _part(key, prefix):
     return None
 
 
-def prune(cuda_tile=None, tileiras=None, older_than_s=None):
+def prune(cuda_tile=None, tileiras=None, older_than_s=None, gpus=None):
     """Delete the entries whose key names another cuda-tile or tileiras version than the given
-    ones (a None version is not checked; a key without that part is kept), and, if older_than_s
-    is given, those saved more than that many seconds ago. Returns {op: entries removed}."""
+    ones (a None version is not checked; a key without that part is kept), if older_than_s is
+    given those saved more than that many seconds ago, and if gpus (GPU names) is given those
+    whose key names a GPU model not in it. Returns {op: entries removed}."""
     path = db_path()
     if not _usable(path):
         return {}
@@ -422,9 +423,11 @@ def prune(cuda_tile=None, tileiras=None, older_than_s=None):
             stale = []
             for op, key, saved in conn.execute(f"SELECT op, key, saved FROM {TABLE}"):
                 ct_v, ti_v = _part(key, "cuda-tile "), _part(key, "tileiras ")
+                facts = key_facts(key) if gpus is not None else None
                 if (cuda_tile is not None and ct_v is not None and ct_v != cuda_tile) or \
                         (tileiras is not None and ti_v is not None and ti_v != tileiras) or \
-                        (cutoff is not None and saved < cutoff):
+                        (cutoff is not None and saved < cutoff) or \
+                        (facts is not None and facts[0] not in gpus):
                     stale.append((op, key))
             conn.executemany(f"DELETE FROM {TABLE} WHERE op = ? AND key = ?", stale)
     except (OSError, sqlite3.Error) as e:

@@ -207,6 +207,35 @@ def test_prune_without_a_known_compiler_version_keeps_every_tileiras_version(fol
     assert list(store.entries()[OP]) == [skey(1, ct=ct.__version__)]
 
 
+def test_prune_other_gpus_keeps_the_models_this_machine_has(folder, monkeypatch, capsys):
+    """--other-gpus deletes the rows keyed by GPU models no visible device has (a key without
+    the store key's parts is kept); where no GPU is visible it refuses and deletes nothing."""
+    import torch
+    import cuda.tile as ct
+    from tiletune import autotune, device
+    monkeypatch.setattr(autotune, "tileiras_version", lambda: TI)
+    h100 = skey(1, ct=ct.__version__)
+    h200 = h100.replace("NVIDIA H100 80GB HBM3", "NVIDIA H200")
+    for key in (h100, h200, "no versions in this key"):
+        store.save(OP, key, {"config": {}})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["cache", "prune", "--other-gpus"]) == 1
+    assert "no GPU is visible here" in capsys.readouterr().out
+    assert len(store.entries()[OP]) == 3
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(device, "gpu_name", lambda i: "NVIDIA H100 80GB HBM3")
+    assert main(["cache", "prune"]) == 0                        # without the flag: kept
+    assert len(store.entries()[OP]) == 3
+    capsys.readouterr()
+    assert main(["cache", "prune", "--other-gpus"]) == 0
+    out = capsys.readouterr().out
+    assert "pruned 1 entry" in out and "other than NVIDIA H100 80GB HBM3" in out
+    assert set(store.entries()[OP]) == {h100, "no versions in this key"}
+    with pytest.raises(SystemExit):
+        main(["cache", "show", "--other-gpus"])
+
+
 # 6. a database that cannot be used: one warning, no crash, nothing persisted
 
 def test_a_read_only_folder_warns_once_and_runs_without_persisting(folder, monkeypatch):
