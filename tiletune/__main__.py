@@ -129,11 +129,11 @@ def _prune(d, older_than_days, other_gpus=False):
     for op, n in removed.items():
         print(f"  {op}: removed {n} entr{'y' if n == 1 else 'ies'}")
     total = sum(removed.values())
-    age = "" if older_than_days is None else f", or saved over {older_than_days:g} days ago"
+    also = "" if older_than_days is None else f", or saved over {older_than_days:g} days ago"
     if gpus is not None:
-        age += ", or of GPU models other than " + ", ".join(sorted(gpus))
+        also += ", or of GPU models other than " + ", ".join(sorted(gpus))
     print(f"pruned {total} entr{'y' if total == 1 else 'ies'} from {d} (keyed by other than "
-          f"cuda-tile {cuda_tile} / tileiras {tileiras or 'any'}{age})")
+          f"cuda-tile {cuda_tile} / tileiras {tileiras or 'any'}{also})")
     return 0
 
 
@@ -549,10 +549,11 @@ def main(argv=None):
         args.ops = _ops(subs[args.cmd], args.ops)
     if args.cmd == "tune":
         args.specs = _tune_specs(subs["tune"], args)
-    if args.cmd == "cache" and args.older_than is not None and args.action != "prune":
-        subs["cache"].error(f"--older-than is an option of prune, not of {args.action}")
-    if args.cmd == "cache" and args.other_gpus and args.action != "prune":
-        subs["cache"].error(f"--other-gpus is an option of prune, not of {args.action}")
+    if args.cmd == "cache" and args.action != "prune":
+        for flag, given in (("--older-than", args.older_than is not None),
+                            ("--other-gpus", args.other_gpus)):
+            if given:
+                subs["cache"].error(f"{flag} is an option of prune, not of {args.action}")
     return {"bench": cmd_bench, "cache": cmd_cache, "compile": cmd_compile,
             "tune": cmd_tune}[args.cmd](args)
 
