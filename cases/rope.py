@@ -24,7 +24,7 @@ def _shared(dt, B, S, R_):
 
 
 def _out_params(dt, cdt, B, Hq, Hk, S, D, R_, has_pos, backward, cfg):
-    """rope_kernel's arguments (see ops/rope.py: _twin_args)."""
+    """rope_kernel's arguments (see ops/rope.py: _out_args)."""
     q, k = _hf_view(dt, B, Hq, S, D), _hf_view(dt, B, Hk, S, D)
     c = _shared(cdt, B, S, R_)
     pos = jit_array(torch.int32, (B, S), (0, 1)) if has_pos else c

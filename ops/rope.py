@@ -81,8 +81,10 @@ def rope_inplace_kernel(q, k, cos, sin, pos, half: ct.Constant[int],
 # ---------------------------------------------------------------------------------------------
 # Configs: grid shape x occupancy x ct.load latency hint on the q/k loads x positions per tile.
 # Default: persistent grid (SMs x occupancy CTAs), occupancy 4, latency 1, the winner at B4 Hq32
-# Hkv8 S4096 D128 bf16. TILE_S > 1 only where one position is little work (few or narrow heads),
-# bounded by registers. Measurements: references/parameter-space-design.md ("RoPE").
+# Hkv8 S4096 D128 bf16. One CTA per position at occupancy 2 wins with many heads or narrow ones
+# (B1 Hq64 Hkv8 S16384, B4 Hq16 Hkv16 S8192 D64). TILE_S > 1 only where one position is little
+# work (few or narrow heads), bounded by registers. Measurements:
+# references/parameter-space-design.md ("RoPE").
 
 MAX_TILE_ELEMS = 16384     # fp32 elements of one q tile (both halves)
 MAX_RESIDENT_ELEMS = 32768  # tile elements x occupancy: beyond this, sm_90 cubins spill 150+ B
@@ -92,7 +94,7 @@ FIELDS = ("occupancy", "persistent", "tile_s", "latency")
 def rope_tile_configs(arch, heads, rot, has_pos=False):
     """heads: q heads; rot: rotary width. Default first: the best measured config."""
     yield from table(FIELDS, ((4, True, 1, 1), (4, True, 1, 5), (4, True, 1, 10), (2, True, 1, 5),
-                              (8, True, 1, 1), (8, True, 1, 5), (16, False, 1, 5)))
+                              (8, True, 1, 1), (8, True, 1, 5), (2, False, 1, 1)))
     per_position = next_pow2(heads) * 2 * next_pow2(max(rot // 2, 1))
     for tile_s in (2, 4, 8, 16):
         elems = tile_s * per_position
@@ -108,8 +110,10 @@ DEFAULT = next(rope_tile_configs("sm_90", 32, 128))
 # ---------------------------------------------------------------------------------------------
 # Launches. Both tuners take the inputs (q, k, cos, sin, pos, q_out, k_out, rot, backward):
 # cos/sin (B, S', rot) views, pos (B, S) int32 or None; q_out/k_out None means in place. The
-# in-place tuner's search times the out-of-place twin `rope_kernel` on scratch outputs (split
-# buffers, made once per miss), so q and k keep their values until the one in-place launch.
+# in-place tuner's search rotates copies of q and k (made once per miss), so q and k keep their
+# values until the one in-place launch. It times the in-place kernel itself: the out-of-place
+# kernel ran 9-13% slower than the in-place one at D128 on an H200 and ranked the configs
+# differently (references/parameter-space-design.md, "RoPE").
 
 
 def _space(q, k, cos, sin, pos, q_out, k_out, rot, backward):
@@ -120,27 +124,22 @@ def _grid(c, dev, q, *rest):
     return (ctas(c, q.shape[0] * cdiv(q.shape[2], c.tile_s), dev),)
 
 
-def _twin_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward, copy_rest):
+def _out_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward):
     half = rot // 2
     return (q, k, cos, sin, cos if pos is None else pos, q_out, k_out, half,   # pos unused: cos
             next_pow2(q.shape[1]), next_pow2(k.shape[1]), c.tile_s, next_pow2(half),
-            next_pow2(max(q.shape[3] - rot, 1)), pos is not None, copy_rest, backward, c.latency)
-
-
-def _out_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward):
-    return _twin_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward, rot < q.shape[3])
+            next_pow2(max(q.shape[3] - rot, 1)), pos is not None, rot < q.shape[3], backward,
+            c.latency)
 
 
 def _inplace_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward):
-    if q_out is not None:    # the search's twin: same traffic as in place (no pass-through copy)
-        return _twin_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward, False)
     half = rot // 2
     return (q, k, cos, sin, cos if pos is None else pos, half, next_pow2(q.shape[1]),
             next_pow2(k.shape[1]), c.tile_s, next_pow2(half), pos is not None, backward, c.latency)
 
 
-def _scratch_outputs(q, k, cos, sin, pos, q_out, k_out, rot, backward):
-    return (q, k, cos, sin, pos, torch.empty_like(q), torch.empty_like(k), rot, backward)
+def _scratch_copies(q, k, cos, sin, pos, q_out, k_out, rot, backward):
+    return (q.clone(), k.clone(), cos, sin, pos, None, None, rot, backward)
 
 
 def _work(q, k, cos, sin, pos, q_out, k_out, rot, backward):
@@ -158,8 +157,7 @@ _rope = Autotuner("rope", rope_kernel, rope_tile_configs, default=DEFAULT, space
                   grid=_grid, args=_out_args, work=_work, tune_key=_tune_key)
 _rope_inplace = Autotuner("rope_inplace", rope_inplace_kernel, rope_tile_configs, default=DEFAULT,
                           space=_space, grid=_grid, args=_inplace_args, work=_work,
-                          search_kernel=rope_kernel, search_inputs=_scratch_outputs,
-                          tune_key=_tune_key)
+                          search_inputs=_scratch_copies, tune_key=_tune_key)
 TUNERS = (_rope, _rope_inplace)
 
 

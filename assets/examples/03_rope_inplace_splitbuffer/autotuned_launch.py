@@ -2,7 +2,9 @@
 k, so the tuner declares a twin for it: `search_kernel` is the out-of-place `rope_kernel` (same
 body and traffic, separate output arrays) and `search_inputs` gives it scratch outputs, made once
 per miss (split buffers, no clones per sample). The winning config is then applied to the
-in-place kernel, which runs once on the real data."""
+in-place kernel, which runs once on the real data. (`apply_rope(..., inplace=True)` searches
+differently: the in-place kernel on copies of q and k, since the twin's out-of-place traffic
+ranks some configs differently; references/kernel-type-templates.md.)"""
 import torch
 
 from tiletune import Autotuner, bucket, cdiv
