@@ -112,8 +112,8 @@ DEFAULT = next(rope_tile_configs("sm_90", 32, 128))
 # cos/sin (B, S', rot) views, pos (B, S) int32 or None; q_out/k_out None means in place. The
 # in-place tuner's search rotates copies of q and k (made once per miss), so q and k keep their
 # values until the one in-place launch. It times the in-place kernel itself: the out-of-place
-# kernel ran 9-13% slower than the in-place one at D128 on an H200 and ranked the configs
-# differently (references/parameter-space-design.md, "RoPE").
+# kernel ran 9-12% slower than the in-place one at D128 on an H200 and ranked the configs
+# differently (references/kernel-type-templates.md, "Elementwise in place").
 
 
 def _space(q, k, cos, sin, pos, q_out, k_out, rot, backward):
