@@ -25,7 +25,20 @@ from tiletune.space import cdiv, next_pow2
 __version__ = "0.1.0"
 
 __all__ = ["Autotuner", "TuningFailedError", "TuningRecord", "Work", "arch", "bucket", "bucketed",
-           "cdiv", "clear_cache", "disabled", "next_pow2", "records", "tuners"]
+           "cdiv", "clear_cache", "disabled", "next_pow2", "records", "start_compile_workers",
+           "tuners"]
+
+
+def start_compile_workers(n=None):
+    """Start the processes that compile a search's configs (TILETUNE_COMPILE_JOBS of them, or
+    n) now, in the background, so that this process's first search does not wait for them to
+    start: call it at the top of a training script whose keys may miss the store. Workers left
+    without work exit after two minutes. A no-op where parallel compiles are off
+    (TILETUNE_COMPILE_JOBS 0 or 1, or cuTile's disk cache disabled)."""
+    from tiletune import precompile
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"start_compile_workers: n must be a positive int or None, got {n!r}")
+    precompile.warm(n)
 
 # In a source checkout, ops/, suites/ and cases/ sit beside this package and install as its
 # subpackages (pyproject's package-dir). When this folder is what Python imports (the repo root

@@ -1,8 +1,10 @@
 """Parallel precompile (tiletune/precompile.py) with the real compiler in real worker processes:
 a compile lands in cuTile's disk cache, a kernel the compiler rejects comes back as a verdict."""
+import pytest
 import torch
 from cutile_cache._cache import cache_entries
 
+import tiletune
 from tiletune import precompile
 from tiletune.aot import F32, jit_array
 from tiletune.ops import rms_norm as R
@@ -83,6 +85,26 @@ def test_workers_stay_for_the_next_search_in_the_same_environment(monkeypatch, t
     assert len(list(cache_entries(str(second)))) == 1
     assert not pids & {w.proc.pid for w in precompile._idle if w.compile_environ["CUDA_TILE_CACHE_DIR"]
                        == str(second)}
+
+
+def test_started_workers_serve_the_next_search(monkeypatch, tmp_path):
+    """tiletune.start_compile_workers starts them ahead (idle, ready): the next search takes those
+    processes instead of starting its own. Where parallel compiles are off it starts none; a
+    bad count is refused."""
+    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TILETUNE_COMPILE_JOBS", "2")
+    precompile._close_idle()
+    tiletune.start_compile_workers()
+    pids = {w.proc.pid for w in precompile._idle}
+    assert len(pids) == 2
+    assert ok(precompile.run_jobs([_job(0, 1024), _job(1, 512)], "sm_90", 120, 2)) == {0, 1}
+    assert pids == {w.proc.pid for w in precompile._idle}
+    precompile._close_idle()
+    monkeypatch.setenv("TILETUNE_COMPILE_JOBS", "0")
+    tiletune.start_compile_workers()
+    assert not precompile._idle
+    with pytest.raises(ValueError, match="start_compile_workers: n"):
+        tiletune.start_compile_workers(0)
 
 
 def test_killing_a_worker_ends_the_processes_it_started(monkeypatch):

@@ -18,6 +18,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import tiletune
 from tiletune.suites.hf import apply_tiletune_to_llama
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -29,6 +30,8 @@ p.add_argument("--batch", type=int, default=2)
 p.add_argument("--steps", type=int, default=12, help="steps in all; the first 2 are warm-up")
 args = p.parse_args()
 
+if not args.unpatched:
+    tiletune.start_compile_workers()    # they start while the model builds
 config = LlamaConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden,
                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 128,
                      num_key_value_heads=max(args.hidden // 256, 1), head_dim=128,
