@@ -36,9 +36,13 @@ def start_compile_workers(n=None):
     without work exit after two minutes. A no-op where parallel compiles are off
     (TILETUNE_COMPILE_JOBS 0 or 1, or cuTile's disk cache disabled)."""
     from tiletune import precompile
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ValueError(f"start_compile_workers: n must be a positive int or None, got {n!r}")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
+        raise TypeError(f"start_compile_workers: n must be an int or None, got "
+                        f"{type(n).__name__}")
+    if n is not None and n < 1:
+        raise ValueError(f"start_compile_workers: n must be at least 1, got {n}")
     precompile.warm(n)
+
 
 # In a source checkout, ops/, suites/ and cases/ sit beside this package and install as its
 # subpackages (pyproject's package-dir). When this folder is what Python imports (the repo root

@@ -103,8 +103,10 @@ def test_started_workers_serve_the_next_search(monkeypatch, tmp_path):
     monkeypatch.setenv("TILETUNE_COMPILE_JOBS", "0")
     tiletune.start_compile_workers()
     assert not precompile._idle
-    with pytest.raises(ValueError, match="start_compile_workers: n"):
+    with pytest.raises(ValueError, match="start_compile_workers: n must be at least 1"):
         tiletune.start_compile_workers(0)
+    with pytest.raises(TypeError, match="start_compile_workers: n must be an int"):
+        tiletune.start_compile_workers("4")
 
 
 def test_killing_a_worker_ends_the_processes_it_started(monkeypatch):
