@@ -83,11 +83,15 @@ def rope_inplace_kernel(q, k, cos, sin, pos, half: ct.Constant[int],
 # Default: persistent grid (SMs x occupancy CTAs), occupancy 4, latency 1, the winner at B4 Hq32
 # Hkv8 S4096 D128 bf16. One CTA per position at occupancy 2 wins with many heads or narrow ones
 # (B1 Hq64 Hkv8 S16384, B4 Hq16 Hkv16 S8192 D64). TILE_S > 1 only where one position is little
-# work (few or narrow heads), bounded by registers. Measurements:
+# work (at most MAX_MULTI_POSITION elements of q: 8 heads at D64, 4 at D128), bounded by
+# registers: from 16 heads at D64 up, multi-position tiles won no search (H100: 32/8 heads at D64
+# and D128, 1024-8192 tokens, their best 12-37% behind; H200 at the three bench shapes: 20-35%
+# behind) while making up most of the space. Measurements:
 # references/parameter-space-design.md ("RoPE").
 
 MAX_TILE_ELEMS = 16384     # fp32 elements of one q tile (both halves)
 MAX_RESIDENT_ELEMS = 32768  # tile elements x occupancy: beyond this, sm_90 cubins spill 150+ B
+MAX_MULTI_POSITION = 512    # q elements of one position (padded heads x rotary width) for TILE_S > 1
 FIELDS = ("occupancy", "persistent", "tile_s", "latency")
 
 
@@ -96,6 +100,8 @@ def rope_tile_configs(arch, heads, rot, has_pos=False):
     yield from table(FIELDS, ((4, True, 1, 1), (4, True, 1, 5), (4, True, 1, 10), (2, True, 1, 5),
                               (8, True, 1, 1), (8, True, 1, 5), (2, False, 1, 1)))
     per_position = next_pow2(heads) * 2 * next_pow2(max(rot // 2, 1))
+    if per_position > MAX_MULTI_POSITION:
+        return
     for tile_s in (2, 4, 8, 16):
         elems = tile_s * per_position
         if has_pos or elems > MAX_TILE_ELEMS:
