@@ -91,7 +91,7 @@ def rope_inplace_kernel(q, k, cos, sin, pos, half: ct.Constant[int],
 
 MAX_TILE_ELEMS = 16384     # fp32 elements of one q tile (both halves)
 MAX_RESIDENT_ELEMS = 32768  # tile elements x occupancy: beyond this, sm_90 cubins spill 150+ B
-MAX_MULTI_POSITION = 512    # q elements of one position (padded heads x rotary width) for TILE_S > 1
+MAX_MULTI_POSITION = 512    # TILE_S > 1 up to this many q elements a position (padded)
 FIELDS = ("occupancy", "persistent", "tile_s", "latency")
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tiletune.ops import rope as R
-from tiletune.space import next_pow2
 from tiletune.ops.rope import apply_rope, apply_rotary_pos_emb
+from tiletune.space import next_pow2
 
 from .conftest import (assert_pair_agrees, disable_autotune, each_config, poison_allocator,
                        run_example_pair)
