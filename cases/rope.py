@@ -23,19 +23,19 @@ def _shared(dt, B, S, R_):
     return jit_array(dt, (B, S, R_), (0, R_, 1))
 
 
-def _out_params(dt, cdt, B, Hq, Hk, S, D, R_, has_pos, backward, cfg):
+def _out_params(dt, cdt, B, Hq, Hk, S, D, R_, has_pos, backward, cfg, f32=True):
     """rope_kernel's arguments (see ops/rope.py: _out_args)."""
     q, k = _hf_view(dt, B, Hq, S, D), _hf_view(dt, B, Hk, S, D)
     c = _shared(cdt, B, S, R_)
     pos = jit_array(torch.int32, (B, S), (0, 1)) if has_pos else c
     return [q, k, c, c, pos, _hf_view(dt, B, Hq, S, D), _hf_view(dt, B, Hk, S, D), R_ // 2,
             next_pow2(Hq), next_pow2(Hk), cfg.tile_s, next_pow2(R_ // 2),
-            next_pow2(max(D - R_, 1)), has_pos, R_ < D, backward, cfg.latency]
+            next_pow2(max(D - R_, 1)), has_pos, R_ < D, backward, cfg.latency, f32]
 
 
 def _inplace_params(p):
     """rope_inplace_kernel's arguments from rope_kernel's: no outputs, TILE_P or COPY_REST."""
-    return p[:5] + p[7:12] + [p[13], p[15], p[16]]
+    return p[:5] + p[7:12] + [p[13], p[15], p[16], p[17]]
 
 
 def compile_cases():
@@ -45,6 +45,10 @@ def compile_cases():
         yield CompileCase("rope", R._rope.build(cfg), p, f"rope 32/8 D128 bf16 {vars(cfg)}")
         yield CompileCase("rope", R._rope_inplace.build(cfg), _inplace_params(p),
                           f"rope_inplace 32/8 D128 bf16 {vars(cfg)}")
+        p = _out_params(torch.bfloat16, torch.bfloat16, B, 32, 8, S, 128, 128, False, False, cfg,
+                        f32=False)
+        yield CompileCase("rope", R._rope_inplace.build(cfg), _inplace_params(p),
+                          f"rope_inplace 32/8 D128 bf16, bf16 math {vars(cfg)}")
     cfg = next(R.rope_tile_configs("sm_90", 32, 128))
     wide = list(R.rope_tile_configs("sm_90", 8, 64))[-1]       # largest TILE_S, ragged S
     f16, f32, bf16 = torch.float16, torch.float32, torch.bfloat16
@@ -56,6 +60,14 @@ def compile_cases():
                  (bf16, bf16, 2, 8, 1, 423, 80, 40, False, False))]
     for label, c, args in variants:
         yield CompileCase("rope", R._rope.build(c), _out_params(*args, c), f"rope {label} {vars(c)}")
+    for label, c, args in [("fp16 7/1 D80 R40 pos, fp16 math (f32 cos)", cfg,
+                            (f16, f32, 2, 7, 1, 423, 80, 40, True, False)),
+                           ("bf16 32/8 D128 pos backward, bf16 math", cfg,
+                            (bf16, bf16, B, 32, 8, S, 128, 128, True, True)),
+                           ("bf16 8/1 D80 R40 S423 widest tile, bf16 math", wide,
+                            (bf16, bf16, 2, 8, 1, 423, 80, 40, False, False))]:
+        yield CompileCase("rope", R._rope.build(c), _out_params(*args, c, f32=False),
+                          f"rope {label} {vars(c)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,8 +117,9 @@ FULL_SHAPES = ((4, 16, 16, 8192, 64), (1, 64, 8, 16384, 128))   # D 64; long, ma
 
 
 def bench_cases(full=False):
-    """In place (as Liger and TileGym rotate: the headline row) and, with `full`, out of place
-    and two more shapes, against the same peers and bytes."""
+    """In place (as Liger and TileGym rotate: the headline row), also with the arithmetic in
+    bf16 (as Liger, TileGym and HF's eager code compute), and, with `full`, out of place and two
+    more shapes, against the same peers and bytes."""
     cases = []
     for B, Hq, Hk, S, D in SHAPES + (FULL_SHAPES if full else ()):
         q, k, cos, sin = bench_inputs(B, Hq, Hk, S, D, torch.bfloat16)
@@ -115,7 +128,9 @@ def bench_cases(full=False):
         q_out, k_out = torch.empty_like(qc), torch.empty_like(kc)
         qi, ki = q.clone(), k.clone()
         modes = [("fwd inplace", lambda q=qi, k=ki, c=cos, s=sin:
-                  R.apply_rope(q, k, c, s, inplace=True))]
+                  R.apply_rope(q, k, c, s, inplace=True)),
+                 ("fwd inplace bf16 math", lambda q=qi, k=ki, c=cos, s=sin:
+                  R.apply_rope(q, k, c, s, inplace=True, compute_dtype=torch.bfloat16))]
         if full:
             modes.append(("fwd", lambda q=q, k=k, c=cos, s=sin: R.apply_rope(q, k, c, s)))
         for mode, ours in modes:

@@ -12,7 +12,7 @@ import torch
 
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket
-from tiletune.ops.rotary import ctas, position_tile_at, prepare
+from tiletune.ops.rotary import ctas, math_tile, position_tile_at, prepare
 from tiletune.space import cdiv, next_pow2, table
 from tiletune.torch_op import TrainableOp
 
@@ -27,15 +27,16 @@ ZERO = ct.PaddingMode.ZERO
 
 
 def _rotate(x, out, b, st, half, c1, c2, s1, s2, TILE_H, TILE_S, TILE_R, TILE_P, COPY_REST,
-            LATENCY):
+            LATENCY, MATH_F32):
     """Rotate the first 2*half dims of x[b, :, st*TILE_S : (st+1)*TILE_S, :] into out; copy the
     rest. Positions past S load as zeros and their stores are dropped. LATENCY is ct.load's
-    DRAM-latency hint (1-10) for the q/k loads."""
+    DRAM-latency hint (1-10) for the q/k loads; MATH_F32: the arithmetic in float32 (one
+    rounding at the store), else in x's dtype."""
     shape = (1, TILE_H, TILE_S, TILE_R)
-    x1 = ct.load(x.slice(3, 0, half), (b, 0, st, 0), shape, padding_mode=ZERO,
-                 latency=LATENCY).astype(ct.float32)
-    x2 = ct.load(x.slice(3, half, 2 * half), (b, 0, st, 0), shape, padding_mode=ZERO,
-                 latency=LATENCY).astype(ct.float32)
+    x1 = math_tile(ct.load(x.slice(3, 0, half), (b, 0, st, 0), shape, padding_mode=ZERO,
+                           latency=LATENCY), x, MATH_F32)
+    x2 = math_tile(ct.load(x.slice(3, half, 2 * half), (b, 0, st, 0), shape, padding_mode=ZERO,
+                           latency=LATENCY), x, MATH_F32)
     ct.store(out.slice(3, 0, half), (b, 0, st, 0), (x1 * c1 - x2 * s1).astype(out.dtype))
     ct.store(out.slice(3, half, 2 * half), (b, 0, st, 0), (x2 * c2 + x1 * s2).astype(out.dtype))
     if COPY_REST:
@@ -49,17 +50,17 @@ def rope_kernel(q, k, cos, sin, pos, q_out, k_out, half: ct.Constant[int],
                 TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int], TILE_S: ct.Constant[int],
                 TILE_R: ct.Constant[int], TILE_P: ct.Constant[int], HAS_POS: ct.Constant[bool],
                 COPY_REST: ct.Constant[bool], BACKWARD: ct.Constant[bool],
-                LATENCY: ct.Constant[int]):
+                LATENCY: ct.Constant[int], MATH_F32: ct.Constant[bool]):
     """Out of place: q_out, k_out = rope(q), rope(k). cos/sin (Bc, S', R) with Bc in {1, B}
     (a stride-0 batch dim when shared); pos (B, S) int32 rows of cos/sin when HAS_POS."""
     S = q.shape[2]
     for t in range(ct.bid(0), q.shape[0] * ct.cdiv(S, TILE_S), ct.num_blocks(0)):
         b, st, c1, c2, s1, s2 = position_tile_at(t, S, cos, sin, pos, half, TILE_S, TILE_R,
-                                                 HAS_POS, BACKWARD)
+                                                 HAS_POS, BACKWARD, q, MATH_F32)
         _rotate(q, q_out, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, TILE_P, COPY_REST,
-                LATENCY)
+                LATENCY, MATH_F32)
         _rotate(k, k_out, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, TILE_P, COPY_REST,
-                LATENCY)
+                LATENCY, MATH_F32)
 
 
 @ct.kernel
@@ -67,15 +68,17 @@ def rope_inplace_kernel(q, k, cos, sin, pos, half: ct.Constant[int],
                         TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int],
                         TILE_S: ct.Constant[int], TILE_R: ct.Constant[int],
                         HAS_POS: ct.Constant[bool], BACKWARD: ct.Constant[bool],
-                        LATENCY: ct.Constant[int]):
+                        LATENCY: ct.Constant[int], MATH_F32: ct.Constant[bool]):
     """In place: q, k = rope(q), rope(k) (each element is read before it is written, by the
     same CTA; pass-through dims are left alone)."""
     S = q.shape[2]
     for t in range(ct.bid(0), q.shape[0] * ct.cdiv(S, TILE_S), ct.num_blocks(0)):
         b, st, c1, c2, s1, s2 = position_tile_at(t, S, cos, sin, pos, half, TILE_S, TILE_R,
-                                                 HAS_POS, BACKWARD)
-        _rotate(q, q, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, 1, False, LATENCY)
-        _rotate(k, k, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, 1, False, LATENCY)
+                                                 HAS_POS, BACKWARD, q, MATH_F32)
+        _rotate(q, q, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, 1, False, LATENCY,
+                MATH_F32)
+        _rotate(k, k, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, 1, False, LATENCY,
+                MATH_F32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,15 +117,16 @@ def rope_tile_configs(arch, heads, rot, has_pos=False):
 DEFAULT = next(rope_tile_configs("sm_90", 32, 128))
 
 # ---------------------------------------------------------------------------------------------
-# Launches. Both tuners take the inputs (q, k, cos, sin, pos, q_out, k_out, rot, backward):
-# cos/sin (B, S', rot) views, pos (B, S) int32 or None; q_out/k_out None means in place. The
+# Launches. Both tuners take the inputs (q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):
+# cos/sin (B, S', rot) views, pos (B, S) int32 or None; q_out/k_out None means in place; f32:
+# the arithmetic in float32 (else in q's dtype). The
 # in-place tuner's search rotates copies of q and k (made once per miss), so q and k keep their
 # values until the one in-place launch. It times the in-place kernel itself: the out-of-place
 # kernel ran 9-12% slower than the in-place one at D128 on an H200 and ranked the configs
 # differently (references/kernel-type-templates.md, "Elementwise in place").
 
 
-def _space(q, k, cos, sin, pos, q_out, k_out, rot, backward):
+def _space(q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):
     return dict(heads=q.shape[1], rot=rot, has_pos=pos is not None)
 
 
@@ -130,25 +134,26 @@ def _grid(c, dev, q, *rest):
     return (ctas(c, q.shape[0] * cdiv(q.shape[2], c.tile_s), dev),)
 
 
-def _out_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward):
+def _out_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):
     half = rot // 2
     return (q, k, cos, sin, cos if pos is None else pos, q_out, k_out, half,   # pos unused: cos
             next_pow2(q.shape[1]), next_pow2(k.shape[1]), c.tile_s, next_pow2(half),
             next_pow2(max(q.shape[3] - rot, 1)), pos is not None, rot < q.shape[3], backward,
-            c.latency)
+            c.latency, f32)
 
 
-def _inplace_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward):
+def _inplace_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):
     half = rot // 2
     return (q, k, cos, sin, cos if pos is None else pos, half, next_pow2(q.shape[1]),
-            next_pow2(k.shape[1]), c.tile_s, next_pow2(half), pos is not None, backward, c.latency)
+            next_pow2(k.shape[1]), c.tile_s, next_pow2(half), pos is not None, backward, c.latency,
+            f32)
 
 
-def _scratch_copies(q, k, cos, sin, pos, q_out, k_out, rot, backward):
-    return (q.clone(), k.clone(), cos, sin, pos, None, None, rot, backward)
+def _scratch_copies(q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):
+    return (q.clone(), k.clone(), cos, sin, pos, None, None, rot, backward, f32)
 
 
-def _work(q, k, cos, sin, pos, q_out, k_out, rot, backward):
+def _work(q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):
     return Work(bytes=2 * (q.numel() + k.numel()) * q.element_size()
                 + 2 * q.shape[2] * rot * cos.element_size())
 
@@ -167,32 +172,32 @@ _rope_inplace = Autotuner("rope_inplace", rope_inplace_kernel, rope_tile_configs
 TUNERS = (_rope, _rope_inplace)
 
 
-def launch(q, k, cos, sin, pos, q_out, k_out, rot, backward):
+def launch(q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):
     """Rotate q, k into q_out, k_out, or in place when they are None (B * S > 0)."""
     dev = q.get_device()
     key = (q.shape[1], k.shape[1], q.shape[3], rot, q.shape[0], q.shape[2], q.dtype, cos.dtype,
-           pos is not None, backward, dev)
+           pos is not None, backward, f32, dev)
     tuner = _rope_inplace if q_out is None else _rope
-    tuner.launch(key, dev, q, k, cos, sin, pos, q_out, k_out, rot, backward)
+    tuner.launch(key, dev, q, k, cos, sin, pos, q_out, k_out, rot, backward, f32)
 
 
 # ---------------------------------------------------------------------------------------------
 # Host side: outputs, empty inputs. Validation and cos/sin/position_ids normalization are shared
 # with rms_norm_rope (ops/rotary.py: prepare).
 
-def _rope_out(q, k, cos, sin, pos, rot, backward):
+def _rope_out(q, k, cos, sin, pos, rot, backward, f32):
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     if q.shape[0] * q.shape[2]:
-        launch(q, k, cos, sin, pos, q_out, k_out, rot, backward)
+        launch(q, k, cos, sin, pos, q_out, k_out, rot, backward, f32)
     return q_out, k_out
 
 
-def _forward(q, k, cos, sin, pos, rot, inplace):
+def _forward(q, k, cos, sin, pos, rot, f32, inplace):
     """(q_embed, k_embed): new tensors, or q and k themselves rotated in place."""
     if not inplace:
-        return _rope_out(q, k, cos, sin, pos, rot, False)
+        return _rope_out(q, k, cos, sin, pos, rot, False, f32)
     if q.shape[0] * q.shape[2]:
-        launch(q, k, cos, sin, pos, None, None, rot, False)
+        launch(q, k, cos, sin, pos, None, None, rot, False, f32)
     return q, k
 
 
@@ -202,20 +207,21 @@ def _forward(q, k, cos, sin, pos, rot, inplace):
 _rope_op = TrainableOp(
     "tiletune::rope", forward=_forward,
     forward_schema="(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? pos, int rot, "
-                   "bool inplace) -> (Tensor, Tensor)",
-    forward_fake=lambda q, k, cos, sin, pos, rot, inplace: (torch.empty_like(q),
-                                                            torch.empty_like(k)),
-    save=lambda args, results: ((args[2], args[3], args[4]), (args[5],)),
-    backward=lambda needs, dq, dk, cos, sin, pos, rot: _rope_out(dq, dk, cos, sin, pos, rot,
-                                                                 True),
+                   "bool f32, bool inplace) -> (Tensor, Tensor)",
+    forward_fake=lambda q, k, cos, sin, pos, rot, f32, inplace: (torch.empty_like(q),
+                                                                 torch.empty_like(k)),
+    save=lambda args, results: ((args[2], args[3], args[4]), (args[5], args[6])),
+    backward=lambda needs, dq, dk, cos, sin, pos, rot, f32: _rope_out(dq, dk, cos, sin, pos, rot,
+                                                                      True, f32),
     backward_schema="(bool[] needs, Tensor dq, Tensor dk, Tensor cos, Tensor sin, Tensor? pos, "
-                    "int rot) -> (Tensor, Tensor)",
-    backward_fake=lambda needs, dq, dk, cos, sin, pos, rot: (torch.empty_like(dq),
-                                                             torch.empty_like(dk)),
+                    "int rot, bool f32) -> (Tensor, Tensor)",
+    backward_fake=lambda needs, dq, dk, cos, sin, pos, rot, f32: (torch.empty_like(dq),
+                                                                  torch.empty_like(dk)),
     outputs=2)
 
 
-def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=False):
+def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=False,
+               compute_dtype=torch.float32):
     """Rotary position embedding, HF "rotate_half" convention, for q and k together.
 
     q: (B, Hq, S, D), k: (B, Hkv, S, D) with Hq a multiple of Hkv (GQA/MQA); any strides (e.g.
@@ -234,10 +240,19 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     under torch.compile(fullgraph=True). In place under torch.compile, and on views that need a
     gradient (autograd's rule for in-place writes to views), the out-of-place op runs and its
     results are copied back.
+    compute_dtype: the rotation's arithmetic, forward and backward. torch.float32 (default):
+    q, k, cos and sin widened, one rounding to q's dtype at the store. q.dtype: cos/sin rounded
+    to q's dtype and the products and sums rounded in it, as HF's eager code, Liger and TileGym
+    compute with 16-bit q and cos (within one ulp of q's dtype from the float32 result; faster
+    where the float32 widening is what a kernel waits on). Any other dtype: ValueError.
     """
     cos, sin, pos, rot = prepare("apply_rope", q, k, cos, sin, position_ids, rotary_dim)
+    if compute_dtype != torch.float32 and compute_dtype != q.dtype:
+        raise ValueError(f"apply_rope: compute_dtype must be torch.float32 or q's dtype "
+                         f"({q.dtype}), got {compute_dtype}")
+    f32 = compute_dtype == torch.float32
     if not inplace:
-        return _rope_op(q, k, cos, sin, pos, rot, False)
+        return _rope_op(q, k, cos, sin, pos, rot, f32, False)
     compiling = torch.compiler.is_compiling()
     if not compiling:   # (cos/sin are not checked against q and k: microseconds on every call)
         validate.inplace("apply_rope", {"q": q, "k": k})
@@ -245,17 +260,19 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     # a Function with one output only: there, rotate out of place and copy back.
     if compiling or ((q._is_view() or k._is_view()) and torch.is_grad_enabled()
                      and (q.requires_grad or k.requires_grad)):
-        qo, ko = _rope_op(q, k, cos, sin, pos, rot, False)
+        qo, ko = _rope_op(q, k, cos, sin, pos, rot, f32, False)
         return q.copy_(qo), k.copy_(ko)
-    return _rope_op(q, k, cos, sin, pos, rot, True)
+    return _rope_op(q, k, cos, sin, pos, rot, f32, True)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """HF-compatible functional form (transformers 4.x argument order: pass `unsqueeze_dim` by
     keyword, as transformers 5 dropped `position_ids`): returns (q_embed, k_embed). cos/sin as
     HF passes them ((B, S, D) or (S, D)); `unsqueeze_dim` is accepted for signature
-    compatibility (q/k must be (B, H, S, D), i.e. unsqueeze_dim=1). The transformers suite
-    patches models with its own wrapper of transformers 5's signature."""
+    compatibility (q/k must be (B, H, S, D), i.e. unsqueeze_dim=1). The rotation is computed in
+    the dtype HF's code computes it in (torch's promotion of q's and cos's dtypes). The
+    transformers suite patches models with its own wrapper of transformers 5's signature."""
     if unsqueeze_dim != 1:
         raise ValueError("apply_rotary_pos_emb: only unsqueeze_dim=1 ((B, H, S, D) q/k) is supported")
-    return apply_rope(q, k, cos, sin, position_ids=position_ids)
+    return apply_rope(q, k, cos, sin, position_ids=position_ids,
+                      compute_dtype=torch.promote_types(q.dtype, cos.dtype))

@@ -19,13 +19,25 @@ ZERO = ct.PaddingMode.ZERO
 # pos (B, S) int32 rows of cos/sin when HAS_POS.
 
 
-def cos_sin_rows(cos, sin, b, p, half, TILE_S, TILE_R, BACKWARD):
-    """cos1, cos2, sin1, sin2 as [1, TILE_S, TILE_R] f32 tiles: rows p*TILE_S.. of batch b."""
+def math_tile(t, like, MATH_F32):
+    """t in the rotation's arithmetic dtype: float32 (MATH_F32), else the dtype of `like`."""
+    if MATH_F32:
+        return t.astype(ct.float32)
+    return t.astype(like.dtype)
+
+
+def cos_sin_rows(cos, sin, b, p, half, TILE_S, TILE_R, BACKWARD, like, MATH_F32):
+    """cos1, cos2, sin1, sin2 as [1, TILE_S, TILE_R] tiles in the arithmetic dtype (see
+    math_tile): rows p*TILE_S.. of batch b."""
     shape = (1, TILE_S, TILE_R)
-    c1 = ct.load(cos.slice(2, 0, half), (b, p, 0), shape, padding_mode=ZERO).astype(ct.float32)
-    c2 = ct.load(cos.slice(2, half, 2 * half), (b, p, 0), shape, padding_mode=ZERO).astype(ct.float32)
-    s1 = ct.load(sin.slice(2, 0, half), (b, p, 0), shape, padding_mode=ZERO).astype(ct.float32)
-    s2 = ct.load(sin.slice(2, half, 2 * half), (b, p, 0), shape, padding_mode=ZERO).astype(ct.float32)
+    c1 = math_tile(ct.load(cos.slice(2, 0, half), (b, p, 0), shape, padding_mode=ZERO), like,
+                   MATH_F32)
+    c2 = math_tile(ct.load(cos.slice(2, half, 2 * half), (b, p, 0), shape, padding_mode=ZERO),
+                   like, MATH_F32)
+    s1 = math_tile(ct.load(sin.slice(2, 0, half), (b, p, 0), shape, padding_mode=ZERO), like,
+                   MATH_F32)
+    s2 = math_tile(ct.load(sin.slice(2, half, 2 * half), (b, p, 0), shape, padding_mode=ZERO),
+                   like, MATH_F32)
     if BACKWARD:
         return c1, c2, 0.0 - s2, 0.0 - s1
     return c1, c2, s1, s2
@@ -62,14 +74,15 @@ def position_at(bs, S, cos, sin, pos, half, TILE_R, HAS_POS):
             _row(sin, b, p, 0, half, TILE_R, plain), _row(sin, b, p, half, 2 * half, TILE_R, plain))
 
 
-def position_tile_at(t, S, cos, sin, pos, half, TILE_S, TILE_R, HAS_POS, BACKWARD):
+def position_tile_at(t, S, cos, sin, pos, half, TILE_S, TILE_R, HAS_POS, BACKWARD, like,
+                     MATH_F32):
     """Flat (batch, position tile) index -> b, st and the [1, TILE_S, TILE_R] cos/sin halves.
     With HAS_POS, TILE_S is 1 (rows are gathered one position at a time)."""
     tiles = ct.cdiv(S, TILE_S)
     b = t // tiles
     st = t - b * tiles
     c1, c2, s1, s2 = cos_sin_rows(cos, sin, b, position(pos, b, st, HAS_POS), half, TILE_S,
-                                  TILE_R, BACKWARD)
+                                  TILE_R, BACKWARD, like, MATH_F32)
     return b, st, c1, c2, s1, s2
 
 

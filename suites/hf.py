@@ -358,7 +358,8 @@ class _AttentionForward:
         else:
             if getattr(self, "q_norm", None) is not None:
                 query, key = self.q_norm(query), self.k_norm(key)
-            query, key = apply_rope(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+            query, key = apply_rope(query.transpose(1, 2), key.transpose(1, 2), cos, sin,
+                                    compute_dtype=torch.promote_types(query.dtype, cos.dtype))
 
         cache = past_key_values if cache is None else cache    # `cache`: its newer name
         if cache is not None:
@@ -382,12 +383,14 @@ class _AttentionForward:
 def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, rotary_dim=None):
     """transformers' `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)` on tiletune RoPE:
     unsqueeze_dim=1 takes (B, H, S, D) q/k, unsqueeze_dim=2 (B, S, H, D); cos/sin (B, S, D).
-    rotary_dim as `apply_rope`'s."""
+    rotary_dim as `apply_rope`'s. The rotation is computed in the dtype transformers' code
+    computes it in (torch's promotion of q's and cos's dtypes: bf16 for a bf16 model's tables)."""
+    math = torch.promote_types(q.dtype, cos.dtype)
     if unsqueeze_dim == 1:
-        return apply_rope(q, k, cos, sin, rotary_dim=rotary_dim)
+        return apply_rope(q, k, cos, sin, rotary_dim=rotary_dim, compute_dtype=math)
     if unsqueeze_dim == 2:
         q_out, k_out = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin,
-                                  rotary_dim=rotary_dim)
+                                  rotary_dim=rotary_dim, compute_dtype=math)
         return q_out.transpose(1, 2), k_out.transpose(1, 2)
     raise ValueError(f"apply_rotary_pos_emb: unsqueeze_dim must be 1 or 2, got {unsqueeze_dim}")
 

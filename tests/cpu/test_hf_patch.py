@@ -110,6 +110,10 @@ def ops(monkeypatch):
     def norm_rope(q, k, wq, wk, cos, sin, *, eps):
         return ref_rope(ref_rms_norm(q, wq, eps), ref_rms_norm(k, wk, eps), cos, sin)
 
+    def rope(q, k, cos, sin, rotary_dim=None, compute_dtype=None):
+        assert compute_dtype == torch.promote_types(q.dtype, cos.dtype)   # as HF's code computes
+        return ref_rope(q, k, cos, sin, rotary_dim)
+
     def sdpa(q, k, v, *, is_causal, scale, enable_gqa):
         assert enable_gqa and k.shape[1] < q.shape[1]        # GQA reaches the kernel as is
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
@@ -117,7 +121,7 @@ def ops(monkeypatch):
 
     route = hf.attention_route
     monkeypatch.setattr(hf, "rms_norm", counted("rms_norm", ref_rms_norm))
-    monkeypatch.setattr(hf, "apply_rope", counted("rope", ref_rope))
+    monkeypatch.setattr(hf, "apply_rope", counted("rope", rope))
     monkeypatch.setattr(hf, "rms_norm_rope", counted("rms_norm_rope", norm_rope))
     monkeypatch.setattr(hf, "_swiglu", counted("swiglu", lambda g, u: F.silu(g) * u))
     monkeypatch.setattr(hf, "_swiglu_linear", counted(

@@ -46,8 +46,8 @@ def _rope(b):
     s = 65 if b == 1 else 50                       # B * S = 65 and 100: one bucket
     q, k = torch.randn(b, 4, s, 64, dtype=BF16), torch.randn(b, 2, s, 64, dtype=BF16)
     cos = sin = torch.randn(b, s, 64, dtype=BF16)
-    RP.launch(q, k, cos, sin, None, torch.empty_like(q), torch.empty_like(k), 64, False)
-    RP.launch(q, k, cos, sin, None, None, None, 64, False)
+    RP.launch(q, k, cos, sin, None, torch.empty_like(q), torch.empty_like(k), 64, False, True)
+    RP.launch(q, k, cos, sin, None, None, None, 64, False, True)
 
 
 def _rms_norm_rope(s):

@@ -65,7 +65,8 @@ def refs(monkeypatch):
         x32 = x.float()
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
 
-    def rope(q, k, cos, sin, *, rotary_dim):
+    def rope(q, k, cos, sin, *, rotary_dim, compute_dtype):
+        assert compute_dtype == torch.promote_types(q.dtype, cos.dtype)   # as Liger computes
         seen.update(cos=cos, rotary_dim=rotary_dim)
         return rope_reference(q, cos, sin, rotary_dim), rope_reference(k, cos, sin, rotary_dim)
 

@@ -103,6 +103,72 @@ def test_every_config_is_correct(fresh, monkeypatch, shape, inplace):
         assert rel(qo, rq) < TOL[torch.bfloat16] and rel(ko, rk) < TOL[torch.bfloat16], vars(cfg)
 
 
+def hf_eager(q, k, cos, sin, R_, magnitude=False):
+    """HF's apply_rotary_pos_emb as eager torch runs it on q/k/cos/sin of one 16-bit dtype:
+    every product and sum rounded to that dtype. magnitude: |x1 c| + |x2 s| per element in
+    float64 instead (the scale of each output's rounding errors)."""
+    S = q.shape[2]
+    c, s = cos[:, None, :S], sin[:, None, :S]
+    if magnitude:
+        q, k, c, s = q.double().abs(), k.double().abs(), c.double().abs(), s.double().abs()
+
+    def rot(x):
+        xr, xp = x[..., :R_], x[..., R_:]
+        h = R_ // 2
+        half = xr[..., h:] if magnitude else -xr[..., h:]
+        return torch.cat((xr * c + torch.cat((half, xr[..., :h]), -1) * s, xp), -1)
+    return rot(q), rot(k)
+
+
+ROUNDED = [(CASES[0], torch.bfloat16, False, True), (CASES[2], torch.float16, True, True),
+           (CASES[1], torch.bfloat16, True, False), (CASES[3], torch.bfloat16, False, False)]
+
+
+@pytest.mark.parametrize("case,dt,inplace,disable", ROUNDED,
+                         ids=[f"{c}-{dt}-{'inplace' if i else 'out'}-"
+                              f"{'DISABLE_AUTOTUNE' if d else 'tuned'}" for c, dt, i, d in ROUNDED])
+def test_compute_dtype_rounds_as_hf_eager(fresh, monkeypatch, case, dt, inplace, disable):
+    """compute_dtype=q.dtype: forward and backward within the float64 reference's tolerance,
+    and no further from it, element by element, than HF's eager code in that dtype plus one
+    rounding of the products (another rounding order), in place and out of place."""
+    if disable:
+        disable_autotune(monkeypatch)
+    B, Hq, Hk, S, D, R_, with_pos, batched = case
+    q, k, cos, sin = make(B, Hq, Hk, S, D, R_, dt, batched)
+    rq, rk = reference(q, k, cos, sin, None, R_)
+    hq, hk = hf_eager(q, k, cos, sin, R_)
+    mq, mk = hf_eager(q, k, cos, sin, R_, magnitude=True)
+    if inplace:
+        qo, ko = apply_rope(q.clone(), k.clone(), cos, sin, inplace=True, compute_dtype=dt)
+    else:
+        poison_allocator(torch)
+        qo, ko = apply_rope(q, k, cos, sin, compute_dtype=dt)
+    ulp = torch.finfo(dt).eps
+    for ours, hf, ref, mag in ((qo, hq, rq, mq), (ko, hk, rk, mk)):
+        assert rel(ours, ref) < TOL[dt]
+        bound = (hf.double() - ref).abs() + ulp * mag
+        assert ((ours.double() - ref).abs() <= bound).all()
+    assert not torch.equal(qo, apply_rope(q, k, cos, sin)[0]) or dt == torch.float32
+    qg, kg = q.detach().requires_grad_(), k.detach().requires_grad_()
+    qo, ko = apply_rope(qg, kg, cos, sin, compute_dtype=dt)
+    dq, dk = torch.randn_like(qo), torch.randn_like(ko)
+    gq, gk = torch.autograd.grad((qo, ko), (qg, kg), (dq, dk))
+    q64, k64 = q.double().requires_grad_(), k.double().requires_grad_()
+    rq, rk = reference(q64, k64, cos, sin, None, R_)
+    eq, ek = torch.autograd.grad((rq, rk), (q64, k64), (dq.double(), dk.double()))
+    assert rel(gq, eq) < TOL[dt] and rel(gk, ek) < TOL[dt]
+
+
+def test_every_config_is_correct_with_bf16_math(fresh, monkeypatch):
+    q, k, cos, sin = make(1, 32, 8, 77, 128, 128, torch.bfloat16)
+    rq, rk = reference(q, k, cos, sin, None, 128)
+    space = list(R.rope_tile_configs("sm_90", 32, 128))
+    for cfg in each_config(monkeypatch, R._rope_inplace, space):
+        qi, ki = q.clone(), k.clone()
+        qo, ko = apply_rope(qi, ki, cos, sin, inplace=True, compute_dtype=torch.bfloat16)
+        assert rel(qo, rq) < TOL[torch.bfloat16] and rel(ko, rk) < TOL[torch.bfloat16], vars(cfg)
+
+
 def test_inplace_search_leaves_inputs_intact(fresh, monkeypatch):
     q, k, cos, sin = make(2, 32, 8, 300, 128, 128, torch.bfloat16)
     q, k = q.contiguous(), k.contiguous()
@@ -154,6 +220,8 @@ def test_bad_input():
         apply_rope(q.cpu(), k, cos, sin)
     with pytest.raises(TypeError, match="dtype"):
         apply_rope(q.double(), k, cos, sin)
+    with pytest.raises(ValueError, match="compute_dtype"):
+        apply_rope(q.half(), k.half(), cos, sin, compute_dtype=torch.bfloat16)
 
 
 def test_torch_compile_fullgraph(fresh):

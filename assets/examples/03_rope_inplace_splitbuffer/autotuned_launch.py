@@ -29,12 +29,13 @@ def grid(cfg, dev, q, *rest):
 
 def args(cfg, q, k, cos, sin, q_out, k_out):
     """The in-place kernel's arguments; with scratch outputs (the search), its twin's. The whole
-    head rotates (half = D/2), no position_ids (cos stands in for them), forward."""
+    head rotates (half = D/2), no position_ids (cos stands in for them), forward, float32
+    arithmetic."""
     if q_out is None:
         return (q, k, cos, sin, cos, D // 2, HQ, HK, cfg.tile_s, D // 2, False, False,
-                cfg.latency)
+                cfg.latency, True)
     return (q, k, cos, sin, cos, q_out, k_out, D // 2, HQ, HK, cfg.tile_s, D // 2, 1, False,
-            False, False, cfg.latency)
+            False, False, cfg.latency, True)
 
 
 tuner = Autotuner(
