@@ -9,11 +9,13 @@ processes that compile them at once; every cubin lands in cuTile's on-disk cache
 config's kernel object (`hand_over`): its first launch with that signature then loads the cubin
 instead of tracing the kernel again to find it in the disk cache (0.2-0.5 s a config).
 
-Workers are plain subprocesses (`python -m tiletune.precompile`) fed pickled job lists on stdin:
+Workers are plain subprocesses (`python -m tiletune.precompile`) fed pickled jobs on stdin:
 no multiprocessing, so nothing re-imports the user's main script, and no fork of a process that
 holds a CUDA context. They import only the kernels' own modules and never touch the GPU. They
-stay for the process's next search (starting one costs seconds of imports) and exit after
-IDLE_EXIT_SEC without work or when the process ends.
+stay for the process's next search (starting one costs seconds of imports: 3.6-4.9 s on
+16-core H200 hosts, most of a process's first search) and exit after IDLE_EXIT_SEC
+without work or when the process ends. Jobs go out one at a time to whichever worker is free,
+and while started workers import, the searching process compiles jobs itself.
 `TILETUNE_COMPILE_JOBS` sets how many run at once (default: CPU count, at most 16); 0 or 1, or a
 disabled cuTile disk cache, turns this off and the search compiles serially.
 
@@ -41,6 +43,8 @@ log = logging.getLogger("tiletune")
 # its searches; the pool never hands out one that is within a few seconds of that.
 IDLE_EXIT_SEC = 120.0
 _REUSE_MARGIN_SEC = 10.0
+_START_SEC = 120.0        # a started worker not ready (its imports done) by then is dropped
+_WORKER_COMMAND = (sys.executable, "-m", "tiletune.precompile")
 _HANDED_KEPT = 4          # cubins a kernel object holds for signatures it has not launched yet
 
 
@@ -212,16 +216,20 @@ def _read_frame(fd, deadline=None):
 
 class _Worker:
     """One compile process (`python -m tiletune.precompile`); it imports the compiler once and
-    then compiles one job list per message until its input closes or it idles IDLE_EXIT_SEC."""
+    then compiles one job list per message until its input closes or it idles IDLE_EXIT_SEC.
+    Its first message back says it is ready (`ready` once that has been read)."""
 
     def __init__(self, environ):
         self.compile_environ = _compile_environ(environ)
         # a process group of its own: kill() ends the compiler processes it started too
-        self.proc = subprocess.Popen([sys.executable, "-m", "tiletune.precompile",
-                                      str(IDLE_EXIT_SEC)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([*_WORKER_COMMAND, str(IDLE_EXIT_SEC)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      env=environ, start_new_session=True)
         self.last_used = time.monotonic()
+        self.ready = False
+
+    def fileno(self):
+        return self.proc.stdout.fileno()
 
     def fresh(self, now, compile_environ):
         """Alive, not about to exit idle, and started with these compile settings (cuTile reads
@@ -346,29 +354,89 @@ def _failed(worker, error):
                 "itself", type(error).__name__)
 
 
+def _compile_here(next_job, results, arch, timeout_sec, here):
+    """Compile jobs in this process (cuTile's lock: one at a time) until none is left; their
+    indices go to `here`."""
+    while (job := next_job()) is not None:
+        i, *args = job
+        results[i] = compile_job(*args, arch, timeout_sec)
+        here.append(i)
+
+
 def run_jobs(jobs_list, arch, timeout_sec, workers):
-    """Compile [(index, module, name, hints, params, cc code)] in `workers` worker processes.
-    Returns {index: compile_job's result}; jobs whose worker failed are missing."""
+    """Compile [(index, module, name, hints, params, cc code)] in `workers` worker processes,
+    one job at a time to whichever is free; while any of them is still starting, this process
+    compiles jobs too. Returns {index: compile_job's result}; jobs whose worker failed are
+    missing."""
     pool = _take(workers)
     if not pool:                 # the search compiles every config itself
         return {}
-    chunks = [jobs_list[i::len(pool)] for i in range(len(pool))]
-    results, healthy = {}, []
-    deadline = time.monotonic() + max(len(c) for c in chunks) * timeout_sec + 120
-    for w, chunk in zip(pool, chunks):
+    todo, taking = list(reversed(jobs_list)), threading.Lock()
+
+    def next_job():
+        with taking:
+            return todo.pop() if todo else None
+
+    results, busy, done = {}, {}, []      # busy: worker -> deadline of its job or its start
+    t0, compiled_here, ready_after = time.monotonic(), [], []
+    starting = sum(not w.ready for w in pool)
+
+    def give(w):
+        job = next_job()
+        if job is None:
+            done.append(w)
+            return
         try:
-            w.send(chunk, arch, timeout_sec)
-            healthy.append(w)
+            w.send([job], arch, timeout_sec)
+            busy[w] = time.monotonic() + timeout_sec + 60
         except Exception as e:       # worker trouble is not a verdict on the configs
             _failed(w, e)
-    pool, healthy = healthy, []
+
+    started = time.monotonic() + _START_SEC
     for w in pool:
-        try:
-            results.update(w.receive(deadline))
-            healthy.append(w)
-        except Exception as e:      # worker trouble is not a verdict on the configs
-            _failed(w, e)
-    _give_back(healthy)
+        if w.ready:
+            give(w)
+        else:
+            busy[w] = started
+    here, first = None, True
+    while True:
+        if not todo:                 # those still starting are not waited for
+            for w in [w for w in busy if not w.ready]:
+                done.append(w)
+                del busy[w]
+        if not busy:
+            break
+        wait = 0 if first else max(min(busy.values()) - time.monotonic(), 0)
+        if here is not None and here.is_alive():
+            wait = min(wait, 0.05)   # to see the job list run out while workers start
+        readable = select.select(list(busy), [], [], wait)[0]
+        now = time.monotonic()
+        for w in readable or [w for w, d in busy.items() if d <= now]:
+            deadline = busy.pop(w)
+            try:
+                if not readable:
+                    raise TimeoutError
+                message = w.receive(deadline)
+            except Exception as e:   # worker trouble is not a verdict on the configs
+                _failed(w, e)
+                continue
+            if w.ready:
+                results.update(message)
+            else:
+                ready_after.append(time.monotonic() - t0)
+            w.ready = True
+            give(w)
+        if first and todo and not all(w.ready for w in busy):
+            here = threading.Thread(target=_compile_here, daemon=True,
+                                    args=(next_job, results, arch, timeout_sec, compiled_here))
+            here.start()
+        first = False
+    if here is not None:
+        here.join()
+    _give_back(done)
+    log.debug("compile jobs: %d of %d in this process; of %d workers, %d were starting, ready "
+              "after %s s", len(compiled_here), len(jobs_list), len(pool), starting,
+              " ".join(f"{t:.1f}" for t in ready_after))
     return results
 
 
@@ -402,11 +470,27 @@ def precompile(items, arch, timeout_sec):
     return rejected, compiled
 
 
+def _warm_up_compiler():
+    """What cuTile finds out on a process's first compile and then keeps (the tileiras version,
+    the bytecode versions it takes: tileiras runs of their own), found before the worker says
+    it is ready: 0.2-0.3 s off its first job on a 2-core CPU host. Private cuTile functions,
+    so any failure only leaves that to the first job."""
+    try:
+        from cuda.tile import _compile
+        from cuda.tile._cext import default_tile_context
+        _compile._get_compiler_version_string()
+        _compile._tileiras_supports_remarks(default_tile_context.config.temp_dir)
+    except Exception:
+        pass
+
+
 def _serve(idle_exit_sec):
     """The worker: compile each message's jobs and answer with their results."""
     result_pipe, sys.stdout = sys.stdout.buffer, sys.stderr   # stray prints must not corrupt it
     import cuda.tile.compilation  # noqa: F401  (the compiler loads before the first job)
     import torch  # noqa: F401
+    _warm_up_compiler()
+    _write_frame(result_pipe, "ready")
     fd = sys.stdin.buffer.fileno()
     while True:
         try:

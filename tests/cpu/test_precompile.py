@@ -16,6 +16,14 @@ def fwd_params(tile_n):
             jit_array(torch.float32, (64,)), F32, F32, 1, tile_n]
 
 
+def cache_in(monkeypatch, path):
+    """cuTile's disk cache in `path`, for the workers (which read the variable when they
+    start) and for this process's own compiles (cuTile read it here at import)."""
+    from cuda.tile._cext import default_tile_context
+    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(path))
+    monkeypatch.setattr(default_tile_context.config, "cache_dir", str(path))
+
+
 def test_kernel_location_finds_module_kernels_only():
     assert precompile.kernel_location(R.rms_norm_fwd_rows) == ("tiletune.ops.rms_norm",
                                                                "rms_norm_fwd_rows")
@@ -34,7 +42,7 @@ def test_a_worker_compiles_only_the_code_the_caller_imported(monkeypatch, tmp_pa
     """A job carries the digest of the caller's kernel code: a worker that imports other code
     under that name (another module first on its path, a source edited since) answers with no
     verdict, and the caller compiles the config itself."""
-    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
+    cache_in(monkeypatch, tmp_path)
     job = (0, "tiletune.ops.rms_norm", "rms_norm_fwd_rows", {"occupancy": 2}, fwd_params(4096),
            "t2", "0" * 64)
     etype, msg, verdict = precompile.compile_job(*job[1:], "sm_90", 120)
@@ -45,7 +53,7 @@ def test_a_worker_compiles_only_the_code_the_caller_imported(monkeypatch, tmp_pa
 
 
 def test_workers_fill_the_disk_cache_and_report_rejections(monkeypatch, tmp_path):
-    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
+    cache_in(monkeypatch, tmp_path)
     job = lambda i, tile_n: (i, "tiletune.ops.rms_norm", "rms_norm_fwd_rows", {"occupancy": 2},
                              fwd_params(tile_n), "t2", precompile.code_digest(R.rms_norm_fwd_rows))
     res = precompile.run_jobs([job(0, 4096), job(1, 4095), job(2, 2048)], "sm_90", 120, 2)
@@ -71,7 +79,7 @@ def test_workers_stay_for_the_next_search_in_the_same_environment(monkeypatch, t
     compiles do not read changed; after a compile setting changes (here cuTile's cache folder,
     which it reads once at import) new ones start."""
     first, second = tmp_path / "a", tmp_path / "b"
-    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(first))
+    cache_in(monkeypatch, first)
     assert ok(precompile.run_jobs([_job(0, 1024), _job(1, 512)], "sm_90", 120, 2)) == {0, 1}
     pids = {w.proc.pid for w in precompile._idle}
     assert ok(precompile.run_jobs([_job(0, 256), _job(1, 128)], "sm_90", 120, 2)) == {0, 1}
@@ -80,7 +88,7 @@ def test_workers_stay_for_the_next_search_in_the_same_environment(monkeypatch, t
     assert ok(precompile.run_jobs([_job(0, 256)], "sm_90", 120, 1)) == {0}
     assert pids <= {w.proc.pid for w in precompile._idle}
     assert len(list(cache_entries(str(first)))) == 4
-    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(second))
+    cache_in(monkeypatch, second)
     assert ok(precompile.run_jobs([_job(0, 64)], "sm_90", 120, 1)) == {0}
     assert len(list(cache_entries(str(second)))) == 1
     assert not pids & {w.proc.pid for w in precompile._idle if w.compile_environ["CUDA_TILE_CACHE_DIR"]
@@ -91,7 +99,7 @@ def test_started_workers_serve_the_next_search(monkeypatch, tmp_path):
     """tiletune.start_compile_workers starts them ahead (idle, ready): the next search takes those
     processes instead of starting its own. Where parallel compiles are off it starts none; a
     bad count is refused."""
-    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
+    cache_in(monkeypatch, tmp_path)
     monkeypatch.setenv("TILETUNE_COMPILE_JOBS", "2")
     precompile._close_idle()
     tiletune.start_compile_workers()
@@ -107,6 +115,28 @@ def test_started_workers_serve_the_next_search(monkeypatch, tmp_path):
         tiletune.start_compile_workers(0)
     with pytest.raises(TypeError, match="start_compile_workers: n must be an int"):
         tiletune.start_compile_workers("4")
+
+
+def test_this_process_compiles_while_the_workers_start(monkeypatch, tmp_path):
+    """A started worker takes seconds to import before its first job; meanwhile the searching
+    process compiles jobs itself, and a search whose jobs are all done by then does not wait
+    for it. Once ready, it serves the next search. Here the worker starts 5 s late."""
+    import select
+    import time
+    cache_in(monkeypatch, tmp_path)
+    precompile._close_idle()
+    monkeypatch.setattr(precompile, "_WORKER_COMMAND",
+                        ("sh", "-c", 'sleep 5; exec "$0" "$@"', *precompile._WORKER_COMMAND))
+    t0 = time.monotonic()
+    assert ok(precompile.run_jobs([_job(0, 1024), _job(1, 512)], "sm_90", 120, 1)) == {0, 1}
+    assert time.monotonic() - t0 < 5
+    (worker,) = precompile._idle
+    assert not worker.ready and worker.proc.poll() is None
+    assert select.select([worker], [], [], 60)[0]          # its imports done
+    assert ok(precompile.run_jobs([_job(0, 256)], "sm_90", 120, 1)) == {0}
+    assert worker.ready and precompile._idle == [worker]
+    assert len(list(cache_entries(str(tmp_path)))) == 3
+    precompile._close_idle()
 
 
 def test_killing_a_worker_ends_the_processes_it_started(monkeypatch):
@@ -141,7 +171,7 @@ def test_workers_that_exit_idle_are_reaped_without_another_search(monkeypatch, t
     """An idle worker exits after IDLE_EXIT_SEC; it is reaped then, not left a zombie until the
     process's next search."""
     import time
-    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
+    cache_in(monkeypatch, tmp_path)
     precompile._close_idle()
     if precompile._reaper is not None:       # one scheduled by an earlier search, 130 s away
         precompile._reaper.cancel()
@@ -158,7 +188,7 @@ def test_workers_that_exit_idle_are_reaped_without_another_search(monkeypatch, t
 
 
 def test_a_dead_or_idle_worker_is_replaced(monkeypatch, tmp_path):
-    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
+    cache_in(monkeypatch, tmp_path)
     precompile.run_jobs([_job(0, 64)], "sm_90", 120, 1)
     worker = precompile._idle[-1]
     worker.proc.kill()
@@ -172,7 +202,7 @@ def test_a_dead_or_idle_worker_is_replaced(monkeypatch, tmp_path):
 def test_workers_that_cannot_start_leave_the_search_to_compile(monkeypatch, tmp_path, caplog):
     """A worker process that cannot start (out of fds or memory) is no crash: the jobs go to
     the workers that did start, and with none the search compiles every config itself."""
-    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
+    cache_in(monkeypatch, tmp_path)
     precompile._close_idle()
 
     def refused(environ):

@@ -55,16 +55,24 @@ def test_precompiled_key_is_the_launch_key(monkeypatch, case):
 
 
 def test_search_compiles_nothing_itself(monkeypatch, fresh):
-    """With the precompile on, a search's own launches load the workers' cubins: no compile in
-    this process, fewer traces than configs (each handed cubin spares one), right results."""
+    """With the precompile on, a search's own launches load the cubins of its parallel compile
+    (the workers', or this process's compile thread's while they start): no compile on the
+    searching thread, fewer traces there than configs (each handed cubin spares one), right
+    results."""
+    import threading
     if not precompile.enabled():
         pytest.skip("parallel precompile is off here (one CPU or no cuTile disk cache)")
     compiles, traces = [], []
     real, real_trace = ct_compile.compile_cubin, ct_compile.compile_tile
-    monkeypatch.setattr(ct_compile, "compile_cubin",
-                        lambda *a, **k: compiles.append(a[0]) or real(*a, **k))
-    monkeypatch.setattr(ct_compile, "compile_tile",
-                        lambda *a, **k: traces.append(a[0]) or real_trace(*a, **k))
+
+    def on_this_thread(calls, fn):
+        def counted(*a, **k):
+            if threading.current_thread() is threading.main_thread():
+                calls.append(a[0])
+            return fn(*a, **k)
+        return counted
+    monkeypatch.setattr(ct_compile, "compile_cubin", on_this_thread(compiles, real))
+    monkeypatch.setattr(ct_compile, "compile_tile", on_this_thread(traces, real_trace))
     x = torch.randn(777, 2999, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(2999, device="cuda", dtype=torch.bfloat16)
     rms_norm(x, w)
