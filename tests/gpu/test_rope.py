@@ -48,6 +48,16 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+def assert_gradients_match(qo, ko, qg, kg, q, k, cos, sin, pos, R_, dt):
+    """The backward of (qo, ko) = rope(qg, kg) against float64 autograd of the reference."""
+    dq, dk = torch.randn_like(qo), torch.randn_like(ko)
+    gq, gk = torch.autograd.grad((qo, ko), (qg, kg), (dq, dk))
+    q64, k64 = q.double().requires_grad_(), k.double().requires_grad_()
+    rq, rk = reference(q64, k64, cos, sin, pos, R_)
+    eq, ek = torch.autograd.grad((rq, rk), (q64, k64), (dq.double(), dk.double()))
+    assert rel(gq, eq) < TOL[dt] and rel(gk, ek) < TOL[dt]
+
+
 CASES = [  # B, Hq, Hk, S, D, R, position_ids, batched cos
     (2, 32, 8, 423, 128, 128, False, False),
     (1, 8, 1, 97, 64, 64, True, False),
@@ -76,12 +86,7 @@ def test_forward_backward(fresh, monkeypatch, case, dt, disable):
     rq, rk = reference(q, k, cos, sin, pos, R_)
     assert rel(qo, rq) < TOL[dt] and rel(ko, rk) < TOL[dt]
     assert qo.shape == q.shape and qo.stride() == q.stride()
-    dq, dk = torch.randn_like(qo), torch.randn_like(ko)
-    gq, gk = torch.autograd.grad((qo, ko), (qg, kg), (dq, dk))
-    q64, k64 = q.double().requires_grad_(), k.double().requires_grad_()
-    rq, rk = reference(q64, k64, cos, sin, pos, R_)
-    eq, ek = torch.autograd.grad((rq, rk), (q64, k64), (dq.double(), dk.double()))
-    assert rel(gq, eq) < TOL[dt] and rel(gk, ek) < TOL[dt]
+    assert_gradients_match(qo, ko, qg, kg, q, k, cos, sin, pos, R_, dt)
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
@@ -151,12 +156,7 @@ def test_compute_dtype_rounds_as_hf_eager(fresh, monkeypatch, case, dt, inplace,
     assert not torch.equal(qo, apply_rope(q, k, cos, sin)[0]) or dt == torch.float32
     qg, kg = q.detach().requires_grad_(), k.detach().requires_grad_()
     qo, ko = apply_rope(qg, kg, cos, sin, compute_dtype=dt)
-    dq, dk = torch.randn_like(qo), torch.randn_like(ko)
-    gq, gk = torch.autograd.grad((qo, ko), (qg, kg), (dq, dk))
-    q64, k64 = q.double().requires_grad_(), k.double().requires_grad_()
-    rq, rk = reference(q64, k64, cos, sin, None, R_)
-    eq, ek = torch.autograd.grad((rq, rk), (q64, k64), (dq.double(), dk.double()))
-    assert rel(gq, eq) < TOL[dt] and rel(gk, ek) < TOL[dt]
+    assert_gradients_match(qo, ko, qg, kg, q, k, cos, sin, None, R_, dt)
 
 
 def test_every_config_is_correct_with_bf16_math(fresh, monkeypatch):
