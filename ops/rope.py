@@ -119,11 +119,11 @@ DEFAULT = next(rope_tile_configs("sm_90", 32, 128))
 # ---------------------------------------------------------------------------------------------
 # Launches. Both tuners take the inputs (q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):
 # cos/sin (B, S', rot) views, pos (B, S) int32 or None; q_out/k_out None means in place; f32:
-# the arithmetic in float32 (else in q's dtype). The
-# in-place tuner's search rotates copies of q and k (made once per miss), so q and k keep their
-# values until the one in-place launch. It times the in-place kernel itself: the out-of-place
-# kernel ran 9-12% slower than the in-place one at D128 on an H200 and ranked the configs
-# differently (references/kernel-type-templates.md, "Elementwise in place").
+# the arithmetic in float32 (else in q's dtype). The in-place tuner's search rotates copies of
+# q and k (made once per miss), so q and k keep their values until the one in-place launch. It
+# times the in-place kernel itself: the out-of-place kernel ran 9-12% slower than the in-place
+# one at D128 on an H200 and ranked the configs differently (references/kernel-type-templates.md,
+# "Elementwise in place").
 
 
 def _space(q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):
