@@ -471,10 +471,10 @@ def precompile(items, arch, timeout_sec):
 
 
 def _warm_up_compiler():
-    """What cuTile finds out on a process's first compile and then keeps (the tileiras version,
-    the bytecode versions it takes: tileiras runs of their own), found before the worker says
-    it is ready: 0.2-0.3 s off its first job on a 2-core CPU host. Private cuTile functions,
-    so any failure only leaves that to the first job."""
+    """cuTile's compile module, and what it finds out on a process's first compile and then
+    keeps (the tileiras version, the bytecode versions it takes: tileiras runs of their own),
+    loaded before the worker says it is ready: 0.2-0.3 s off its first job on a 2-core CPU
+    host. Private cuTile functions, so any failure only leaves that to the first job."""
     try:
         from cuda.tile import _compile
         from cuda.tile._cext import default_tile_context
