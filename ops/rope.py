@@ -247,10 +247,10 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     where the float32 widening is what a kernel waits on). Any other dtype: ValueError.
     """
     cos, sin, pos, rot = prepare("apply_rope", q, k, cos, sin, position_ids, rotary_dim)
-    if compute_dtype != torch.float32 and compute_dtype != q.dtype:
+    f32 = compute_dtype == torch.float32
+    if not f32 and compute_dtype != q.dtype:
         raise ValueError(f"apply_rope: compute_dtype must be torch.float32 or q's dtype "
                          f"({q.dtype}), got {compute_dtype}")
-    f32 = compute_dtype == torch.float32
     if not inplace:
         return _rope_op(q, k, cos, sin, pos, rot, f32, False)
     compiling = torch.compiler.is_compiling()
@@ -275,4 +275,10 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     if unsqueeze_dim != 1:
         raise ValueError("apply_rotary_pos_emb: only unsqueeze_dim=1 ((B, H, S, D) q/k) is supported")
     return apply_rope(q, k, cos, sin, position_ids=position_ids,
-                      compute_dtype=torch.promote_types(q.dtype, cos.dtype))
+                      compute_dtype=hf_compute_dtype(q, cos))
+
+
+def hf_compute_dtype(q, cos):
+    """The dtype HF's rotate_half code (and Liger's kernel) computes the rotation in: torch's
+    promotion of q's and cos's dtypes (bf16 for a bf16 model's tables, float32 if either is)."""
+    return torch.promote_types(q.dtype, cos.dtype)

@@ -40,7 +40,7 @@ from tiletune.ops.gated_mlp import swiglu_linear
 from tiletune.ops.moe import MAX_ELEMS, moe_experts
 from tiletune.ops.rms_norm import rms_norm
 from tiletune.ops.rms_norm_rope import rms_norm_rope
-from tiletune.ops.rope import apply_rope
+from tiletune.ops.rope import apply_rope, hf_compute_dtype
 from tiletune.ops.swiglu import geglu, swiglu
 
 log = logging.getLogger("tiletune")
@@ -359,7 +359,7 @@ class _AttentionForward:
             if getattr(self, "q_norm", None) is not None:
                 query, key = self.q_norm(query), self.k_norm(key)
             query, key = apply_rope(query.transpose(1, 2), key.transpose(1, 2), cos, sin,
-                                    compute_dtype=torch.promote_types(query.dtype, cos.dtype))
+                                    compute_dtype=hf_compute_dtype(query, cos))
 
         cache = past_key_values if cache is None else cache    # `cache`: its newer name
         if cache is not None:
@@ -385,7 +385,7 @@ def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, rotary_dim=None):
     unsqueeze_dim=1 takes (B, H, S, D) q/k, unsqueeze_dim=2 (B, S, H, D); cos/sin (B, S, D).
     rotary_dim as `apply_rope`'s. The rotation is computed in the dtype transformers' code
     computes it in (torch's promotion of q's and cos's dtypes: bf16 for a bf16 model's tables)."""
-    math = torch.promote_types(q.dtype, cos.dtype)
+    math = hf_compute_dtype(q, cos)
     if unsqueeze_dim == 1:
         return apply_rope(q, k, cos, sin, rotary_dim=rotary_dim, compute_dtype=math)
     if unsqueeze_dim == 2:
