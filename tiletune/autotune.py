@@ -481,6 +481,7 @@ class Autotuner:
             return kernel.replace_hints(**hints)
         if built is None:
             built = self._hinted[memo] = kernel.replace_hints(**hints)
+            precompile.track(built)
         return built
 
     def _search_kernels(self, dev):
@@ -648,12 +649,13 @@ class Autotuner:
             # config's kernel object, which the search, the final round and the launch share.
             # Configs the compiler rejects are failures already: the search skips them.
             arch = _device.arch(dev)
+            launching = [self._with_hints(self.search_kernel(cfgs[i]), cfgs[i], dev)
+                         for i in batch]
             refused, cubins = precompile.precompile(
-                [(self.search_kernel(cfgs[i]), self.hints(cfgs[i]), search.args_fn(cfgs[i]))
-                 for i in batch], arch, COMPILE_TIMEOUT_SEC)
+                [(self.search_kernel(cfgs[i]), self.hints(cfgs[i]), search.args_fn(cfgs[i]), k)
+                 for i, k in zip(batch, launching)], arch, COMPILE_TIMEOUT_SEC)
             for j, (sig, cubin) in cubins.items():
-                precompile.hand_over(self._with_hints(self.search_kernel(cfgs[batch[j]]),
-                                                      cfgs[batch[j]], dev), sig, arch, cubin)
+                precompile.hand_over(launching[j], sig, arch, cubin)
             compiled.update({i: refused.get(j) for j, i in enumerate(batch)})
         rejected = {j: compiled[i] for j, i in enumerate(indices) if compiled.get(i)}
         # A compile timeout in a loaded parallel precompile is no verdict on the config, nor is

@@ -252,4 +252,60 @@ def test_a_handed_cubin_is_loaded_once_for_its_signature_and_arch(monkeypatch):
     assert len(asked) == 3
     for n in (64, 128, 256, 512, 1024, 1024):     # one entry per signature, the latest few
         precompile.hand_over(kernel, sig(n), "sm_90", precompile.Cubin(str(n), b""))
-    assert [c.symbol for _, _, c in kernel._tiletune_handed] == ["128", "256", "512", "1024"]
+    assert [c.symbol for _, _, c in kernel._tiletune_jit.handed] == ["128", "256", "512", "1024"]
+
+
+def test_signatures_a_kernel_object_compiled_are_not_precompiled_again(monkeypatch):
+    """A later key with the same signatures (another size, same alignment) finds them in the
+    kernel objects' own JIT caches: the precompile leaves those configs out, whether their
+    object compiled them itself or loaded a handed cubin."""
+    from cuda.tile.compilation import KernelSignature
+    sent = []
+    monkeypatch.setattr(precompile, "run_jobs", lambda work, *a: sent.append(
+        [w[0] for w in work]) or {})
+    from types import SimpleNamespace
+    monkeypatch.setattr(KernelSignature, "from_kernel_args", lambda kernel, args, cc: (
+        SimpleNamespace(parameters=fwd_params(args))))        # what it reads off CUDA tensors
+    bare = R.rms_norm_fwd_rows
+    objects = [bare.replace_hints(occupancy=o) for o in (1, 2, 3)]
+    for k in objects:
+        k._compile = lambda sig, ctx, cc=None: ("compiled",)
+        precompile.track(k)
+    items = [(bare, {"occupancy": o}, 4096, k) for o, k in zip((1, 2, 3), objects)]
+    sig = precompile.launch_signature(fwd_params(4096))
+    precompile.hand_over(objects[0], sig, "sm_90", precompile.Cubin("sym", b"cubin"))
+    objects[0]._compile(sig.with_symbol("a"), None, (9, 0))        # loads the handed cubin
+    objects[1]._compile(sig.with_symbol("b"), None, (9, 0))        # compiles it itself
+    objects[2]._compile(sig.with_symbol("c"), None, (10, 0))       # for another arch
+    assert precompile.compiled_already(objects[0], sig, "sm_90")
+    assert not precompile.compiled_already(objects[2], sig, "sm_90")
+    precompile.precompile(items, "sm_90", 120)
+    assert sent == [[2]]
+
+
+def test_tileiras_runs_outside_cutiles_compile_lock(monkeypatch, tmp_path):
+    """Where this process compiles in threads, cuTile's compile lock (held twice here, as
+    `_compile_here` and cuTile's compile_tile take it) is free while tileiras runs, so another
+    thread can trace meanwhile, and held again afterwards at the same depth."""
+    import threading
+    from cuda.tile import _compile
+    from cuda.tile._compiler_options import CompilerOptions
+    assert precompile.tileiras_outside_the_lock()
+    lock, free_meanwhile = _compile._compiler_lock, []
+
+    def another_thread_takes_the_lock():
+        if lock.acquire(timeout=5):
+            lock.release()
+            free_meanwhile.append(True)
+
+    class Tileiras:
+        def run(self, args, flags, timeout_sec):
+            t = threading.Thread(target=another_thread_takes_the_lock)
+            t.start()
+            t.join()
+    monkeypatch.setattr(_compile, "_find_compiler_bin", Tileiras)
+    with lock, lock:
+        _compile.compile_cubin(str(tmp_path / "k.bytecode"), CompilerOptions(), "sm_90", 60)
+        assert lock._is_owned()
+    _compile.compile_cubin(str(tmp_path / "k.bytecode"), CompilerOptions(), "sm_90", 60)
+    assert free_meanwhile == [True, True]
