@@ -34,8 +34,8 @@ def start_compile_workers(n=None):
     n) now, in the background, so that they are ready for this process's first search, which
     otherwise compiles in its own threads (tracing one config at a time) for the seconds they
     take to start: call it at the top of a training script whose keys may miss the store.
-    Workers left without work exit after two minutes. A no-op where parallel compiles are off (TILETUNE_COMPILE_JOBS 0 or 1, or cuTile's
-    disk cache disabled)."""
+    Workers left without work exit after two minutes. A no-op where parallel compiles are off
+    (TILETUNE_COMPILE_JOBS 0 or 1, or cuTile's disk cache disabled)."""
     from tiletune import precompile
     if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
         raise TypeError(f"start_compile_workers: n must be an int or None, got "
