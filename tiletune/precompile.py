@@ -9,9 +9,9 @@ processes that compile them at once; every cubin lands in cuTile's on-disk cache
 config's kernel object (`hand_over`): its first launch with that signature then loads the cubin
 instead of tracing the kernel again to find it in the disk cache (0.2-0.5 s a config).
 
-Workers are plain subprocesses (`python -m tiletune.precompile`) fed pickled jobs on stdin:
-no multiprocessing, so nothing re-imports the user's main script, and no fork of a process that
-holds a CUDA context. They import only the kernels' own modules and never touch the GPU. They
+Workers are plain subprocesses (`_WORKER_COMMAND`, which runs `_serve`) fed pickled jobs on
+stdin: no multiprocessing, so nothing re-imports the user's main script, and no fork of a
+process that holds a CUDA context. They import only the kernels' own modules and never touch the GPU. They
 stay for the process's next search (starting one costs seconds of imports: 3.6-4.9 s on
 16-core H200 hosts) and exit after IDLE_EXIT_SEC without work or when the process ends; they
 run at WORKER_NICENESS. Jobs go out one at a time to whichever worker is free. While started
@@ -48,11 +48,15 @@ log = logging.getLogger("tiletune")
 IDLE_EXIT_SEC = 120.0
 _REUSE_MARGIN_SEC = 10.0
 _START_SEC = 120.0        # a started worker not ready (its imports done) by then is dropped
-_WORKER_COMMAND = (sys.executable, "-m", "tiletune.precompile")
 # Workers yield the CPU to the searching process's own compiles while they import (a first
 # search: 2.3-2.8 s on H200 hosts against 4.5-4.6 s at the same priority) and to the training
-# process they serve after that.
+# process they serve after that. The niceness comes before any import: `python -m` would import
+# the tiletune package (torch) first.
 WORKER_NICENESS = 10
+_WORKER_COMMAND = (sys.executable, "-c", "import os, sys\n"
+                   f"os.nice({WORKER_NICENESS})\n"
+                   "from tiletune.precompile import _serve\n"
+                   "_serve(float(sys.argv[1]))")
 _HANDED_KEPT = 4          # cubins a kernel object holds for signatures it has not launched yet
 
 
@@ -292,7 +296,7 @@ def _read_frame(fd, deadline=None):
 
 
 class _Worker:
-    """One compile process (`python -m tiletune.precompile`); it imports the compiler once and
+    """One compile process (`_WORKER_COMMAND`); it imports the compiler once and
     then compiles one job list per message until its input closes or it idles IDLE_EXIT_SEC.
     Its first message back says it is ready (`ready` once that has been read)."""
 
@@ -578,10 +582,6 @@ def _warm_up_compiler():
 def _serve(idle_exit_sec):
     """The worker: compile each message's jobs and answer with their results."""
     result_pipe, sys.stdout = sys.stdout.buffer, sys.stderr   # stray prints must not corrupt it
-    try:
-        os.nice(WORKER_NICENESS)
-    except OSError:
-        pass
     import cuda.tile.compilation  # noqa: F401  (the compiler loads before the first job)
     import torch  # noqa: F401
     _warm_up_compiler()
@@ -596,10 +596,3 @@ def _serve(idle_exit_sec):
             return
         arch, timeout_sec, chunk = message
         _write_frame(result_pipe, {i: compile_job(*job, arch, timeout_sec) for i, *job in chunk})
-
-
-if __name__ == "__main__":
-    # run from the module under its own name, so the Cubin objects it answers with unpickle as
-    # tiletune.precompile.Cubin on the other side (not __main__.Cubin)
-    from tiletune.precompile import _serve as serve
-    serve(float(sys.argv[1]))

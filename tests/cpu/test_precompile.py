@@ -136,6 +136,9 @@ def test_this_process_compiles_while_the_workers_start(monkeypatch, tmp_path):
     assert ok(precompile.run_jobs([_job(0, 256)], "sm_90", 120, 1)) == {0}
     assert worker.ready and precompile._idle == [worker]
     assert len(list(cache_entries(str(tmp_path)))) == 3
+    import os                                  # it yields the CPU to this process
+    assert os.getpriority(os.PRIO_PROCESS, worker.proc.pid) == min(
+        os.getpriority(os.PRIO_PROCESS, 0) + precompile.WORKER_NICENESS, 19)
     precompile._close_idle()
 
 
