@@ -56,7 +56,7 @@ def test_precompiled_key_is_the_launch_key(monkeypatch, case):
 
 def test_search_compiles_nothing_itself(monkeypatch, fresh):
     """With the precompile on, a search's own launches load the cubins of its parallel compile
-    (the workers', or this process's compile thread's while they start): no compile on the
+    (the workers', or this process's compile threads' while they start): no compile on the
     searching thread, fewer traces there than configs (each handed cubin spares one), right
     results."""
     import threading
