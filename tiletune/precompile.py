@@ -435,14 +435,15 @@ def _failed(worker, error):
                 "itself", type(error).__name__)
 
 
-def _compile_here(next_job, results, arch, timeout_sec, here):
-    """Compile jobs in this process until none is left; their indices go to `here`. A job is
-    taken once cuTile's lock is free (its tracing can start), so jobs do not queue behind it
-    that a worker could take."""
+def _compile_here(next_job, results, arch, timeout_sec, here, workers_starting):
+    """Compile jobs in this process until none is left or no worker is starting any more (then
+    the workers take the rest: no more compiles at once than the pool has workers, for longer
+    than the jobs in hand); their indices go to `here`. A job is taken once cuTile's lock is
+    free (its tracing can start), so jobs do not queue behind it that a worker could take."""
     from cuda.tile._compile import _compiler_lock
     while True:
         with _compiler_lock:
-            job = next_job()
+            job = next_job() if workers_starting() else None
             if job is None:
                 return
             i, *args = job
@@ -518,7 +519,8 @@ def run_jobs(jobs_list, arch, timeout_sec, workers):
             threads = sum(not w.ready for w in busy) if tileiras_outside_the_lock() else 1
             for _ in range(min(threads, len(todo))):
                 here.append(threading.Thread(target=_compile_here, daemon=True, args=(
-                    next_job, results, arch, timeout_sec, compiled_here)))
+                    next_job, results, arch, timeout_sec, compiled_here,
+                    lambda: not all(w.ready for w in pool))))
                 here[-1].start()
         first = False
     for t in here:

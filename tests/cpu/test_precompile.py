@@ -312,3 +312,17 @@ def test_tileiras_runs_outside_cutiles_compile_lock(monkeypatch, tmp_path):
         assert lock._is_owned()
     _compile.compile_cubin(str(tmp_path / "k.bytecode"), CompilerOptions(), "sm_90", 60)
     assert free_meanwhile == [True, True]
+
+
+def test_this_process_stops_taking_jobs_once_every_worker_is_ready(monkeypatch):
+    """The searching process's compile threads stand in for starting workers only: once every
+    worker is ready they leave the remaining jobs to the workers, so no more compiles run at
+    once than the pool has workers."""
+    jobs = [(i, "module", "name") for i in range(4)]
+    starting = iter([True, True, False])
+    compiled, results, here = [], {}, []
+    monkeypatch.setattr(precompile, "compile_job", lambda *args: compiled.append(args) or "ok")
+    precompile._compile_here(lambda: jobs.pop(0) if jobs else None, results, "sm_90", 120, here,
+                             lambda: next(starting))
+    assert here == [0, 1] and results == {0: "ok", 1: "ok"} and len(jobs) == 2
+    assert compiled == [("module", "name", "sm_90", 120)] * 2
