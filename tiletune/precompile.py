@@ -11,15 +11,15 @@ instead of tracing the kernel again to find it in the disk cache (0.2-0.5 s a co
 
 Workers are plain subprocesses (`_WORKER_COMMAND`, which runs `_serve`) fed pickled jobs on
 stdin: no multiprocessing, so nothing re-imports the user's main script, and no fork of a
-process that holds a CUDA context. They import only the kernels' own modules and never touch the GPU. They
-stay for the process's next search (starting one costs seconds of imports: 3.6-4.9 s on
-16-core H200 hosts) and exit after IDLE_EXIT_SEC without work or when the process ends; they
+process that holds a CUDA context. They import only the kernels' own modules and never touch the
+GPU. They stay for the process's next search (starting one costs seconds of imports: 3.6-4.9 s
+on 16-core H200 hosts) and exit after IDLE_EXIT_SEC without work or when the process ends; they
 run at WORKER_NICENESS. Jobs go out one at a time to whichever worker is free. While started
-workers import, threads of the searching process compile jobs: cuTile's compile lock is let
-go while tileiras runs (`tileiras_outside_the_lock`), so their tracing takes turns and their
+workers import, threads of the searching process compile jobs: cuTile's compile lock is let go
+while tileiras runs (`tileiras_outside_the_lock`), so their tracing takes turns and their
 tileiras runs overlap; a process's first search mostly ends there before any worker is ready.
-Configs whose kernel object compiled the signature already (a later key of the same
-signatures) are left to its JIT cache.
+Configs whose kernel object compiled the signature already (a later key of the same signatures)
+are left to its JIT cache.
 `TILETUNE_COMPILE_JOBS` sets how many run at once (default: CPU count, at most 16); 0 or 1, or a
 disabled cuTile disk cache, turns this off and the search compiles serially.
 
@@ -48,10 +48,10 @@ log = logging.getLogger("tiletune")
 IDLE_EXIT_SEC = 120.0
 _REUSE_MARGIN_SEC = 10.0
 _START_SEC = 120.0        # a started worker not ready (its imports done) by then is dropped
-# Workers yield the CPU to the searching process's own compiles while they import (a first
-# search: 2.3-2.8 s on H200 hosts against 4.5-4.6 s at the same priority) and to the training
-# process they serve after that. The niceness comes before any import: `python -m` would import
-# the tiletune package (torch) first.
+# Workers yield the CPU to the searching process's own compiles while they import (matmul's
+# first search: 2.7-2.9 s on H200 hosts against 4.3-4.8 s at the same priority) and to the
+# training process they serve after that. The niceness comes before any import: `python -m`
+# would import the tiletune package (torch) first.
 WORKER_NICENESS = 10
 _WORKER_COMMAND = (sys.executable, "-c", "import os, sys\n"
                    f"os.nice({WORKER_NICENESS})\n"
@@ -166,8 +166,8 @@ _tileiras_unlocked = False
 
 def tileiras_outside_the_lock():
     """Let cuTile's process-wide compile lock go while tileiras runs. cuTile holds the lock
-    around a whole compile, but 85-95% of a compile is the tileiras process (on a 2-core CPU
-    host: tracing 0.02-0.17 s, tileiras 0.11-1.1 s a config of RMSNorm, RoPE, matmul, FMHA), which
+    around a whole compile, but most of a compile is the tileiras process (on a 2-core CPU host,
+    configs of RMSNorm, RoPE, matmul and FMHA: tracing 0.02-0.17 s, tileiras 0.11-1.1 s), which
     shares no state with the tracing: with the lock let go there, threads of one process trace
     one at a time and run their tileiras side by side. Everything else in a compile stays under
     the lock. cuTile's `compile_cubin` is looked up at call time, so it is wrapped in place
