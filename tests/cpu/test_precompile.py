@@ -262,11 +262,11 @@ def test_signatures_a_kernel_object_compiled_are_not_precompiled_again(monkeypat
     """A later key with the same signatures (another size, same alignment) finds them in the
     kernel objects' own JIT caches: the precompile leaves those configs out, whether their
     object compiled them itself or loaded a handed cubin."""
+    from types import SimpleNamespace
     from cuda.tile.compilation import KernelSignature
     sent = []
     monkeypatch.setattr(precompile, "run_jobs", lambda work, *a: sent.append(
         [w[0] for w in work]) or {})
-    from types import SimpleNamespace
     monkeypatch.setattr(KernelSignature, "from_kernel_args", lambda kernel, args, cc: (
         SimpleNamespace(parameters=fwd_params(args))))        # what it reads off CUDA tensors
     bare = R.rms_norm_fwd_rows
