@@ -105,7 +105,9 @@ class _Model:
         for k, v in self.settings.items():
             if v is not None and getattr(self.model.config, k) != v:
                 setattr(self.model.config, k, v)
-        loss = self.model(input_ids=ids, labels=ids).loss
+        # no KV cache: a training forward has no use for one, and transformers' default
+        # (use_cache=True) copies every layer's K and V into it, and their gradients back
+        loss = self.model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
