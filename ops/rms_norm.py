@@ -117,8 +117,9 @@ def rms_norm_bwd_cols(dy, x, w, rstd, coef, dx, dw_partial,
 # ---------------------------------------------------------------------------------------------
 # Configs: kernel variant, tiles, occupancy, worker warps, grid shape. Measured on an H200
 # (references/parameter-space-design.md): tiles over 16K elements lose 3-6x (register spills);
-# occupancy 6-8 lost everywhere, spill-free or not (0.18-0.88 of copy bandwidth); occupancy 1
-# never won a forward search; plain loads and stores were 5-16% slower than TMA. So: 4K-16K-element tiles, occupancy 2-4 (1-4 backward), 4 or 8 worker warps,
+# forward occupancy 6-8 lost at every shape measured, spill-free or not (0.18-0.88 of copy
+# bandwidth); occupancy 1 never won a forward search; plain loads and stores were 5-16% slower
+# than TMA. So: 4K-16K-element tiles, occupancy 2-4 (1-4 backward), 4 or 8 worker warps,
 # persistent (SMs x occupancy CTAs striding over row tiles) or one CTA per row tile.
 
 MAX_ROW_TILE = 16384      # widest row (elements) kept whole in one tile; wider rows are chunked
