@@ -13,8 +13,9 @@ from tiletune.ops.swiglu import SILU, swiglu
 # Ahead-of-time compile cases: every sm_90 config for M = K = 4096, N = 14336 bf16, inference and
 # training (gate and up stored) kernels; the sm_100 entries that sm_90 lacks; the default config
 # for fp16, a ragged key (M = K = 1000, N = 1001, both kernels), decode (M = 1: a constant dim);
-# the pre-Hopper pair. Arguments come from the tuner's own `args`; the weights are nn.Linear's
-# (N, K) tensors seen transposed, with the strides torch gives w.t()[None].
+# the pre-Hopper pair. The same for the backward's input gradient kernel (dual_product_kernel).
+# Arguments come from the tuner's own `args`; the forward's weights are nn.Linear's (N, K)
+# tensors seen transposed, with the strides torch gives w.t()[None].
 
 ALIGNED = (4096, 14336, 4096)      # M, N, K
 
@@ -37,9 +38,39 @@ def _case(cfg, dt, M, N, K, save, label):
                        f"gated_mlp {kind} {label} {vars(cfg)}")
 
 
+def dx_params(cfg, dt, M, N, K):
+    """The input gradient kernel's arguments: dgate and dup (M, N) contiguous, the (N, K)
+    weights as they are, dx (M, K)."""
+    d, w, dx = jit_array(dt, (1, M, N)), jit_array(dt, (1, N, K)), jit_array(dt, (1, M, K))
+    return list(G._dx._args(cfg, d, w, d, w, dx))
+
+
+def _dx_case(cfg, dt, M, N, K, label):
+    return CompileCase("gated_mlp", G._dx.build(cfg), dx_params(cfg, dt, M, N, K),
+                       f"gated_mlp dx {label} {vars(cfg)}")
+
+
+def _dx_cases(M, N, K):
+    """The input gradient kernel: every config of both archs' spaces, then the default at
+    fp16, a ragged key, one row and the pre-Hopper pair."""
+    bf, f16 = torch.bfloat16, torch.float16
+    sm90 = list(G.dx_configs("sm_90", M, N, K))
+    for cfg in sm90:
+        yield _dx_case(cfg, bf, M, N, K, f"sm_90 space {M}x{N}x{K} bf16")
+    for cfg in G.dx_configs("sm_100", M, N, K):
+        if cfg not in sm90:
+            yield _dx_case(cfg, bf, M, N, K, f"sm_100 space {M}x{N}x{K} bf16")
+    yield _dx_case(sm90[0], f16, M, N, K, f"{M}x{N}x{K} fp16")
+    yield _dx_case(sm90[0], bf, 1000, 1001, 1000, "ragged 1000x1001x1000 bf16")
+    yield _dx_case(sm90[0], bf, 1, N, K, f"one row 1x{N}x{K} bf16")
+    for cfg in G.dx_configs("sm_80", M, N, K):
+        yield _dx_case(cfg, bf, M, N, K, "pre-Hopper space bf16")
+
+
 def compile_cases():
     bf, f16 = torch.bfloat16, torch.float16
     M, N, K = ALIGNED
+    yield from _dx_cases(M, N, K)
     sm90 = list(G.configs("sm_90", M, N, K))
     for cfg in sm90:
         for save in (False, True):

@@ -8,8 +8,9 @@
 #
 # Training: the forward kernel also stores g and u (a constant flag, one compile each way), so the
 # backward does not run the two GEMMs again. The backward is ops/swiglu.py's (dgate, dup from g,
-# u and dy), then four GEMMs through ops/matmul.py: dx = dgate @ w_gate + dup @ w_up,
-# dw_gate = dgate^T x, dw_up = dup^T x; a gradient not needed is not computed.
+# u and dy), then dx = dgate @ w_gate + dup @ w_up in one kernel here (both products summed in
+# one accumulator: no second (M, K) tensor and no add) and dw_gate = dgate^T x, dw_up = dup^T x
+# through ops/matmul.py; a gradient not needed is not computed.
 #
 # No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
 import math
@@ -23,7 +24,8 @@ from tiletune.autotune import Autotuner, Work, bucket
 from tiletune.device import major
 from tiletune.ops import swiglu as glu
 from tiletune.ops.gemm_tiles import layout, output_tile, tile_count, tile_grid
-from tiletune.ops.matmul import a_tile, b_tile, plain_matmul, store_tile
+from tiletune.ops.matmul import (a_tile, b_tile, mainloop, matmul_configs, plain_matmul,
+                                  split_of, store_tile)
 from tiletune.ops.swiglu import SILU, activation
 from tiletune.space import table
 from tiletune.torch_op import TrainableOp
@@ -72,6 +74,28 @@ def gated_mlp_kernel(x, wg, wu, y, gate, up, ACT: ct.Constant[int], TM: ct.Const
         gated_tile(x, wg, wu, y, gate, up, m, n, ACT, TM, TN, TK, SAVE)
 
 
+def dual_product_tile(a1, b1, a2, b2, c, m, n, TM, TN, TK):
+    """c's output tile (m, n) of a1 @ b1 + a2 @ b2: matmul's K loop over each pair in turn, into
+    one float32 accumulator, stored once."""
+    acc = mainloop(a1, b1, 0, m, n, ct.zeros((TM, TN), ct.float32), TM, TN, TK)
+    store_tile(c, 0, m, n, mainloop(a2, b2, 0, m, n, acc, TM, TN, TK))
+
+
+@ct.kernel
+def dual_product_kernel(a1, b1, a2, b2, c, TM: ct.Constant[int], TN: ct.Constant[int],
+                        TK: ct.Constant[int], GROUP_M: ct.Constant[int],
+                        PERSISTENT: ct.Constant[bool]):
+    """c = a1 @ b1 + a2 @ b2 for (1, rows, cols) arrays with any strides (the input gradient
+    dgate @ w_gate + dup @ w_up); tiles as gated_mlp_kernel's."""
+    if PERSISTENT:
+        for t in range(ct.bid(0), tile_count(a1.shape[1], b1.shape[2], TM, TN), ct.num_blocks(0)):
+            m, n = output_tile(t, a1.shape[1], b1.shape[2], TM, TN, GROUP_M)
+            dual_product_tile(a1, b1, a2, b2, c, m, n, TM, TN, TK)
+    else:
+        m, n = output_tile(ct.bid(0), a1.shape[1], b1.shape[2], TM, TN, GROUP_M)
+        dual_product_tile(a1, b1, a2, b2, c, m, n, TM, TN, TK)
+
+
 # ---------------------------------------------------------------------------------------------
 # Configs. Two float32 accumulators per CTA: a (TM, TN) tile here holds what a (TM, 2 TN) tile of
 # matmul holds in registers on sm_90 (and loads as many bytes per K step: one x tile, two weight
@@ -114,6 +138,12 @@ def configs(arch, m, n, k):
                      group_m=8)
 
 
+def dx_configs(arch, m, n, k):
+    """The input gradient's space: matmul's without split-K (one float32 accumulator per tile,
+    as a matmul tile's), default first."""
+    yield from (cfg for cfg in matmul_configs(arch, m, n, k) if split_of(cfg) == 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launch. Inputs: x3 (1, M, K), wg3 and wu3 (1, K, N), y3 (1, M, N), gate3 and up3 (1, M, N)
 # (with save False, y3 stands in for both: not read, not written), act, save.
@@ -134,7 +164,16 @@ _gated = Autotuner(
     space=lambda x3, wg3, *rest: dict(m=bucket(x3.shape[1]), n=wg3.shape[2], k=x3.shape[2]),
     grid=_grid, args=_args,
     work=lambda x3, wg3, *rest: Work(flops=4.0 * x3.shape[1] * wg3.shape[2] * x3.shape[2]))
-TUNERS = (_gated,)
+_dx = Autotuner(
+    "gated_mlp_dx", dual_product_kernel, dx_configs,
+    default=SimpleNamespace(tm=128, tn=128, tk=64, occupancy=1, num_ctas=1, group_m=8,
+                            persistent=False),
+    space=lambda a1, b1, *rest: dict(m=bucket(a1.shape[1]), n=b1.shape[2], k=a1.shape[2]),
+    grid=lambda cfg, dev, a1, b1, a2, b2, c: tile_grid(cfg, dev, a1.shape[1], b1.shape[2]),
+    args=lambda cfg, a1, b1, a2, b2, c: (a1, b1, a2, b2, c, cfg.tm, cfg.tn, cfg.tk, cfg.group_m,
+                                         cfg.persistent),
+    work=lambda a1, b1, *rest: Work(flops=4.0 * a1.shape[1] * b1.shape[2] * a1.shape[2]))
+TUNERS = (_gated, _dx)
 
 
 def launch(x3, wg3, wu3, y3, g3, u3, act, save):
@@ -145,6 +184,15 @@ def launch(x3, wg3, wu3, y3, g3, u3, act, save):
     key = (bucket(M), wg3.shape[2], K, x3.dtype, layout(x3), layout(wg3), layout(wu3), act,
            save, dev)
     _gated.launch(key, dev, x3, wg3, wu3, y3, g3, u3, act, save)
+
+
+def launch_dx(a1, b1, a2, b2, c):
+    """c = a1 @ b1 + a2 @ b2, all (1, rows, cols); the key buckets the rows, as launch's."""
+    M, K = a1.shape[1], a1.shape[2]
+    dev = a1.get_device()
+    key = (bucket(M), b1.shape[2], K, a1.dtype, layout(a1), layout(b1), layout(a2), layout(b2),
+           dev)
+    _dx.launch(key, dev, a1, b1, a2, b2, c)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,13 +229,19 @@ def _forward(x, w_gate, w_up, act, save):
 
 def _backward(needs, dy, x, w_gate, w_up, gate, up, act):
     """(dx, dw_gate, dw_up), None where not needed. dgate and dup come from the activation's
-    backward kernel (ops/swiglu.py), the rest from matmul's kernel on transposed views."""
+    backward kernel (ops/swiglu.py), dx from dual_product_kernel, the weight gradients from
+    matmul's kernel on transposed views."""
     dgate, dup = glu.backward(dy, gate, up, act)          # (M, N) each
     dx = dw_gate = dw_up = None
     if needs[0]:
-        dx = plain_matmul(dgate, w_gate)
-        dx.add_(plain_matmul(dup, w_up))
-        dx = dx.view(x.shape)
+        M, N = dgate.shape
+        dx = x.new_empty(*x.shape)                        # contiguous: viewed as (M, K)
+        if dx.numel():
+            if N == 0:
+                dx.zero_()
+            else:
+                launch_dx(dgate[None], w_gate[None], dup[None], w_up[None],
+                          dx.view(M, x.shape[-1])[None])
     if needs[1] or needs[2]:
         x2 = _rows(x)
         if needs[1]:

@@ -14,6 +14,7 @@ from tiletune import autotune, device
 from tiletune.autotune import MAX_CONFIGS, default_hints
 from tiletune.ops import gated_mlp as G
 from tiletune.ops.gated_mlp import swiglu_linear
+from tiletune.ops.matmul import matmul_configs, split_of
 from tests.cpu.stand_ins import resolve_misses_to_default
 
 BF16 = torch.bfloat16
@@ -60,9 +61,23 @@ def test_space_sizes_and_defaults():
     assert list(G.configs("sm_120", 1, 2, 3)) == other and all(c.tk == 32 for c in other)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_input_gradient_space_is_matmuls_without_split_k(arch):
+    """One float32 accumulator per tile, as matmul's: its whole-K entries, default first; the
+    skinny keys where matmul's space splits K (M = 16) get none of those."""
+    for m, n, k in ((4096, 4096, 14336), (16, 4096, 14336)):
+        dx = list(G.dx_configs(arch, m, n, k))
+        whole_k = [c for c in matmul_configs(arch, m, n, k) if split_of(c) == 1]
+        assert dx == whole_k and 2 <= len(dx) <= MAX_CONFIGS
+        assert not any(hasattr(c, "split") for c in dx)
+    assert any(split_of(c) > 1 for c in matmul_configs("sm_90", 16, 4096, 14336))
+
+
 def test_persistent_configs_launch_the_persistent_walk():
     for c in G.configs("sm_90", 4096, 14336, 4096):
         assert G._args(c, *range(6), 0, True)[-1] is c.persistent
+    for c in G.dx_configs("sm_90", 4096, 14336, 4096):
+        assert G._dx._args(c, *range(5))[-1] is c.persistent
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,8 +149,8 @@ def test_fake_implementations():
 
 # ---------------------------------------------------------------------------------------------
 # The host side with the kernels emulated in torch (float64): ct.launch stubbed
-# (tests/cpu/conftest.py), each miss resolved to the shape's default config; matmul and
-# swiglu's backward emulated too.
+# (tests/cpu/conftest.py), each miss resolved to the shape's default config; matmul, the input
+# gradient's two-product kernel and swiglu's backward emulated too.
 
 def _silu(t):
     return t * torch.sigmoid(t)
@@ -159,6 +174,9 @@ def emulated(launches, monkeypatch):
         elif kernel == "matmul":
             a3, b3, c3 = args[:3]
             c3.copy_(a3.double() @ b3.double())
+        elif kernel == "gated_mlp_dx":
+            a1, b1, a2, b2, c = args[:5]
+            c.copy_(a1.double() @ b1.double() + a2.double() @ b2.double())
         elif kernel == "swiglu_bwd":
             dy, gate, up, dgate, dup = (a.double() for a in args[:5])
             s = torch.sigmoid(gate)
@@ -254,23 +272,31 @@ def test_backward_computes_only_the_gradients_needed(emulated, needs):
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
     kernels = [k for k, _ in emulated]
     assert kernels[0] == "swiglu_bwd" and "gated_mlp" not in kernels
-    # dx takes two products (dgate @ w_gate, dup @ w_up), each weight gradient one
-    assert kernels.count("matmul") == 2 * needs[0] + needs[1] + needs[2]
+    # dx is one launch of both products (dgate @ w_gate + dup @ w_up), each weight gradient a
+    # matmul
+    assert kernels.count("gated_mlp_dx") == needs[0]
+    assert kernels.count("matmul") == needs[1] + needs[2]
     for _, args in emulated[1:]:
         a3, b3 = args[:2]
         assert a3.shape[2] == b3.shape[1]
 
 
 def test_backward_gemms_use_views(emulated):
-    """dx reads the weights as they are, dW reads dgate / dup transposed (no copies)."""
-    x, wg, wu = _leaves((6, 16), (12, 16), (12, 16))
+    """dx reads dgate, dup and the weights as they are and is written into x's gradient, dW reads
+    dgate / dup transposed (no copies)."""
+    x, wg, wu = _leaves((2, 3, 16), (12, 16), (12, 16))
     y = G._op(x, wg, wu, G.SILU, True)
     emulated.clear()
     y.backward(torch.randn_like(y))
-    (_, bwd), *mms = emulated
+    (_, bwd), (dx_kernel, dx_args), *mms = emulated
     dgate, dup = bwd[3], bwd[4]
-    (dx1, dx2, dwg, dwu) = [args[:2] for _, args in mms]
-    assert dx1[1].data_ptr() == wg.data_ptr() and dx2[1].data_ptr() == wu.data_ptr()
+    a1, b1, a2, b2, c = dx_args[:5]
+    assert dx_kernel == "gated_mlp_dx"
+    assert a1.data_ptr() == dgate.data_ptr() and a2.data_ptr() == dup.data_ptr()
+    assert b1.shape == (1, 12, 16) and b1.data_ptr() == wg.data_ptr()
+    assert b2.data_ptr() == wu.data_ptr()
+    assert c.shape == (1, 6, 16) and c.is_contiguous() and torch.equal(c.view(x.shape), x.grad)
+    (dwg, dwu) = [args[:2] for _, args in mms]
     assert dwg[0].data_ptr() == dgate.data_ptr() and dwg[0].stride()[1:] == (1, 12)
     assert dwu[0].data_ptr() == dup.data_ptr() and dwg[1].data_ptr() == x.data_ptr()
 

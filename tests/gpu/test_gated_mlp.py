@@ -6,8 +6,9 @@ torch.compile and CUDA graphs.
 
 Tolerances are relative norm errors against the float32 reference. The forward rounds once, to
 the output dtype (2^-9 bf16, 2^-11 fp16 relative), after float32 accumulation: matmul's bounds.
-The backward rounds the kept pre-activations, dgate / dup and each GEMM's output to the dtype,
-and dx adds two rounded products: a few rounding steps, hence bounds twice as wide."""
+The backward rounds the kept pre-activations, dgate / dup and each GEMM's output to the dtype
+(dx sums its two products in float32 and rounds once): a few rounding steps, hence bounds twice
+as wide."""
 import cuda.tile as ct
 import cuda.tile.tune
 import pytest
@@ -131,6 +132,19 @@ def test_every_config_is_correct(fresh, monkeypatch, shape):
         assert rel_rounded(up, x.float() @ wu.float().T) < TOL[BF16], vars(cfg)
         check(x, wg, wu)
         assert all(c is cfg for c, _ in G._gated.cache.values()), vars(cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [((300,), 1001, 1000), ((2, 65), 448, 512)], ids=str)
+def test_every_input_gradient_config_is_correct(fresh, monkeypatch, shape):
+    """Each config of the input gradient's space (dgate @ w_gate + dup @ w_up in one kernel):
+    ragged tiles in M, N and K, clusters, persistent grids, a 3-D x."""
+    lead, N, K = shape
+    x, wg, wu = make(lead, N, K, BF16)
+    M = x.numel() // K
+    for cfg in each_config(monkeypatch, G._dx, list(G.dx_configs(device.arch(x), M, K, N))):
+        check(x, wg, wu, needs=(True, False, False))
+        assert all(c is cfg for c, _ in G._dx.cache.values()), vars(cfg)
 
 
 @pytest.mark.parametrize("needs", [(True, False, False), (False, True, True),
