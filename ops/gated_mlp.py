@@ -24,6 +24,7 @@ from tiletune.autotune import Autotuner, Work, bucket
 from tiletune.device import major
 from tiletune.ops import swiglu as glu
 from tiletune.ops.gemm_tiles import layout, output_tile, tile_count, tile_grid
+from tiletune.ops.matmul import DEFAULT as MATMUL_DEFAULT
 from tiletune.ops.matmul import (a_tile, b_tile, mainloop, matmul_configs, plain_matmul,
                                   split_of, store_tile)
 from tiletune.ops.swiglu import SILU, activation
@@ -165,9 +166,7 @@ _gated = Autotuner(
     grid=_grid, args=_args,
     work=lambda x3, wg3, *rest: Work(flops=4.0 * x3.shape[1] * wg3.shape[2] * x3.shape[2]))
 _dx = Autotuner(
-    "gated_mlp_dx", dual_product_kernel, dx_configs,
-    default=SimpleNamespace(tm=128, tn=128, tk=64, occupancy=1, num_ctas=1, group_m=8,
-                            persistent=False),
+    "gated_mlp_dx", dual_product_kernel, dx_configs, default=MATMUL_DEFAULT,
     space=lambda a1, b1, *rest: dict(m=bucket(a1.shape[1]), n=b1.shape[2], k=a1.shape[2]),
     grid=lambda cfg, dev, a1, b1, a2, b2, c: tile_grid(cfg, dev, a1.shape[1], b1.shape[2]),
     args=lambda cfg, a1, b1, a2, b2, c: (a1, b1, a2, b2, c, cfg.tm, cfg.tn, cfg.tk, cfg.group_m,

@@ -228,10 +228,11 @@ def _run(cfg, kernel, stream, dev, a3, b3, c3, w):
         ct.launch(stream, _sum_grid(c3), splitk_reduce_kernel, _sum_args(cfg, c3, w))
 
 
+# The hard-coded fallback of matmul's tuner and of the GEMMs that reuse its space.
+DEFAULT = SimpleNamespace(tm=128, tn=128, tk=64, occupancy=1, num_ctas=1, group_m=8,
+                          persistent=False)
 _matmul = Autotuner(
-    "matmul", kernel_for, matmul_configs,
-    default=SimpleNamespace(tm=128, tn=128, tk=64, occupancy=1, num_ctas=1, group_m=8,
-                            persistent=False),
+    "matmul", kernel_for, matmul_configs, default=DEFAULT,
     space=lambda a3, b3, c3: dict(m=bucket(a3.shape[1]), n=b3.shape[2], k=a3.shape[2],
                                   z=bucket(a3.shape[0])),
     grid=_grid, args=_args, scratch=_scratch, run=_run, tune_key=bucketed(0, 3),

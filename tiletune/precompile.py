@@ -435,10 +435,10 @@ def _failed(worker, error):
                 "itself", type(error).__name__)
 
 
-def _compile_here(next_job, results, arch, timeout_sec, here, workers_starting):
+def _compile_here(next_job, results, arch, timeout_sec, compiled, workers_starting):
     """Compile jobs in this process until none is left or no worker is starting any more (then
     the workers take the rest: no more compiles at once than the pool has workers, for longer
-    than the jobs in hand); their indices go to `here`. A job is taken once cuTile's lock is
+    than the jobs in hand); their indices go to `compiled`. A job is taken once cuTile's lock is
     free (its tracing can start), so jobs do not queue behind it that a worker could take."""
     from cuda.tile._compile import _compiler_lock
     while True:
@@ -448,7 +448,7 @@ def _compile_here(next_job, results, arch, timeout_sec, here, workers_starting):
                 return
             i, *args = job
             results[i] = compile_job(*args, arch, timeout_sec)
-        here.append(i)
+        compiled.append(i)
 
 
 def run_jobs(jobs_list, arch, timeout_sec, workers):
@@ -487,7 +487,7 @@ def run_jobs(jobs_list, arch, timeout_sec, workers):
             give(w)
         else:
             busy[w] = started
-    here, first = [], True
+    threads, first = [], True
     while True:
         if not todo:                 # those still starting are not waited for
             for w in [w for w in busy if not w.ready]:
@@ -496,7 +496,7 @@ def run_jobs(jobs_list, arch, timeout_sec, workers):
         if not busy:
             break
         wait = 0 if first else max(min(busy.values()) - time.monotonic(), 0)
-        if any(t.is_alive() for t in here):
+        if any(t.is_alive() for t in threads):
             wait = min(wait, 0.05)   # to see the job list run out while workers start
         readable = select.select(list(busy), [], [], wait)[0]
         now = time.monotonic()
@@ -516,14 +516,14 @@ def run_jobs(jobs_list, arch, timeout_sec, workers):
             w.ready = True
             give(w)
         if first and todo and not all(w.ready for w in busy):
-            threads = sum(not w.ready for w in busy) if tileiras_outside_the_lock() else 1
-            for _ in range(min(threads, len(todo))):
-                here.append(threading.Thread(target=_compile_here, daemon=True, args=(
+            count = sum(not w.ready for w in busy) if tileiras_outside_the_lock() else 1
+            for _ in range(min(count, len(todo))):
+                threads.append(threading.Thread(target=_compile_here, daemon=True, args=(
                     next_job, results, arch, timeout_sec, compiled_here,
                     lambda: not all(w.ready for w in pool))))
-                here[-1].start()
+                threads[-1].start()
         first = False
-    for t in here:
+    for t in threads:
         t.join()
     _give_back(done)
     log.debug("compile jobs: %d of %d in this process; of %d workers, %d were starting, ready "
