@@ -91,8 +91,34 @@ def test_pair_forward_on_sm90_dense_keys_only():
                    for c in itertools.chain(FM.dq_configs(arch, 128), FM.dkdv_configs(arch, 128)))
     pair = SimpleNamespace(tm=64, tn=128, occupancy=1, num_worker_warps=4, num_ctas=1, pair=True)
     q = torch.empty(2, 3, 4097, 128)
-    assert FM._query_grid(pair, 0, q, None) == (33, 6)          # 65 query tiles in 33 pairs
-    assert FM._query_grid(SimpleNamespace(tm=64), 0, q, None) == (65, 6)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(device._SM_COUNT, 0, 132)
+        # 65 query tiles in 33 pairs; (heads a round, tiles, rounds)
+        assert FM._query_grid(pair, 0, q, True, None) == (3, 33, 2)
+        assert FM._query_grid(pair, 0, q, False, None) == (1, 33, 6)
+        assert FM._query_grid(SimpleNamespace(tm=64, occupancy=2), 0, q, True, None) == \
+            (3, 65, 2)
+
+
+def test_causal_grids_start_every_heads_heavy_tiles_before_light_ones():
+    """(heads a round, tiles, rounds): a round of about as many heads as the SMs hold tiles of
+    at once, a divisor of the heads; the GPU starts CTAs x first, and the kernels read tile
+    bid(1) of head bid(2) * num_blocks(0) + bid(0): every (tile, head) once, and in the
+    start order no tile of a round runs before a heavier (lower) one of that round."""
+    assert FM._round_grid(32, 32, 132, True) == (4, 32, 8)      # B2 H16, TM 128, 1 CTA an SM
+    assert FM._round_grid(64, 16, 264, True) == (4, 64, 4)      # dK/dV, B2 Hkv8, 2 CTAs an SM
+    assert FM._round_grid(16, 512, 264, True) == (16, 16, 32)
+    assert FM._round_grid(64, 7, 132, True) == (1, 64, 7)       # nearest divisor of a prime
+    assert FM._round_grid(4096, 32, 132, True) == (1, 4096, 32)  # long: head after head
+    assert FM._round_grid(32, 32, 132, False) == (1, 32, 32)     # no mask: head after head
+    for tiles, heads, slots in ((32, 32, 132), (5, 12, 264), (64, 6, 132), (3, 1, 132)):
+        per, nt, rounds = FM._round_grid(tiles, heads, slots, True)
+        start_order = [(y, z * per + x) for z in range(rounds) for y in range(nt)
+                       for x in range(per)]
+        assert sorted(start_order) == [(t, h) for t in range(tiles) for h in range(heads)]
+        for r in range(rounds):
+            ranks = [t for t, h in start_order if h // per == r]
+            assert ranks == sorted(ranks)
 
 
 def brute_pairs(sq, sk, causal, offset):
@@ -129,6 +155,7 @@ def stubbed_launch(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
     monkeypatch.setattr(device, "arch", lambda d=None: "sm_90")
     monkeypatch.setattr(device, "sm_count", lambda i=None: 132)
+    monkeypatch.setitem(device._SM_COUNT, 0, 132)
     monkeypatch.setattr(device, "current_stream", lambda dev: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     launches = []
@@ -164,7 +191,8 @@ def test_host_launches(stubbed_launch):
     (fk, fgrid, f), (qk, qgrid, g), (kk, kgrid, h) = stubbed_launch
     assert (fk, qk, kk) == ("fmha_fwd_kernel", "fmha_bwd_dq_kernel", "fmha_bwd_dkdv_kernel")
     # defaults at TD 128: forward 128x128, dQ 128x64, dK/dV query tile 64 x key tile 128
-    assert fgrid == (1, 8) and qgrid == (1, 8) and kgrid == (3, 4)
+    # grids (heads a round, tiles, rounds): causal, so a round holds every head here
+    assert fgrid == (8, 1, 1) and qgrid == (8, 1, 1) and kgrid == (4, 3, 1)
     assert (f["TM"], f["TN"], f["TD"], f["CAUSAL"], f["HEAVY_FIRST"]) == \
         (128, 128, 128, True, False)
     assert (g["TM"], g["TN"], h["TM"], h["TN"]) == (128, 64, 64, 128)
@@ -198,7 +226,7 @@ def test_host_launches_plain_call_and_tuner_space(stubbed_launch):
     o = FM._fmha(q, k, v, False, 0, 0.125)
     assert o.shape == q.shape and len(stubbed_launch) == 1
     name, grid, f = stubbed_launch[0]
-    assert grid == (1, 8) and (f["TM"], f["TD"], f["CAUSAL"]) == (128, 64, False)
+    assert grid == (1, 1, 8) and (f["TM"], f["TD"], f["CAUSAL"]) == (128, 64, False)
     lse2 = FM._flat(torch.empty(2, 4, 100))
     cu = torch.zeros(1, dtype=torch.int32)
     inputs = (q, k, v, o, lse2, cu, cu, 0.125 * FM.LOG2E, 0, 64, False, None)
