@@ -734,7 +734,7 @@ def _round_grid(tiles, heads, slots, causal):
     while the others idle. A round of as many heads as `slots` (SMs x occupancy) hold tiles of
     at once starts every heavy tile before the light ones and keeps as many heads' K/V (or
     q/dO) in L2 as head after head does: at B2 H16/8 S4096 D128 (the training step's attention,
-    H200) the forward ran 1.12x, dQ 1.10x and dK/dV 1.20x the head-after-head grid. The round
+    H200) the forward ran 1.09x, dQ 1.11x and dK/dV 1.18x the head-after-head grid. The round
     is the divisor of `heads` nearest that count (every round alike); without a mask every tile
     costs the same and the grid stays head after head."""
     per_round = 1
