@@ -740,8 +740,9 @@ def _round_grid(tiles, heads, slots, causal):
     per_round = 1
     if causal:
         want = slots / tiles
-        per_round = min((n for n in range(1, heads + 1) if heads % n == 0),
-                        key=lambda n: abs(math.log(n / want)))
+        small = [n for n in range(1, math.isqrt(heads) + 1) if heads % n == 0]
+        divisors = small + [heads // n for n in small]
+        per_round = min(divisors, key=lambda n: (abs(math.log(n / want)), n))
     return per_round, tiles, heads // per_round
 
 
@@ -802,11 +803,17 @@ def _diagonal(causal, offset, sq, sk):
                                     "top_left" if offset == 0 else "offset")
 
 
-MAX_GRID_Y = 65535      # CUDA's cap on a grid's second axis, where the kernels put B x Hq
+# CUDA's cap on a grid's second and third axes: the kernels put a head's tiles on the second
+# and B x H (in rounds, or one head a round) on the third.
+MAX_GRID_Y = 65535
+MIN_TILE = min(min(e[:2]) for entries in (*SM90_SPACES.values(), *SM100_SPACES.values(),
+                                          *OTHER_SPACES.values()) for e in entries)
+MAX_SEQ = MAX_GRID_Y * MIN_TILE
 
 
 def _key(q, k, causal, offset, dev, packed):
-    """The dense and packed kernels' launch key; batch x query heads past MAX_GRID_Y raise."""
+    """The dense and packed kernels' launch key; batch x query heads past MAX_GRID_Y, or a
+    sequence past MAX_SEQ tokens, raise."""
     B, hq, sq, d = q.shape
     if packed:
         B, sq, sk = packed
@@ -815,6 +822,9 @@ def _key(q, k, causal, offset, dev, packed):
         sk = k.shape[2]
         diagonal = _diagonal(causal, offset, sq, sk)
     _check_grid(B, hq)
+    if max(sq, sk) > MAX_SEQ:
+        raise ValueError(f"fmha: a sequence of {max(sq, sk)} tokens is more than the kernels' "
+                         f"grid takes ({MAX_SEQ} query or key tokens)")
     return (B * hq, sq, sk, d, diagonal, hq // k.shape[1], q.dtype, dev)
 
 
@@ -1149,7 +1159,7 @@ def fmha(q, k, v, *, causal=False, scale=None, seqused_k=None):
     (B, S, H, D).transpose(1, 2) views HF produces; a unit-stride last dim is fastest).
     D: any head_dim from 1 to 256; D that is not a power of two (>= 16) is zero-padded to one
     inside the kernel (D 80 computes as 128); D > 256 raises ValueError. Sq and Sk are arbitrary
-    (Sq != Sk allowed). causal=True masks key j for query i unless j <= i + Sk - Sq (diagonal
+    up to 2,097,120 tokens (MAX_SEQ; Sq != Sk allowed). causal=True masks key j for query i unless j <= i + Sk - Sq (diagonal
     aligned bottom-right, as FlashAttention 2); rows that see no key (Sq > Sk) return 0, and
     Sk = 0 returns zeros. scale defaults to 1/sqrt(D) and must be > 0. Softmax statistics are
     float32 (exp2); the output has q's dtype and, where q is dense, q's layout. NaN and inf in
@@ -1229,7 +1239,8 @@ def fmha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     q: (Tq, Hq, D), k and v: (Tk, Hkv, D): the tokens of every sequence, one after another
     (Hq a multiple of Hkv: GQA/MQA). cu_seqlens_q / cu_seqlens_k: int32 (B + 1,) on q's device,
     non-decreasing from 0 to Tq (Tk), sequence b owning rows [cu[b], cu[b+1]) (empty sequences
-    allowed). max_seqlen_q / max_seqlen_k: ints at least every sequence's length. The offsets
+    allowed). max_seqlen_q / max_seqlen_k: ints at least every sequence's length (at most
+    MAX_SEQ, 2,097,120). The offsets
     are read on the device only (a call is CUDA-graph capturable), so, as in FlashAttention-2,
     these rules are not checked: offsets that leave rows outside every sequence, or a max_seqlen
     below a sequence's length, give unspecified values in those rows and in that sequence's

@@ -331,3 +331,19 @@ def test_more_heads_than_the_grid_takes_are_refused_by_name():
         with pytest.raises(ValueError, match=r"fmha: batch x query heads = \d+ is more than"):
             launch()
     assert FM._key(q[:, :31], q, True, 0, 0, None)[0] == 63488        # fine
+
+
+def test_longer_sequences_than_the_grid_takes_are_refused_by_name():
+    """A head's tiles lie on a grid axis CUDA caps at 65535: with the spaces' smallest tile (32)
+    that is 2,097,120 query or key tokens; past it a ValueError before any launch (dense and
+    packed)."""
+    assert FM.MAX_SEQ == 65535 * 32
+    long = torch.zeros(1, 1, 1, 16).expand(1, 2, FM.MAX_SEQ + 1, 16)   # no memory
+    short = long[:, :, :16]
+    for launch in (lambda: FM.launch_fwd(short, long, long, short, short[..., 0], True, 0, 0.25),
+                   lambda: FM.launch_fwd(long, short, short, long, long[..., 0], False, 0, 0.25),
+                   lambda: FM.launch_fwd(short, short, short, short, short[..., 0], True, 0,
+                                         0.25, (1, 16, FM.MAX_SEQ + 1))):
+        with pytest.raises(ValueError, match=r"fmha: a sequence of 2097121 tokens is more than"):
+            launch()
+    assert FM._key(long[:, :, :FM.MAX_SEQ], short, False, 0, 0, None)[1] == FM.MAX_SEQ
