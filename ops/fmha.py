@@ -231,12 +231,12 @@ def fmha_fwd_pair_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.C
                          TN: ct.Constant[int], TD: ct.Constant[int], CAUSAL: ct.Constant[bool],
                          HEAVY_FIRST: ct.Constant[bool], PACKED: ct.Constant[bool]):
     """fmha_fwd_kernel's result with one CTA per two neighbouring query tiles (2p, 2p + 1).
-    cdiv(cdiv(Sq, TM), 2) tiles x B*Hq heads. Each K and V tile is loaded once for both, so K/V cross
-    L2 once per 2 * TM query rows, and the two online softmaxes are independent chains: on sm_90
-    tileiras runs them on two consumer warpgroups beside the TMA producer (384 threads), the
-    structure of cuDNN's forward. A second tile past Sq computes on zero padding and its
-    stores are clipped. Dense batches only: with PACKED's sliced views the sm_90 build puts both
-    chains in one warpgroup and spills, so packed keys never choose it."""
+    cdiv(cdiv(Sq, TM), 2) tiles x B*Hq heads. Each K and V tile is loaded once for both, so
+    K/V cross L2 once per 2 * TM query rows, and the two online softmaxes are independent
+    chains: on sm_90 tileiras runs them on two consumer warpgroups beside the TMA producer (384
+    threads), the structure of cuDNN's forward. A second tile past Sq computes on zero padding
+    and its stores are clipped. Dense batches only: with PACKED's sliced views the sm_90 build
+    puts both chains in one warpgroup and spills, so packed keys never choose it."""
     ct.static_assert(not PACKED, "fmha_fwd_pair_kernel takes dense batches only")
     p, b, h, hk, bh, _, _ = _query_block(q, k, cu_q, HEAVY_FIRST, False)
     m0 = 2 * p
@@ -1159,12 +1159,13 @@ def fmha(q, k, v, *, causal=False, scale=None, seqused_k=None):
     (B, S, H, D).transpose(1, 2) views HF produces; a unit-stride last dim is fastest).
     D: any head_dim from 1 to 256; D that is not a power of two (>= 16) is zero-padded to one
     inside the kernel (D 80 computes as 128); D > 256 raises ValueError. Sq and Sk are arbitrary
-    up to 2,097,120 tokens (MAX_SEQ; Sq != Sk allowed). causal=True masks key j for query i unless j <= i + Sk - Sq (diagonal
-    aligned bottom-right, as FlashAttention 2); rows that see no key (Sq > Sk) return 0, and
-    Sk = 0 returns zeros. scale defaults to 1/sqrt(D) and must be > 0. Softmax statistics are
-    float32 (exp2); the output has q's dtype and, where q is dense, q's layout. NaN and inf in
-    the inputs propagate as in torch's math backend, except that a row whose every visible score
-    is -inf (an inf in q or k) counts as fully masked and returns 0, as FlashAttention does.
+    up to 2,097,120 tokens (MAX_SEQ; Sq != Sk allowed). causal=True masks key j for query i
+    unless j <= i + Sk - Sq (diagonal aligned bottom-right, as FlashAttention 2); rows that see
+    no key (Sq > Sk) return 0, and Sk = 0 returns zeros. scale defaults to 1/sqrt(D) and must
+    be > 0. Softmax statistics are float32 (exp2); the output has q's dtype and, where q is
+    dense, q's layout. NaN and inf in the inputs propagate as in torch's math backend, except
+    that a row whose every visible score is -inf (an inf in q or k) counts as fully masked and
+    returns 0, as FlashAttention does.
     Differentiable in q, k and v (backward: separate dQ and dK/dV kernels, each tuned).
     For torch SDPA semantics (top-left causal) use `scaled_dot_product_attention`.
 
@@ -1240,11 +1241,10 @@ def fmha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     (Hq a multiple of Hkv: GQA/MQA). cu_seqlens_q / cu_seqlens_k: int32 (B + 1,) on q's device,
     non-decreasing from 0 to Tq (Tk), sequence b owning rows [cu[b], cu[b+1]) (empty sequences
     allowed). max_seqlen_q / max_seqlen_k: ints at least every sequence's length (at most
-    MAX_SEQ, 2,097,120). The offsets
-    are read on the device only (a call is CUDA-graph capturable), so, as in FlashAttention-2,
-    these rules are not checked: offsets that leave rows outside every sequence, or a max_seqlen
-    below a sequence's length, give unspecified values in those rows and in that sequence's
-    gradients (every key's included). Each sequence
+    MAX_SEQ, 2,097,120). The offsets are read on the device only (a call is CUDA-graph
+    capturable), so, as in FlashAttention-2, these rules are not checked: offsets that leave
+    rows outside every sequence, or a max_seqlen below a sequence's length, give unspecified
+    values in those rows and in that sequence's gradients (every key's included). Each sequence
     attends only to its own keys; causal=True aligns the diagonal bottom-right per sequence
     (query i sees key j iff j <= i + Lk - Lq); rows that see no key return 0. dtypes, D, scale
     and numerics as `fmha`. Returns o (Tq, Hq, D) laid out like q; differentiable in q, k, v.
