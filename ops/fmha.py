@@ -822,7 +822,7 @@ def _key(q, k, causal, offset, dev, packed):
         sk = k.shape[2]
         diagonal = _diagonal(causal, offset, sq, sk)
     _check_grid(B, hq)
-    if max(sq, sk) > MAX_SEQ:
+    if sq > MAX_SEQ or sk > MAX_SEQ:      # (on every call: comparisons, not a max() call)
         raise ValueError(f"fmha: a sequence of {max(sq, sk)} tokens is more than the kernels' "
                          f"grid takes ({MAX_SEQ} query or key tokens)")
     return (B * hq, sq, sk, d, diagonal, hq // k.shape[1], q.dtype, dev)

@@ -154,7 +154,6 @@ def stubbed_launch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
     monkeypatch.setattr(device, "arch", lambda d=None: "sm_90")
-    monkeypatch.setattr(device, "sm_count", lambda i=None: 132)
     monkeypatch.setitem(device._SM_COUNT, 0, 132)
     monkeypatch.setattr(device, "current_stream", lambda dev: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
