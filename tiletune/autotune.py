@@ -649,11 +649,11 @@ class Autotuner:
             # config's kernel object, which the search, the final round and the launch share.
             # Configs the compiler rejects are failures already: the search skips them.
             arch = _device.arch(dev)
-            launching = [self._with_hints(self.search_kernel(cfgs[i]), cfgs[i], dev)
-                         for i in batch]
+            bare = [self.search_kernel(cfgs[i]) for i in batch]
+            launching = [self._with_hints(k, cfgs[i], dev) for i, k in zip(batch, bare)]
             refused, cubins = precompile.precompile(
-                [(self.search_kernel(cfgs[i]), self.hints(cfgs[i]), search.args_fn(cfgs[i]), k)
-                 for i, k in zip(batch, launching)], arch, COMPILE_TIMEOUT_SEC)
+                [(k, self.hints(cfgs[i]), search.args_fn(cfgs[i]), launched)
+                 for i, k, launched in zip(batch, bare, launching)], arch, COMPILE_TIMEOUT_SEC)
             for j, (sig, cubin) in cubins.items():
                 precompile.hand_over(launching[j], sig, arch, cubin)
             compiled.update({i: refused.get(j) for j, i in enumerate(batch)})
