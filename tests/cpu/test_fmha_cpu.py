@@ -63,17 +63,21 @@ def test_aot_covers_every_sm90_and_sm100_config_at_d128():
     assert len(labels) <= 84, "keep the CI's FMHA compiles near 170 (two archs)"
 
 
-def test_heavy_first_only_for_causal_forward_on_sm90():
-    """The query-tile order is a forward, causal-only trial: non-causal tiles all cost the same."""
-    plain = list(FM.fwd_configs("sm_90", 128))
-    causal = list(FM.fwd_configs("sm_90", 128, causal=True))
-    assert causal[:len(plain)] == plain
-    heavy = causal[len(plain):]
-    assert [(c.tm, c.tn, c.occupancy, getattr(c, "pair", False)) for c in heavy] == \
-        [(128, 128, 1, False), (64, 128, 2, False), (64, 128, 1, True)]
-    assert all(c.heavy_first for c in heavy)
-    assert not any(hasattr(c, "heavy_first") for c in FM.fwd_configs("sm_100", 128, causal=True))
-    assert not any(hasattr(c, "heavy_first") for c in FM.dq_configs("sm_90", 128, causal=True))
+def test_causal_forward_runs_heaviest_tiles_first_with_one_space():
+    """The query-tile order is no config field: a causal forward runs each head's heaviest tile
+    first (the kernel's HEAVY_FIRST is the mask), and causal keys search the same configs."""
+    for arch in ("sm_90", "sm_100"):
+        plain = [vars(c) for c in FM.fwd_configs(arch, 128)]
+        assert [vars(c) for c in FM.fwd_configs(arch, 128, causal=True)] == plain
+        assert not any("heavy_first" in c for c in plain)
+    q, k, v = _qkv(sq=100, sk=100, d=64)
+    lse2 = FM._flat(torch.empty(2, 4, 100))
+    cu = torch.zeros(1, dtype=torch.int32)
+    c = next(FM.fwd_configs("sm_90", 64))
+    for causal in (False, True):
+        inputs = (q, k, v, torch.empty_like(q), lse2, cu, cu, 0.125 * FM.LOG2E, 0, 64, causal,
+                  None)
+        assert FM._fwd_args(c, *inputs)[-3:] == (causal, causal, False)
 
 
 def test_pair_forward_on_sm90_dense_keys_only():
@@ -193,7 +197,7 @@ def test_host_launches(stubbed_launch):
     # grids (heads a round, tiles, rounds): causal, so a round holds every head here
     assert fgrid == (8, 1, 1) and qgrid == (8, 1, 1) and kgrid == (4, 3, 1)
     assert (f["TM"], f["TN"], f["TD"], f["CAUSAL"], f["HEAVY_FIRST"]) == \
-        (128, 128, 128, True, False)
+        (128, 128, 128, True, True)
     assert (g["TM"], g["TN"], h["TM"], h["TN"]) == (128, 64, 64, 128)
     assert f["q"] is qg and f["k"] is kg and f["v"] is vg and f["o"] is o
     assert f["lse"].shape == (8, 100) and f["offset"] == 200 == g["offset"] == h["offset"]
@@ -220,7 +224,7 @@ def test_row_statistics_have_16_byte_rows(stubbed_launch):
 
 def test_host_launches_plain_call_and_tuner_space(stubbed_launch):
     """Without gradients one forward launch; the tuners' space is what the generators take
-    (bucketed lengths, TD, causal); the heavy-first trials reach the kernel's constant."""
+    (bucketed lengths, TD, causal)."""
     q, k, v = _qkv(sq=100, sk=333, d=64)
     o = FM._fmha(q, k, v, False, 0, 0.125)
     assert o.shape == q.shape and len(stubbed_launch) == 1
@@ -230,9 +234,6 @@ def test_host_launches_plain_call_and_tuner_space(stubbed_launch):
     cu = torch.zeros(1, dtype=torch.int32)
     inputs = (q, k, v, o, lse2, cu, cu, 0.125 * FM.LOG2E, 0, 64, False, None)
     assert FM._shape(*inputs) == dict(td=64, sq=128, sk=512, causal=False, packed=False)
-    heavy = SimpleNamespace(tm=64, tn=128, occupancy=2, num_worker_warps=4, num_ctas=1,
-                            heavy_first=True)
-    assert FM._fwd_args(heavy, *inputs)[-2:] == (True, False)
     assert FM._pair_work(4.0)(*inputs).flops == 4.0 * 2 * 4 * 64 * 100 * 333
 
 

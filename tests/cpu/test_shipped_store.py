@@ -137,7 +137,7 @@ def _space_of(op, parts):
         return dict(heads=n[0] + n[1], rot=n[3])
     if op in ("matmul",):                                          # (M, N, K, Z, ...)
         return dict(m=n[0], n=n[1], k=n[2], z=n[3])
-    if op == "gated_mlp":                                          # (M, N, K, ...)
+    if op in ("gated_mlp", "gated_mlp_dx"):                        # (M, N, K, ...)
         return dict(m=n[0], n=n[1], k=n[2])
     if op.startswith(("moe_permute", "moe_unpermute")):            # (H, top-k, ...)
         return dict(h=n[0], k=n[1])
