@@ -44,8 +44,7 @@ def hf_array(dt, B, H, S, d, packed=False):
     return jit_array(dt, (B, H, S, d), (S * H * d, d, H * d, 1))
 
 
-def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, heavy_first=False,
-               packed=False):
+def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, packed=False):
     """The signature the JIT specializes `kind`'s kernel on for inputs in HF's layout (outputs
     laid out like their inputs, LSE2/delta (B*Hq, Sq) float32 rows padded to 16 bytes), constants
     in place. packed: a packed batch of B sequences, sq and sk tokens in all, contiguous
@@ -55,7 +54,7 @@ def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, heavy_first=Fals
     cu = jit_array(torch.int32, (B + 1,) if packed else (2,))
     tail = [tm, tn, FM.head_tile(d), causal]
     if kind == "fwd":
-        return [q, kv, kv, q, rows, cu, cu, F32, I32] + tail + [heavy_first, packed]
+        return [q, kv, kv, q, rows, cu, cu, F32, I32] + tail + [causal, packed]   # HEAVY_FIRST
     if kind == "dq":
         return [q, kv, kv, q, q, rows, rows, q, cu, cu, F32, F32, I32] + tail + [packed]
     return [q, kv, kv, q, rows, rows, kv, kv, cu, cu, F32, F32, I32] + tail + [packed]
@@ -87,7 +86,7 @@ def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
 
 
 def _params(kind, cfg, *shape, packed=False):
-    return aot_params(kind, cfg.tm, cfg.tn, *shape, getattr(cfg, "heavy_first", False), packed)
+    return aot_params(kind, cfg.tm, cfg.tn, *shape, packed=packed)
 
 
 def compile_cases():

@@ -122,7 +122,7 @@ def test_forward_backward(fresh, monkeypatch, case, disable):
                                           ("fmha_bwd_dkdv", 128, 200, 333)])
 def test_every_config_is_correct(fresh, monkeypatch, tuner, d, sq, sk):
     """Each sm_90 config of one kernel (the other two on their defaults), not only the ones
-    searches picked (the causal forward's heavy-first trials included): GQA 2:1, causal
+    searches picked: GQA 2:1, causal
     bottom-right, ragged lengths; the forward also at D 64 with Sq > Sk (its first 133 rows see
     no key)."""
     t = next(x for x in FM.TUNERS if x.name == tuner)
@@ -140,14 +140,14 @@ def test_every_config_is_correct(fresh, monkeypatch, tuner, d, sq, sk):
     (1, 4, 4, 4097, 1000, 128, True, torch.bfloat16),     # 3097 rows see no key
 ], ids=str)
 def test_pair_forward(fresh, monkeypatch, case):
-    """The two-tile forward (with and without the heavy-first order) against the reference:
+    """The two-tile forward (heaviest pair first under a causal mask) against the reference:
     odd tile counts, causal and not, GQA/MQA, D64/128/256, rows that see no key."""
     B, hq, hkv, sq, sk, d, causal, dt = case
     q, k, v = make(B, hq, hkv, sq, sk, d, dt)
     td = FM.head_tile(d)
     pairs = [c for c in FM.fwd_configs("sm_90", td, sq, sk, causal=causal)
              if getattr(c, "pair", False)]
-    assert len(pairs) == (2 if causal else 1)
+    assert len(pairs) == 1
     for _ in each_config(monkeypatch, FM._fwd, pairs):
         o, _grads = check(q, k, v, causal)
         dead = min(max(sq - sk, 0), sq) if causal else 0
@@ -269,7 +269,7 @@ def test_aot_signature_matches_jit():
         lse, delta = FM._rows(B * hq, sq, like=q), FM._rows(B * hq, sq, like=q)   # as the op
         td = FM.head_tile(d)
         cu = FM._unread(q, q.get_device())
-        args = {"fwd": (q, k, v, o, lse, cu, cu, 0.1, 0, 64, 64, td, True, False, False),
+        args = {"fwd": (q, k, v, o, lse, cu, cu, 0.1, 0, 64, 64, td, True, True, False),
                 "dq": (q, k, v, o, do, lse, delta, dq, cu, cu, 0.1, 0.1, 0, 64, 64, td, True,
                        False),
                 "dkdv": (q, k, v, do, lse, delta, dk, dv, cu, cu, 0.1, 0.1, 0, 64, 64, td, True,
@@ -293,7 +293,7 @@ def test_aot_signature_matches_jit_packed_and_decode():
     q = FM._packed(torch.randn(tq, hq, d, device="cuda", dtype=dt))
     k = FM._packed(torch.randn(tk, hkv, d, device="cuda", dtype=dt))
     lse, cu = FM._rows(hq, tq, like=q), torch.zeros(B + 1, dtype=torch.int32, device="cuda")
-    a = (q, k, k, q, lse, cu, cu, 0.1, 0, 64, 64, 64, True, False, True)
+    a = (q, k, k, q, lse, cu, cu, 0.1, 0, 64, 64, 64, True, True, True)
     jit = KernelSignature.from_kernel_args(FM.fmha_fwd_kernel, a, conv)
     mine = signature(FC.aot_params("fwd", 64, 64, dt, B, hq, hkv, tq, tk, d, True, packed=True))
     assert jit.parameters == mine.parameters
