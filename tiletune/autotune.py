@@ -17,10 +17,8 @@ import dataclasses
 import functools
 import hashlib
 import importlib.metadata
-import inspect
 import json
 import logging
-import marshal
 import os
 import threading
 import time
@@ -497,13 +495,13 @@ class Autotuner:
         return cfgs or [self.default]
 
     def _fingerprint(self, cfgs):
-        """The config space and the code of every kernel it compiles (`_kernel_code`: a changed
+        """The config space and the code of every kernel it compiles (`precompile.kernel_code`: a changed
         helper is a changed kernel; host code is not)."""
         h = hashlib.sha256()
         h.update(json.dumps([config_dict(c) for c in cfgs], sort_keys=True, default=str).encode())
         kernels = {id(k): k for c in cfgs for k in (self.base_kernel(c), self.search_kernel(c))}
         for k in kernels.values():
-            for part in _kernel_code(k._pyfunc):
+            for part in precompile.kernel_code(k._pyfunc):
                 h.update(part)
         return h.hexdigest()[:16]
 
@@ -978,48 +976,6 @@ def _entry(record):
 def _as_json(value):
     """value as it reads back from the store (tuples become lists, other objects strings)."""
     return json.loads(json.dumps(value, default=str))
-
-
-@functools.lru_cache(maxsize=None)
-def _kernel_code(fn):
-    """Bytes that change when the kernel's code changes: the source of the kernel and of every
-    function it reaches through the names it uses (helpers and theirs, in any module), and the
-    values of the other globals those name (constants, enum members). Host code, the module's
-    docstring and other kernels of the same module are left out, so an edit there keeps tuned
-    winners; the source of a kernel or helper includes its own docstring and comments, so an
-    edit of those makes its winners (shipped rows included) stale. A function without source
-    (made by exec) gives its code object."""
-    parts, seen, todo = [], set(), [fn]
-    while todo:
-        f = todo.pop()
-        if f in seen:
-            continue
-        seen.add(f)
-        try:
-            parts.append(inspect.getsource(f).encode())
-        except (OSError, TypeError):
-            parts.append(marshal.dumps(f.__code__))
-        for name in sorted(_code_names(f.__code__)):
-            obj = f.__globals__.get(name, _kernel_code)
-            obj = getattr(obj, "_pyfunc", obj)                  # a ct.kernel's function
-            if obj is _kernel_code or inspect.ismodule(obj):
-                continue
-            if inspect.isfunction(obj):
-                todo.append(obj)
-            else:
-                text = repr(obj)                                 # an address is not the code
-                parts.append(f"{name}={type(obj).__qualname__ if ' at 0x' in text else text}"
-                             .encode())
-    return tuple(parts)      # (cached per function: a kernel's code does not change in a process)
-
-
-def _code_names(code):
-    """The global and attribute names a code object uses, nested ones (lambdas) included."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if inspect.iscode(const):
-            names |= _code_names(const)
-    return names
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,10 +27,17 @@ A config cuTile rejects here (a TileError: bad tile shape, compiler error, compi
 reported as that config's failure and not searched. Parallel compiles run slower each, so a
 config near the compile timeout may time out here that would just pass serially; such tiles
 are too slow to compile to belong in a space anyway.
+
+`kernel_code` says what a kernel's code is (its source and that of every helper and constant it
+reaches): a worker compiles only code whose digest matches the parent's, and the engine's store
+keys winners by the same bytes.
 """
 import atexit
+import functools
 import hashlib
+import inspect
 import logging
+import marshal
 import os
 import pickle
 import select
@@ -109,6 +116,48 @@ class Cubin:
         self.symbol, self.data = symbol, data
 
 
+@functools.lru_cache(maxsize=None)
+def kernel_code(fn):
+    """Bytes that change when the kernel's code changes: the source of the kernel and of every
+    function it reaches through the names it uses (helpers and theirs, in any module), and the
+    values of the other globals those name (constants, enum members). Host code, the module's
+    docstring and other kernels of the same module are left out, so an edit there keeps tuned
+    winners; the source of a kernel or helper includes its own docstring and comments, so an
+    edit of those makes its winners (shipped rows included) stale. A function without source
+    (made by exec) gives its code object."""
+    parts, seen, todo = [], set(), [fn]
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        try:
+            parts.append(inspect.getsource(f).encode())
+        except (OSError, TypeError):
+            parts.append(marshal.dumps(f.__code__))
+        for name in sorted(_code_names(f.__code__)):
+            obj = f.__globals__.get(name, kernel_code)
+            obj = getattr(obj, "_pyfunc", obj)                  # a ct.kernel's function
+            if obj is kernel_code or inspect.ismodule(obj):
+                continue
+            if inspect.isfunction(obj):
+                todo.append(obj)
+            else:
+                text = repr(obj)                                 # an address is not the code
+                parts.append(f"{name}={type(obj).__qualname__ if ' at 0x' in text else text}"
+                             .encode())
+    return tuple(parts)      # (cached per function: a kernel's code does not change in a process)
+
+
+def _code_names(code):
+    """The global and attribute names a code object uses, nested ones (lambdas) included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _code_names(const)
+    return names
+
+
 _digests = {}              # kernel function -> code_digest
 
 
@@ -119,11 +168,10 @@ def code_digest(kernel):
     its path, or the kernel's file edited since the parent imported it, would otherwise hand
     the parent a cubin of other code. (The sources are read from disk, so a helper edited
     after the parent's first search is not told apart.)"""
-    from tiletune.autotune import _kernel_code
     fn = kernel._pyfunc
     digest = _digests.get(fn)
     if digest is None:
-        h = hashlib.sha256(b"".join(_kernel_code(fn)))
+        h = hashlib.sha256(b"".join(kernel_code(fn)))
         h.update(fn.__code__.co_code)
         digest = _digests[fn] = h.hexdigest()
     return digest

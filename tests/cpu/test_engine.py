@@ -869,7 +869,7 @@ def _code_of(tmp_path, name, **edits):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return autotune._kernel_code(module.kernel)
+    return precompile.kernel_code(module.kernel)
 
 
 def test_fingerprint_follows_the_kernel_code_and_nothing_else(tmp_path):
@@ -881,10 +881,10 @@ def test_fingerprint_follows_the_kernel_code_and_nothing_else(tmp_path):
     assert _code_of(tmp_path, "k3", scale=4) != base    # a constant a helper reads
     code = {}
     exec("def made(x):\n    return helper(x)\n", {"helper": autotune.bucket}, code)
-    parts = autotune._kernel_code(code["made"])          # no source file: its code object
+    parts = precompile.kernel_code(code["made"])          # no source file: its code object
     assert parts and all(isinstance(p, bytes) for p in parts)
     from tiletune.ops import rms_norm_rope, rotary
-    parts = autotune._kernel_code(rms_norm_rope.rms_norm_rope_fwd._pyfunc)
+    parts = precompile.kernel_code(rms_norm_rope.rms_norm_rope_fwd._pyfunc)
     helpers = [f for f in vars(rotary).values() if inspect.isfunction(f)
                and f.__module__ == rotary.__name__ and inspect.getsource(f).encode() in parts]
     assert helpers                                      # helpers from ops/rotary.py count
@@ -892,14 +892,15 @@ def test_fingerprint_follows_the_kernel_code_and_nothing_else(tmp_path):
 
 def test_fingerprints_are_the_same_in_every_process():
     """No address or path in the store key: a fresh process must find the winners."""
-    code = ("import hashlib, importlib, pkgutil, tiletune.ops as P; from tiletune import autotune\n"
+    code = ("import hashlib, importlib, pkgutil, tiletune.ops as P\n"
+            "from tiletune import precompile\n"
             "h = hashlib.sha256()\n"
             "for m in sorted(i.name for i in pkgutil.iter_modules(P.__path__)):\n"
             "    mod = importlib.import_module('tiletune.ops.' + m)\n"
             "    for n in sorted(vars(mod)):\n"
             "        f = getattr(getattr(mod, n), '_pyfunc', None)\n"
             "        if f is not None:\n"
-            "            h.update(b''.join(autotune._kernel_code(f)))\n"
+            "            h.update(b''.join(precompile.kernel_code(f)))\n"
             "print(h.hexdigest())")
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout
