@@ -54,7 +54,7 @@ def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, packed=False):
     cu = jit_array(torch.int32, (B + 1,) if packed else (2,))
     tail = [tm, tn, FM.head_tile(d), causal]
     if kind == "fwd":
-        return [q, kv, kv, q, rows, cu, cu, F32, I32] + tail + [causal, packed]   # HEAVY_FIRST
+        return [q, kv, kv, q, rows, cu, cu, F32, I32] + tail + [packed]
     if kind == "dq":
         return [q, kv, kv, q, q, rows, rows, q, cu, cu, F32, F32, I32] + tail + [packed]
     return [q, kv, kv, q, rows, rows, kv, kv, cu, cu, F32, F32, I32] + tail + [packed]

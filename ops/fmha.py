@@ -198,12 +198,14 @@ def _part(a, axis, start, end):
 @ct.kernel
 def fmha_fwd_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.Constant[int],
                     TN: ct.Constant[int], TD: ct.Constant[int], CAUSAL: ct.Constant[bool],
-                    HEAVY_FIRST: ct.Constant[bool], PACKED: ct.Constant[bool]):
+                    PACKED: ct.Constant[bool]):
     """o = softmax(scale q k^T, masked) v and lse (B*Hq, Sq) = LSE2 per row.
     cdiv(Sq, TM) tiles x B*Hq heads (`_round_grid`). qk_scale = scale * log2(e) > 0.
-    HEAVY_FIRST: each head's query tiles run last to first; under a causal mask the last see
-    the most keys, so the light ones run at the end of the grid and the tail is short."""
-    m, b, h, hk, bh, q0, q1 = _query_block(q, k, cu_q, HEAVY_FIRST, PACKED)
+    Under a causal mask each head's query tiles run last to first: the last see the most keys,
+    so the light ones run at the end of the grid and the tail is short (on the round grid that
+    beat the light-first order at 44 of 56 configs over four shapes and gave each shape's best
+    time, H200). Without a mask the order changes nothing."""
+    m, b, h, hk, bh, q0, q1 = _query_block(q, k, cu_q, CAUSAL, PACKED)
     if PACKED:
         if m * TM >= q1 - q0:       # past its sequence's end
             return
@@ -229,7 +231,7 @@ def fmha_fwd_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.Consta
 @ct.kernel
 def fmha_fwd_pair_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.Constant[int],
                          TN: ct.Constant[int], TD: ct.Constant[int], CAUSAL: ct.Constant[bool],
-                         HEAVY_FIRST: ct.Constant[bool], PACKED: ct.Constant[bool]):
+                         PACKED: ct.Constant[bool]):
     """fmha_fwd_kernel's result with one CTA per two neighbouring query tiles (2p, 2p + 1).
     cdiv(cdiv(Sq, TM), 2) tiles x B*Hq heads. Each K and V tile is loaded once for both, so
     K/V cross L2 once per 2 * TM query rows, and the two online softmaxes are independent
@@ -238,7 +240,7 @@ def fmha_fwd_pair_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.C
     and its stores are clipped. Dense batches only: with PACKED's sliced views the sm_90 build
     puts both chains in one warpgroup and spills, so packed keys never choose it."""
     ct.static_assert(not PACKED, "fmha_fwd_pair_kernel takes dense batches only")
-    p, b, h, hk, bh, _, _ = _query_block(q, k, cu_q, HEAVY_FIRST, False)
+    p, b, h, hk, bh, _, _ = _query_block(q, k, cu_q, CAUSAL, False)
     m0 = 2 * p
     m1 = m0 + 1
     sk = k.shape[2]
@@ -760,10 +762,7 @@ def _key_grid(c, dev, q, k, *rest):
 
 
 def _fwd_args(c, q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, td, causal, packed):
-    # Under a causal mask each head's heaviest query tile runs first (HEAVY_FIRST = causal): on
-    # the round grid that beat the light-first order at 44 of 56 configs over four shapes and
-    # gave each shape's best time (H200). Without a mask the order changes nothing.
-    return (q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, c.tm, c.tn, td, causal, causal,
+    return (q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, c.tm, c.tn, td, causal,
             packed is not None)
 
 

@@ -495,8 +495,8 @@ class Autotuner:
         return cfgs or [self.default]
 
     def _fingerprint(self, cfgs):
-        """The config space and the code of every kernel it compiles (`precompile.kernel_code`: a changed
-        helper is a changed kernel; host code is not)."""
+        """The config space and the code of every kernel it compiles (`precompile.kernel_code`:
+        a changed helper is a changed kernel; host code is not)."""
         h = hashlib.sha256()
         h.update(json.dumps([config_dict(c) for c in cfgs], sort_keys=True, default=str).encode())
         kernels = {id(k): k for c in cfgs for k in (self.base_kernel(c), self.search_kernel(c))}

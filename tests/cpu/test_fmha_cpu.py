@@ -65,7 +65,7 @@ def test_aot_covers_every_sm90_and_sm100_config_at_d128():
 
 def test_causal_forward_runs_heaviest_tiles_first_with_one_space():
     """The query-tile order is no config field: a causal forward runs each head's heaviest tile
-    first (the kernel's HEAVY_FIRST is the mask), and causal keys search the same configs."""
+    first (the kernel derives the order from CAUSAL), and causal keys search the same configs."""
     for arch in ("sm_90", "sm_100"):
         plain = [vars(c) for c in FM.fwd_configs(arch, 128)]
         assert [vars(c) for c in FM.fwd_configs(arch, 128, causal=True)] == plain
@@ -77,7 +77,7 @@ def test_causal_forward_runs_heaviest_tiles_first_with_one_space():
     for causal in (False, True):
         inputs = (q, k, v, torch.empty_like(q), lse2, cu, cu, 0.125 * FM.LOG2E, 0, 64, causal,
                   None)
-        assert FM._fwd_args(c, *inputs)[-3:] == (causal, causal, False)
+        assert FM._fwd_args(c, *inputs)[-2:] == (causal, False)
 
 
 def test_pair_forward_on_sm90_dense_keys_only():
@@ -196,8 +196,7 @@ def test_host_launches(stubbed_launch):
     # defaults at TD 128: forward 128x128, dQ 128x64, dK/dV query tile 64 x key tile 128
     # grids (heads a round, tiles, rounds): causal, so a round holds every head here
     assert fgrid == (8, 1, 1) and qgrid == (8, 1, 1) and kgrid == (4, 3, 1)
-    assert (f["TM"], f["TN"], f["TD"], f["CAUSAL"], f["HEAVY_FIRST"]) == \
-        (128, 128, 128, True, True)
+    assert (f["TM"], f["TN"], f["TD"], f["CAUSAL"]) == (128, 128, 128, True)
     assert (g["TM"], g["TN"], h["TM"], h["TN"]) == (128, 64, 64, 128)
     assert f["q"] is qg and f["k"] is kg and f["v"] is vg and f["o"] is o
     assert f["lse"].shape == (8, 100) and f["offset"] == 200 == g["offset"] == h["offset"]

@@ -269,7 +269,7 @@ def test_aot_signature_matches_jit():
         lse, delta = FM._rows(B * hq, sq, like=q), FM._rows(B * hq, sq, like=q)   # as the op
         td = FM.head_tile(d)
         cu = FM._unread(q, q.get_device())
-        args = {"fwd": (q, k, v, o, lse, cu, cu, 0.1, 0, 64, 64, td, True, True, False),
+        args = {"fwd": (q, k, v, o, lse, cu, cu, 0.1, 0, 64, 64, td, True, False),
                 "dq": (q, k, v, o, do, lse, delta, dq, cu, cu, 0.1, 0.1, 0, 64, 64, td, True,
                        False),
                 "dkdv": (q, k, v, do, lse, delta, dk, dv, cu, cu, 0.1, 0.1, 0, 64, 64, td, True,
@@ -293,7 +293,7 @@ def test_aot_signature_matches_jit_packed_and_decode():
     q = FM._packed(torch.randn(tq, hq, d, device="cuda", dtype=dt))
     k = FM._packed(torch.randn(tk, hkv, d, device="cuda", dtype=dt))
     lse, cu = FM._rows(hq, tq, like=q), torch.zeros(B + 1, dtype=torch.int32, device="cuda")
-    a = (q, k, k, q, lse, cu, cu, 0.1, 0, 64, 64, 64, True, True, True)
+    a = (q, k, k, q, lse, cu, cu, 0.1, 0, 64, 64, 64, True, True)
     jit = KernelSignature.from_kernel_args(FM.fmha_fwd_kernel, a, conv)
     mine = signature(FC.aot_params("fwd", 64, 64, dt, B, hq, hkv, tq, tk, d, True, packed=True))
     assert jit.parameters == mine.parameters
