@@ -52,7 +52,8 @@ def _dx_case(cfg, dt, M, N, K, label):
 
 def _dx_cases(M, N, K):
     """The input gradient kernel: every config of both archs' spaces, then the default at
-    fp16, a ragged key, one row and the pre-Hopper pair."""
+    fp16, a ragged key, one row (and the entries only one-row keys are offered) and the
+    pre-Hopper pair."""
     bf, f16 = torch.bfloat16, torch.float16
     sm90 = list(G.dx_configs("sm_90", M, N, K))
     for cfg in sm90:
@@ -63,6 +64,9 @@ def _dx_cases(M, N, K):
     yield _dx_case(sm90[0], f16, M, N, K, f"{M}x{N}x{K} fp16")
     yield _dx_case(sm90[0], bf, 1000, 1001, 1000, "ragged 1000x1001x1000 bf16")
     yield _dx_case(sm90[0], bf, 1, N, K, f"one row 1x{N}x{K} bf16")
+    for cfg in G.dx_configs("sm_90", 1, N, K):     # the entries offered to skinny keys only
+        if cfg not in sm90:
+            yield _dx_case(cfg, bf, 1, N, K, f"sm_90 skinny space 1x{N}x{K} bf16")
     for cfg in G.dx_configs("sm_80", M, N, K):
         yield _dx_case(cfg, bf, M, N, K, "pre-Hopper space bf16")
 

@@ -9,8 +9,9 @@ from tiletune.ops import matmul as MM
 # ---------------------------------------------------------------------------------------------
 # Ahead-of-time compile cases: every sm_90 and sm_100 config for 4096^3 row-major bf16; the
 # default config for the other three layouts, fp16, ragged sizes, batched and decode (M = 1); a
-# persistent config batched and ragged; every split-K config and sum of a skinny key, and one
-# batched ragged fp16 one; the pre-Hopper space. Arguments come from the tuner's own `args`.
+# persistent config batched and ragged; every skinny-only entry, split-K config and sum of a
+# skinny key, and one batched ragged fp16 split-K config; the pre-Hopper space. Arguments come
+# from the tuner's own `args`.
 
 
 def _params(cfg, dt, Z, M, N, K, ta=False, tb=False):
@@ -45,7 +46,11 @@ def compile_cases():
                       _params(persistent, f16, 8, 1000, 1999, 777, True, False),
                       f"matmul persistent batched fp16 ragged A^T {vars(persistent)}")
     sums = set()
+    square = list(MM.matmul_configs("sm_90", 4096, 4096, 4096))
     for cfg in MM.matmul_configs("sm_90", 16, 4096, 4096):
+        if MM.split_of(cfg) == 1 and cfg not in square:     # offered to skinny keys only
+            yield CompileCase("matmul", MM._matmul.build(cfg), _params(cfg, bf, 1, 16, 4096, 4096),
+                              f"matmul skinny 16x4096x4096 bf16 {vars(cfg)}")
         if MM.split_of(cfg) > 1:
             yield CompileCase("matmul", MM._matmul.build(cfg), _params(cfg, bf, 1, 16, 4096, 4096),
                               f"matmul split-K partials 16x4096x4096 bf16 {vars(cfg)}")

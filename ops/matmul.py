@@ -115,7 +115,8 @@ def splitk_reduce_kernel(w, c, TM: ct.Constant[int], TN: ct.Constant[int],
 # 128x128 (128x256 spills); 8 worker warps hold 128x256 and 256x128 without spilling; a 2-CTA
 # cluster makes 256x256 of two 128x256 CTAs (multicast TMA loads; a persistent grid counts
 # clusters). Entries never within 5% of a search winner on the bench keys are left out (128x64,
-# TK = 128, 64x256, GROUP_M = 1, 4-warp 128x256 / 256x128 clusters, 8-warp persistent 128x128).
+# TK = 128 above 128 rows, 64x256, GROUP_M = 1, 4-warp 128x256 / 256x128 clusters, 8-warp
+# persistent 128x128).
 # Split-K only where output tiles are few and K long (see SPLITK_*). Per-config timings:
 # references/parameter-space-design.md (matmul), references/kernel-type-templates.md (GEMM).
 
@@ -144,6 +145,12 @@ SM100_SPACE = [e for e in SM90_SPACE if e[5] is None] + [(256, 256, 64, 1, 2, No
 # Anything else (sm_80, sm_12x: no wgmma, smaller shared memory): a conservative pair, never
 # measured.
 OTHER_SPACE = [(128, 128, 32, 1, 1, None, False), (64, 128, 32, 2, 1, None, False)]
+# Skinny products (sm_90; decode and small batches): a K step of 128 halves the K loop's trips
+# where each CTA streams a long slab of B, and a 16-row tile stops loading 48 rows of padding
+# at M <= 16. On an H200 the two won M = 16, 64 and 128 of (M, 4096) @ (4096, 4096) by 6-7%
+# over this table's best entry (references/parameter-space-design.md, matmul). Each is offered
+# only where M (its bucket) is at most its last field.
+SM90_SKINNY = [(64, 64, 128, 1, 1, None, False, 128), (16, 64, 128, 1, 1, None, False, 16)]
 # Split-K (sm_90): SPLIT CTAs share each output tile's K range and write float32 partials that a
 # second kernel sums. Only for keys with at most SPLITK_MAX_TILES output tiles, at least 2 K
 # tiles per split and partials (SPLIT x Z x M x N float32, all batches) of at most
@@ -164,6 +171,7 @@ def matmul_configs(arch, m, n, k, z=1):
     yield from table(FIELDS, SM90_SPACE if mj == 9 else SM100_SPACE if mj == 10 else OTHER_SPACE,
                      group_m=8)
     if mj == 9:
+        yield from table(FIELDS, [r[:-1] for r in SM90_SKINNY if m <= r[-1]], group_m=8)
         yield from table(SPLITK_FIELDS,
                          [r for r in SM90_SPLITK
                           if cdiv(m, r[0]) * cdiv(n, r[1]) <= SPLITK_MAX_TILES

@@ -135,10 +135,12 @@ def test_every_config_is_correct(fresh, monkeypatch, shape):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", [((300,), 1001, 1000), ((2, 65), 448, 512)], ids=str)
+@pytest.mark.parametrize("shape", [((300,), 1001, 1000), ((2, 65), 448, 512), ((13,), 448, 520)],
+                         ids=str)
 def test_every_input_gradient_config_is_correct(fresh, monkeypatch, shape):
     """Each config of the input gradient's space (dgate @ w_gate + dup @ w_up in one kernel):
-    ragged tiles in M, N and K, clusters, persistent grids, a 3-D x."""
+    ragged tiles in M, N and K, clusters, persistent grids, a 3-D x, and the entries only
+    skinny keys are offered (13 rows: 16-row tiles)."""
     lead, N, K = shape
     x, wg, wu = make(lead, N, K, BF16)
     M = x.numel() // K
