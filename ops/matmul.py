@@ -145,11 +145,12 @@ SM100_SPACE = [e for e in SM90_SPACE if e[5] is None] + [(256, 256, 64, 1, 2, No
 # Anything else (sm_80, sm_12x: no wgmma, smaller shared memory): a conservative pair, never
 # measured.
 OTHER_SPACE = [(128, 128, 32, 1, 1, None, False), (64, 128, 32, 2, 1, None, False)]
-# Skinny products (sm_90; decode and small batches): a K step of 128 halves the K loop's trips
-# where each CTA streams a long slab of B, and a 16-row tile stops loading 48 rows of padding
-# at M <= 16. On an H200 the two won M = 16, 64 and 128 of (M, 4096) @ (4096, 4096) by 6-7%
-# over this table's best entry (references/parameter-space-design.md, matmul). Each is offered
-# only where M (its bucket) is at most its last field.
+# Skinny products (sm_90; decode and small batches), where each CTA streams a long slab of B:
+# a K step of 128 keeps more of it in flight (a 222 KB TMA ring against 165 KB at 64), and a
+# 16-row tile builds as HMMA 16x8x16, not a 64-row HGMMA that carries 48 rows of padding. On an
+# H200 they won M = 16, 64 and 128 of (M, 4096) @ (4096, 4096) by 6-7% over the space's best
+# before them (references/parameter-space-design.md, matmul). Each is offered only where M
+# (its bucket) is at most its last field.
 SM90_SKINNY = [(64, 64, 128, 1, 1, None, False, 128), (16, 64, 128, 1, 1, None, False, 16)]
 # Split-K (sm_90): SPLIT CTAs share each output tile's K range and write float32 partials that a
 # second kernel sums. Only for keys with at most SPLITK_MAX_TILES output tiles, at least 2 K
