@@ -7,6 +7,7 @@ the same facts, or it compiles a different kernel (no TMA, no wgmma) than the GP
 """
 import io
 import os
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -98,20 +99,54 @@ class CompileCase:
 class CompileReport:
     ok: list = field(default_factory=list)      # (label, seconds)
     failed: list = field(default_factory=list)  # (label, error)
+    frames: dict = field(default_factory=dict)  # label -> stack frame bytes (see frame_bytes)
 
 
 COMPILE_TIMEOUT_SEC = 120    # per compile: a hung tileiras fails its case, not the command
 
 
 def compile_case(case, arch):
-    """Compile one case to a cubin for `arch` with the real tileiras. Returns seconds taken."""
+    """Compile one case to a cubin for `arch` with the real tileiras. Returns (seconds taken,
+    the cubin's stack frame in bytes)."""
     import cuda.tile as ct
     t0 = time.perf_counter()
+    cubin = io.BytesIO()
     # (a context, not CUDA_TILE_COMPILER_TIMEOUT_SEC: cuTile read its settings at import)
     with ct.compiler_timeout(COMPILE_TIMEOUT_SEC):
-        export_kernel(case.kernel, [signature(case.params)], io.BytesIO(),
-                      gpu_code=arch, output_format="cubin")
-    return time.perf_counter() - t0
+        export_kernel(case.kernel, [signature(case.params)], cubin, gpu_code=arch,
+                      output_format="cubin")
+    return time.perf_counter() - t0, frame_bytes(cubin.getvalue())
+
+
+_FRAME_SIZE = 0x11      # EIATTR_FRAME_SIZE: (function symbol, bytes), both uint32
+
+
+def frame_bytes(cubin):
+    """The largest per-thread stack frame among a cubin's functions (local memory, which on
+    sm_90 means spilled registers): what `cuobjdump -res-usage` reports as STACK, read from the
+    EIATTR_FRAME_SIZE entries of the ELF's .nv.info sections. Entries are (format, attribute)
+    bytes, then a 16-bit size and that many bytes (format 4), a 16-bit value (2 and 3), or
+    nothing."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<I20xQQ", cubin, shoff + i * shentsize)
+                for i in range(shnum)]     # (name's offset in the name table, offset, size)
+    names = sections[shstrndx][1]
+    frame = 0
+    for name, offset, size in sections:
+        if not cubin.startswith(b".nv.info", names + name):
+            continue
+        p, end = offset, offset + size
+        while p < end:
+            fmt, attr = cubin[p], cubin[p + 1]
+            if fmt == 4:
+                n, = struct.unpack_from("<H", cubin, p + 2)
+                if attr == _FRAME_SIZE:
+                    frame = max(frame, struct.unpack_from("<I", cubin, p + 8)[0])
+                p += 4 + n
+            else:
+                p += 4 if fmt in (2, 3) else 2
+    return frame
 
 
 _CASES = {}   # per process: op name -> its list of cases (kernels cannot be pickled)
@@ -129,15 +164,15 @@ def _compile_worker(args):
     op, index, arch = args
     case = op_cases(op)[index]
     try:
-        return case.label, arch, compile_case(case, arch), None
+        return (case.label, arch, *compile_case(case, arch), None)
     except Exception as e:  # a failed compile is a result to report, not a crash
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return case.label, arch, None, f"{type(e).__name__}: {first}"
+        return case.label, arch, None, None, f"{type(e).__name__}: {first}"
 
 
 def compile_all(ops, archs, jobs=None):
     """Compile every AOT case of the named ops for every arch, in a process pool (compiles are
-    serialized inside one process). Returns a CompileReport."""
+    serialized inside one process). Returns a CompileReport, each build's stack frame in it."""
     from concurrent.futures import ProcessPoolExecutor
     work = [(op, i, a) for op in ops for i in range(len(op_cases(op))) for a in archs]
     report = CompileReport()
@@ -152,11 +187,12 @@ def compile_all(ops, archs, jobs=None):
                 try:
                     results.append(f.result())
                 except Exception as e:   # a compile process died (killed, crashed): reported
-                    results.append((op_cases(op)[i].label, arch, None,
+                    results.append((op_cases(op)[i].label, arch, None, None,
                                     f"{type(e).__name__}: {e or 'a compile process died'}"))
-    for label, arch, secs, err in results:
+    for label, arch, secs, frame, err in results:
         if err is None:
             report.ok.append((f"{label} [{arch}]", secs))
+            report.frames[f"{label} [{arch}]"] = frame
         else:
             report.failed.append((f"{label} [{arch}]", err))
     return report
