@@ -18,14 +18,17 @@ KNOWN_FRAMES = (
     "matmul persistent batched fp16 ragged A^T",   # unaligned strides: no TMA, tiles in registers
     "fp8_mm block e4m3 x e5m2",                    # mixed formats widened to float16 in registers
     "fmha decode causal Sq5",                      # the decode default at 32 rows a CTA
+    "quantize ",                                   # FP8 quantizers: memory-bound, timed so
 )
 
 
 def _spills(op, report):
-    """sm_90 builds of a SPILL_FREE op with a stack frame, known ones and quantizers apart."""
+    """sm_90 builds of a SPILL_FREE op with a stack frame, the known ones apart."""
+    if op not in SPILL_FREE:
+        return {}
     return {label: frame for label, frame in report.frames.items()
-            if label.endswith("[sm_90]") and frame and not label.startswith("quantize")
-            and not any(known in label for known in KNOWN_FRAMES)} if op in SPILL_FREE else {}
+            if label.endswith("[sm_90]") and frame
+            and not any(known in label for known in KNOWN_FRAMES)}
 
 
 @pytest.mark.parametrize("op", [op for op in registry.ops() if op not in MODEL_ROWS])
@@ -36,7 +39,8 @@ def test_every_config_compiles(op):
     assert not report.failed, "\n".join(f"{label}: {err}" for label, err in report.failed)
     assert len(report.ok) == 2 * len(cases)
     spills = _spills(op, report)
-    assert not spills, "\n".join(f"{label}: {frame} bytes of stack" for label, frame in spills.items())
+    assert not spills, "\n".join(f"{label}: {frame} bytes of stack"
+                                 for label, frame in spills.items())
 
 
 def test_frame_bytes_reads_the_stack_frame_of_a_cubin():
