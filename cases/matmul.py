@@ -48,17 +48,16 @@ def compile_cases():
     sums = set()
     square = list(MM.matmul_configs("sm_90", 4096, 4096, 4096))
     for cfg in MM.matmul_configs("sm_90", 16, 4096, 4096):
-        if MM.split_of(cfg) == 1 and cfg not in square:     # offered to skinny keys only
-            yield CompileCase("matmul", MM._matmul.build(cfg), _params(cfg, bf, 1, 16, 4096, 4096),
-                              f"matmul skinny 16x4096x4096 bf16 {vars(cfg)}")
-        if MM.split_of(cfg) > 1:
-            yield CompileCase("matmul", MM._matmul.build(cfg), _params(cfg, bf, 1, 16, 4096, 4096),
-                              f"matmul split-K partials 16x4096x4096 bf16 {vars(cfg)}")
-            if cfg.split not in sums:
-                sums.add(cfg.split)
-                yield CompileCase("matmul", MM.splitk_reduce_kernel,
-                                  _sum_params(cfg, bf, 1, 16, 4096),
-                                  f"matmul split-K sum of {cfg.split} 16x4096 bf16")
+        split = MM.split_of(cfg) > 1
+        if not split and cfg in square:       # compiled above; the rest is for skinny keys only
+            continue
+        yield CompileCase("matmul", MM._matmul.build(cfg), _params(cfg, bf, 1, 16, 4096, 4096),
+                          f"matmul {'split-K partials' if split else 'skinny'} 16x4096x4096 bf16 "
+                          f"{vars(cfg)}")
+        if split and cfg.split not in sums:
+            sums.add(cfg.split)
+            yield CompileCase("matmul", MM.splitk_reduce_kernel, _sum_params(cfg, bf, 1, 16, 4096),
+                              f"matmul split-K sum of {cfg.split} 16x4096 bf16")
     cfg = next(c for c in MM.matmul_configs("sm_90", 128, 270, 2000) if MM.split_of(c) > 1)
     yield CompileCase("matmul", MM._matmul.build(cfg),
                       _params(cfg, f16, 3, 100, 270, 2000, False, True),

@@ -18,7 +18,7 @@ KNOWN_FRAMES = (
     "matmul persistent batched fp16 ragged A^T",   # unaligned strides: no TMA, tiles in registers
     "fp8_mm block e4m3 x e5m2",                    # mixed formats widened to float16 in registers
     "fmha decode causal Sq5",                      # the decode default at 32 rows a CTA
-    "quantize ",                                   # FP8 quantizers: memory-bound, timed so
+    "quantize ",                                   # FP8 quantizers: small frames, searched
 )
 
 
