@@ -60,12 +60,16 @@ def compile_cases():
                lambda arch: GG.k_grouped_configs(arch, 16384, 8, 14336, 4096),
                lambda cfg: _k_params(cfg, bf, 8, 16384, 14336, 4096),
                "E8 T16384 14336x4096 bf16")]
+    small = (bf, 128, 2048, 2048, 1536)      # 16 rows a group: the space's short tiles
+    spaces.insert(1, ("grouped_mm", GG._grouped,
+                      lambda arch: GG.grouped_configs(arch, 2048, 128, 2048, 1536),
+                      lambda cfg: _m_params(cfg, *small), "E128 2048x2048x1536 w^T bf16"))
+    seen = {}
     for name, tuner, gen, params, label in spaces:
-        seen = []
         for arch in ("sm_90", "sm_100", "sm_80"):      # each config once, under its first arch
             for cfg in gen(arch):
-                if cfg not in seen:
-                    seen.append(cfg)
+                if cfg not in seen.setdefault(tuner, []):
+                    seen[tuner].append(cfg)
                     yield CompileCase("grouped_gemm", tuner.build(cfg), params(cfg),
                                       f"{name} {arch} space {label} {vars(cfg)}")
     for label, shape, kw in [("row-major w", key, {"w_t": False}),
@@ -116,6 +120,8 @@ SHAPES = [  # name, E, T, K, N, zipf
     ("DeepSeek-like down", 32, 16384, 2048, 7168, False),
     ("Mixtral gate", 8, 16384, 4096, 14336, True),
     ("Qwen3-MoE gate_up", 128, 32768, 2048, 1536, True),
+    ("Mixtral gate", 8, 64, 4096, 14336, False),             # small groups: 8 rows a group
+    ("Qwen3-MoE gate_up", 128, 1024, 2048, 1536, False),
 ]
 HEADLINE = [(SHAPES[0], "fwd"), (SHAPES[2], "fwd+bwd")]
 

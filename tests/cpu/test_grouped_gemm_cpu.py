@@ -51,8 +51,9 @@ def test_every_walk_is_searched_on_sm90():
     """The item loop leads at short K, the group loop at 128x256 with long K (and compiles in a
     tenth of the time there): sm_90's 128x256 entries, the default among them, keep the group
     loop (walk 0), the other tiles walk their items, 128x128 also from windows of 4 and 8
-    offsets; 128x128 and 128x256 also read the schedule kernel's table. sm_100 walks one offset
-    at a time or reads the table."""
+    offsets; 128x128 and 128x256 also read the schedule kernel's table, and so does every entry
+    below 8 worker warps (on the item walk they spill). sm_100 walks one offset at a time or
+    reads the table."""
     sm90 = list(GG.grouped_configs("sm_90", 16384, 8, 4096, 14336))
     assert sm90[0].walk == 0 and (sm90[0].tm, sm90[0].tn) == (128, 256)
     walks = [c for c in sm90 if c.walk != GG.TABLE]
@@ -60,8 +61,10 @@ def test_every_walk_is_searched_on_sm90():
     assert {c.walk for c in sm90} == {0, 1, 4, 8, GG.TABLE}
     assert {c.walk for c in walks if c.walk > 1} == {4, 8}
     assert all((c.tm, c.tn, c.gather) == (128, 128, False) for c in walks if c.walk > 1)
-    assert sorted((c.tm, c.tn, c.gather) for c in sm90 if c.walk == GG.TABLE) == [
-        (128, 128, False), (128, 256, False)]
+    assert sorted((c.tm, c.tn, c.gather) for c in sm90 if c.walk == GG.TABLE and
+                  getattr(c, "num_worker_warps", None) == 8) == [
+        (64, 256, False), (128, 128, False), (128, 256, False)]
+    assert all(c.walk == GG.TABLE for c in sm90 if not hasattr(c, "num_worker_warps"))
     assert {c.walk for c in GG.grouped_configs("sm_100", 16384, 8, 4096, 14336)} == {
         1, GG.TABLE}
     assert not any(hasattr(c, "walk") for c in GG.k_grouped_configs("sm_90", 16384, 8,
@@ -79,6 +82,14 @@ def test_tiles_taller_than_the_average_group_are_left_out():
     small = list(GG.grouped_configs("sm_90", 512, 64, 4096, 4096))      # 8 rows a group
     assert max(c.tm for c in big) == 256
     assert small[0] == big[0] and all(c.tm <= 64 for c in small[1:]) and len(small) > 3
+
+
+def test_short_tiles_only_where_one_covers_the_average_group():
+    """16-row tiles where groups average 16 rows or fewer; from 17 rows a group on, never."""
+    for t, e, short in [(2048, 128, True), (1, 8, True), (128, 8, True), (2049, 128, False),
+                        (4096, 128, False), (32768, 8, False)]:
+        tiles = {c.tm for c in GG.grouped_configs("sm_90", t, e, 2048, 1536)}
+        assert (16 in tiles) == short and 64 in tiles, (t, e)
 
 
 # ---------------------------------------------------------------------------------------------

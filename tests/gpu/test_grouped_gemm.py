@@ -113,6 +113,13 @@ def test_k_grouped(fresh, monkeypatch, E, T, M, N, kind, dt):
     assert all(not out[g].any() for g in range(E) if c[g] == 0)
 
 
+def every_m_config(k, n):
+    """Every config of the sm_90 M-grouped space: a key's space has the short tiles only where
+    groups are small, so the union of a large-group and a small-group key's."""
+    large, small = (list(GG.grouped_configs("sm_90", t, 6, k, n)) for t in (1024, 96))
+    return large + [cfg for cfg in small if cfg not in large]
+
+
 def test_every_config_is_correct(fresh, monkeypatch):
     """Each config of the sm_90 spaces of both kernels (both load styles, every tile) on a
     ragged problem: groups that start mid-tile, an empty one, rows past the end, K and N not
@@ -122,8 +129,8 @@ def test_every_config_is_correct(fresh, monkeypatch):
     w = weight(6, 333, 270, torch.bfloat16, True)
     offs = offsets(c)
     ref = reference(x, w, c)
-    for cfg in each_config(monkeypatch, GG._grouped, list(GG.grouped_configs("sm_90", 1024, 6,
-                                                                             333, 270))):
+    assert len(every_m_config(333, 270)) == len(GG.SM90_SPACE)
+    for cfg in each_config(monkeypatch, GG._grouped, every_m_config(333, 270)):
         poison_allocator(torch)
         y = grouped_mm(x, w, offs)
         assert rel(y, ref) < TOL[torch.bfloat16] and not y[578:].any(), vars(cfg)
@@ -138,8 +145,12 @@ def test_every_config_is_correct(fresh, monkeypatch):
 def test_the_table_walk_on_every_split(fresh, monkeypatch):
     """The table walk's schedule (one CTA per group, the item count in the table) on the splits
     of the forward cases: E 1 and 256, empty groups, one group with every row, T 1, odd K, N."""
-    table_cfgs = [c for c in GG.grouped_configs("sm_90", 4096, 8, 512, 768) if c.walk == GG.TABLE]
-    assert table_cfgs
+    tables = {}     # one config per row-tile height: the schedule's items depend on it (and N)
+    for cfg in every_m_config(512, 768):
+        if cfg.walk == GG.TABLE:
+            tables.setdefault(cfg.tm, cfg)
+    table_cfgs = list(tables.values())
+    assert sorted(tables) == [16, 64, 128]
     for cfg in each_config(monkeypatch, GG._grouped, table_cfgs):
         for E, T, K, N, kind in CASES:
             c = counts(T, E, kind, torch.Generator().manual_seed(E * T + K))
