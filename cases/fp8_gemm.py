@@ -73,6 +73,14 @@ def _gemm_cases():
             yield CompileCase("fp8_gemm", F8._scaled_tuner.build(cfg),
                               _gemm_params(cfg, *sq, fast=fast),
                               f"fp8_mm {arch} {acc} space 4096^3 rowwise {vars(cfg)}")
+        skinny = (128, 4096, 4096)         # the entries only skinny keys search
+        for cfg in F8.fp8_configs("sm_90", *skinny, fast=fast):
+            if cfg not in F8.fp8_configs("sm_90", *sq, fast=fast):
+                for mode in ("row", "tensor"):
+                    yield CompileCase("fp8_gemm", F8._scaled_tuner.build(cfg),
+                                      _gemm_params(cfg, *skinny, mode=mode, fast=fast),
+                                      f"fp8_mm sm_90 {acc} skinny 128x4096x4096 {mode}wise "
+                                      f"{vars(cfg)}")
     for arch, cfg in _each_once(F8.fp8_block_configs, ("sm_90", "sm_100", "sm_120"), *sq):
         yield CompileCase("fp8_gemm", F8._block_tuner.build(cfg), _block_params(cfg, *sq),
                           f"fp8_mm block {arch} space 4096^3 1x128 x 128x128 {vars(cfg)}")

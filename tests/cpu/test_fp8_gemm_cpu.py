@@ -43,7 +43,9 @@ def test_gemm_spaces_are_small_valid_and_default_first(gen, arch, fast):
             h = default_hints(c)
             assert 1 <= h["occupancy"] <= 32 and h["num_ctas"] in (1, 2, 4, 8)
             assert h.get("num_worker_warps", 4) in (4, 8)
-            assert c.tk == 128 and c.group_m >= 1 and isinstance(c.persistent, bool)
+            # K tiles of 128 (exact mode's promotion boundary); fast skinny keys also 256
+            assert c.tk == 128 or (fast and shape[0] <= 128 and c.tk == 256)
+            assert c.group_m >= 1 and isinstance(c.persistent, bool)
             assert all(v >= 16 and v & (v - 1) == 0 for v in (c.tm, c.tn))
             # float32 accumulators in registers: 128x128 per 4 worker warps, per cluster CTA
             assert arch != "sm_90" or \
@@ -66,6 +68,20 @@ def test_the_accumulation_modes_have_their_own_spaces():
     assert "fast" not in inspect.signature(F8.fp8_block_configs).parameters
     assert list(F8.fp8_configs("sm_100", 4096, 4096, 4096)) == \
         list(F8.fp8_configs("sm_100", 4096, 4096, 4096, fast=True))
+
+
+def test_skinny_entries_only_for_skinny_keys_in_their_mode():
+    """Up to 128 rows sm_90 searches a 256-deep K tile in fast mode and a latency-6 64x64 in
+    exact mode (exact keeps 128-element K tiles: its promotion boundary)."""
+    for fast in (False, True):
+        skinny = list(F8.fp8_configs("sm_90", 128, 4096, 4096, fast=fast))
+        wide = list(F8.fp8_configs("sm_90", 129, 4096, 4096, fast=fast))
+        new = [c for c in skinny if c not in wide]
+        assert [(c.tm, c.tn, c.tk, getattr(c, "latency", 0)) for c in new] == \
+            ([(64, 64, 256, 0)] if fast else [(64, 64, 128, 6)])
+        assert skinny[0] == wide[0] and not any(c.tk != 128 for c in wide)
+        assert all(c.tk == 128 for c in skinny) != fast
+    assert not any(c.tk != 128 for c in F8.fp8_configs("sm_100", 16, 4096, 4096, fast=True))
 
 
 QUANT_GENS = (F8.row_configs, F8.block1x128_configs, F8.block128x128_configs,
@@ -623,6 +639,9 @@ def test_aot_cases_cover_every_config():
             for cfg in F8.fp8_configs(arch, 4096, 4096, 4096, fast=fast):
                 assert any(lab.startswith("fp8_mm ") and f" {acc} space " in lab
                            and lab.endswith(str(vars(cfg))) for lab in labels), (arch, cfg)
+        for cfg in F8.fp8_configs("sm_90", 128, 4096, 4096, fast=fast):     # skinny entries
+            assert any(lab.startswith("fp8_mm ") and f" {acc} " in lab
+                       and lab.endswith(str(vars(cfg))) for lab in labels), cfg
     for arch in ("sm_90", "sm_100", "sm_120"):
         for cfg in F8.fp8_block_configs(arch, 4096, 4096, 4096):
             assert any(lab.startswith("fp8_mm block ") and " space " in lab

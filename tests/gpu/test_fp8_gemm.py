@@ -119,8 +119,9 @@ def test_out_dtypes(fresh, monkeypatch, out_dtype):
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast_accum"])
 def test_every_config_is_correct(fresh, monkeypatch, fast):
-    """Each config of the sm_90 spaces of both kernels, in this accumulation mode, on a ragged
-    problem (tiles overhanging M, N and a partial last K block; persistent grids, clusters).
+    """Each config of the sm_90 spaces of both kernels, in this accumulation mode (the skinny
+    keys' entries included), on a ragged problem (tiles overhanging M, N and a partial last K
+    block; persistent grids, clusters).
     Block scaling has one mode: its space runs once, with each of the three scale pairings and
     1x128 scale_a in both of the layouts torch takes (M-major and K-major)."""
     M, N, K = 200, 270, 400
@@ -134,7 +135,9 @@ def test_every_config_is_correct(fresh, monkeypatch, fast):
         ref = reference(a, b, sa, sb)
         scales_a = [sa, sa.contiguous()] if SCALINGS[scaling][0] == "block1x128" else [sa]
         assert len(scales_a) == 1 or scales_a[0].stride() != scales_a[1].stride()
-        for cfg in each_config(monkeypatch, tuner, list(gen("sm_90", 256, N, K, fast=fast))):
+        cfgs = list(gen("sm_90", 256, N, K, fast=fast))
+        cfgs += [c for c in gen("sm_90", 128, N, K, fast=fast) if c not in cfgs]  # skinny's
+        for cfg in each_config(monkeypatch, tuner, cfgs):
             for sa_i in scales_a:
                 poison_allocator(torch)
                 d = diff(fp8_mm(a, b, sa_i, sb, fast_accum=fast), ref)
