@@ -101,8 +101,9 @@ def compile_cases():
                          ("T1", (bf, 8, 1, 4096, 14336))]:
         dt, E, T, M, N = shape
         for cfg in _both_styles(GG.k_grouped_configs, T, E, M, N):
+            style = "gathers (pre-Hopper only) " if cfg.gather else ""
             yield CompileCase("grouped_gemm", GG._k_grouped.build(cfg), _k_params(cfg, *shape),
-                              f"grouped_mm dW {label} {vars(cfg)}")
+                              f"grouped_mm dW {label} {style}{vars(cfg)}")
 
 
 # ---------------------------------------------------------------------------------------------

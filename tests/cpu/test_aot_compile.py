@@ -12,10 +12,12 @@ MODEL_ROWS = {"train_step"}       # whole-model bench rows: no kernels of their 
 # that spills them ran 9-35x slower (references/hardware-constraints.md): their sm_90 builds
 # must have no stack frame. The grouped GEMM is not held to it yet: its 4-warp entries spill on
 # the item walk (references/kernel-type-templates.md). Known frames, left to the search:
-SPILL_FREE = {"matmul", "gated_mlp", "fp8_gemm", "fmha"}
+SPILL_FREE = {"matmul", "gated_mlp", "fp8_gemm", "fmha", "grouped_gemm"}
 KNOWN_FRAMES = (
     "pre-Hopper", "sm_80", "sm_100",               # cases for other archs: sm_90 never runs them
     "matmul persistent batched fp16 ragged A^T",   # unaligned strides: no TMA, tiles in registers
+    "grouped_mm odd K N", "grouped_mm table fp16 odd K N", "grouped_mm dW fp16 odd",  # likewise
+    "grouped_mm x transposed",                     # a column-major x: no row TMA
     "fp8_mm block e4m3 x e5m2",                    # mixed formats widened to float16 in registers
     "fmha decode causal Sq5",                      # the decode default at 32 rows a CTA
     "quantize ",                                   # FP8 quantizers: small frames, searched
