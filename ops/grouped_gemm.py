@@ -355,7 +355,7 @@ def grouped_configs(arch, t, e, k, n):
     group = next_pow2(cdiv(t, max(e, 1)))
     space = _space(arch, SM90_SPACE, SM100_SPACE)
     yield from table(M_FIELDS, [r for i, r in enumerate(space) if i == 0 or (
-        r[0] <= max(64, group) and (r[0] >= min(64, group))
+        min(64, group) <= r[0] <= max(64, group)
         and (r[8:] != (TABLE,) or e <= TABLE_MAX_GROUPS))], walk=1)
 
 

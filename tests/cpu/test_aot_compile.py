@@ -10,8 +10,7 @@ MODEL_ROWS = {"train_step"}       # whole-model bench rows: no kernels of their 
 
 # GEMM and attention kernels keep their float32 accumulators in registers on sm_90, and a build
 # that spills them ran 9-35x slower (references/hardware-constraints.md): their sm_90 builds
-# must have no stack frame. The grouped GEMM is not held to it yet: its 4-warp entries spill on
-# the item walk (references/kernel-type-templates.md). Known frames, left to the search:
+# must have no stack frame. Known frames, left to the search:
 SPILL_FREE = {"matmul", "gated_mlp", "fp8_gemm", "fmha", "grouped_gemm"}
 KNOWN_FRAMES = (
     "pre-Hopper", "sm_80", "sm_100",               # cases for other archs: sm_90 never runs them
