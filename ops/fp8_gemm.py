@@ -506,9 +506,9 @@ def fp8_configs(arch, m, n, k, fast=False):
     """The tensorwise / rowwise space for (m, k) @ (k, n) on `arch` in one accumulation mode
     (fast: use_fast_acc), default first."""
     rows = _gemm_space(arch, m, SM90_FAST if fast else SM90_EXACT, SM100_SPACE)
-    if major(arch) == 9 and m <= SKINNY_ROWS:
+    if major(arch) == 9 and m <= SKINNY_ROWS:      # the last column names the modes, as above
         mode = "fast" if fast else "exact"
-        rows += [r[:-1] for r in SM90_SKINNY if r[-1] == mode]
+        rows += [r[:-1] for r in SM90_SKINNY if mode in r[-1].split()]
     yield from table(FIELDS, rows, group_m=8)
 
 
