@@ -17,7 +17,9 @@ KB = F8.BLOCK
 # (use_fast_acc changes the kernel; block scaling has one mode); then the exact default in every
 # other variant the op launches: tensorwise (one-element scales), row-major B, e4m3 x e5m2 both
 # ways (float16 path), fp32 out (fp16 compiles as bf16 does), ragged sizes, decode (M = 1), the
-# other two block pairings, K-major scale_a, K not a multiple of 128.
+# other two block pairings, K-major scale_a, K not a multiple of 128. The skinny keys' own
+# entries (split-K among them) at 128x4096x4096, split-K once more with e4m3 x e5m2, and the
+# split-K sum for each split, tensorwise and rowwise scales and each output dtype.
 # Quantizers: every config of each kernel at 4096 x 4096 bf16; the other keys with a space of
 # their own (the row space at K 14336, where rows are read in chunks, and the transposed-view
 # spaces) compile their default and each (tile, warps) pair once, at its highest occupancy:
@@ -33,8 +35,17 @@ def _gemm_params(cfg, M, N, K, *, mode="row", a_dt=E4M3, b_dt=E4M3, b_col=True, 
     b = jit_array(b_dt, (K, N), (1, K) if b_col else None)
     sa = jit_array(torch.float32, (1,) if mode == "tensor" else (M,))
     sb = jit_array(torch.float32, (1,) if mode == "tensor" else (N,))
+    w = jit_array(torch.float32, (F8.split_of(cfg), M, N))         # split-K's partials
     return list(F8._args(cfg, a, b, sa, sb, jit_array(out, (M, N)), fast and a_dt == b_dt,
-                          a_dt != b_dt))
+                          a_dt != b_dt, w))
+
+
+def _sum_params(split, M, N, *, mode="row", out=BF16):
+    """The split-K sum's arguments: the partials, the scales, the output."""
+    return [jit_array(torch.float32, (split, M, N)),
+            jit_array(torch.float32, (1,) if mode == "tensor" else (M,)),
+            jit_array(torch.float32, (1,) if mode == "tensor" else (N,)),
+            jit_array(out, (M, N)), *F8.SUM_TILE, split]
 
 
 def _block_params(cfg, M, N, K, *, pairing=(1, KB), a_dt=E4M3, b_dt=E4M3, sa_m_major=True):
@@ -76,12 +87,22 @@ def _gemm_cases():
         skinny = (128, 4096, 4096)         # the entries only skinny keys search
         wide = list(F8.fp8_configs("sm_90", *sq, fast=fast))
         for cfg in F8.fp8_configs("sm_90", *skinny, fast=fast):
-            if cfg not in wide:
-                for mode in ("row", "tensor"):
+            if cfg not in wide:        # (split-K's partials take no scales: one mode)
+                for mode in ("row", "tensor") if F8.split_of(cfg) == 1 else ("row",):
                     yield CompileCase("fp8_gemm", F8._scaled_tuner.build(cfg),
                                       _gemm_params(cfg, *skinny, mode=mode, fast=fast),
                                       f"fp8_mm sm_90 {acc} skinny 128x4096x4096 {mode}wise "
                                       f"{vars(cfg)}")
+    split_cfg = next(c for c in F8.fp8_configs("sm_90", 128, 4096, 4096) if F8.split_of(c) > 1)
+    yield CompileCase("fp8_gemm", F8._scaled_tuner.build(split_cfg),
+                      _gemm_params(split_cfg, 128, 4096, 4096, b_dt=E5M2),
+                      f"fp8_mm split-K e4m3 x e5m2 {vars(split_cfg)}")
+    for split in sorted({r[-1] for r in F8.SM90_SPLITK}):
+        for mode, out in (("row", BF16), ("tensor", BF16), ("row", torch.float16),
+                          ("row", torch.float32)):
+            yield CompileCase("fp8_gemm", F8.fp8_splitk_sum_kernel,
+                              _sum_params(split, 128, 4096, mode=mode, out=out),
+                              f"fp8_mm split-K sum {split} {mode}wise {out}")
     for arch, cfg in _each_once(F8.fp8_block_configs, ("sm_90", "sm_100", "sm_120"), *sq):
         yield CompileCase("fp8_gemm", F8._block_tuner.build(cfg), _block_params(cfg, *sq),
                           f"fp8_mm block {arch} space 4096^3 1x128 x 128x128 {vars(cfg)}")

@@ -29,6 +29,7 @@ from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import arch as device_arch
 from tiletune.device import major, persistent_ctas
 from tiletune.ops.gemm_tiles import layout, output_tile, tile_count, tile_grid
+from tiletune.ops.matmul import SPLITK_MAX_BYTES, SPLITK_MAX_TILES, SUM_TILE, split_of
 from tiletune.space import cdiv, f32_row, next_pow2, product, table
 
 ZERO = ct.PaddingMode.ZERO
@@ -73,16 +74,27 @@ def _operand_tiles(a, b, m, n, kk, TM, TN, TK, LATENCY):
     return _load(a, (m, kk), (TM, TK), LATENCY), _load(b, (kk, n), (TK, TN), LATENCY)
 
 
-def _scaled_tile(a, b, sa, sb, m, n, TM, TN, TK, FAST_ACC, WIDEN, LATENCY):
-    """(a @ b)[m-tile, n-tile] * sa[rows, None] * sb[None, cols]: sa (M,) and sb (N,) float32
-    (rowwise), or (1,) each (tensorwise: every index clamps to 0)."""
+def _product(a, b, m, n, k_first, k_end, TM, TN, TK, FAST_ACC, WIDEN, LATENCY):
+    """The unscaled float32 (a @ b)[m-tile, n-tile] over K tiles k_first..k_end."""
     acc = ct.zeros((TM, TN), ct.float32)
-    for kk in range(ct.cdiv(a.shape[1], TK)):
+    for kk in range(k_first, k_end):
         at, bt = _operand_tiles(a, b, m, n, kk, TM, TN, TK, LATENCY)
         acc = _mma(at, bt, acc, FAST_ACC, WIDEN)
+    return acc
+
+
+def _scale(acc, sa, sb, m, n, TM, TN):
+    """acc * sa[rows, None] * sb[None, cols]: sa (M,) and sb (N,) float32 (rowwise), or (1,)
+    each (tensorwise: every index clamps to 0)."""
     rows = ct.minimum(m * TM + ct.arange(TM, dtype=ct.int32), sa.shape[0] - 1)
     cols = ct.minimum(n * TN + ct.arange(TN, dtype=ct.int32), sb.shape[0] - 1)
     return acc * ct.gather(sa, rows)[:, None] * ct.gather(sb, cols)[None, :]
+
+
+def _scaled_tile(a, b, sa, sb, m, n, TM, TN, TK, FAST_ACC, WIDEN, LATENCY):
+    """(a @ b)[m-tile, n-tile], scaled."""
+    acc = _product(a, b, m, n, 0, ct.cdiv(a.shape[1], TK), TM, TN, TK, FAST_ACC, WIDEN, LATENCY)
+    return _scale(acc, sa, sb, m, n, TM, TN)
 
 
 def _scaled_output(a, b, sa, sb, c, tile, TM, TN, TK, GROUP_M, FAST_ACC, WIDEN, LATENCY):
@@ -105,6 +117,38 @@ def fp8_mm_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[int],
     else:
         _scaled_output(a, b, sa, sb, c, ct.bid(0), TM, TN, TK, GROUP_M, FAST_ACC, WIDEN,
                        LATENCY)
+
+
+@ct.kernel
+def fp8_mm_splitk_kernel(a, b, w, TM: ct.Constant[int], TN: ct.Constant[int],
+                         TK: ct.Constant[int], GROUP_M: ct.Constant[int],
+                         FAST_ACC: ct.Constant[bool], WIDEN: ct.Constant[bool],
+                         LATENCY: ct.Constant[int], SPLIT: ct.Constant[int]):
+    """Split-K partials for skinny keys (few output tiles): grid (tiles, SPLIT); CTA s sums its
+    share of the K tiles, unscaled, into w[s] (float32, (SPLIT, M, N)). Each share is whole K
+    tiles, so exact mode still promotes every TK products."""
+    s = ct.bid(1)
+    m, n = output_tile(ct.bid(0), a.shape[0], b.shape[1], TM, TN, GROUP_M)
+    k_tiles = ct.cdiv(a.shape[1], TK)
+    per = ct.cdiv(k_tiles, SPLIT)
+    k_first = s * per
+    acc = _product(a, b, m, n, k_first, min(k_first + per, k_tiles), TM, TN, TK, FAST_ACC,
+                   WIDEN, LATENCY)
+    ct.store(w, (s, m, n), ct.reshape(acc, (1, TM, TN)))
+
+
+@ct.kernel
+def fp8_splitk_sum_kernel(w, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[int],
+                          SPLIT: ct.Constant[int]):
+    """c = (the sum over s of w[s], in a fixed order) * the row and column scales, in c's
+    dtype; grid (tiles,)."""
+    num_n = ct.cdiv(c.shape[1], TN)
+    m = ct.bid(0) // num_n
+    n = ct.bid(0) - m * num_n
+    acc = ct.zeros((TM, TN), ct.float32)
+    for s in range(SPLIT):
+        acc = acc + ct.reshape(ct.load(w, (s, m, n), (1, TM, TN), padding_mode=ZERO), (TM, TN))
+    ct.store(c, (m, n), _scale(acc, sa, sb, m, n, TM, TN).astype(c.dtype))
 
 
 def _block_scale(sa, sb, m, n, kb, a_rows, TM, TN, A_GROUP, B_GROUP, LATENCY):
@@ -445,6 +489,11 @@ SM90_FAST = [r[:-1] for r in SM90_GEMM if "fast" in r[-1].split()]
 SKINNY_ROWS = 128
 SM90_SKINNY = [(64, 64, 256, 1, 1, None, False, "fast"),
                (64, 64, 128, 1, 1, None, False, 6, "exact")]
+# Split-K (sm_90), on matmul's terms (SPLITK_* there): SPLIT CTAs share each output tile's K
+# tiles and write float32 partials that a second kernel sums and scales. Only where output tiles
+# are few (at M 16 and N 4096 a whole-K grid has 32-64 CTAs for 132 SMs).
+SPLITK_FIELDS = ("tm", "tn", "tk", "split")
+SM90_SPLITK = [(64, 64, 128, 2), (64, 64, 128, 4), (64, 128, 128, 2), (64, 128, 128, 4)]
 # Block spaces have one more field, overlap: the next block's product is issued before the
 # current one is scaled into the accumulator (_block_scaled_tile), keeping a third float32 tile
 # live, which the sm_90 SASS of these entries holds without spilling (168 registers at 8
@@ -510,6 +559,13 @@ def fp8_configs(arch, m, n, k, fast=False):
         mode = "fast" if fast else "exact"
         rows += [r[:-1] for r in SM90_SKINNY if mode in r[-1].split()]
     yield from table(FIELDS, rows, group_m=8)
+    if major(arch) == 9:
+        yield from table(SPLITK_FIELDS,
+                         [r for r in SM90_SPLITK
+                          if cdiv(m, r[0]) * cdiv(n, r[1]) <= SPLITK_MAX_TILES
+                          and cdiv(k, r[2]) >= 2 * r[3]
+                          and r[3] * m * n * 4 <= SPLITK_MAX_BYTES],
+                         occupancy=1, num_ctas=1, group_m=8, persistent=False)
 
 
 def fp8_block_configs(arch, m, n, k):
@@ -658,12 +714,41 @@ def amax_configs(arch, m, k):
 # scale of a and b.
 
 def _grid(cfg, dev, a, b, sa, sb, c, *flags):
-    return tile_grid(cfg, dev, a.shape[0], b.shape[1])
+    grid = tile_grid(cfg, dev, a.shape[0], b.shape[1])
+    return (*grid, split_of(cfg)) if split_of(cfg) > 1 else grid
 
 
-def _args(cfg, a, b, sa, sb, c, fast, widen):
+def _args(cfg, a, b, sa, sb, c, fast, widen, w=None):
+    """cfg's kernel writes c, or for split-K the partials w."""
+    if split_of(cfg) > 1:
+        return (a, b, w, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, fast, widen,
+                getattr(cfg, "latency", 0), split_of(cfg))
     return (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, fast, widen,
             getattr(cfg, "latency", 0), cfg.persistent)
+
+
+def _scaled_kernel(cfg):
+    return fp8_mm_splitk_kernel if split_of(cfg) > 1 else fp8_mm_kernel
+
+
+def _splitk_scratch(cfg, dev, a, b, sa, sb, c, fast, widen):
+    """Split-K's float32 partials; None (no buffer) for whole-K configs."""
+    if split_of(cfg) == 1:
+        return None
+    return (split_of(cfg), a.shape[0], b.shape[1]), torch.float32
+
+
+def _sum_grid(c):
+    return (cdiv(c.shape[0], SUM_TILE[0]) * cdiv(c.shape[1], SUM_TILE[1]),)
+
+
+def _scaled_run(cfg, kernel, stream, dev, a, b, sa, sb, c, fast, widen, w):
+    """cfg's kernel, then for split-K the partials' scaled sum into c (in a fixed order)."""
+    ct.launch(stream, _grid(cfg, dev, a, b, sa, sb, c), kernel,
+              _args(cfg, a, b, sa, sb, c, fast, widen, w))
+    if split_of(cfg) > 1:
+        ct.launch(stream, _sum_grid(c), fp8_splitk_sum_kernel,
+                  (w, sa, sb, c, *SUM_TILE, split_of(cfg)))
 
 
 def _block_args(cfg, a, b, sa, sb, c, fast, widen, a_group, b_group):
@@ -685,9 +770,10 @@ def _block_space_args(a, b, sa, sb, c, *rest):
 
 _DEFAULT = SimpleNamespace(tm=128, tn=128, tk=128, occupancy=1, num_ctas=1, persistent=False,
                            group_m=8)
-_scaled_tuner = Autotuner("fp8_mm", fp8_mm_kernel, fp8_configs, default=_DEFAULT,
+_scaled_tuner = Autotuner("fp8_mm", _scaled_kernel, fp8_configs, default=_DEFAULT,
                           space=_gemm_space_args, grid=_grid, args=_args, work=_gemm_work,
-                          tune_key=bucketed(1))
+                          scratch=_splitk_scratch, run=_scaled_run, tune_key=bucketed(1),
+                          partly_timed=lambda cfg: split_of(cfg) > 1)   # the sum: final round
 _block_tuner = Autotuner("fp8_mm_block", fp8_mm_block_kernel, fp8_block_configs,
                          default=_DEFAULT, space=_block_space_args, grid=_grid, args=_block_args,
                          work=_gemm_work, tune_key=bucketed(3))

@@ -144,6 +144,21 @@ def test_every_config_is_correct(fresh, monkeypatch, fast):
                 assert d < (FAST_LIMIT if fast else LIMIT), (scaling, vars(cfg), sa_i.stride(), d)
 
 
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast_accum"])
+def test_split_k_every_split_scaling_and_output(fresh, monkeypatch, scaling, fast):
+    """Each split-K config (partials, then their scaled sum) at a skinny shape whose K tiles
+    do not divide evenly among the splits (K 1040: 9 tiles), with each output dtype and a mixed
+    e4m3 x e5m2 pair."""
+    M, N, K = 100, 300, 1040
+    splits = [c for c in F8.fp8_configs("sm_90", M, N, K, fast=fast) if F8.split_of(c) > 1]
+    assert {c.split for c in splits} == {2, 4}
+    for cfg in each_config(monkeypatch, F8._scaled_tuner, splits):
+        for out_dtype in (BF16, torch.float16, torch.float32):
+            check(M, N, K, scaling, fast=fast, out_dtype=out_dtype, label=f"split {cfg.split}")
+        check(M, N, K, scaling, fast=fast, b_dt=E5M2, label=f"split {cfg.split} e5m2")
+
+
 @pytest.mark.parametrize("scaling", list(SCALINGS))
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast_accum"])
 def test_against_torch_scaled_mm(fresh, monkeypatch, scaling, fast):
