@@ -18,14 +18,17 @@ class TrainableOp:
         args, in order (None where not needed); the rest of the args get None.
     backward_schema / backward_fake: likewise for the backward's custom op (its first argument
         is `bool[] needs`).
+    inference(*args) -> the op's result(s), optional: what an eager call that no gradient can
+        reach runs instead of forward (it skips what only the backward reads).
     The backward runs kernels, so it is differentiable once: `create_graph=True` gives the
     gradients, and differentiating those gradients raises instead of silently giving zero.
     """
 
     def __init__(self, name, *, forward, forward_schema, forward_fake, backward,
-                 backward_schema, backward_fake, save=None, outputs=1):
+                 backward_schema, backward_fake, save=None, outputs=1, inference=None):
         save = save or _save_inputs
         self.forward, self.backward, self.outputs, self._save = forward, backward, outputs, save
+        self._inference = inference
         self._fwd_op = torch.library.custom_op(f"{name}_fwd", forward, mutates_args=(),
                                                schema=forward_schema)
         self._fwd_op.register_fake(forward_fake)
@@ -44,7 +47,7 @@ class TrainableOp:
                 for a in args:        # a loop, not any(<generator>): 1-2 us less per call
                     if isinstance(a, torch.Tensor) and a.requires_grad:
                         return self._function.apply(*args)
-            results = self.forward(*args)
+            results = (self._inference or self.forward)(*args)
         if isinstance(results, torch.Tensor):
             return results
         return results[0] if self.outputs == 1 else results[:self.outputs]

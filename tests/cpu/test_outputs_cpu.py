@@ -116,6 +116,23 @@ def test_outputs_a_caller_may_change_in_place_under_autograd(host_only):
     assert g.shape == qkv.shape
 
 
+def test_rms_norm_without_a_backward_allocates_no_rstd(host_only, launches):
+    """rms_norm's call that no gradient can reach hands the forward kernel one float per device
+    instead of an (M,) rstd (its stores past the end are dropped); with a gradient, (M,)."""
+    from tiletune.ops.rms_norm import rms_norm
+    x, w = torch.randn(6, 64, dtype=BF16), torch.rand(64, dtype=BF16)
+    y = rms_norm(x, w)
+    assert y.shape == x.shape and y.dtype == BF16
+    (_, _, args), = launches
+    assert args[3].shape == (1,) and args[3].dtype == F32 and args[3] is R._no_rstd[-1]
+    launches.clear()
+    rms_norm(x.clone(), w)                            # the same one-element buffer again
+    assert launches[0][2][3] is R._no_rstd[-1]
+    launches.clear()
+    rms_norm(x, w.clone().requires_grad_())
+    assert launches[0][2][3].shape == (6,)
+
+
 def test_packed_batch_without_keys_launches_nothing(host_only, launches):
     """max_seqlen_k 0 (every sequence without keys, whatever tokens k holds past them): zero
     output and gradients, and no launch (the dK/dV grid would have no key tile)."""

@@ -33,3 +33,30 @@ def test_double_backward_raises_instead_of_dropping_second_order_terms():
     torch.testing.assert_close(g.detach(), 18 * x.detach())
     with pytest.raises(RuntimeError, match="once_differentiable"):
         (y + g.pow(2).sum()).backward()          # a gradient penalty
+
+
+_halved = TrainableOp(
+    "tiletune_test::halved", forward=lambda x: (x / 2, x.sum()),
+    forward_schema="(Tensor x) -> (Tensor, Tensor)",
+    forward_fake=lambda x: (torch.empty_like(x), x.new_empty(())),
+    save=lambda args, results: ((args[0],), ()),
+    backward=lambda needs, dy, x: (dy / 2,),
+    backward_schema="(bool[] needs, Tensor dy, Tensor x) -> Tensor[]",
+    backward_fake=lambda needs, dy, x: [torch.empty_like(x)],
+    inference=lambda x: x * 0.5)
+
+
+def test_inference_runs_where_no_gradient_can_reach(monkeypatch):
+    """The inference function (which skips what only the backward reads) runs for an eager call
+    without a gradient: under no_grad or on inputs that need none; with one, the forward."""
+    calls = []
+    monkeypatch.setattr(_halved, "_inference", lambda x: calls.append("inference") or x * 0.5)
+    x = torch.randn(4, dtype=torch.float64)
+    assert torch.equal(_halved(x), x / 2) and calls == ["inference"]
+    with torch.no_grad():
+        _halved(x.requires_grad_())
+    assert calls == ["inference"] * 2
+    y = _halved(x)
+    assert calls == ["inference"] * 2 and y.requires_grad
+    (g,) = torch.autograd.grad(y.sum(), x)
+    assert torch.equal(g, torch.full_like(x, 0.5))
