@@ -485,10 +485,13 @@ SM90_FAST = [r[:-1] for r in SM90_GEMM if "fast" in r[-1].split()]
 # a 256-element K tile (its accumulation has no promotion boundary to keep); exact mode keeps
 # K 128 and deepens the ring with the latency hint. H200, per config in turns with
 # torch._scaled_mm at 128x4096x4096 and 128x4096x14336: fast 64x64x256 1.10-1.23x the space's
-# best before it, exact 64x64x128 at latency 6 1.02-1.15x; at M 16 neither gained.
+# best before it, exact 64x64x128 at latency 6 1.02-1.15x; at M 16 neither gained. Exact mode
+# also takes 64x32x128 (twice the CTAs streaming B): 1.08x the space's best at 64x4096x4096; at
+# M 16 and 128 and with fast accumulation it did not lead (references/kernel-type-templates.md).
 SKINNY_ROWS = 128
 SM90_SKINNY = [(64, 64, 256, 1, 1, None, False, "fast"),
-               (64, 64, 128, 1, 1, None, False, 6, "exact")]
+               (64, 64, 128, 1, 1, None, False, 6, "exact"),
+               (64, 32, 128, 1, 1, None, False, 4, "exact")]
 # Split-K (sm_90), on matmul's terms (SPLITK_* there): SPLIT CTAs share each output tile's K
 # tiles and write float32 partials that a second kernel sums and scales. Only where output tiles
 # are few (at M 16 and N 4096 a whole-K grid has 32-64 CTAs for 132 SMs).

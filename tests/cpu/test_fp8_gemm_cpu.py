@@ -71,14 +71,14 @@ def test_the_accumulation_modes_have_their_own_spaces():
 
 
 def test_skinny_entries_only_for_skinny_keys_in_their_mode():
-    """Up to 128 rows sm_90 searches a 256-deep K tile in fast mode and a latency-6 64x64 in
-    exact mode (exact keeps 128-element K tiles: its promotion boundary)."""
+    """Up to 128 rows sm_90 searches a 256-deep K tile in fast mode, and in exact mode a
+    latency-6 64x64 and a 64x32 (exact keeps 128-element K tiles: its promotion boundary)."""
     for fast in (False, True):
         skinny = list(F8.fp8_configs("sm_90", 128, 4096, 4096, fast=fast))
         wide = list(F8.fp8_configs("sm_90", 129, 4096, 4096, fast=fast))
         new = [c for c in skinny if c not in wide and F8.split_of(c) == 1]
         assert [(c.tm, c.tn, c.tk, getattr(c, "latency", 0)) for c in new] == \
-            ([(64, 64, 256, 0)] if fast else [(64, 64, 128, 6)])
+            ([(64, 64, 256, 0)] if fast else [(64, 64, 128, 6), (64, 32, 128, 4)])
         assert skinny[0] == wide[0] and not any(c.tk != 128 for c in wide)
         assert all(c.tk == 128 for c in skinny) != fast
     assert not any(c.tk != 128 for c in F8.fp8_configs("sm_100", 16, 4096, 4096, fast=True))
