@@ -216,7 +216,10 @@ def compile_cases():
 # and accumulation mode; a mode this torch or card refuses is reported in the row as
 # torch_scaled_mm_error, never fatal.
 
-SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 14336), (128, 4096, 4096))
+# The four shapes, then two decode-sized ones: 64 rows, and 16 rows with a long K (where
+# split-K leads).
+SHAPES = ((4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 14336), (128, 4096, 4096),
+          (64, 4096, 4096), (16, 4096, 14336))
 MODES = (("tensorwise", True), ("rowwise", True), ("tensorwise", False), ("rowwise", False),
          ("block", False), ("block", True))
 HEADLINE = (((4096, 4096, 4096), "rowwise", False), ((4096, 4096, 4096), "block", False))
