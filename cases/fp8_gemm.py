@@ -6,6 +6,7 @@ import torch
 from tiletune.aot import F32, CompileCase, jit_array, tightest
 from tiletune.bench import BenchCase, host_against_torch
 from tiletune.ops import fp8_gemm as F8
+from tiletune.ops import matmul as MM
 
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
 KB = F8.BLOCK
@@ -61,8 +62,9 @@ def _block_params(cfg, M, N, K, *, pairing=(1, KB), a_dt=E4M3, b_dt=E4M3, sa_m_m
                    (1, F8.f32_row(kb)) if b_group > 1 else (F8.f32_row(sb_cols), 1))
     a = jit_array(a_dt, (M, K))
     b = jit_array(b_dt, (K, N), (1, K))
+    w = jit_array(torch.float32, (F8.split_of(cfg), M, N))         # split-K's partials
     return list(F8._block_args(cfg, a, b, sa, sb, jit_array(BF16, (M, N)), False,
-                                a_dt != b_dt, a_group, b_group))
+                                a_dt != b_dt, a_group, b_group, w))
 
 
 def _each_once(gen, archs, *shape, **kw):
@@ -128,6 +130,21 @@ def _gemm_cases():
                              ("decode 1x4096x4096", (1, 4096, 4096), {})]:
         yield CompileCase("fp8_gemm", F8._block_tuner.build(cfg),
                           _block_params(cfg, *shape, **kw), f"fp8_mm block {label} {vars(cfg)}")
+    skinny = (128, 4096, 4096)      # the block split-K entries: each pairing, e4m3 x e5m2
+    splits = [c for c in F8.fp8_block_configs("sm_90", *skinny) if F8.split_of(c) > 1]
+    for cfg in splits:
+        yield CompileCase("fp8_gemm", F8._block_tuner.build(cfg), _block_params(cfg, *skinny),
+                          f"fp8_mm block split-K 1x128 x 128x128 {vars(cfg)}")
+    for label, kw in [("1x128 x 1x128", {"pairing": (1, 1)}),
+                      ("128x128 x 1x128", {"pairing": (KB, 1)}),
+                      ("e4m3 x e5m2", {"b_dt": E5M2})]:
+        yield CompileCase("fp8_gemm", F8._block_tuner.build(splits[0]),
+                          _block_params(splits[0], *skinny, **kw),
+                          f"fp8_mm block split-K {label} {vars(splits[0])}")
+    for out in (BF16, torch.float16, torch.float32):      # its sum: matmul's, on c[None]
+        yield CompileCase("fp8_gemm", MM.splitk_reduce_kernel,
+                          [jit_array(torch.float32, (2, 128, 4096)), jit_array(out, (1, 128, 4096)),
+                           *F8.SUM_TILE, 2], f"fp8_mm block split-K sum {out}")
 
 
 # kind -> (tuner, its args function, its config generator)

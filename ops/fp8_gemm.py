@@ -29,7 +29,8 @@ from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import arch as device_arch
 from tiletune.device import major, persistent_ctas
 from tiletune.ops.gemm_tiles import layout, output_tile, tile_count, tile_grid
-from tiletune.ops.matmul import SPLITK_MAX_BYTES, SPLITK_MAX_TILES, SUM_TILE, split_of
+from tiletune.ops.matmul import (SPLITK_MAX_BYTES, SPLITK_MAX_TILES, SUM_TILE, split_of,
+                                 splitk_reduce_kernel)
 from tiletune.space import cdiv, f32_row, next_pow2, product, table
 
 ZERO = ct.PaddingMode.ZERO
@@ -202,10 +203,20 @@ def _block_scaled_tile(a, b, sa, sb, m, n, TM, TN, A_GROUP, B_GROUP, FAST_ACC, W
         acc = acc + part * _block_scale(sa, sb, m, n, blocks - 1, a_rows, TM, TN, A_GROUP,
                                         B_GROUP, LATENCY)
     else:
-        for kb in range(blocks):
-            part = _block_product(a, b, m, n, kb, TM, TN, FAST_ACC, WIDEN, LATENCY)
-            acc = acc + part * _block_scale(sa, sb, m, n, kb, a_rows, TM, TN, A_GROUP, B_GROUP,
-                                            LATENCY)
+        acc = _block_scaled_range(a, b, sa, sb, m, n, 0, blocks, TM, TN, A_GROUP, B_GROUP,
+                                  FAST_ACC, WIDEN, LATENCY)
+    return acc
+
+
+def _block_scaled_range(a, b, sa, sb, m, n, kb_first, kb_end, TM, TN, A_GROUP, B_GROUP,
+                        FAST_ACC, WIDEN, LATENCY):
+    """The scaled sum of 128-K blocks kb_first..kb_end of the tile, one block at a time."""
+    a_rows = (m * TM + ct.arange(TM, dtype=ct.int32)) // A_GROUP
+    acc = ct.zeros((TM, TN), ct.float32)
+    for kb in range(kb_first, kb_end):
+        part = _block_product(a, b, m, n, kb, TM, TN, FAST_ACC, WIDEN, LATENCY)
+        acc = acc + part * _block_scale(sa, sb, m, n, kb, a_rows, TM, TN, A_GROUP, B_GROUP,
+                                        LATENCY)
     return acc
 
 
@@ -233,6 +244,25 @@ def fp8_mm_block_kernel(a, b, sa, sb, c, TM: ct.Constant[int], TN: ct.Constant[i
     else:
         _block_output(a, b, sa, sb, c, ct.bid(0), TM, TN, GROUP_M, A_GROUP, B_GROUP, FAST_ACC,
                       WIDEN, OVERLAP, LATENCY)
+
+
+@ct.kernel
+def fp8_mm_block_splitk_kernel(a, b, sa, sb, w, TM: ct.Constant[int], TN: ct.Constant[int],
+                               GROUP_M: ct.Constant[int], A_GROUP: ct.Constant[int],
+                               B_GROUP: ct.Constant[int], FAST_ACC: ct.Constant[bool],
+                               WIDEN: ct.Constant[bool], LATENCY: ct.Constant[int],
+                               SPLIT: ct.Constant[int]):
+    """Block scaling's split-K partials: grid (tiles, SPLIT); CTA s sums its share of the
+    128-K blocks, each promoted with its scales, into w[s] (float32, (SPLIT, M, N)); matmul's
+    splitk_reduce_kernel adds the SPLIT partials in a fixed order."""
+    s = ct.bid(1)
+    m, n = output_tile(ct.bid(0), a.shape[0], b.shape[1], TM, TN, GROUP_M)
+    blocks = ct.cdiv(a.shape[1], BLOCK)
+    per = ct.cdiv(blocks, SPLIT)
+    kb_first = s * per
+    acc = _block_scaled_range(a, b, sa, sb, m, n, kb_first, min(kb_first + per, blocks), TM, TN,
+                              A_GROUP, B_GROUP, FAST_ACC, WIDEN, LATENCY)
+    ct.store(w, (s, m, n), ct.reshape(acc, (1, TM, TN)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -563,18 +593,28 @@ def fp8_configs(arch, m, n, k, fast=False):
         rows += [r[:-1] for r in SM90_SKINNY if mode in r[-1].split()]
     yield from table(FIELDS, rows, group_m=8)
     if major(arch) == 9:
-        yield from table(SPLITK_FIELDS,
-                         [r for r in SM90_SPLITK
-                          if cdiv(m, r[0]) * cdiv(n, r[1]) <= SPLITK_MAX_TILES
-                          and cdiv(k, r[2]) >= 2 * r[3]
-                          and r[3] * m * n * 4 <= SPLITK_MAX_BYTES],
-                         occupancy=1, num_ctas=1, group_m=8, persistent=False)
+        yield from _splitk_table(m, n, k)
+
+
+def _splitk_table(m, n, k, **common):
+    """SM90_SPLITK's entries that fit the key: few output tiles, at least two K tiles a split,
+    partials within SPLITK_MAX_BYTES."""
+    return table(SPLITK_FIELDS,
+                 [r for r in SM90_SPLITK
+                  if cdiv(m, r[0]) * cdiv(n, r[1]) <= SPLITK_MAX_TILES
+                  and cdiv(k, r[2]) >= 2 * r[3]
+                  and r[3] * m * n * 4 <= SPLITK_MAX_BYTES],
+                 occupancy=1, num_ctas=1, group_m=8, persistent=False, **common)
 
 
 def fp8_block_configs(arch, m, n, k):
-    """The block-scaling space, default first (tk is the block, 128); one for both modes."""
+    """The block-scaling space, default first (tk is the block, 128); one for both modes.
+    sm_90 keys with few output tiles also search split-K (the same entries and bounds as
+    fp8_configs': each split takes whole blocks)."""
     yield from table(BLOCK_FIELDS, _gemm_space(arch, m, SM90_BLOCK, SM100_BLOCK_SPACE,
                                                [(*r, False) for r in OTHER_SPACE]), group_m=8)
+    if major(arch) == 9:
+        yield from _splitk_table(m, n, k, overlap=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -734,7 +774,7 @@ def _scaled_kernel(cfg):
     return fp8_mm_splitk_kernel if split_of(cfg) > 1 else fp8_mm_kernel
 
 
-def _splitk_scratch(cfg, dev, a, b, sa, sb, c, fast, widen):
+def _splitk_scratch(cfg, dev, a, b, sa, sb, c, *flags):
     """Split-K's float32 partials; None (no buffer) for whole-K configs."""
     if split_of(cfg) == 1:
         return None
@@ -754,9 +794,27 @@ def _scaled_run(cfg, kernel, stream, dev, a, b, sa, sb, c, fast, widen, w):
                   (w, sa, sb, c, *SUM_TILE, split_of(cfg)))
 
 
-def _block_args(cfg, a, b, sa, sb, c, fast, widen, a_group, b_group):
+def _block_args(cfg, a, b, sa, sb, c, fast, widen, a_group, b_group, w=None):
+    """cfg's kernel writes c, or for split-K the partials w."""
+    if split_of(cfg) > 1:
+        return (a, b, sa, sb, w, cfg.tm, cfg.tn, cfg.group_m, a_group, b_group, fast, widen,
+                getattr(cfg, "latency", 0), split_of(cfg))
     return (a, b, sa, sb, c, cfg.tm, cfg.tn, cfg.group_m, a_group, b_group, fast, widen,
             getattr(cfg, "overlap", False), getattr(cfg, "latency", 0), cfg.persistent)
+
+
+def _block_kernel(cfg):
+    return fp8_mm_block_splitk_kernel if split_of(cfg) > 1 else fp8_mm_block_kernel
+
+
+def _block_run(cfg, kernel, stream, dev, a, b, sa, sb, c, fast, widen, a_group, b_group, w):
+    """cfg's kernel, then for split-K the partials' sum into c (in a fixed order; the scales
+    are already in them)."""
+    ct.launch(stream, _grid(cfg, dev, a, b, sa, sb, c), kernel,
+              _block_args(cfg, a, b, sa, sb, c, fast, widen, a_group, b_group, w))
+    if split_of(cfg) > 1:
+        ct.launch(stream, (_sum_grid(c)[0], 1), splitk_reduce_kernel,
+                  (w, c[None], *SUM_TILE, split_of(cfg)))
 
 
 def _gemm_work(a, b, sa, sb, c, *flags):
@@ -777,9 +835,10 @@ _scaled_tuner = Autotuner("fp8_mm", _scaled_kernel, fp8_configs, default=_DEFAUL
                           space=_gemm_space_args, grid=_grid, args=_args, work=_gemm_work,
                           scratch=_splitk_scratch, run=_scaled_run, tune_key=bucketed(1),
                           partly_timed=lambda cfg: split_of(cfg) > 1)   # the sum: final round
-_block_tuner = Autotuner("fp8_mm_block", fp8_mm_block_kernel, fp8_block_configs,
+_block_tuner = Autotuner("fp8_mm_block", _block_kernel, fp8_block_configs,
                          default=_DEFAULT, space=_block_space_args, grid=_grid, args=_block_args,
-                         work=_gemm_work, tune_key=bucketed(3))
+                         work=_gemm_work, scratch=_splitk_scratch, run=_block_run,
+                         tune_key=bucketed(3), partly_timed=lambda cfg: split_of(cfg) > 1)
 
 
 # Quantizer inputs: x, q, scales (and amax bits for tensorwise), fp8_max. Launch keys:

@@ -144,16 +144,21 @@ def test_every_config_is_correct(fresh, monkeypatch, fast):
                 assert d < (FAST_LIMIT if fast else LIMIT), (scaling, vars(cfg), sa_i.stride(), d)
 
 
-@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
-@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast_accum"])
+@pytest.mark.parametrize("scaling, fast",            # block scaling has one mode: exact's run
+                         [(s, f) for s in SCALINGS for f in (False, True)
+                          if not (f and s.startswith("block"))])
 def test_split_k_every_split_scaling_and_output(fresh, monkeypatch, scaling, fast):
-    """Each split-K config (partials, then their scaled sum) at a skinny shape whose K tiles
-    do not divide evenly among the splits (K 1040: 9 tiles), with each output dtype and a mixed
-    e4m3 x e5m2 pair."""
+    """Each split-K config (partials, then their sum, scaled there or, in block mode, block by
+    block in the partials) at a skinny shape whose K tiles do not divide evenly among the splits
+    (K 1040: 9 tiles, the last partial), with each output dtype and a mixed e4m3 x e5m2 pair."""
     M, N, K = 100, 300, 1040
-    splits = [c for c in F8.fp8_configs("sm_90", M, N, K, fast=fast) if F8.split_of(c) > 1]
+    block = scaling.startswith("block")
+    tuner, gen = (F8._block_tuner, F8.fp8_block_configs) if block else (F8._scaled_tuner,
+                                                                         F8.fp8_configs)
+    shape_cfgs = gen("sm_90", M, N, K) if block else gen("sm_90", M, N, K, fast=fast)
+    splits = [c for c in shape_cfgs if F8.split_of(c) > 1]
     assert {c.split for c in splits} == {2, 4}
-    for cfg in each_config(monkeypatch, F8._scaled_tuner, splits):
+    for cfg in each_config(monkeypatch, tuner, splits):
         for out_dtype in (BF16, torch.float16, torch.float32):
             check(M, N, K, scaling, fast=fast, out_dtype=out_dtype, label=f"split {cfg.split}")
         check(M, N, K, scaling, fast=fast, b_dt=E5M2, label=f"split {cfg.split} e5m2")
