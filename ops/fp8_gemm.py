@@ -13,7 +13,9 @@
 # the whole K in float32 and the epilogue multiplies row and column scales (tensorwise scales
 # are vectors of one). Block scaling promotes as DeepSeek-V3 does: each 128-K slice's
 # product starts from a zero float32 tile and is added to the main accumulator times its
-# scale_a * scale_b, so the tensor cores never sum more than 128 products.
+# scale_a * scale_b, so the tensor cores never sum more than 128 products. Keys with few output
+# tiles (decode sizes) also search split-K in both families: float32 partials over whole K tiles
+# (block: already promoted and scaled), then a second kernel sums them in a fixed order.
 #
 # cuTile's mma takes only equal operand dtypes (e4m3 x e5m2 is a TileTypeError), so a mixed pair
 # is widened to float16 in registers (exact for both fp8 formats) and multiplied there.
@@ -523,8 +525,10 @@ SM90_SKINNY = [(64, 64, 256, 1, 1, None, False, "fast"),
                (64, 64, 128, 1, 1, None, False, 6, "exact"),
                (64, 32, 128, 1, 1, None, False, 4, "exact")]
 # Split-K (sm_90), on matmul's terms (SPLITK_* there): SPLIT CTAs share each output tile's K
-# tiles and write float32 partials that a second kernel sums and scales. Only where output tiles
-# are few (at M 16 and N 4096 a whole-K grid has 32-64 CTAs for 132 SMs).
+# tiles and write float32 partials that a second kernel sums (fp8_splitk_sum_kernel, which also
+# scales them; block scaling's partials are scaled already and matmul's splitk_reduce_kernel
+# sums them). Only where output tiles are few (at M 16 and N 4096 a whole-K grid has 32-64 CTAs
+# for 132 SMs).
 SPLITK_FIELDS = ("tm", "tn", "tk", "split")
 SM90_SPLITK = [(64, 64, 128, 2), (64, 64, 128, 4), (64, 128, 128, 2), (64, 128, 128, 4)]
 # Block spaces have one more field, overlap: the next block's product is issued before the
@@ -813,7 +817,7 @@ def _block_run(cfg, kernel, stream, dev, a, b, sa, sb, c, fast, widen, a_group, 
     ct.launch(stream, _grid(cfg, dev, a, b, sa, sb, c), kernel,
               _block_args(cfg, a, b, sa, sb, c, fast, widen, a_group, b_group, w))
     if split_of(cfg) > 1:
-        ct.launch(stream, (_sum_grid(c)[0], 1), splitk_reduce_kernel,
+        ct.launch(stream, (*_sum_grid(c), 1), splitk_reduce_kernel,       # one batch: c[None]
                   (w, c[None], *SUM_TILE, split_of(cfg)))
 
 
