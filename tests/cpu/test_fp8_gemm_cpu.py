@@ -484,6 +484,38 @@ def test_split_k_launches_partials_then_their_scaled_sum(launches, monkeypatch):
     assert not F8._scaled_tuner._partly_timed(cfgs[0])
 
 
+def test_block_split_k_launches_scaled_partials_then_matmuls_sum(launches, monkeypatch):
+    """Block scaling's split-K configs (the same entries, on sm_90 keys with few output tiles
+    only) write partials already promoted with their scales, which matmul's reduce kernel sums
+    into the output viewed as one batch; the search leaves the sum to the final round."""
+    M, N, K = 16, 300, 1024
+    a, b, c = t(M, K), t(K, N), torch.empty(M, N)
+    sa, sb = f32(8, M).t(), f32(3, 8).t()             # 1x128 scale_a (M-major), 128x128 scale_b
+    cfgs = list(F8.fp8_block_configs("sm_90", M, N, K))
+    splits = [cfg for cfg in cfgs if F8.split_of(cfg) > 1]
+    assert {(cfg.tm, cfg.tn, cfg.tk, cfg.split) for cfg in splits} == set(F8.SM90_SPLITK)
+    assert all(cfg.overlap is False for cfg in splits) and F8.split_of(cfgs[0]) == 1
+    assert not any(F8.split_of(c) > 1 for c in F8.fp8_block_configs("sm_90", 4096, 4096, 4096))
+    assert not any(F8.split_of(c) > 1 for c in F8.fp8_block_configs("sm_100", M, N, K))
+    for cfg in splits:
+        assert F8._block_tuner._partly_timed(cfg)
+        assert F8._block_kernel(cfg) is F8.fp8_mm_block_splitk_kernel
+        monkeypatch.setitem(F8._block_tuner.cache, ("b", 1, 128, 16), (cfg, "kernel"))
+        monkeypatch.setattr(F8._block_tuner, "_plans", {})
+        launches.clear()
+        w = F8._block_tuner.launch(("b", 1, 128, 16), "cpu", a, b, sa, sb, c, False, False, 1,
+                                   128)
+        assert w.shape == (cfg.split, M, N) and w.dtype == torch.float32
+        (g1, k1, args1), (g2, k2, args2) = launches
+        assert g1 == (F8.cdiv(M, cfg.tm) * F8.cdiv(N, cfg.tn), cfg.split) and k1 == "kernel"
+        assert args1 == (a, b, sa, sb, w, cfg.tm, cfg.tn, cfg.group_m, 1, 128, False, False, 0,
+                         cfg.split)
+        assert k2 is F8.splitk_reduce_kernel and g2 == (F8.cdiv(M, 8) * F8.cdiv(N, 64), 1)
+        assert args2[0] is w and args2[1].shape == (1, M, N) and args2[1].data_ptr() == \
+            c.data_ptr() and args2[2:] == (*F8.SUM_TILE, cfg.split)
+    assert not F8._block_tuner._partly_timed(cfgs[0])
+
+
 def test_quantizer_launches(launches, monkeypatch):
     x = torch.randn(300, 1000, dtype=BF16)
     q, s = torch.empty(300, 1000, dtype=E4M3), torch.empty(300, 1)
