@@ -23,7 +23,7 @@ def _params(cfg, dt, Z, M, N, K, ta=False, tb=False):
 
 
 def _sum_params(cfg, dt, Z, M, N):
-    return list(MM._sum_args(cfg, jit_array(dt, (Z, M, N)),
+    return list(MM._sum_args(MM.split_of(cfg), jit_array(dt, (Z, M, N)),
                              jit_array(torch.float32, (MM.split_of(cfg) * Z, M, N))))
 
 

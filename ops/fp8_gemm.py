@@ -31,8 +31,7 @@ from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import arch as device_arch
 from tiletune.device import major, persistent_ctas
 from tiletune.ops.gemm_tiles import layout, output_tile, tile_count, tile_grid
-from tiletune.ops.matmul import (SPLITK_MAX_BYTES, SPLITK_MAX_TILES, SUM_TILE, split_of,
-                                 splitk_reduce_kernel)
+from tiletune.ops.matmul import SUM_TILE, launch_splitk_sum, split_of, splitk_rows
 from tiletune.space import cdiv, f32_row, next_pow2, product, table
 
 ZERO = ct.PaddingMode.ZERO
@@ -256,7 +255,7 @@ def fp8_mm_block_splitk_kernel(a, b, sa, sb, w, TM: ct.Constant[int], TN: ct.Con
                                SPLIT: ct.Constant[int]):
     """Block scaling's split-K partials: grid (tiles, SPLIT); CTA s sums its share of the
     128-K blocks, each promoted with its scales, into w[s] (float32, (SPLIT, M, N)); matmul's
-    splitk_reduce_kernel adds the SPLIT partials in a fixed order."""
+    launch_splitk_sum adds the SPLIT partials in a fixed order."""
     s = ct.bid(1)
     m, n = output_tile(ct.bid(0), a.shape[0], b.shape[1], TM, TN, GROUP_M)
     blocks = ct.cdiv(a.shape[1], BLOCK)
@@ -526,7 +525,7 @@ SM90_SKINNY = [(64, 64, 256, 1, 1, None, False, "fast"),
                (64, 32, 128, 1, 1, None, False, 4, "exact")]
 # Split-K (sm_90), on matmul's terms (SPLITK_* there): SPLIT CTAs share each output tile's K
 # tiles and write float32 partials that a second kernel sums (fp8_splitk_sum_kernel, which also
-# scales them; block scaling's partials are scaled already and matmul's splitk_reduce_kernel
+# scales them; block scaling's partials are scaled already and matmul's launch_splitk_sum
 # sums them). Only where output tiles are few (at M 16 and N 4096 a whole-K grid has 32-64 CTAs
 # for 132 SMs).
 SPLITK_FIELDS = ("tm", "tn", "tk", "split")
@@ -601,13 +600,8 @@ def fp8_configs(arch, m, n, k, fast=False):
 
 
 def _splitk_table(m, n, k, **common):
-    """SM90_SPLITK's entries that fit the key: few output tiles, at least two K tiles a split,
-    partials within SPLITK_MAX_BYTES."""
-    return table(SPLITK_FIELDS,
-                 [r for r in SM90_SPLITK
-                  if cdiv(m, r[0]) * cdiv(n, r[1]) <= SPLITK_MAX_TILES
-                  and cdiv(k, r[2]) >= 2 * r[3]
-                  and r[3] * m * n * 4 <= SPLITK_MAX_BYTES],
+    """SM90_SPLITK's entries that fit the key (matmul's bounds)."""
+    return table(SPLITK_FIELDS, splitk_rows(SM90_SPLITK, m, n, k),
                  occupancy=1, num_ctas=1, group_m=8, persistent=False, **common)
 
 
@@ -817,8 +811,7 @@ def _block_run(cfg, kernel, stream, dev, a, b, sa, sb, c, fast, widen, a_group, 
     ct.launch(stream, _grid(cfg, dev, a, b, sa, sb, c), kernel,
               _block_args(cfg, a, b, sa, sb, c, fast, widen, a_group, b_group, w))
     if split_of(cfg) > 1:
-        ct.launch(stream, (*_sum_grid(c), 1), splitk_reduce_kernel,       # one batch: c[None]
-                  (w, c[None], *SUM_TILE, split_of(cfg)))
+        launch_splitk_sum(stream, split_of(cfg), c[None], w)
 
 
 def _gemm_work(a, b, sa, sb, c, *flags):

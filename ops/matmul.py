@@ -173,12 +173,17 @@ def matmul_configs(arch, m, n, k, z=1):
                      group_m=8)
     if mj == 9:
         yield from table(FIELDS, [r[:-1] for r in SM90_SKINNY if m <= r[-1]], group_m=8)
-        yield from table(SPLITK_FIELDS,
-                         [r for r in SM90_SPLITK
-                          if cdiv(m, r[0]) * cdiv(n, r[1]) <= SPLITK_MAX_TILES
-                          and cdiv(k, r[2]) >= 2 * r[3]
-                          and r[3] * z * m * n * 4 <= SPLITK_MAX_BYTES],
+        yield from table(SPLITK_FIELDS, splitk_rows(SM90_SPLITK, m, n, k, z),
                          occupancy=1, num_ctas=1, group_m=8, persistent=False)
+
+
+def splitk_rows(rows, m, n, k, z=1):
+    """The split-K entries (tm, tn, tk, split, ...) worth searching for z products of (m, k) @
+    (k, n): at most SPLITK_MAX_TILES output tiles, at least two K tiles a split, partials within
+    SPLITK_MAX_BYTES (also FP8's split-K space)."""
+    return [r for r in rows
+            if cdiv(m, r[0]) * cdiv(n, r[1]) <= SPLITK_MAX_TILES and cdiv(k, r[2]) >= 2 * r[3]
+            and r[3] * z * m * n * 4 <= SPLITK_MAX_BYTES]
 
 
 def split_of(cfg):
@@ -226,15 +231,21 @@ def _sum_grid(c3):
     return (cdiv(c3.shape[1], SUM_TILE[0]) * cdiv(c3.shape[2], SUM_TILE[1]), c3.shape[0])
 
 
-def _sum_args(cfg, c3, w):
-    return (w, c3, *SUM_TILE, split_of(cfg))
+def _sum_args(split, c3, w):
+    return (w, c3, *SUM_TILE, split)
+
+
+def launch_splitk_sum(stream, split, c3, w):
+    """c3 = the sum of the split float32 partials w (split * Z, M, N), in a fixed order: the
+    second launch of a split-K config (also of FP8 block scaling's, whose partials are scaled)."""
+    ct.launch(stream, _sum_grid(c3), splitk_reduce_kernel, _sum_args(split, c3, w))
 
 
 def _run(cfg, kernel, stream, dev, a3, b3, c3, w):
     """cfg's kernel, then for split-K the partials' sum into c3 (in a fixed order)."""
     ct.launch(stream, _grid(cfg, dev, a3, b3, c3, w), kernel, _args(cfg, a3, b3, c3, w))
     if split_of(cfg) > 1:
-        ct.launch(stream, _sum_grid(c3), splitk_reduce_kernel, _sum_args(cfg, c3, w))
+        launch_splitk_sum(stream, split_of(cfg), c3, w)
 
 
 # The hard-coded fallback of matmul's tuner and of the GEMMs that reuse its space.

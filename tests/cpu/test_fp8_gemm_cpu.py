@@ -16,6 +16,7 @@ from tiletune.autotune import MAX_CONFIGS, default_hints
 from tiletune.cases import fp8_gemm as CASES
 from tiletune.ops import fp8_gemm as F8
 from tiletune.ops.fp8_gemm import fp8_mm, quantize_fp8, quantize_fp8_reference
+from tiletune.ops.matmul import splitk_reduce_kernel
 
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
 ARCHS = ("sm_90", "sm_100", "sm_120", "sm_80")
@@ -510,7 +511,7 @@ def test_block_split_k_launches_scaled_partials_then_matmuls_sum(launches, monke
         assert g1 == (F8.cdiv(M, cfg.tm) * F8.cdiv(N, cfg.tn), cfg.split) and k1 == "kernel"
         assert args1 == (a, b, sa, sb, w, cfg.tm, cfg.tn, cfg.group_m, 1, 128, False, False, 0,
                          cfg.split)
-        assert k2 is F8.splitk_reduce_kernel and g2 == (F8.cdiv(M, 8) * F8.cdiv(N, 64), 1)
+        assert k2 is splitk_reduce_kernel and g2 == (F8.cdiv(M, 8) * F8.cdiv(N, 64), 1)
         assert args2[0] is w and args2[1].shape == (1, M, N) and args2[1].data_ptr() == \
             c.data_ptr() and args2[2:] == (*F8.SUM_TILE, cfg.split)
     assert not F8._block_tuner._partly_timed(cfgs[0])
