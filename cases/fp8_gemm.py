@@ -141,9 +141,9 @@ def _gemm_cases():
         yield CompileCase("fp8_gemm", F8._block_tuner.build(splits[0]),
                           _block_params(splits[0], *skinny, **kw),
                           f"fp8_mm block split-K {label} {vars(splits[0])}")
-    for out in (BF16, torch.float16, torch.float32):      # its sum: matmul's, on c[None]
+    for out in (BF16, torch.float16, torch.float32):      # its sum: matmul's
         yield CompileCase("fp8_gemm", MM.splitk_reduce_kernel,
-                          [jit_array(torch.float32, (2, 128, 4096)), jit_array(out, (1, 128, 4096)),
+                          [jit_array(torch.float32, (2, 128, 4096)), jit_array(out, (128, 4096)),
                            *F8.SUM_TILE, 2], f"fp8_mm block split-K sum {out}")
 
 

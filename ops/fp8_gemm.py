@@ -811,7 +811,7 @@ def _block_run(cfg, kernel, stream, dev, a, b, sa, sb, c, fast, widen, a_group, 
     ct.launch(stream, _grid(cfg, dev, a, b, sa, sb, c), kernel,
               _block_args(cfg, a, b, sa, sb, c, fast, widen, a_group, b_group, w))
     if split_of(cfg) > 1:
-        launch_splitk_sum(stream, split_of(cfg), c[None], w)
+        launch_splitk_sum(stream, split_of(cfg), c, w)
 
 
 def _gemm_work(a, b, sa, sb, c, *flags):
