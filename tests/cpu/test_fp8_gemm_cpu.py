@@ -377,13 +377,14 @@ def tuners(monkeypatch):
     return seen
 
 
-def test_tensorwise_and_rowwise_reach_one_kernel_as_scale_vectors(tuners):
+def test_tensorwise_and_rowwise_reach_one_kernel_with_the_scales_as_given(tuners):
     a, b = t(100, 256), t(48, 256).t()
-    c = F8._fp8_mm(a, b, f32(), f32(1), BF16, False, None, ("tensor", 1, 1))
+    scale_a, scale_b = f32(), f32(1)
+    c = F8._fp8_mm(a, b, scale_a, scale_b, BF16, False, None, ("tensor", 1, 1))
     (_, key, (a2, b2, sa, sb, c2, fast, widen)), = tuners
     assert c2 is c and c.shape == (100, 48) and c.dtype == BF16
     assert a2 is a and b2 is b                      # row-major a, column-major b: no copies
-    assert sa.shape == (1,) and sb.shape == (1,)    # the kernel clamps every index to 0
+    assert sa is scale_a and sb is scale_b          # no views; the kernel clamps indices to 0
     assert key == ("tensor", 100, 48, 256, E4M3, E4M3, "col", BF16, False, -1)
     assert F8._scaled_tuner.tune_key(key)[1] == 128       # tuning buckets M
     assert (fast, widen) == (False, False)
@@ -391,7 +392,11 @@ def test_tensorwise_and_rowwise_reach_one_kernel_as_scale_vectors(tuners):
     sa_row, sb_row = f32(100, 1), f32(1, 48)
     F8._fp8_mm(a, b, sa_row, sb_row, torch.float32, True, None, ("row", 1, 1))
     (_, key, (a2, b2, sa, sb, c2, fast, widen)), = tuners
-    assert sa.shape == (100,) and sa.data_ptr() == sa_row.data_ptr() and sb.shape == (48,)
+    assert sa is sa_row and sb is sb_row
+    tuners.clear()
+    F8._fp8_mm(a, b, f32(1, 1, 1), f32(1, 1), BF16, False, None, ("tensor", 1, 1))
+    (_, _, (_, _, sa, sb, *_)), = tuners
+    assert sa.shape == (1,) and sb.shape == (1, 1)  # past 2-D: a (1,) view
     assert key[0] == "row" and key[-3:] == (torch.float32, True, -1) and fast is True
 
 
