@@ -30,12 +30,21 @@ KB = F8.BLOCK
 # and a single row. Arguments come from the op's own `args` functions.
 
 
+def _scale_params(mode, M, N):
+    """Tensorwise and rowwise scales as fp8_mm passes them on: as the caller gave them. mode
+    "row": (M, 1) and quantize_fp8's (N, 1) weight scales transposed, (1, N) with unit strides;
+    "tensor": 0-D (torch's scalar tensors); "tensor (1,)": one-element vectors."""
+    if mode == "row":
+        return jit_array(torch.float32, (M, 1)), jit_array(torch.float32, (1, N), (1, 1))
+    shape = (1,) if mode == "tensor (1,)" else ()
+    return jit_array(torch.float32, shape), jit_array(torch.float32, shape)
+
+
 def _gemm_params(cfg, M, N, K, *, mode="row", a_dt=E4M3, b_dt=E4M3, b_col=True, out=BF16,
                  fast=False):
     a = jit_array(a_dt, (M, K))
     b = jit_array(b_dt, (K, N), (1, K) if b_col else None)
-    sa = jit_array(torch.float32, (1,) if mode == "tensor" else (M,))
-    sb = jit_array(torch.float32, (1,) if mode == "tensor" else (N,))
+    sa, sb = _scale_params(mode, M, N)
     w = jit_array(torch.float32, (F8.split_of(cfg), M, N))         # split-K's partials
     return list(F8._args(cfg, a, b, sa, sb, jit_array(out, (M, N)), fast and a_dt == b_dt,
                           a_dt != b_dt, w))
@@ -44,8 +53,7 @@ def _gemm_params(cfg, M, N, K, *, mode="row", a_dt=E4M3, b_dt=E4M3, b_col=True, 
 def _sum_params(split, M, N, *, mode="row", out=BF16):
     """The split-K sum's arguments: the partials, the scales, the output."""
     return [jit_array(torch.float32, (split, M, N)),
-            jit_array(torch.float32, (1,) if mode == "tensor" else (M,)),
-            jit_array(torch.float32, (1,) if mode == "tensor" else (N,)),
+            *_scale_params(mode, M, N),
             jit_array(out, (M, N)), *F8.SUM_TILE, split]
 
 
@@ -112,6 +120,7 @@ def _gemm_cases():
     block = list(F8.fp8_block_configs("sm_90", *sq))
     cfg = gemm[0]
     for label, shape, kw in [("tensorwise", sq, {"mode": "tensor"}),
+                             ("tensorwise (1,) scales", sq, {"mode": "tensor (1,)"}),
                              ("row-major b", sq, {"b_col": False}),
                              ("e4m3 x e5m2", sq, {"b_dt": E5M2}),
                              ("e5m2 x e4m3", sq, {"a_dt": E5M2}),
@@ -141,9 +150,9 @@ def _gemm_cases():
         yield CompileCase("fp8_gemm", F8._block_tuner.build(splits[0]),
                           _block_params(splits[0], *skinny, **kw),
                           f"fp8_mm block split-K {label} {vars(splits[0])}")
-    for out in (BF16, torch.float16, torch.float32):      # its sum: matmul's, on c[None]
+    for out in (BF16, torch.float16, torch.float32):      # its sum: matmul's
         yield CompileCase("fp8_gemm", MM.splitk_reduce_kernel,
-                          [jit_array(torch.float32, (2, 128, 4096)), jit_array(out, (1, 128, 4096)),
+                          [jit_array(torch.float32, (2, 128, 4096)), jit_array(out, (128, 4096)),
                            *F8.SUM_TILE, 2], f"fp8_mm block split-K sum {out}")
 
 

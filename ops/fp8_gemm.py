@@ -86,11 +86,25 @@ def _product(a, b, m, n, k_first, k_end, TM, TN, TK, FAST_ACC, WIDEN, LATENCY):
 
 
 def _scale(acc, sa, sb, m, n, TM, TN):
-    """acc * sa[rows, None] * sb[None, cols]: sa (M,) and sb (N,) float32 (rowwise), or (1,)
-    each (tensorwise: every index clamps to 0)."""
-    rows = ct.minimum(m * TM + ct.arange(TM, dtype=ct.int32), sa.shape[0] - 1)
-    cols = ct.minimum(n * TN + ct.arange(TN, dtype=ct.int32), sb.shape[0] - 1)
-    return acc * ct.gather(sa, rows)[:, None] * ct.gather(sb, cols)[None, :]
+    """acc * the row scales * the column scales, float32, in the shapes the caller passed them
+    (no views on the host): rowwise sa (M, 1) and sb (1, N) as torch._scaled_mm takes them, or
+    (M,) and (N,); tensorwise one element each, 0-D, (1,) or (1, 1) (every index clamps to 0)."""
+    return acc * _tile_scales(sa, m, TM, 0) * _tile_scales(sb, n, TN, 1)
+
+
+def _tile_scales(s, t, T, axis):
+    """Scales of tile t's T rows (axis 0: a (T, 1) tile) or columns (axis 1: (1, T)), from a
+    0-D, 1-D or 2-D float32 array (indices past its end clamp to its last element)."""
+    if s.ndim == 0:
+        return ct.gather(s, ())
+    count = s.shape[1] if axis == 1 and s.ndim == 2 else s.shape[0]
+    idx = ct.minimum(t * T + ct.arange(T, dtype=ct.int32), count - 1)
+    if s.ndim == 1:
+        return ct.reshape(ct.gather(s, idx), (T, 1) if axis == 0 else (1, T))
+    zero = ct.zeros((1, 1), ct.int32)
+    if axis == 0:
+        return ct.gather(s, (ct.reshape(idx, (T, 1)), zero))
+    return ct.gather(s, (zero, ct.reshape(idx, (1, T))))
 
 
 def _scaled_tile(a, b, sa, sb, m, n, TM, TN, TK, FAST_ACC, WIDEN, LATENCY):
@@ -811,7 +825,7 @@ def _block_run(cfg, kernel, stream, dev, a, b, sa, sb, c, fast, widen, a_group, 
     ct.launch(stream, _grid(cfg, dev, a, b, sa, sb, c), kernel,
               _block_args(cfg, a, b, sa, sb, c, fast, widen, a_group, b_group, w))
     if split_of(cfg) > 1:
-        launch_splitk_sum(stream, split_of(cfg), c[None], w)
+        launch_splitk_sum(stream, split_of(cfg), c, w)
 
 
 def _gemm_work(a, b, sa, sb, c, *flags):
@@ -944,8 +958,9 @@ TUNERS = (_scaled_tuner, _block_tuner, _quantize_row, _quantize_1x128, _quantize
 
 
 def launch(mode, a, b, sa, sb, c, fast, a_group=1, b_group=1):
-    """c = a @ b scaled (a (M, K) row-major, b (K, N) either major). mode "row": sa (M,) and
-    sb (N,); "tensor": (1,) and (1,); "block": the 2-D scales with a_group / b_group rows /
+    """c = a @ b scaled (a (M, K) row-major, b (K, N) either major). mode "row": sa (M, 1) or
+    (M,) and sb (1, N) or (N,); "tensor": one element each, 0-D, (1,) or (1, 1) (each shape a
+    JIT specialization of the key's kernel); "block": the 2-D scales with a_group / b_group rows /
     columns per scale. fast: use_fast_acc (off where the formats differ: the float16 path has
     none). The key holds the mode, M (tuning buckets it), N, K, the dtypes, b's layout and fast."""
     widen = a.dtype != b.dtype
@@ -1026,20 +1041,34 @@ def _check(a, b, scale_a, scale_b, out_dtype, fast_accum):
     if not isinstance(fast_accum, bool):
         raise TypeError(f"fp8_mm: fast_accum must be a bool, got {type(fast_accum).__name__}")
     scaling = _scaling(M, N, K, scale_a, scale_b)
-    dev = a.device
-    for name, t in tensors:
-        validate.tensor("fp8_mm", name, t, device=dev, dtypes=_ANY_OPERAND)
+    # the dtypes are checked above; where all four are on one CUDA device, four integer reads
+    # say so (eagerly: the traced call and any mismatch take the checks that name the argument)
+    dev = -1 if torch.compiler.is_compiling() else a.get_device()
+    if dev < 0 or not a.is_cuda or b.get_device() != dev or scale_a.get_device() != dev or \
+            scale_b.get_device() != dev:
+        device = a.device
+        for name, t in tensors:
+            validate.tensor("fp8_mm", name, t, device=device, dtypes=_ANY_OPERAND)
     return scaling
 
 
 def _check_arch(op, name, t):
     """Below sm_90: ValueError. Checked where the kernels launch (eagerly, or inside the custom
-    op under torch.compile, whose trace should not read device properties)."""
+    op under torch.compile, whose trace should not read device properties); once per CUDA
+    device (_FP8_DEVICES)."""
+    index = t.get_device()
+    if index in _FP8_DEVICES:
+        return
     arch = device_arch(t.device)
     if major(arch) < 9:
         raise ValueError(f"{op}: FP8 needs compute capability 9.0 or newer (cuTile 1.7 compiles "
                          f"no float8 below sm_90, Ada's sm_89 included); {name} is on "
                          f"{t.device}, {arch}")
+    if index >= 0:
+        _FP8_DEVICES.add(index)
+
+
+_FP8_DEVICES = set()       # CUDA device indices _check_arch has found to be sm_90 or newer
 
 
 def _check_out(out, M, N, out_dtype, a, inputs):
@@ -1057,11 +1086,14 @@ def _operands(a, b):
     return a, b
 
 
-def _scale_vectors(mode, scale_a, scale_b, M, N):
-    """Tensorwise and rowwise scales as 1-D views: (1,) and (1,), or (M,) and (N,)."""
-    if mode == "tensor":
-        return scale_a.reshape(1), scale_b.reshape(1)
-    return scale_a.reshape(M), scale_b.reshape(N)
+def _scale_arrays(scale_a, scale_b):
+    """Tensorwise and rowwise scales as the kernels take them: as they are (0-D to 2-D: no
+    views, about 1 us of host time each), a tensorwise scale of more dims as (1,)."""
+    if scale_a.dim() > 2:
+        scale_a = scale_a.reshape(1)
+    if scale_b.dim() > 2:
+        scale_b = scale_b.reshape(1)
+    return scale_a, scale_b
 
 
 def _fp8_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, out, scaling):
@@ -1078,7 +1110,7 @@ def _fp8_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, out, scaling):
     if mode == "block":
         launch("block", a, b, scale_a, scale_b, c, fast_accum, a_group, b_group)
     else:
-        sa, sb = _scale_vectors(mode, scale_a, scale_b, M, N)
+        sa, sb = _scale_arrays(scale_a, scale_b)
         launch(mode, a, b, sa, sb, c, fast_accum)
     if out is not None:      # written by the kernel: tell autograd that out changed
         torch.autograd.graph.increment_version(out)

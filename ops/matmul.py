@@ -25,8 +25,9 @@ ZERO = ct.PaddingMode.ZERO
 
 def mainloop(a, b, z, m, n, acc, TM, TN, TK):
     """acc + a[z, m-tile, :] @ b[z, :, n-tile] in float32 (ct.mma: wgmma on sm_90). a (Z, M, K),
-    b (Z, K, N), any strides; K need not be a multiple of TK (zero padding)."""
-    return mainloop_range(a, b, z, m, n, acc, TM, TN, TK, 0, ct.cdiv(a.shape[2], TK))
+    b (Z, K, N), or 2-D (z is then ignored), any strides; K need not be a multiple of TK (zero
+    padding)."""
+    return mainloop_range(a, b, z, m, n, acc, TM, TN, TK, 0, ct.cdiv(a.shape[-1], TK))
 
 
 def mainloop_range(a, b, z, m, n, acc, TM, TN, TK, k_first, k_end):
@@ -36,30 +37,47 @@ def mainloop_range(a, b, z, m, n, acc, TM, TN, TK, k_first, k_end):
     return acc
 
 
-# The tile loads and the store, shared with ops/gated_mlp.py's two-accumulator kernel.
+# The tile loads and the store, shared with ops/gated_mlp.py's two-accumulator kernel. Arrays
+# are 3-D (Z, rows, cols), or 2-D (one product; z is ignored): a 2-D call passes its tensors as
+# they are, without the [None] views (about 1 us of host time each).
+
+def batches(a):
+    """Z of a 3-D array, 1 of a 2-D one."""
+    return 1 if a.ndim == 2 else a.shape[0]
+
+
+def _tile(a, z, i, j, TI, TJ):
+    """a's (TI, TJ) tile (i, j) of batch z, zeros past its edges."""
+    if a.ndim == 2:
+        return ct.load(a, (i, j), (TI, TJ), padding_mode=ZERO)
+    return ct.reshape(ct.load(a, (z, i, j), (1, TI, TJ), padding_mode=ZERO), (TI, TJ))
+
 
 def a_tile(a, z, m, kk, TM, TK):
     """A's (TM, TK) tile (m, kk) of batch z, zeros past M and K."""
-    return ct.reshape(ct.load(a, (z, m, kk), (1, TM, TK), padding_mode=ZERO), (TM, TK))
+    return _tile(a, z, m, kk, TM, TK)
 
 
 def b_tile(b, z, kk, n, TK, TN):
     """B's (TK, TN) tile (kk, n) of batch z, zeros past K and N."""
-    return ct.reshape(ct.load(b, (z, kk, n), (1, TK, TN), padding_mode=ZERO), (TK, TN))
+    return _tile(b, z, kk, n, TK, TN)
 
 
 def store_tile(c, z, m, n, acc):
     """The float32 (TM, TN) tile acc into c[z] at tile (m, n), in c's dtype (the part past M
     and N is dropped)."""
-    ct.store(c, (z, m, n), ct.reshape(acc.astype(c.dtype), (1, acc.shape[0], acc.shape[1])))
+    if c.ndim == 2:
+        ct.store(c, (m, n), acc.astype(c.dtype))
+    else:
+        ct.store(c, (z, m, n), ct.reshape(acc.astype(c.dtype), (1, acc.shape[0], acc.shape[1])))
 
 
 @ct.kernel
 def matmul_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int], TK: ct.Constant[int],
                   GROUP_M: ct.Constant[int]):
-    """a (Z, M, K), b (Z, K, N), c (Z, M, N) with any strides; grid (tiles, Z)."""
+    """a (Z, M, K), b (Z, K, N), c (Z, M, N), or all 2-D, with any strides; grid (tiles, Z)."""
     z = ct.bid(1)
-    m, n = output_tile(ct.bid(0), a.shape[1], b.shape[2], TM, TN, GROUP_M)
+    m, n = output_tile(ct.bid(0), a.shape[-2], b.shape[-1], TM, TN, GROUP_M)
     acc = mainloop(a, b, z, m, n, ct.zeros((TM, TN), ct.float32), TM, TN, TK)
     store_tile(c, z, m, n, acc)
 
@@ -69,10 +87,10 @@ def matmul_persistent_kernel(a, b, c, TM: ct.Constant[int], TN: ct.Constant[int]
                              TK: ct.Constant[int], GROUP_M: ct.Constant[int]):
     """The same product on a grid of SMs x occupancy CTAs, each looping over output tiles of all
     batches in grouped order: no CTA launch or tail wave per tile."""
-    tiles = tile_count(a.shape[1], b.shape[2], TM, TN)
-    for t in range(ct.bid(0), tiles * a.shape[0], ct.num_blocks(0)):
+    tiles = tile_count(a.shape[-2], b.shape[-1], TM, TN)
+    for t in range(ct.bid(0), tiles * batches(a), ct.num_blocks(0)):
         z = t // tiles
-        m, n = output_tile(t - z * tiles, a.shape[1], b.shape[2], TM, TN, GROUP_M)
+        m, n = output_tile(t - z * tiles, a.shape[-2], b.shape[-1], TM, TN, GROUP_M)
         acc = mainloop(a, b, z, m, n, ct.zeros((TM, TN), ct.float32), TM, TN, TK)
         store_tile(c, z, m, n, acc)
 
@@ -82,31 +100,33 @@ def matmul_splitk_kernel(a, b, w, TM: ct.Constant[int], TN: ct.Constant[int],
                          TK: ct.Constant[int], GROUP_M: ct.Constant[int],
                          SPLIT: ct.Constant[int]):
     """Split-K partials for skinny products (few output tiles, long K): grid (tiles, Z, SPLIT);
-    CTA s sums its share of the K tiles into w[s * Z + z] (float32, (SPLIT * Z, M, N)).
-    splitk_reduce_kernel adds the SPLIT partials in a fixed order: deterministic."""
+    CTA s sums its share of the K tiles into w[s * Z + z] (float32, (SPLIT * Z, M, N); Z is 1
+    for 2-D a and b). splitk_reduce_kernel adds the SPLIT partials in a fixed order:
+    deterministic."""
     z = ct.bid(1)
     s = ct.bid(2)
-    m, n = output_tile(ct.bid(0), a.shape[1], b.shape[2], TM, TN, GROUP_M)
-    k_tiles = ct.cdiv(a.shape[2], TK)
+    m, n = output_tile(ct.bid(0), a.shape[-2], b.shape[-1], TM, TN, GROUP_M)
+    k_tiles = ct.cdiv(a.shape[-1], TK)
     per = ct.cdiv(k_tiles, SPLIT)
     k_first = s * per
     acc = mainloop_range(a, b, z, m, n, ct.zeros((TM, TN), ct.float32), TM, TN, TK, k_first,
                          min(k_first + per, k_tiles))
-    ct.store(w, (s * a.shape[0] + z, m, n), ct.reshape(acc, (1, TM, TN)))
+    ct.store(w, (s * batches(a) + z, m, n), ct.reshape(acc, (1, TM, TN)))
 
 
 @ct.kernel
 def splitk_reduce_kernel(w, c, TM: ct.Constant[int], TN: ct.Constant[int],
                          SPLIT: ct.Constant[int]):
-    """c[z] = sum over s of w[s * Z + z], in the output dtype; grid (tiles, Z)."""
+    """c[z] = sum over s of w[s * Z + z], in the output dtype (c 3-D, or 2-D with Z 1); grid
+    (tiles, Z)."""
     z = ct.bid(1)
-    num_n = ct.cdiv(c.shape[2], TN)
+    num_n = ct.cdiv(c.shape[-1], TN)
     m = ct.bid(0) // num_n
     n = ct.bid(0) - m * num_n
     acc = ct.zeros((1, TM, TN), ct.float32)
     for s in range(SPLIT):
-        acc = acc + ct.load(w, (s * c.shape[0] + z, m, n), (1, TM, TN), padding_mode=ZERO)
-    ct.store(c, (z, m, n), acc.astype(c.dtype))
+        acc = acc + ct.load(w, (s * batches(c) + z, m, n), (1, TM, TN), padding_mode=ZERO)
+    store_tile(c, z, m, n, ct.reshape(acc, (TM, TN)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,84 +220,107 @@ def kernel_for(cfg):
 
 
 # ---------------------------------------------------------------------------------------------
-# Launch. Inputs are a3 (Z, M, K), b3 (Z, K, N), c3 (Z, M, N), then the scratch buffer w: the
-# float32 partials (split * Z, M, N) of a split-K config, empty for the others.
+# Launch. Inputs are a (Z, M, K), b (Z, K, N), c (Z, M, N), or all three 2-D (Z = 1), then the
+# scratch buffer w: the float32 partials (split * Z, M, N) of a split-K config, empty for the
+# others. A 2-D product and a 3-D one with Z = 1 share their keys and configs (the same grid);
+# each rank is its own JIT specialization of the kernel.
 
-def _grid(cfg, dev, a3, b3, c3, w):
-    tiles = cdiv(a3.shape[1], cfg.tm) * cdiv(b3.shape[2], cfg.tn)
+def _dims(a, b):
+    """(Z, M, K, N) of a @ b; Z is 1 for 2-D operands."""
+    if a.dim() == 2:
+        return 1, a.shape[0], a.shape[1], b.shape[1]
+    return a.shape[0], a.shape[1], a.shape[2], b.shape[2]
+
+
+def _grid(cfg, dev, a, b, c, w):
+    Z, M, _, N = _dims(a, b)
+    tiles = cdiv(M, cfg.tm) * cdiv(N, cfg.tn)
     if cfg.persistent:     # the grid counts clusters of num_ctas CTAs (one per logical tile)
-        return (persistent_ctas(tiles * a3.shape[0], dev, cfg.occupancy, cfg.num_ctas), 1)
+        return (persistent_ctas(tiles * Z, dev, cfg.occupancy, cfg.num_ctas), 1)
     split = split_of(cfg)
-    return (tiles, a3.shape[0], split) if split > 1 else (tiles, a3.shape[0])
+    return (tiles, Z, split) if split > 1 else (tiles, Z)
 
 
-def _args(cfg, a3, b3, c3, w):
-    """cfg's kernel writes c3, or for split-K the partials w."""
+def _args(cfg, a, b, c, w):
+    """cfg's kernel writes c, or for split-K the partials w."""
     split = split_of(cfg)
     if split == 1:
-        return (a3, b3, c3, cfg.tm, cfg.tn, cfg.tk, cfg.group_m)
-    return (a3, b3, w, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, split)
+        return (a, b, c, cfg.tm, cfg.tn, cfg.tk, cfg.group_m)
+    return (a, b, w, cfg.tm, cfg.tn, cfg.tk, cfg.group_m, split)
 
 
-def _scratch(cfg, dev, a3, b3, c3):
+def _scratch(cfg, dev, a, b, c):
     """Split-K's float32 partials; None (no buffer) for whole-K configs."""
     split = split_of(cfg)
     if split == 1:
         return None
-    return (split * a3.shape[0], a3.shape[1], b3.shape[2]), torch.float32
+    Z, M, _, N = _dims(a, b)
+    return (split * Z, M, N), torch.float32
 
 
-def _sum_grid(c3):
-    return (cdiv(c3.shape[1], SUM_TILE[0]) * cdiv(c3.shape[2], SUM_TILE[1]), c3.shape[0])
+def _sum_grid(c):
+    Z = 1 if c.dim() == 2 else c.shape[0]
+    return (cdiv(c.shape[-2], SUM_TILE[0]) * cdiv(c.shape[-1], SUM_TILE[1]), Z)
 
 
-def _sum_args(split, c3, w):
-    return (w, c3, *SUM_TILE, split)
+def _sum_args(split, c, w):
+    return (w, c, *SUM_TILE, split)
 
 
-def launch_splitk_sum(stream, split, c3, w):
-    """c3 = the sum of the split float32 partials w (split * Z, M, N), in a fixed order: the
+def launch_splitk_sum(stream, split, c, w):
+    """c = the sum of the split float32 partials w (split * Z, M, N), in a fixed order: the
     second launch of a split-K config (also of FP8 block scaling's, whose partials are scaled)."""
-    ct.launch(stream, _sum_grid(c3), splitk_reduce_kernel, _sum_args(split, c3, w))
+    ct.launch(stream, _sum_grid(c), splitk_reduce_kernel, _sum_args(split, c, w))
 
 
-def _run(cfg, kernel, stream, dev, a3, b3, c3, w):
-    """cfg's kernel, then for split-K the partials' sum into c3 (in a fixed order)."""
-    ct.launch(stream, _grid(cfg, dev, a3, b3, c3, w), kernel, _args(cfg, a3, b3, c3, w))
+def _run(cfg, kernel, stream, dev, a, b, c, w):
+    """cfg's kernel, then for split-K the partials' sum into c (in a fixed order)."""
+    ct.launch(stream, _grid(cfg, dev, a, b, c, w), kernel, _args(cfg, a, b, c, w))
     if split_of(cfg) > 1:
-        launch_splitk_sum(stream, split_of(cfg), c3, w)
+        launch_splitk_sum(stream, split_of(cfg), c, w)
+
+
+def _space(a, b, c):
+    Z, M, K, N = _dims(a, b)
+    return dict(m=bucket(M), n=N, k=K, z=bucket(Z))
+
+
+def _work(a, b, c):
+    Z, M, K, N = _dims(a, b)
+    return Work(flops=2.0 * Z * M * N * K)
 
 
 # The hard-coded fallback of matmul's tuner and of the GEMMs that reuse its space.
 DEFAULT = SimpleNamespace(tm=128, tn=128, tk=64, occupancy=1, num_ctas=1, group_m=8,
                           persistent=False)
 _matmul = Autotuner(
-    "matmul", kernel_for, matmul_configs, default=DEFAULT,
-    space=lambda a3, b3, c3: dict(m=bucket(a3.shape[1]), n=b3.shape[2], k=a3.shape[2],
-                                  z=bucket(a3.shape[0])),
+    "matmul", kernel_for, matmul_configs, default=DEFAULT, space=_space,
     grid=_grid, args=_args, scratch=_scratch, run=_run, tune_key=bucketed(0, 3),
     partly_timed=lambda cfg: split_of(cfg) > 1,     # the search times the partials, not the sum
-    work=lambda a3, b3, c3: Work(flops=2.0 * a3.shape[0] * a3.shape[1] * b3.shape[2]
-                                 * a3.shape[2]))
+    work=_work)
 TUNERS = (_matmul,)
 
 
 MAX_BATCH = 65535      # CUDA's cap on a grid's second axis, where non-persistent configs put Z
 
 
-def launch(a3, b3, c3):
-    """c3 = a3 @ b3 (all 3-D). The launch key holds M and the batch Z themselves (a config
-    without scratch launches on the grid planned for them), the tuning key their buckets (the
-    space, split-K's scratch bound included, is that of the bucket's largest Z). A batch past
-    MAX_BATCH runs as launches of at most MAX_BATCH products each."""
-    Z, M, K = a3.shape
-    if Z > MAX_BATCH:
-        for z in range(0, Z, MAX_BATCH):
-            launch(a3[z:z + MAX_BATCH], b3[z:z + MAX_BATCH], c3[z:z + MAX_BATCH])
-        return
-    dev = a3.get_device()
-    key = (M, b3.shape[2], K, Z, a3.dtype, layout(a3), layout(b3), dev)
-    _matmul.launch(key, dev, a3, b3, c3)
+def launch(a, b, c):
+    """c = a @ b (all 3-D, or all 2-D). The launch key holds M and the batch Z themselves (a
+    config without scratch launches on the grid planned for them), the tuning key their buckets
+    (the space, split-K's scratch bound included, is that of the bucket's largest Z). A batch
+    past MAX_BATCH runs as launches of at most MAX_BATCH products each."""
+    if a.dim() == 2:
+        M, K = a.shape
+        Z = 1
+    else:
+        Z, M, K = a.shape
+        if Z > MAX_BATCH:
+            for z in range(0, Z, MAX_BATCH):
+                launch(a[z:z + MAX_BATCH], b[z:z + MAX_BATCH], c[z:z + MAX_BATCH])
+            return
+    dev = a.get_device()
+    key = (M, b.shape[-1], K, Z, a.dtype, layout(a), layout(b), dev)
+    _matmul.launch(key, dev, a, b, c)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,17 +329,18 @@ def launch(a3, b3, c3):
 def plain_matmul(a, b):
     """a (..., M, K) @ b (..., K, N) for 2-D or equal-batch 3-D inputs, without input checks or
     autograd (the custom op's forward; the GEMM family's backward passes call it)."""
-    batched = a.dim() == 3
-    a3, b3 = (a, b) if batched else (a[None], b[None])
-    Z, M, K = a3.shape
-    N = b3.shape[2]
-    c3 = a.new_empty(Z, M, N)
-    if c3.numel():
+    if a.dim() == 2:
+        K = a.shape[1]
+        c = a.new_empty(a.shape[0], b.shape[1])
+    else:
+        K = a.shape[2]
+        c = a.new_empty(a.shape[0], a.shape[1], b.shape[2])
+    if c.numel():
         if K == 0:
-            c3.zero_()
+            c.zero_()
         else:
-            launch(a3, b3, c3)
-    return c3 if batched else c3[0]
+            launch(a, b, c)
+    return c
 
 
 def _check(a, b):

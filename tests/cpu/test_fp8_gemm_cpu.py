@@ -377,13 +377,14 @@ def tuners(monkeypatch):
     return seen
 
 
-def test_tensorwise_and_rowwise_reach_one_kernel_as_scale_vectors(tuners):
+def test_tensorwise_and_rowwise_reach_one_kernel_with_the_scales_as_given(tuners):
     a, b = t(100, 256), t(48, 256).t()
-    c = F8._fp8_mm(a, b, f32(), f32(1), BF16, False, None, ("tensor", 1, 1))
+    scale_a, scale_b = f32(), f32(1)
+    c = F8._fp8_mm(a, b, scale_a, scale_b, BF16, False, None, ("tensor", 1, 1))
     (_, key, (a2, b2, sa, sb, c2, fast, widen)), = tuners
     assert c2 is c and c.shape == (100, 48) and c.dtype == BF16
     assert a2 is a and b2 is b                      # row-major a, column-major b: no copies
-    assert sa.shape == (1,) and sb.shape == (1,)    # the kernel clamps every index to 0
+    assert sa is scale_a and sb is scale_b          # no views; the kernel clamps indices to 0
     assert key == ("tensor", 100, 48, 256, E4M3, E4M3, "col", BF16, False, -1)
     assert F8._scaled_tuner.tune_key(key)[1] == 128       # tuning buckets M
     assert (fast, widen) == (False, False)
@@ -391,7 +392,11 @@ def test_tensorwise_and_rowwise_reach_one_kernel_as_scale_vectors(tuners):
     sa_row, sb_row = f32(100, 1), f32(1, 48)
     F8._fp8_mm(a, b, sa_row, sb_row, torch.float32, True, None, ("row", 1, 1))
     (_, key, (a2, b2, sa, sb, c2, fast, widen)), = tuners
-    assert sa.shape == (100,) and sa.data_ptr() == sa_row.data_ptr() and sb.shape == (48,)
+    assert sa is sa_row and sb is sb_row
+    tuners.clear()
+    F8._fp8_mm(a, b, f32(1, 1, 1), f32(1, 1), BF16, False, None, ("tensor", 1, 1))
+    (_, _, (_, _, sa, sb, *_)), = tuners
+    assert sa.shape == (1,) and sb.shape == (1, 1)  # past 2-D: a (1,) view
     assert key[0] == "row" and key[-3:] == (torch.float32, True, -1) and fast is True
 
 
@@ -488,7 +493,7 @@ def test_split_k_launches_partials_then_their_scaled_sum(launches, monkeypatch):
 def test_block_split_k_launches_scaled_partials_then_matmuls_sum(launches, monkeypatch):
     """Block scaling's split-K configs (the same entries, on sm_90 keys with few output tiles
     only) write partials already promoted with their scales, which matmul's reduce kernel sums
-    into the output viewed as one batch; the search leaves the sum to the final round."""
+    into the 2-D output; the search leaves the sum to the final round."""
     M, N, K = 16, 300, 1024
     a, b, c = t(M, K), t(K, N), torch.empty(M, N)
     sa, sb = f32(8, M).t(), f32(3, 8).t()             # 1x128 scale_a (M-major), 128x128 scale_b
@@ -512,8 +517,7 @@ def test_block_split_k_launches_scaled_partials_then_matmuls_sum(launches, monke
         assert args1 == (a, b, sa, sb, w, cfg.tm, cfg.tn, cfg.group_m, 1, 128, False, False, 0,
                          cfg.split)
         assert k2 is splitk_reduce_kernel and g2 == (F8.cdiv(M, 8) * F8.cdiv(N, 64), 1)
-        assert args2[0] is w and args2[1].shape == (1, M, N) and args2[1].data_ptr() == \
-            c.data_ptr() and args2[2:] == (*F8.SUM_TILE, cfg.split)
+        assert args2 == (w, c, *F8.SUM_TILE, cfg.split)
     assert not F8._block_tuner._partly_timed(cfgs[0])
 
 

@@ -509,7 +509,7 @@ def test_aot_signatures_match_the_jit():
     cfg = next(F8.fp8_configs("sm_90", 4096, 4096, 4096))
     a, b, sa, sb = operands(4096, 4096, 4096, "rowwise")
     c = torch.empty(4096, 4096, device="cuda", dtype=BF16)
-    va, vb = F8._scale_vectors("row", sa, sb, 4096, 4096)
+    va, vb = F8._scale_arrays(sa, sb)
     jit = KernelSignature.from_kernel_args(F8.fp8_mm_kernel,
                                            F8._args(cfg, a, b, va, vb, c, False, False),
                                            CallingConvention.cutile_python_v2())

@@ -53,7 +53,8 @@ def test_layouts_and_odd_sizes(fresh, monkeypatch, shape, ta, tb, dt, disable):
 def test_every_config_is_correct(fresh, monkeypatch, M, K):
     """Each config of the sm_90 space (not only the ones searches picked), on a ragged batched
     problem: tiles that overhang M, N and K, clusters, persistent grids, split-K (2, 4 and 8
-    ways at K = 2000), every batch index written."""
+    ways at K = 2000), every batch index written; and (M200, M16) on one product of it as 2-D
+    operands, the kernels' other specialization."""
     a = torch.randn(3, M, K, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(3, K, 270, device="cuda", dtype=torch.bfloat16).transpose(1, 2).contiguous() \
         .transpose(1, 2)                               # column-major B
@@ -61,6 +62,25 @@ def test_every_config_is_correct(fresh, monkeypatch, M, K):
     for cfg in each_config(monkeypatch, MM._matmul, list(MM.matmul_configs("sm_90", M, 270, K))):
         poison_allocator(torch)                        # unwritten outputs / partials show as NaN
         assert rel(matmul(a, b), ref) < TOL[torch.bfloat16], vars(cfg)
+        if M != 100:
+            poison_allocator(torch)
+            assert rel(matmul(a[1], b[1]), ref[1]) < TOL[torch.bfloat16], ("2-D", vars(cfg))
+
+
+def test_two_d_and_batch_of_one_share_a_key(fresh):
+    """A 2-D product and the same product as a batch of one take the same key (one search) and
+    launch the kernels' 2-D and 3-D specializations of its winner; both orders."""
+    for M, first_2d in ((300, True), (150, False)):
+        a = torch.randn(M, 512, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16)
+        ref = a.float() @ b.float()
+        calls = [(a, b), (a[None], b[None])]
+        for x, y in calls if first_2d else calls[::-1]:
+            poison_allocator(torch)
+            c = matmul(x, y)
+            assert c.shape == (*x.shape[:-1], 384)
+            assert rel(c.reshape(M, 384), ref) < TOL[torch.bfloat16]
+    assert len(MM._matmul.cache) == 2      # one search per M bucket
 
 
 def test_batched_and_gradients(fresh, monkeypatch):
