@@ -558,7 +558,7 @@ DEFAULT = SimpleNamespace(tm=64, tn=64, occupancy=2, num_worker_warps=4, num_cta
 
 def head_tile(d):
     """The head-dim tile: next power of two, at least 16 (the MMA's K step)."""
-    return max(16, next_pow2(d))
+    return 16 if d <= 16 else 1 << (d - 1).bit_length()
 
 
 def _tile_caps(sq, sk):
@@ -844,6 +844,34 @@ def _rows(*shape, like):
     return rows if padded.__class__ is int and padded == s else rows[..., :s]
 
 
+# A forward that no backward reads hands the kernels a stand-in for its (B*Hq, Sq) LSE2 rows: a
+# few floats per device whose stores past their end are dropped. The JIT specializes an array on
+# its size-1 dims, sizes that are multiples of 16 and strides' 16-byte alignment, so the stand-in
+# is made as the real rows are, at sizes of the same classes: one compiled kernel serves both.
+# The call then saves the rows' allocation and view (about 2.5 us of host time on a 2-core host).
+_NO_LSE = {}            # (device, B*Hq, Sq) -> the stand-in of that class
+
+
+def _size_class(n):
+    """A size the JIT specializes as it does n: 1, a multiple of 16, of 4 (a 16-byte row), or
+    none of these."""
+    return 1 if n == 1 else 16 if n % 16 == 0 else 4 if n % 4 == 0 else 5
+
+
+def _lse_rows(lse, q, dev, bh, sq):
+    """lse's (B*Hq, Sq) view, or where lse is None the stand-in for rows of that shape."""
+    if lse is not None:
+        return _flat(lse)
+    rows = _NO_LSE.get((dev, bh, sq))
+    if rows is None:
+        key = (dev, -_size_class(bh), -_size_class(sq))      # (negative: no shape's key)
+        rows = _NO_LSE.get(key)
+        if rows is None:
+            rows = _NO_LSE[key] = _flat(_rows(-key[1], 1, -key[2], like=q))
+        _NO_LSE[dev, bh, sq] = rows
+    return rows
+
+
 _UNREAD = {}
 
 
@@ -856,18 +884,22 @@ def _unread(q, dev):
 
 
 def launch_fwd(q, k, v, o, lse, causal, offset, scale, packed=None, cu_q=None, cu_k=None):
-    """o (like q) and lse (B, Hq, Sq) float32 written in place. A packed batch: q/k/v/o are its
-    (1, H, T, D) views, packed = (B, max_seqlen_q, max_seqlen_k), cu_q/cu_k its offsets."""
+    """o (like q) and lse (B, Hq, Sq) float32 written in place (lse None: o alone). A packed
+    batch: q/k/v/o are its (1, H, T, D) views, packed = (B, max_seqlen_q, max_seqlen_k),
+    cu_q/cu_k its offsets."""
     dev = q.get_device()
     if packed is None:
         cu_q = cu_k = _unread(q, dev)
-    _fwd.launch(_key(q, k, causal, offset, dev, packed), dev, q, k, v, o, _flat(lse), cu_q, cu_k,
-                scale * LOG2E, offset, head_tile(q.shape[3]), causal, packed)
+    B, hq, sq, d = q.shape
+    _fwd.launch(_key(q, k, causal, offset, dev, packed), dev, q, k, v, o,
+                _lse_rows(lse, q, dev, B * hq, sq), cu_q, cu_k, scale * LOG2E, offset,
+                head_tile(d), causal, packed)
 
 
 def launch_decode(q, k, v, used, o, lse, causal, offset, scale):
-    """o and lse (B, Hq, Sq) written in place by the decode family (the split-KV kernel and its
-    combine, or the plain forward: the search decides). used: (B,) int32 cache lengths or
+    """o and lse (B, Hq, Sq) written in place (lse None: o alone) by the decode family (the
+    split-KV kernel and its combine, or the plain forward: the search decides). used: (B,)
+    int32 cache lengths or
     None. Launch keys: (B * Hkv, Sq, Sk, D, diagonal, group, lengths given, dtype, device); tuning
     buckets B * Hkv and Sk."""
     dev = q.get_device()
@@ -879,8 +911,8 @@ def launch_decode(q, k, v, used, o, lse, causal, offset, scale):
     hkv, sk = k.shape[1], k.shape[2]
     key = (B * hkv, sq, sk, d, _diagonal(causal, offset, sq, sk), hq // hkv, lengths, q.dtype,
            dev)
-    _decode.launch(key, dev, q, k, v, used, o, _flat(lse), scale * LOG2E, offset, head_tile(d),
-                   causal, lengths)
+    _decode.launch(key, dev, q, k, v, used, o, _lse_rows(lse, q, dev, B * hq, sq), scale * LOG2E,
+                   offset, head_tile(d), causal, lengths)
 
 
 def launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale, packed=None,
@@ -980,27 +1012,33 @@ TUNERS = (_fwd, _dq, _dkdv, _decode)
 # Host side: validation, outputs, empty inputs.
 
 def _check(op, q, k, v, scale, names=("q", "k", "v")):
-    """names: what the caller calls q, k and v (SDPA: query, key, value)."""
+    """names: what the caller calls q, k and v (SDPA: query, key, value). (Every call runs
+    this: each attribute is read once, the messages built on a miss only.)"""
     dts = (torch.bfloat16, torch.float16)
     nq, nk, nv = names
     validate.tensor(op, nq, q, dtypes=dts)
-    dev = q.device
-    validate.tensor(op, nk, k, device=dev, dtypes=dts)
-    validate.tensor(op, nv, v, device=dev, dtypes=dts)
-    if k.dtype != q.dtype or v.dtype != q.dtype:     # (the checks' messages only on a miss)
+    validate.tensor(op, nk, k, dtypes=dts)
+    validate.tensor(op, nv, v, dtypes=dts)
+    dev = q.get_device()
+    if k.get_device() != dev or v.get_device() != dev:
+        validate.tensor(op, nk, k, device=q.device, dtypes=dts)
+        validate.tensor(op, nv, v, device=q.device, dtypes=dts)
+    dtype = q.dtype
+    if k.dtype != dtype or v.dtype != dtype:
         validate.same_dtype(op, nq, q, {nk: k, nv: v})
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         for name, t in zip(names, (q, k, v)):
             validate.dims(op, name, t, 4, "(B, H, S, D)")
-    if v.shape != k.shape:
+    kshape = k.shape
+    if v.shape != kshape:
         raise ValueError(f"{op}: {nv} shape {tuple(v.shape)} must equal {nk} shape "
-                         f"{tuple(k.shape)}")
+                         f"{tuple(kshape)}")
     B, hq, _, d = q.shape
-    if k.shape[0] != B:
-        raise ValueError(f"{op}: {nk} batch {k.shape[0]} differs from {nq} batch {B}")
-    if k.shape[3] != d:
-        raise ValueError(f"{op}: {nk} head_dim {k.shape[3]} differs from {nq} head_dim {d}")
-    hkv = k.shape[1]
+    kb, hkv, _, kd = kshape
+    if kb != B:
+        raise ValueError(f"{op}: {nk} batch {kb} differs from {nq} batch {B}")
+    if kd != d:
+        raise ValueError(f"{op}: {nk} head_dim {kd} differs from {nq} head_dim {d}")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"{op}: {nq} heads ({hq}) must be a multiple of {nk}/{nv} heads "
                          f"({hkv})")
@@ -1025,17 +1063,18 @@ def check_causal_bias(op, attn_mask, sq, sk):
                          f"Sk={sk}")
 
 
-def _forward(q, k, v, causal, offset, scale, used=None):
-    """(o laid out like q, lse (B, Hq, Sq) float32 in base 2). used: (B,) int32 cache lengths
-    (decode shapes only) or None."""
+def _forward(q, k, v, causal, offset, scale, used=None, keep_lse=True):
+    """(o laid out like q, lse (B, Hq, Sq) float32 in base 2; None unless keep_lse). used: (B,)
+    int32 cache lengths (decode shapes only) or None."""
     B, hq, sq, d = q.shape
     o = torch.empty_like(q)
-    lse = _rows(B, hq, sq, like=q)
+    lse = _rows(B, hq, sq, like=q) if keep_lse else None
     if o.numel() == 0:
         return o, lse
     if k.shape[2] == 0:                  # no keys at all: every row is fully masked
         o.zero_()
-        lse.fill_(POS_INF)
+        if keep_lse:
+            lse.fill_(POS_INF)
         return o, lse
     if used is not None or decodes(hq // k.shape[1], sq, head_tile(d)):
         launch_decode(q, k, v, used, o, lse, causal, offset, scale)
@@ -1108,7 +1147,9 @@ _fmha = TrainableOp(
                     "Tensor lse, bool causal, SymInt offset, float scale) "
                     "-> (Tensor, Tensor, Tensor)",
     backward_fake=lambda needs, do, q, k, v, o, lse, causal, offset, scale: (
-        torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
+        torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+    inference=lambda q, k, v, causal, offset, scale, used=None: _forward(
+        q, k, v, causal, offset, scale, used, keep_lse=False)[0])
 
 
 def _check_lengths(op, seqused_k, q, k, v):

@@ -283,8 +283,11 @@ _MAX_CHUNK_ELEMS = INT32_MAX   # kernels index with int32: launch at most this m
 
 
 def _check(x, weight, eps):
+    """eps as a float; the errors name rms_norm and the argument."""
     validate.tensor("rms_norm", "x", x)
-    validate.tensor("rms_norm", "weight", weight, device=x.device)
+    validate.tensor("rms_norm", "weight", weight)
+    if weight.get_device() != x.get_device():        # (integers: no device objects)
+        validate.tensor("rms_norm", "weight", weight, device=x.device)
     N = x.shape[-1] if x.dim() >= 1 else 0
     if N == 0:
         raise ValueError("rms_norm: x must have a last dimension (the hidden size) of at "
@@ -295,21 +298,25 @@ def _check(x, weight, eps):
     if weight.dim() != 1 or weight.shape[0] != N:
         raise ValueError(f"rms_norm: weight must have shape ({N},) to match the last "
                          f"dim of x, got {tuple(weight.shape)}")
-    validate.eps("rms_norm", eps)
+    return validate.eps("rms_norm", eps)
 
 
 def _forward(x, weight, eps, keep_rstd=True):
     """(y, rstd): y like x, rstd float32 with one value per row (keep_rstd False: None)."""
-    two_d = x.dim() == 2          # the common case: no reshape and no view (host time)
-    N = x.shape[-1]
-    x2 = x if two_d else x.reshape(-1, N)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    M = x2.shape[0]
     # y in x's shape, the kernel writing its rows (a view made here could not be changed in
     # place under autograd); new_empty with int sizes: the cheapest allocation
-    y_out = x.new_empty(*x.shape)
-    y = y_out if two_d else y_out.view(M, N)
+    if x.dim() == 2:              # the common case: no reshape and no view (host time)
+        M, N = x.shape
+        x2 = x if x.stride(1) == 1 else x.contiguous()
+        y = y_out = x.new_empty(M, N)
+    else:
+        N = x.shape[-1]
+        x2 = x.reshape(-1, N)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        M = x2.shape[0]
+        y_out = x.new_empty(*x.shape)
+        y = y_out.view(M, N)
     rstd = x2.new_empty(M, dtype=torch.float32) if keep_rstd else None
     if M and N:
         w = weight if weight.stride(0) == 1 else weight.contiguous()
@@ -378,5 +385,4 @@ def rms_norm(x, weight, eps=1e-6):
     Statistics in float32; returns a new tensor of x's shape and dtype. Differentiable in x and
     weight (dweight comes back in weight's dtype). Works under torch.compile(fullgraph=True).
     """
-    _check(x, weight, eps)
-    return _rms_norm(x, weight, float(eps))
+    return _rms_norm(x, weight, _check(x, weight, eps))

@@ -142,3 +142,39 @@ def test_packed_batch_without_keys_launches_nothing(host_only, launches):
     dq, dk, dv = FM._varlen_backward(q, q, k, k, cu_q, cu_k, o, lse, 4, 0, True, 0.25)
     assert launches == []
     assert not (o.any() or dq.any() or dk.any() or dv.any()) and torch.isinf(lse).all()
+
+
+@pytest.mark.parametrize("b, hq, hkv, s", [(1, 4, 2, 64), (2, 4, 4, 33), (1, 1, 1, 5),
+                                           (2, 8, 1, 1), (1, 1, 1, 1)])
+def test_fmha_without_a_backward_allocates_no_lse(host_only, launches, b, hq, hkv, s):
+    """fmha's call that no gradient can reach hands the kernels a stand-in for its LSE2 rows
+    (a few floats per device; the stores past its end are dropped); with a gradient, the real
+    (B*Hq, Sq) rows."""
+    q = torch.randn(b, hq, s, 64, dtype=BF16)
+    kv = torch.randn(b, hkv, s, 64, dtype=BF16)
+    o = FM.fmha(q, kv, kv, causal=True)
+    assert o.shape == q.shape and o.dtype == BF16
+    stand_in = FM._NO_LSE[(-1, b * hq, s)]
+    assert stand_in.dtype == F32 and stand_in.numel() <= 16 * 16
+    assert any(a is stand_in for a in launches[-1][2])          # the last launch writes lse
+    launches.clear()
+    FM.fmha(q, kv, kv.clone().requires_grad_(), causal=True)
+    assert not any(a is stand_in for _, _, args in launches for a in args)
+    assert any(isinstance(a, torch.Tensor) and a.dtype == F32 and a.shape == (b * hq, s)
+               for _, _, args in launches for a in args)
+
+
+def test_the_lse_stand_in_specializes_as_the_real_rows():
+    """The JIT specializes an array on its size-1 dims, sizes that are multiples of 16 and
+    strides' 16-byte alignment: the stand-in's signature must be the real rows' at every shape,
+    so one compiled kernel (the AOT cases' signature) serves calls with and without a backward."""
+    from tiletune.aot import jit_array
+    like = torch.empty(1, dtype=BF16)
+    for bh in (1, 2, 3, 4, 5, 12, 16, 32, 48, 100):
+        for s in (1, 2, 3, 4, 5, 6, 7, 8, 12, 15, 16, 17, 20, 32, 33, 64, 100, 1000, 1024):
+            for b, h in ((1, bh), (bh, 1)):
+                real = FM._flat(FM._rows(b, h, s, like=like))
+                stand_in = FM._lse_rows(None, like, -2, bh, s)
+                assert jit_array(F32, stand_in.shape, stand_in.stride()) == \
+                    jit_array(F32, real.shape, real.stride()), (b, h, s)
+    FM._NO_LSE.clear()
