@@ -63,6 +63,11 @@ def check(q, k, v, causal, offset=None, scale=None, fn=None, **kw):
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = reference(q64, k64, v64, causal, offset, sc)
     assert rel(o, ref) < TOL[dt]
+    with torch.no_grad():            # no backward to feed: the same kernel, no LSE rows kept
+        poison_allocator(torch)
+        o_inference = (fn or (lambda a, b, c: fmha(a, b, c, causal=causal, scale=scale, **kw)))(
+            q, k, v)
+    assert torch.equal(o_inference, o)
     return o, check_grads(o, ref, (qg, kg, vg), (q64, k64, v64))
 
 
@@ -281,6 +286,23 @@ def test_aot_signature_matches_jit():
                                                    CallingConvention.cutile_python_v2())
             mine = signature(FC.aot_params(kind, 64, 64, dt, B, hq, hkv, sq, sk, d, True))
             assert jit.parameters == mine.parameters, (kind, B, hq, hkv, sq, sk, d)
+
+
+def test_lse_stand_in_has_the_signature_of_the_rows():
+    """A call that no backward reads hands the kernels a stand-in for its LSE2 rows: the JIT
+    must specialize the kernels on it exactly as on the real rows (one compiled kernel)."""
+    from cuda.tile.compilation import CallingConvention, KernelSignature
+    for B, hq, sq in [(2, 8, 4096), (1, 1, 1), (1, 4, 1000), (2, 4, 1), (1, 1, 333), (3, 5, 20)]:
+        q = torch.empty(B, hq, sq, 64, device="cuda", dtype=torch.bfloat16)
+        dev = q.get_device()
+        cu = FM._unread(q, dev)
+
+        def params(rows):
+            args = (q, q, q, q, rows, cu, cu, 0.1, 0, 64, 64, 64, True, False)
+            return KernelSignature.from_kernel_args(FM.fmha_fwd_kernel, args,
+                                                    CallingConvention.cutile_python_v2()).parameters
+        real = FM._flat(FM._rows(B, hq, sq, like=q))
+        assert params(FM._lse_rows(None, q, dev, B * hq, sq)) == params(real), (B, hq, sq)
 
 
 def test_aot_signature_matches_jit_packed_and_decode():
