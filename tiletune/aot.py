@@ -170,11 +170,34 @@ def _compile_worker(args):
         return case.label, arch, None, None, f"{type(e).__name__}: {first}"
 
 
+def _build_of(case):
+    """What decides a case's cubin: the kernel's function, its compiler options (the hints) and
+    the signature. Cases of configs that differ only on the host (a persistent grid or not, a
+    space listed for two archs) build the same cubin. (The kernel's function and options are
+    cuTile's attributes; where they are missing, every case is its own build.)"""
+    kernel = getattr(case, "kernel", None)
+    fn, options = getattr(kernel, "_pyfunc", None), getattr(kernel, "_compiler_options", None)
+    if fn is None or options is None:
+        return id(case)
+    return (fn.__module__, fn.__qualname__, repr(options), repr(signature(case.params)))
+
+
 def compile_all(ops, archs, jobs=None):
     """Compile every AOT case of the named ops for every arch, in a process pool (compiles are
-    serialized inside one process). Returns a CompileReport, each build's stack frame in it."""
+    serialized inside one process), each distinct build once: a case whose build another case
+    already has gets that build's result (seconds, stack frame or error) under its own label.
+    Returns a CompileReport, each build's stack frame in it."""
     from concurrent.futures import ProcessPoolExecutor
-    work = [(op, i, a) for op in ops for i in range(len(op_cases(op))) for a in archs]
+    first = {}                  # build -> (op, index) of the first case that has it
+    same_as = []                # ((op, index) of a repeated build, its first case)
+    for op in ops:
+        for i, case in enumerate(op_cases(op)):
+            owner = first.setdefault(_build_of(case), (op, i))
+            if owner != (op, i):
+                same_as.append(((op, i), owner))
+    repeated = {case for case, _ in same_as}
+    work = [(op, i, a) for op in ops for i in range(len(op_cases(op))) if (op, i) not in repeated
+            for a in archs]
     report = CompileReport()
     jobs = jobs or os.cpu_count() or 1
     if jobs == 1:
@@ -189,6 +212,11 @@ def compile_all(ops, archs, jobs=None):
                 except Exception as e:   # a compile process died (killed, crashed): reported
                     results.append((op_cases(op)[i].label, arch, None, None,
                                     f"{type(e).__name__}: {e or 'a compile process died'}"))
+    by_case = {(op, i, arch): r for (op, i, arch), r in zip(work, results)}
+    for (op, i), (first_op, first_i) in same_as:
+        for arch in archs:
+            _, _, secs, frame, err = by_case[first_op, first_i, arch]
+            results.append((op_cases(op)[i].label, arch, secs, frame, err))
     for label, arch, secs, frame, err in results:
         if err is None:
             report.ok.append((f"{label} [{arch}]", secs))

@@ -2,6 +2,7 @@
 import os
 
 import pytest
+import torch
 
 from tiletune import aot, registry
 from tiletune.aot import compile_all, op_cases
@@ -83,3 +84,32 @@ def test_a_dead_compile_process_is_reported_not_raised(monkeypatch):
     assert len(report.ok) + len(report.failed) == 3
     assert report.failed and all("BrokenProcessPool" in err for _, err in report.failed)
     assert ("case 1 [sm_90]" in dict(report.failed))
+
+
+def test_cases_that_share_a_build_compile_it_once(monkeypatch):
+    """Cases whose kernel function, hints and signature are equal (configs that differ only on
+    the host) build one cubin: it compiles once per arch and each label gets its result."""
+    from types import SimpleNamespace
+    from tiletune.aot import jit_array
+
+    def kernel(name, occupancy):
+        return SimpleNamespace(_pyfunc=SimpleNamespace(__module__="m", __qualname__=name),
+                               _compiler_options=f"occupancy={occupancy}")
+    row = [jit_array(torch.float32, (64, 32))]
+    cases = [SimpleNamespace(label="persistent", kernel=kernel("k", 2), params=row),
+             SimpleNamespace(label="not persistent", kernel=kernel("k", 2), params=row),
+             SimpleNamespace(label="occupancy 1", kernel=kernel("k", 1), params=row),
+             SimpleNamespace(label="other kernel", kernel=kernel("j", 2), params=row)]
+    monkeypatch.setitem(aot._CASES, "fake", cases)
+    compiled = []
+
+    def worker(args):
+        compiled.append(args)
+        return cases[args[1]].label, args[2], 0.5, 8 * args[1], None
+    monkeypatch.setattr(aot, "_compile_worker", worker)
+    report = aot.compile_all(["fake"], ["sm_90", "sm_100"], jobs=1)
+    assert sorted((i, a) for _, i, a in compiled) == sorted(
+        (i, a) for i in (0, 2, 3) for a in ("sm_90", "sm_100"))
+    assert len(report.ok) == 8 and not report.failed
+    assert report.frames["not persistent [sm_90]"] == report.frames["persistent [sm_90]"] == 0
+    assert report.frames["occupancy 1 [sm_100]"] == 16
