@@ -859,7 +859,8 @@ def _size_class(n):
 
 
 def _lse_rows(lse, q, dev, bh, sq):
-    """lse's (B*Hq, Sq) view, or where lse is None the stand-in for rows of that shape."""
+    """lse's (B*Hq, Sq) view, or where lse is None the stand-in for rows of that shape (dense
+    and decode launches: their stores are bounded by the array; the packed kernels slice it)."""
     if lse is not None:
         return _flat(lse)
     rows = _NO_LSE.get((dev, bh, sq))
@@ -884,12 +885,14 @@ def _unread(q, dev):
 
 
 def launch_fwd(q, k, v, o, lse, causal, offset, scale, packed=None, cu_q=None, cu_k=None):
-    """o (like q) and lse (B, Hq, Sq) float32 written in place (lse None: o alone). A packed
-    batch: q/k/v/o are its (1, H, T, D) views, packed = (B, max_seqlen_q, max_seqlen_k),
-    cu_q/cu_k its offsets."""
+    """o (like q) and lse (B, Hq, Sq) float32 written in place (lse None: o alone, dense
+    batches only). A packed batch: q/k/v/o are its (1, H, T, D) views, packed = (B,
+    max_seqlen_q, max_seqlen_k), cu_q/cu_k its offsets."""
     dev = q.get_device()
     if packed is None:
         cu_q = cu_k = _unread(q, dev)
+    elif lse is None:         # the packed kernels slice lse at the offsets: no stand-in there
+        raise ValueError("fmha_varlen: a packed batch's forward needs its lse rows")
     B, hq, sq, d = q.shape
     _fwd.launch(_key(q, k, causal, offset, dev, packed), dev, q, k, v, o,
                 _lse_rows(lse, q, dev, B * hq, sq), cu_q, cu_k, scale * LOG2E, offset,

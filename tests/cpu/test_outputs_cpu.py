@@ -178,3 +178,13 @@ def test_the_lse_stand_in_specializes_as_the_real_rows():
                 assert jit_array(F32, stand_in.shape, stand_in.stride()) == \
                     jit_array(F32, real.shape, real.stride()), (b, h, s)
     FM._NO_LSE.clear()
+
+
+def test_a_packed_forward_refuses_the_lse_stand_in(host_only, launches):
+    """The packed kernels slice lse at each sequence's offsets (bounds read on the device): a
+    stand-in of a few floats would be sliced past its end, so only dense launches take one."""
+    q = torch.randn(1, 4, 6, 16, dtype=BF16)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="lse"):
+        FM.launch_fwd(q, q, q, torch.empty_like(q), None, False, 0, 0.25, (2, 4, 4), cu, cu)
+    assert launches == []
