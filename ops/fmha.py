@@ -1020,12 +1020,8 @@ def _check(op, q, k, v, scale, names=("q", "k", "v")):
     dts = (torch.bfloat16, torch.float16)
     nq, nk, nv = names
     validate.tensor(op, nq, q, dtypes=dts)
-    validate.tensor(op, nk, k, dtypes=dts)
-    validate.tensor(op, nv, v, dtypes=dts)
-    dev = q.get_device()
-    if k.get_device() != dev or v.get_device() != dev:
-        validate.tensor(op, nk, k, device=q.device, dtypes=dts)
-        validate.tensor(op, nv, v, device=q.device, dtypes=dts)
+    validate.tensor(op, nk, k, like=q, dtypes=dts)
+    validate.tensor(op, nv, v, like=q, dtypes=dts)
     dtype = q.dtype
     if k.dtype != dtype or v.dtype != dtype:
         validate.same_dtype(op, nq, q, {nk: k, nv: v})
@@ -1157,7 +1153,7 @@ _fmha = TrainableOp(
 
 def _check_lengths(op, seqused_k, q, k, v):
     """seqused_k: an int32 (B,) tensor on q's device, for inference at decode sizes."""
-    validate.tensor(op, "seqused_k", seqused_k, device=q.device, dtypes=(torch.int32,))
+    validate.tensor(op, "seqused_k", seqused_k, like=q, dtypes=(torch.int32,))
     if seqused_k.shape != (q.shape[0],):
         raise ValueError(f"{op}: seqused_k must have shape (B,) = ({q.shape[0]},), got "
                          f"{tuple(seqused_k.shape)}")
@@ -1254,7 +1250,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 def _check_offsets(op, name, cu, like, batch=None):
-    validate.tensor(op, name, cu, device=like.device, dtypes=(torch.int32,))
+    validate.tensor(op, name, cu, like=like, dtypes=(torch.int32,))
     if cu.dim() != 1 or cu.shape[0] < 1:
         raise ValueError(f"{op}: {name} must be 1-D (batch + 1,), got shape {tuple(cu.shape)}")
     if batch is not None and cu.shape[0] != batch + 1:

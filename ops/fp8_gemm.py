@@ -1512,5 +1512,5 @@ def _check_linear(x, weight, bias, recipe):
         raise ValueError(f"{op}: K ({K}) and N ({N}) must be multiples of 16, K at least 16 "
                          "(the reduction dims of the forward and input-gradient FP8 GEMMs)")
     for name, t in named:
-        validate.tensor(op, name, t, device=x.device, dtypes=IN_DTYPES)
+        validate.tensor(op, name, t, like=x, dtypes=IN_DTYPES)
     _check_arch(op, "x", x)

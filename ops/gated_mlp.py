@@ -283,8 +283,8 @@ _op = TrainableOp(
 
 def _check(op, x, w_gate, w_up):
     validate.tensor(op, "x", x, dtypes=DTYPES)
-    validate.tensor(op, "w_gate", w_gate, device=x.device, dtypes=DTYPES)
-    validate.tensor(op, "w_up", w_up, device=x.device, dtypes=DTYPES)
+    validate.tensor(op, "w_gate", w_gate, like=x, dtypes=DTYPES)
+    validate.tensor(op, "w_up", w_up, like=x, dtypes=DTYPES)
     validate.same_dtype(op, "x", x, {"w_gate": w_gate, "w_up": w_up})
     if x.dim() < 1:
         raise ValueError(f"{op}: x must have at least one dimension (..., K), got a 0-dim "

@@ -560,7 +560,7 @@ def _check(x, w, offs):
                              f"{w.shape[0]} groups")
     for name, t in (("x", x), ("w", w), ("offs", offs)):
         if t is not None:
-            validate.tensor("grouped_mm", name, t, device=x.device,
+            validate.tensor("grouped_mm", name, t, like=x,
                             dtypes=(*DTYPES, torch.int32))
     if mode != "3d3d":                    # (the batched product is matmul's: any size)
         for name, n in (("x", x.numel()), ("w", w.numel()),

@@ -345,7 +345,7 @@ def plain_matmul(a, b):
 
 def _check(a, b):
     validate.tensor("matmul", "a", a, dtypes=(torch.bfloat16, torch.float16))
-    validate.tensor("matmul", "b", b, device=a.device, dtypes=(torch.bfloat16, torch.float16))
+    validate.tensor("matmul", "b", b, like=a, dtypes=(torch.bfloat16, torch.float16))
     if a.dtype != b.dtype:
         raise TypeError(f"matmul: a is {a.dtype} but b is {b.dtype}")
     if a.dim() not in (2, 3) or b.dim() != a.dim():

@@ -338,7 +338,7 @@ def _check_permute(x, topk_ids, num_experts):
     validate.dtype(op, "x", x, validate.FLOAT_DTYPES)
     validate.dtype(op, "topk_ids", topk_ids, INDEX_DTYPES)
     validate.tensor(op, "x", x)
-    validate.tensor(op, "topk_ids", topk_ids, device=x.device, dtypes=INDEX_DTYPES)
+    validate.tensor(op, "topk_ids", topk_ids, like=x, dtypes=INDEX_DTYPES)
 
 
 def _check_unpermute(y_sorted, inverse, topk_weights):
@@ -363,8 +363,8 @@ def _check_unpermute(y_sorted, inverse, topk_weights):
         raise TypeError(f"{op}: topk_weights dtype {topk_weights.dtype} must be float32 or "
                         f"y_sorted's {y_sorted.dtype}")
     validate.tensor(op, "y_sorted", y_sorted)
-    validate.tensor(op, "inverse", inverse, device=y_sorted.device, dtypes=INDEX_DTYPES)
-    validate.tensor(op, "topk_weights", topk_weights, device=y_sorted.device)
+    validate.tensor(op, "inverse", inverse, like=y_sorted, dtypes=INDEX_DTYPES)
+    validate.tensor(op, "topk_weights", topk_weights, like=y_sorted)
 
 
 def _check_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):
@@ -406,7 +406,7 @@ def _check_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down
                         f"hidden_states' {hidden_states.dtype}")
     validate.tensor(op, "hidden_states", hidden_states, dtypes=half)
     for name, t in zip(names[1:], args[1:]):
-        validate.tensor(op, name, t, device=hidden_states.device,
+        validate.tensor(op, name, t, like=hidden_states,
                         dtypes=(*validate.FLOAT_DTYPES, *INDEX_DTYPES))
 
 

@@ -285,9 +285,7 @@ _MAX_CHUNK_ELEMS = INT32_MAX   # kernels index with int32: launch at most this m
 def _check(x, weight, eps):
     """eps as a float; the errors name rms_norm and the argument."""
     validate.tensor("rms_norm", "x", x)
-    validate.tensor("rms_norm", "weight", weight)
-    if weight.get_device() != x.get_device():        # (integers: no device objects)
-        validate.tensor("rms_norm", "weight", weight, device=x.device)
+    validate.tensor("rms_norm", "weight", weight, like=x)
     N = x.shape[-1] if x.dim() >= 1 else 0
     if N == 0:
         raise ValueError("rms_norm: x must have a last dimension (the hidden size) of at "

@@ -298,7 +298,7 @@ def rms_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps=1e-6, position_ids=
     cos, sin, pos, rot = prepare("rms_norm_rope", q, k, cos, sin, position_ids, rotary_dim)
     D = q.shape[3]
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        validate.tensor("rms_norm_rope", name, w, device=q.device)
+        validate.tensor("rms_norm_rope", name, w, like=q)
         if w.dim() != 1 or w.shape[0] != D:
             raise ValueError(f"rms_norm_rope: {name} must have shape ({D},), got {tuple(w.shape)}")
     if q_weight.dtype != k_weight.dtype:

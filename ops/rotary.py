@@ -105,7 +105,7 @@ def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
     shared), pos as (B, S) int32 or None, rot the rotary width."""
     validate.tensor(op, "q", q)
     for name, t in (("k", k), ("cos", cos), ("sin", sin)):
-        validate.tensor(op, name, t, device=q.device)
+        validate.tensor(op, name, t, like=q)
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"{op}: q and k must be 4-D (B, H, S, D), got {tuple(q.shape)} "
                          f"and {tuple(k.shape)}")

@@ -279,7 +279,7 @@ def backward(dy, gate, up, act):
 
 def _check(op, gate, up):
     validate.tensor(op, "gate", gate)
-    validate.tensor(op, "up", up, device=gate.device)
+    validate.tensor(op, "up", up, like=gate)
     if up.dtype != gate.dtype:
         raise TypeError(f"{op}: up dtype {up.dtype} differs from gate dtype {gate.dtype}")
     if up.shape != gate.shape:

@@ -6,13 +6,16 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def tensor(op, name, t, device=None, dtypes=FLOAT_DTYPES):
-    """`t` is a CUDA tensor (on `device` if given) of one of `dtypes`; returns it. (Every call
-    of an op runs this: the checks are written out, not delegated, to save host time.)"""
+def tensor(op, name, t, device=None, dtypes=FLOAT_DTYPES, like=None):
+    """`t` is a CUDA tensor (on `device`, or on the device of the tensor `like`, if given) of one
+    of `dtypes`; returns it. (Every call of an op runs this: the checks are written out, not
+    delegated, and `like` is compared by device index, no device objects, to save host time.)"""
     if not isinstance(t, torch.Tensor):
         is_tensor(op, name, t)
     if not t.is_cuda:
         raise ValueError(f"{op}: {name} must be a CUDA tensor, got device {t.device}")
+    if like is not None and t.get_device() != like.get_device():
+        device = like.device
     if device is not None and t.device != device:
         raise ValueError(f"{op}: {name} is on {t.device} but the other inputs are on {device}")
     if t.dtype not in dtypes:

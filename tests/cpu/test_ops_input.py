@@ -255,7 +255,7 @@ def test_row_chunks_of_wide_rows():
 
 def test_rms_norm_refuses_rows_over_2_31_minus_1(monkeypatch):
     """Refused in the input check (before any allocation); CUDA is stubbed out of the check."""
-    monkeypatch.setattr(validate, "tensor", lambda op, name, t, device=None, dtypes=None: t)
+    monkeypatch.setattr(validate, "tensor", lambda op, name, t, **kw: t)
     for N in (LIMIT, 2**31, 2**33):
         x = torch.zeros(1, dtype=torch.bfloat16).expand(2, N)    # stride 0: nothing allocated
         w = torch.zeros(1, dtype=torch.bfloat16).expand(N)
@@ -268,7 +268,7 @@ def test_rms_norm_refuses_rows_over_2_31_minus_1(monkeypatch):
 
 def test_rms_norm_refuses_an_empty_hidden_dim_and_rope_a_rotary_dim_that_is_no_int(
         monkeypatch):
-    monkeypatch.setattr(validate, "tensor", lambda op, name, t, device=None, dtypes=None: t)
+    monkeypatch.setattr(validate, "tensor", lambda op, name, t, **kw: t)
     for shape in ((2, 3, 0), (4, 0), ()):
         with pytest.raises(ValueError, match=r"rms_norm: x must have a last dimension"):
             RN._check(torch.zeros(shape), torch.zeros(0), 1e-6)

@@ -20,7 +20,7 @@ BF16, F32, E4M3 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
 def host_only(launches, monkeypatch):
     resolve_misses_to_default(monkeypatch, lambda tuner, dev: f"{tuner.name} kernel")
     monkeypatch.setitem(device._SM_COUNT, -1, 132)      # a CPU tensor's device index
-    monkeypatch.setattr(validate, "tensor", lambda op, name, t, device=None, dtypes=None: t)
+    monkeypatch.setattr(validate, "tensor", lambda op, name, t, **kw: t)
     monkeypatch.setattr(F8, "_check_arch", lambda *a: None)
     monkeypatch.setattr(F8, "device_arch", lambda dev: "sm_90")
     monkeypatch.setattr(R, "launch_bwd", lambda *a: None)   # its scratch needs a device index
