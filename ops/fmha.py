@@ -849,7 +849,8 @@ def _rows(*shape, like):
 # its size-1 dims, sizes that are multiples of 16 and strides' 16-byte alignment, so the stand-in
 # is made as the real rows are, at sizes of the same classes: one compiled kernel serves both.
 # The call then saves the rows' allocation and view (about 2.5 us of host time on a 2-core host).
-_NO_LSE = {}            # (device, B*Hq, Sq) -> the stand-in of that class
+_NO_LSE = {}            # (device, B*Hq, Sq) -> the stand-in of that shape's class
+_NO_LSE_CLASSES = {}    # (device, size class of B*Hq, size class of Sq) -> the stand-in
 
 
 def _size_class(n):
@@ -865,10 +866,10 @@ def _lse_rows(lse, q, dev, bh, sq):
         return _flat(lse)
     rows = _NO_LSE.get((dev, bh, sq))
     if rows is None:
-        key = (dev, -_size_class(bh), -_size_class(sq))      # (negative: no shape's key)
-        rows = _NO_LSE.get(key)
+        sizes = (_size_class(bh), _size_class(sq))
+        rows = _NO_LSE_CLASSES.get((dev, *sizes))
         if rows is None:
-            rows = _NO_LSE[key] = _flat(_rows(-key[1], 1, -key[2], like=q))
+            rows = _NO_LSE_CLASSES[dev, *sizes] = _flat(_rows(sizes[0], 1, sizes[1], like=q))
         _NO_LSE[dev, bh, sq] = rows
     return rows
 

@@ -178,6 +178,7 @@ def test_the_lse_stand_in_specializes_as_the_real_rows():
                 assert jit_array(F32, stand_in.shape, stand_in.stride()) == \
                     jit_array(F32, real.shape, real.stride()), (b, h, s)
     FM._NO_LSE.clear()
+    FM._NO_LSE_CLASSES.clear()
 
 
 def test_a_packed_forward_refuses_the_lse_stand_in(host_only, launches):
