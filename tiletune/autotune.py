@@ -227,8 +227,9 @@ class Autotuner:
     space(*inputs) -> dict: the config generator's keyword arguments.
     grid(cfg, dev, *inputs) -> grid.   args(cfg, *inputs) -> kernel arguments. Both run on every
              call: keep them to arithmetic and a tuple.
-    scratch(cfg, dev, *inputs) -> (shape, dtype) or None: a temporary buffer a launch needs
-             (float32 partials); it is allocated per launch, appended to the inputs of `grid`,
+    scratch(cfg, dev, *inputs) -> (shape tuple, dtype) or None: a temporary buffer a launch
+             needs (float32 partials); it is allocated per launch (like the first input, a
+             tensor on the launch's device), appended to the inputs of `grid`,
              `args` and `run` (None where the config needs none), and returned by `launch`. A
              search shares one buffer among its configs.
     run(cfg, kernel, stream, dev, *inputs): for configs that launch more than their kernel
@@ -355,7 +356,9 @@ class Autotuner:
             if scratch is not None:
                 spec = scratch(cfg, dev, *inputs)
                 if spec is not None:
-                    buf = torch.empty(spec[0], dtype=spec[1], device=dev)
+                    # new_empty with int sizes: about 1 us less host time than
+                    # torch.empty(shape, dtype=, device=)
+                    buf = inputs[0].new_empty(*spec[0], dtype=spec[1])
                 inputs = (*inputs, buf)
             if run is not None:
                 run(cfg, kernel, _device.current_stream(dev), dev, *inputs)

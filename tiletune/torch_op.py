@@ -93,6 +93,14 @@ def _pad(grads, n):
 
 
 def _autograd_function(name, forward, save, backward, outputs):
+    def run_backward(ctx, *grads):
+        result = backward(tuple(ctx.needs_input_grad), *grads, *ctx.saved_tensors,
+                          *ctx.constants)
+        return _pad(result, ctx.num_args)
+
+    # kernels: no double backward
+    run_backward_once = torch.autograd.function.once_differentiable(run_backward)
+
     class Function(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *args):
@@ -100,17 +108,19 @@ def _autograd_function(name, forward, save, backward, outputs):
             tensors, ctx.constants = save(args, results)
             ctx.save_for_backward(*tensors)
             ctx.num_args = len(args)
-            dirty = [r for r in results[:outputs] if any(r is a for a in args)]
+            dirty = [r for r in results[:outputs] for a in args if r is a]   # (no generators)
             if dirty:
                 ctx.mark_dirty(*dirty)
             return results[0] if outputs == 1 else tuple(results[:outputs])
 
         @staticmethod
-        @torch.autograd.function.once_differentiable   # kernels: no double backward
         def backward(ctx, *grads):
-            result = backward(tuple(ctx.needs_input_grad), *grads, *ctx.saved_tensors,
-                              *ctx.constants)
-            return _pad(result, ctx.num_args)
+            # Grad mode is on in a backward only under create_graph=True: there the gradients
+            # must refuse a second differentiation (once_differentiable). Elsewhere its no_grad
+            # context and checks would only cost host time (several us a step).
+            if _is_grad_enabled():
+                return run_backward_once(ctx, *grads)
+            return run_backward(ctx, *grads)
 
     Function.__name__ = Function.__qualname__ = name.split("::")[-1] + "_function"
     return Function

@@ -60,3 +60,29 @@ def test_inference_runs_where_no_gradient_can_reach(monkeypatch):
     assert calls == ["inference"] * 2 and y.requires_grad
     (g,) = torch.autograd.grad(y.sum(), x)
     assert torch.equal(g, torch.full_like(x, 0.5))
+
+
+_axpy = TrainableOp(
+    "tiletune_test::axpy", forward=lambda x, a, y=None: x * a if y is None else x * a + y,
+    forward_schema="(Tensor x, float a, Tensor? y=None) -> Tensor",
+    forward_fake=lambda x, a, y=None: torch.empty_like(x),
+    save=lambda args, results: ((args[0],), (args[1], len(args) > 2 and args[2] is not None)),
+    backward=lambda needs, g, x, a, has_y: (g * a, None, g if has_y else None),
+    backward_schema="(bool[] needs, Tensor g, Tensor x, float a, bool has_y) -> Tensor[]",
+    backward_fake=lambda needs, g, x, a, has_y: [torch.empty_like(x)])
+
+
+def test_only_the_schemas_tensor_arguments_are_asked_for_a_gradient():
+    """The call looks for `requires_grad` at the schema's Tensor and Tensor? positions only (a
+    host-time matter), including an optional tensor left out or passed, at any position."""
+    assert _axpy._tensor_args == (0, 2)
+    x = torch.randn(3, dtype=torch.float64)
+    y = torch.randn(3, dtype=torch.float64)
+    assert not _axpy(x, 2.0).requires_grad and not _axpy(x, 2.0, y).requires_grad
+    assert _axpy(x.requires_grad_(), 2.0).requires_grad
+    x.requires_grad_(False)
+    out = _axpy(x, 2.0, y.requires_grad_())
+    assert out.requires_grad
+    (gy,) = torch.autograd.grad(out.sum(), y)
+    torch.testing.assert_close(gy, torch.ones_like(y))
+    assert not gy.requires_grad          # no create_graph: a plain tensor, no error node
