@@ -96,7 +96,7 @@ def _autograd_function(name, forward, save, backward, outputs):
     def run_backward(ctx, *grads):
         result = backward(tuple(ctx.needs_input_grad), *grads, *ctx.saved_tensors,
                           *ctx.constants)
-        return _pad(result, ctx.num_args)
+        return _pad(result, len(ctx.needs_input_grad))     # (one entry per input)
 
     # kernels: no double backward
     run_backward_once = torch.autograd.function.once_differentiable(run_backward)
@@ -107,7 +107,6 @@ def _autograd_function(name, forward, save, backward, outputs):
             results = _as_tuple(forward(*args))
             tensors, ctx.constants = save(args, results)
             ctx.save_for_backward(*tensors)
-            ctx.num_args = len(args)
             dirty = [r for r in results[:outputs] for a in args if r is a]   # (no generators)
             if dirty:
                 ctx.mark_dirty(*dirty)
