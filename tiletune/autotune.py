@@ -248,9 +248,9 @@ class Autotuner:
     tune_key(key) -> key: the tuning key (store, records, `cache`) of a launch key, which
              buckets its dynamic sizes (one search for every batch of tokens between two
              powers of two); `bucketed(i, ...)` makes one. Given, the op promises that a launch
-             key holds every size its grid depends on, and the grid is computed once per launch
-             key (without `scratch` and `run`) instead of on every call. Default: the launch
-             key is the tuning key, and the grid is computed on every call.
+             key holds every size its grid and scratch depend on, and both are computed once per
+             launch key (for configs that `run` does not launch) instead of on every call.
+             Default: the launch key is the tuning key, and the grid is computed on every call.
     hints:   cfg -> hint dict for `replace_hints` (default: occupancy/num_ctas/warps/opt_level).
     """
 
@@ -273,7 +273,8 @@ class Autotuner:
         # the grid is planned once per launch key only where the op says its keys are exact
         self._exact_keys = tune_key is not None
         self._plans_grid = self._exact_keys and scratch is None and run is None
-        self._plans = {}         # launch key -> (kernel, grid, cfg): the fast path reads only this
+        # launch key -> (kernel, grid, cfg, scratch spec): the fast path reads only this
+        self._plans = {}
         self.cache = _TuningCache(self._plans)  # tuning key -> (cfg, tuned kernel)
         self.records = {}        # key -> TuningRecord
         self.searches = 0        # number of exhaustive searches run (tests, stats)
@@ -312,7 +313,7 @@ class Autotuner:
                     plan = plan_get(key)
                     if plan is None:
                         return first(key, dev, inputs, launch_config)
-                    kernel, cfg_grid, cfg = plan
+                    kernel, cfg_grid, cfg, _ = plan
                     try:
                         ct.launch(_device.current_stream(dev), cfg_grid, kernel,
                                   args(cfg, *inputs))
@@ -336,14 +337,17 @@ class Autotuner:
             plan = plan_get(key)
             if plan is None:
                 return first(key, dev, inputs, launch_config_with_scratch_or_run)
-            kernel, cfg_grid, cfg = plan
+            kernel, cfg_grid, cfg, spec = plan
             if cfg_grid is None:
                 return launch_config_with_scratch_or_run(cfg, kernel, dev, inputs, None)
-            try:               # a config without scratch: its kernel alone, on the planned grid
-                ct.launch(_device.current_stream(dev), cfg_grid, kernel, args(cfg, *inputs, None))
+            # its kernel alone on the planned grid, with the planned scratch (or none)
+            buf = None if spec is None else inputs[0].new_empty(*spec[0], dtype=spec[1])
+            try:
+                ct.launch(_device.current_stream(dev), cfg_grid, kernel, args(cfg, *inputs, buf))
             except OverflowError as e:
                 return launch_config_with_scratch_or_run(cfg, kernel, dev,
                                                          int32_strides(name, inputs, e), None)
+            return buf
 
         def launch_config_with_scratch_or_run(cfg, kernel, dev, inputs, _grid):
             try:
@@ -371,6 +375,8 @@ class Autotuner:
             plan = plan_get(key)
             if plan is not None and plan[1] is not None:
                 _check_grid(name, key, plan[1], grid(plan[2], dev, *inputs, None))
+                if plan[3] is not None:
+                    _check_grid(name, key, plan[3], scratch(plan[2], dev, *inputs), "scratch")
             return launch_with_scratch_or_run(key, dev, *inputs)
         return launch_checked_with_scratch_or_run if checked else launch_with_scratch_or_run
 
@@ -411,22 +417,24 @@ class Autotuner:
 
     def _launch_planned(self, key, tkey, entry, dev, inputs, launch_config):
         cfg, kernel = entry
-        cfg_grid = self._planned_grid(cfg, dev, inputs)
+        cfg_grid, spec = self._planned(cfg, dev, inputs)
         result = launch_config(cfg, kernel, dev, inputs, cfg_grid)
         if self.cache.get(tkey) is entry:    # not a config picked during graph capture
-            self._plans[key] = (kernel, cfg_grid, cfg)
+            self._plans[key] = (kernel, cfg_grid, cfg, spec)
         return result
 
-    def _planned_grid(self, cfg, dev, inputs):
-        """The grid a launch key's plan keeps, or None (computed on every call): where the op's
-        keys are exact (`tune_key`), for a config that launches its kernel alone (no scratch
-        and no run, or `scratch` giving none for it)."""
+    def _planned(self, cfg, dev, inputs):
+        """(grid, scratch spec) a launch key's plan keeps; grid None: both computed on every
+        call. Planned where the op's keys are exact (`tune_key`) for a config that launches its
+        kernel alone: no scratch and no run, a scratch buffer but no run (its spec planned too;
+        `grid` must not read the buffer), or `scratch` giving none for it."""
         if self._plans_grid:
-            return self._grid(cfg, dev, *inputs)
-        if self._exact_keys and self._scratch is not None and \
-                self._scratch(cfg, dev, *inputs) is None:
-            return self._grid(cfg, dev, *inputs, None)
-        return None
+            return self._grid(cfg, dev, *inputs), None
+        if self._exact_keys and self._scratch is not None:
+            spec = self._scratch(cfg, dev, *inputs)
+            if spec is None or self._run is None:
+                return self._grid(cfg, dev, *inputs, None), spec
+        return None, None
 
     def _resolve(self, key, dev, inputs, use_store=True):
         """Tune a key that missed: the Search over the op's declared functions, built lazily (a
@@ -923,10 +931,10 @@ class _TuningCache(dict):
         return super().setdefault(key, default)
 
 
-def _check_grid(name, key, planned, grid):
+def _check_grid(name, key, planned, grid, what="grid"):
     if tuple(planned) != tuple(grid):
-        raise AssertionError(f"{name}: launch key {key} planned grid {planned} but this call's "
-                             f"grid is {grid}: the key misses a size the grid depends on")
+        raise AssertionError(f"{name}: launch key {key} planned {what} {planned} but this call's "
+                             f"{what} is {grid}: the key misses a size the {what} depends on")
 
 
 def int32_strides(name, inputs, error=None):

@@ -560,6 +560,30 @@ def test_with_scratch_and_run_a_config_without_scratch_is_planned(env, monkeypat
     assert [tuple(b.shape) for b in ran] == [(2,), (2,)]   # with scratch: run, every call
 
 
+def test_with_scratch_and_no_run_the_grid_and_the_scratch_are_planned(env, monkeypatch):
+    """An op with scratch and no run (RMSNorm's backward partials): its key's first launch plans
+    the grid and the buffer's shape and dtype; every call still gets a buffer of its own; the
+    checked path fails where the key misses a size the scratch depends on."""
+    x, specs, grids = torch.zeros(4), [], []
+    t = _declared(env, monkeypatch, "planned_scratch", tune_key=autotune.bucketed(1),
+                  grid=lambda c, dev, x, n, m, buf: grids.append(n) or (n,),
+                  args=lambda c, x, n, m, buf: (x, c.tile, buf),
+                  scratch=lambda c, dev, x, n, m: specs.append(m) or ((c.occupancy, m),
+                                                                      torch.float32))
+    launch = t._fast_path()
+    launch(("k", 20), "cpu", x, 20, 3)
+    won = t.cache[("k", 32)][0]
+    specs.clear()
+    grids.clear()
+    bufs = [launch(("k", 20), "cpu", x, 20, 3) for _ in range(2)]
+    assert specs == [] and grids == []                   # planned: neither computed again
+    assert [tuple(b.shape) for b in bufs] == [(won.occupancy, 3)] * 2
+    assert bufs[0].dtype == torch.float32 and bufs[0].data_ptr() != bufs[1].data_ptr()
+    assert env.launches[-1][1:] == ((20,), env.launches[-1][2], (x, won.tile, bufs[1]))
+    with pytest.raises(AssertionError, match="misses a size the scratch depends on"):
+        t._fast_path(checked=True)(("k", 20), "cpu", x, 20, 4)
+
+
 def test_without_a_tune_key_the_grid_is_computed_on_every_call(env, monkeypatch):
     """The safe default for an op (or a user's kernel) that made no promise about its keys."""
     x = torch.zeros(4)
