@@ -29,7 +29,7 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import arch as device_arch
-from tiletune.device import major, persistent_ctas
+from tiletune.device import bind_context, major, persistent_ctas
 from tiletune.ops.gemm_tiles import layout, output_tile, tile_count, tile_grid
 from tiletune.ops.matmul import SUM_TILE, launch_splitk_sum, split_of, splitk_rows
 from tiletune.space import cdiv, f32_row, next_pow2, product, table
@@ -1450,6 +1450,7 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable   # FP8 kernels: no double backward
     def backward(ctx, dy):
+        bind_context()          # (autograd's thread for the device: tiletune/device.py)
         x2, weight = ctx.saved_tensors
         need_x, need_w, need_b, _ = ctx.needs_input_grad
         groups, wgrad_groups = RECIPES[ctx.recipe]

@@ -1,5 +1,7 @@
 """Facts about the CUDA device a tensor lives on, cached per device index."""
+import ctypes
 import functools
+import threading
 
 import torch
 
@@ -69,3 +71,38 @@ def _raw_stream_fallback(device_index):
 # torch.cuda.current_stream() builds a Stream object (3.4 us on H200); the raw handle is 0.2 us.
 # ct.launch takes either. Both follow torch's current stream, graph capture included.
 current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _raw_stream_fallback)
+
+
+# torch's autograd engine runs a CUDA backward on a thread of its own per device. On device 0's
+# thread no CUDA context is current (torch sets a device only where cudaGetDevice does not
+# already name it, and it names 0 on a fresh thread), and there every allocation and launch pays
+# for finding one: on an H200 host an allocation took 9.7-11.1 us there against 2.6-4.0 us once a
+# context was current, a launch 3.4 us more, RMSNorm's backward body 57 us against 34 us
+# (references/hardware-constraints.md).
+_thread = threading.local()
+
+
+def bind_context():
+    """Make the current device's primary context current on this thread where none is: once
+    per thread, then an attribute read. (Called where a backward starts.)"""
+    try:
+        _thread.bound
+    except AttributeError:
+        _thread.bound = True
+        _bind_primary_context()
+
+
+def _bind_primary_context():
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return
+    ctx = ctypes.c_void_p()
+    if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or ctx.value:
+        return                  # a context is current (or the driver cannot say): leave it
+    dev = ctypes.c_int()
+    if cuda.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device()) != 0:
+        return
+    # the retained reference is this thread's for the process's life (torch holds its own)
+    if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0:
+        cuda.cuCtxSetCurrent(ctx)

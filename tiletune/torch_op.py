@@ -4,6 +4,8 @@
 An op module defines its forward and backward once and gets all three from `TrainableOp`."""
 import torch
 
+from . import device as _device
+
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
 _is_grad_enabled = torch.is_grad_enabled
@@ -68,6 +70,7 @@ class TrainableOp:
         ctx.num_args = len(inputs)
 
     def _compiled_backward(self, ctx, *grads):
+        _device.bind_context()
         needs = [bool(n) for n in ctx.needs_input_grad]
         result = self._bwd_op(needs, *grads[:self.outputs], *ctx.saved_tensors, *ctx.constants)
         return _pad(result, ctx.num_args)
@@ -93,6 +96,7 @@ def _pad(grads, n):
 
 
 def _autograd_function(name, forward, save, backward, outputs):
+    _bind_context = _device.bind_context       # (autograd's thread for the device: see there)
     def run_backward(ctx, *grads):
         result = backward(tuple(ctx.needs_input_grad), *grads, *ctx.saved_tensors,
                           *ctx.constants)
@@ -117,6 +121,7 @@ def _autograd_function(name, forward, save, backward, outputs):
             # Grad mode is on in a backward only under create_graph=True: there the gradients
             # must refuse a second differentiation (once_differentiable). Elsewhere its no_grad
             # context and checks would only cost host time (several us a step).
+            _bind_context()
             if _is_grad_enabled():
                 return run_backward_once(ctx, *grads)
             return run_backward(ctx, *grads)

@@ -160,6 +160,41 @@ def test_eight_threads_cold_key_one_search(fresh):
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
+_CONTEXT_CHILD = """
+import ctypes, torch
+from tiletune.ops.rms_norm import rms_norm
+libcuda = ctypes.CDLL("libcuda.so.1")
+seen = []
+class Probe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        return a.clone()
+    @staticmethod
+    def backward(ctx, g):
+        c = ctypes.c_void_p()
+        libcuda.cuCtxGetCurrent(ctypes.byref(c))
+        seen.append(c.value or 0)
+        return g
+x = torch.randn(8, 64, device="cuda", requires_grad=True)
+w = torch.ones(64, device="cuda", requires_grad=True)
+Probe.apply(x).sum().backward()                 # the probe alone
+rms_norm(Probe.apply(x), w).sum().backward()    # rms_norm's backward runs before the probe's
+print("CONTEXTS", *seen)
+"""
+
+
+def test_backward_makes_a_context_current_on_autograd_thread(tmp_path):
+    """A fresh process: torch's autograd thread for device 0 starts with no current CUDA
+    context (where allocations and launches cost more); a backward of ours makes one current."""
+    env = dict(os.environ, TILETUNE_CACHE_DIR=str(tmp_path / "store"), DISABLE_AUTOTUNE="1")
+    o = subprocess.run([sys.executable, "-c", _CONTEXT_CHILD], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert o.returncode == 0, o.stderr[-2000:]
+    alone, after = (int(v) for v in o.stdout.split("CONTEXTS")[1].split())
+    print("context before / after a backward of ours:", alone, after)
+    assert after != 0
+
+
 def test_torch_compile_fullgraph(fresh):
     x = torch.randn(4, 50, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.rand(2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
