@@ -75,10 +75,11 @@ current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _raw_stream_fall
 
 # torch's autograd engine runs a CUDA backward on a thread of its own per device. On device 0's
 # thread no CUDA context is current (torch sets a device only where cudaGetDevice does not
-# already name it, and it names 0 on a fresh thread), and there every allocation and launch pays
-# for finding one: on an H200 host an allocation took 9.7-11.1 us there against 2.6-4.0 us once a
-# context was current, a launch 3.4 us more, RMSNorm's backward body 57 us against 34 us
-# (references/hardware-constraints.md).
+# already name it, and it names 0 on a fresh thread) until a torch kernel launched there makes
+# one current; until then every allocation and launch pays for finding one (H200 host: an
+# allocation 9.7-11.1 us against 2.6-4.0 us, a launch 3.4 us more, RMSNorm's backward body 57
+# against 34 us; references/hardware-constraints.md). Our launches go through the driver API,
+# which does not make it current.
 _thread = threading.local()
 
 
