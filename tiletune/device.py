@@ -1,4 +1,5 @@
-"""Facts about the CUDA device a tensor lives on, cached per device index."""
+"""Facts about the CUDA device a tensor lives on, cached per device index, and the CUDA
+context a backward thread needs current."""
 import ctypes
 import functools
 import threading

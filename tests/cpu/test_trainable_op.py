@@ -86,3 +86,23 @@ def test_only_the_schemas_tensor_arguments_are_asked_for_a_gradient():
     (gy,) = torch.autograd.grad(out.sum(), y)
     torch.testing.assert_close(gy, torch.ones_like(y))
     assert not gy.requires_grad          # no create_graph: a plain tensor, no error node
+
+
+def test_functorch_transforms_take_torchs_route():
+    """The call skips `Function.apply`'s Python layer only where no functorch transform is
+    active: under one, torch's route, which refuses a Function without setup_context."""
+    x = torch.randn(5, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda x: _scale3(x).sum())(x)
+
+
+def test_a_dead_functorch_wrapper_is_unwrapped_as_torch_does():
+    """A tensor leaked from an exited transform, passed where a gradient could reach: the same
+    result as torch's `Function.apply` gives (unwrapped, not tracked)."""
+    leaked = []
+    torch.func.grad(lambda x: (leaked.append(x), x.sum())[1])(torch.randn(3, dtype=torch.float64))
+    dead = leaked[0].requires_grad_()
+    assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
+    ours, torchs = _scale3(dead), _scale3._function.apply(dead)
+    assert not torch._C._functorch.is_functorch_wrapped_tensor(ours)
+    assert torch.equal(ours, torchs) and ours.requires_grad == torchs.requires_grad
