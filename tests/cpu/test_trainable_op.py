@@ -106,3 +106,28 @@ def test_a_dead_functorch_wrapper_is_unwrapped_as_torch_does():
     ours, torchs = _scale3(dead), _scale3._function.apply(dead)
     assert not torch._C._functorch.is_functorch_wrapped_tensor(ours)
     assert torch.equal(ours, torchs) and ours.requires_grad == torchs.requires_grad
+
+
+def test_a_backward_binds_the_threads_cuda_context_once_per_thread(monkeypatch):
+    """Every backward asks for a current CUDA context (autograd's thread for a device may have
+    none); the driver is asked once per thread, later backwards read one attribute."""
+    import threading
+
+    from tiletune import device
+    bound = []
+    monkeypatch.setattr(device, "_thread", threading.local())
+    monkeypatch.setattr(device, "_bind_primary_context",
+                        lambda: bound.append(threading.get_ident()))
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    for _ in range(3):
+        torch.autograd.grad(_scale3(x).sum(), x)
+    assert bound == [threading.get_ident()]       # (a CPU backward runs on the calling thread)
+    other = threading.Thread(target=lambda: torch.autograd.grad(_scale3(x).sum(), x))
+    other.start()
+    other.join()
+    assert len(bound) == 2 and bound[1] != bound[0]
+
+
+def test_bind_context_without_a_gpu_does_nothing():
+    from tiletune import device
+    device._bind_primary_context()      # no libcuda here, or no current context: no error
