@@ -78,9 +78,10 @@ class TrainableOp:
 
 
 def _fast_apply(function):
-    """`function.apply` without the Python layer of `torch.autograd.Function.apply` (about 3 us
-    of host time on a 2-core CPU host: a closure, a super object and a generator per call),
-    where no functorch transform is active; under one (vmap, grad, ...) torch's own route."""
+    """`function.apply` without the Python layer of `torch.autograd.Function.apply` (a closure,
+    a super object and a generator per call: 1.7 of RMSNorm's 12.4 us forward with a gradient
+    on a 2-core CPU host, launch stubbed), where no functorch transform is active; under one
+    (vmap, grad, ...) torch's own route."""
     apply_in_c = super(torch.autograd.Function, function).apply
     transforms_active = torch._C._are_functorch_transforms_active
     unwrap_if_dead = torch._C._functorch.unwrap_if_dead
