@@ -115,6 +115,7 @@ def _pad(grads, n):
 
 def _autograd_function(name, forward, save, backward, outputs):
     _bind_context = _device.bind_context       # (autograd's thread for the device: see there)
+
     def run_backward(ctx, *grads):
         result = backward(tuple(ctx.needs_input_grad), *grads, *ctx.saved_tensors,
                           *ctx.constants)
@@ -136,10 +137,10 @@ def _autograd_function(name, forward, save, backward, outputs):
 
         @staticmethod
         def backward(ctx, *grads):
+            _bind_context()
             # Grad mode is on in a backward only under create_graph=True: there the gradients
             # must refuse a second differentiation (once_differentiable). Elsewhere its no_grad
             # context and checks would only cost host time (several us a step).
-            _bind_context()
             if _is_grad_enabled():
                 return run_backward_once(ctx, *grads)
             return run_backward(ctx, *grads)
