@@ -31,7 +31,7 @@ import cuda.tile as ct
 import torch
 
 from tiletune import validate
-from tiletune.autotune import Autotuner, Work, bucket, bucketed
+from tiletune.autotune import Autotuner, StandIns, Work, bucket, bucketed
 from tiletune.device import major, persistent_ctas, sm_count
 from tiletune.ops.gemm_tiles import slice64
 from tiletune.space import cdiv, f32_row, next_pow2, table
@@ -844,34 +844,16 @@ def _rows(*shape, like):
     return rows if padded.__class__ is int and padded == s else rows[..., :s]
 
 
-# A forward that no backward reads hands the kernels a stand-in for its (B*Hq, Sq) LSE2 rows: a
-# few floats per device whose stores past their end are dropped. The JIT specializes an array on
-# its size-1 dims, sizes that are multiples of 16 and strides' 16-byte alignment, so the stand-in
-# is made as the real rows are, at sizes of the same classes: one compiled kernel serves both.
-# The call then saves the rows' allocation and view (about 2.5 us of host time on a 2-core host).
-_NO_LSE = {}            # (device, B*Hq, Sq) -> the stand-in of that shape's class
-_NO_LSE_CLASSES = {}    # (device, size class of B*Hq, size class of Sq) -> the stand-in
-
-
-def _size_class(n):
-    """A size the JIT specializes as it does n: 1, a multiple of 16, of 4 (a 16-byte row), or
-    none of these."""
-    return 1 if n == 1 else 16 if n % 16 == 0 else 4 if n % 4 == 0 else 5
+# A forward that no backward reads hands the kernels a stand-in for its (B*Hq, Sq) LSE2 rows
+# (the engine's StandIns: the same JIT signature), saving the rows' allocation and view (about
+# 2.5 us of host time on a 2-core host).
+_NO_LSE = StandIns(lambda like, bh, sq: _flat(_rows(bh, 1, sq, like=like)))
 
 
 def _lse_rows(lse, q, dev, bh, sq):
     """lse's (B*Hq, Sq) view, or where lse is None the stand-in for rows of that shape (dense
     and decode launches: their stores are bounded by the array; the packed kernels slice it)."""
-    if lse is not None:
-        return _flat(lse)
-    rows = _NO_LSE.get((dev, bh, sq))
-    if rows is None:
-        sizes = (_size_class(bh), _size_class(sq))
-        rows = _NO_LSE_CLASSES.get((dev, *sizes))
-        if rows is None:
-            rows = _NO_LSE_CLASSES[dev, *sizes] = _flat(_rows(sizes[0], 1, sizes[1], like=q))
-        _NO_LSE[dev, bh, sq] = rows
-    return rows
+    return _flat(lse) if lse is not None else _NO_LSE.get(q, dev, bh, sq)
 
 
 _UNREAD = {}

@@ -937,6 +937,41 @@ def _check_grid(name, key, planned, grid, what="grid"):
                              f"{what} is {grid}: the key misses a size the {what} depends on")
 
 
+def jit_size_class(n):
+    """A size the JIT specializes as it does n: 1 (a constant), a multiple of 16, a multiple of
+    4 (a 16-byte float32 row), or none of these."""
+    return 1 if n == 1 else 16 if n % 16 == 0 else 4 if n % 4 == 0 else 5
+
+
+class StandIns:
+    """Buffers handed to a kernel for an output nobody reads (statistics only a backward would
+    read, in a call no gradient reaches): a few elements whose stores past their end are
+    dropped, saving the output's allocation. The JIT specializes an array on its size-1 dims,
+    sizes that are multiples of 16 and strides' 16-byte alignment, so a stand-in is made as
+    the real output would be (`make(like, *sizes)`), at sizes of the same classes: one
+    compiled kernel serves calls with and without the output. One per device and size class,
+    found by exact sizes on the hot path (one dict lookup)."""
+
+    def __init__(self, make):
+        self._make = make
+        self._by_sizes = {}     # (device, *sizes) -> stand-in
+        self._by_class = {}     # (device, *size classes) -> stand-in
+
+    def get(self, like, dev, *sizes):
+        buf = self._by_sizes.get((dev, *sizes))
+        if buf is None:
+            classes = tuple(jit_size_class(n) for n in sizes)
+            buf = self._by_class.get((dev, *classes))
+            if buf is None:
+                buf = self._by_class[dev, *classes] = self._make(like, *classes)
+            self._by_sizes[dev, *sizes] = buf
+        return buf
+
+    def clear(self):
+        self._by_sizes.clear()
+        self._by_class.clear()
+
+
 def int32_strides(name, inputs, error=None):
     """`inputs` with the strides of each tensor's size-1 dims made small where they pass
     2^31 - 1 elements (any stride serves a dim of size 1; the largest other stride keeps TMA's

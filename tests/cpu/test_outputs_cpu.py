@@ -117,20 +117,34 @@ def test_outputs_a_caller_may_change_in_place_under_autograd(host_only):
 
 
 def test_rms_norm_without_a_backward_allocates_no_rstd(host_only, launches):
-    """rms_norm's call that no gradient can reach hands the forward kernel one float per device
-    instead of an (M,) rstd (its stores past the end are dropped); with a gradient, (M,)."""
+    """rms_norm's call that no gradient can reach hands the forward kernel a stand-in of a few
+    floats per device instead of an (M,) rstd (its stores past the end are dropped); with a
+    gradient, (M,)."""
     from tiletune.ops.rms_norm import rms_norm
     x, w = torch.randn(6, 64, dtype=BF16), torch.rand(64, dtype=BF16)
     y = rms_norm(x, w)
     assert y.shape == x.shape and y.dtype == BF16
     (_, _, args), = launches
-    assert args[3].shape == (1,) and args[3].dtype == F32 and args[3] is R._no_rstd[-1]
+    stand_in = R._NO_RSTD.get(x, -1, 6)
+    assert args[3] is stand_in and stand_in.dtype == F32 and stand_in.numel() <= 16
     launches.clear()
-    rms_norm(x.clone(), w)                            # the same one-element buffer again
-    assert launches[0][2][3] is R._no_rstd[-1]
+    rms_norm(x.clone(), w)                            # the same buffer again
+    assert launches[0][2][3] is stand_in
     launches.clear()
     rms_norm(x, w.clone().requires_grad_())
     assert launches[0][2][3].shape == (6,)
+
+
+def test_the_rstd_stand_in_specializes_as_the_real_rstd():
+    """The stand-in's JIT signature is the (M,) rstd's at every M, so the tuned kernel (the
+    signature its search and the AOT cases compiled) serves calls without a backward too."""
+    from tiletune.aot import jit_array
+    like = torch.empty(1, dtype=BF16)
+    for m in (1, 2, 3, 4, 5, 6, 8, 12, 15, 16, 17, 32, 33, 100, 1000, 1024, 4097):
+        stand_in = R._NO_RSTD.get(like, -2, m)
+        assert stand_in.numel() <= 16
+        assert jit_array(F32, stand_in.shape, stand_in.stride()) == jit_array(F32, (m,)), m
+    R._NO_RSTD.clear()
 
 
 def test_packed_batch_without_keys_launches_nothing(host_only, launches):
@@ -154,7 +168,7 @@ def test_fmha_without_a_backward_allocates_no_lse(host_only, launches, b, hq, hk
     kv = torch.randn(b, hkv, s, 64, dtype=BF16)
     o = FM.fmha(q, kv, kv, causal=True)
     assert o.shape == q.shape and o.dtype == BF16
-    stand_in = FM._NO_LSE[(-1, b * hq, s)]
+    stand_in = FM._NO_LSE.get(q, -1, b * hq, s)
     assert stand_in.dtype == F32 and stand_in.numel() <= 16 * 16
     assert any(a is stand_in for a in launches[-1][2])          # the last launch writes lse
     launches.clear()
@@ -178,7 +192,6 @@ def test_the_lse_stand_in_specializes_as_the_real_rows():
                 assert jit_array(F32, stand_in.shape, stand_in.stride()) == \
                     jit_array(F32, real.shape, real.stride()), (b, h, s)
     FM._NO_LSE.clear()
-    FM._NO_LSE_CLASSES.clear()
 
 
 def test_a_packed_forward_refuses_the_lse_stand_in(host_only, launches):
