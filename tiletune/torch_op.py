@@ -68,13 +68,12 @@ class TrainableOp:
     def _setup(self, ctx, inputs, output):
         tensors, ctx.constants = self._save(inputs, _as_tuple(output))
         ctx.save_for_backward(*tensors)
-        ctx.num_args = len(inputs)
 
     def _compiled_backward(self, ctx, *grads):
         _device.bind_context()
         needs = [bool(n) for n in ctx.needs_input_grad]
         result = self._bwd_op(needs, *grads[:self.outputs], *ctx.saved_tensors, *ctx.constants)
-        return _pad(result, ctx.num_args)
+        return _pad(result, len(ctx.needs_input_grad))
 
 
 def _fast_apply(function):

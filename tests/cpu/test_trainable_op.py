@@ -67,9 +67,10 @@ _axpy = TrainableOp(
     forward_schema="(Tensor x, float a, Tensor? y=None) -> Tensor",
     forward_fake=lambda x, a, y=None: torch.empty_like(x),
     save=lambda args, results: ((args[0],), (args[1], len(args) > 2 and args[2] is not None)),
-    backward=lambda needs, g, x, a, has_y: (g * a, None, g if has_y else None),
-    backward_schema="(bool[] needs, Tensor g, Tensor x, float a, bool has_y) -> Tensor[]",
-    backward_fake=lambda needs, g, x, a, has_y: [torch.empty_like(x)])
+    backward=lambda needs, g, x, a, has_y: [g * a, None, g.clone() if has_y else None],
+    backward_schema="(bool[] needs, Tensor g, Tensor x, float a, bool has_y) -> Tensor?[]",
+    backward_fake=lambda needs, g, x, a, has_y: [torch.empty_like(x), None,
+                                                 torch.empty_like(g) if has_y else None])
 
 
 def test_only_the_schemas_tensor_arguments_are_asked_for_a_gradient():
@@ -131,3 +132,19 @@ def test_a_backward_binds_the_threads_cuda_context_once_per_thread(monkeypatch):
 def test_bind_context_without_a_gpu_does_nothing():
     from tiletune import device
     device._bind_primary_context()      # no libcuda here, or no current context: no error
+
+
+def test_compiled_fullgraph_gradients_equal_eager():
+    """Under torch.compile(fullgraph=True) the custom op and its registered backward run (the
+    backward pads its gradients to the op's arguments, an optional one left out included)."""
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    f = torch.compile(lambda x, y: (_scale3(x) * _axpy(x, 2.0, y)).sum(), fullgraph=True,
+                      backend="aot_eager")
+    gx, gy = torch.autograd.grad(f(x, y), (x, y))
+    ex, ey = torch.autograd.grad((_scale3(x) * _axpy(x, 2.0, y)).sum(), (x, y))
+    torch.testing.assert_close(gx, ex)
+    torch.testing.assert_close(gy, ey)
+    g2 = torch.autograd.grad(torch.compile(lambda x: _axpy(x, 2.0).sum(), fullgraph=True,
+                                           backend="aot_eager")(x), x)[0]
+    torch.testing.assert_close(g2, torch.full_like(x, 2.0))
