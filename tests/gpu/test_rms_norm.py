@@ -327,3 +327,18 @@ def test_aot_signature_matches_jit():
         mine = signature([jit_array(x.dtype, x.shape), jit_array(w.dtype, w.shape),
                           jit_array(y.dtype, y.shape), jit_array(r.dtype, r.shape), F32, F32, 1, tn])
         assert jit.parameters == mine.parameters
+
+
+def test_no_grad_stand_in_has_the_real_rstd_signature():
+    """A call no gradient reaches hands the kernel a stand-in rstd; the JIT must see the same
+    signature as with the real (M,) rstd, or the first such call compiles a second kernel."""
+    from cuda.tile.compilation import CallingConvention, KernelSignature
+    conv = CallingConvention.cutile_python_v2()
+    for M in (1, 5, 16, 17, 64, 1000, 4096):
+        x = torch.randn(M, 256, device="cuda", dtype=torch.bfloat16)
+        w = torch.rand(256, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty_like(x)
+        sigs = [KernelSignature.from_kernel_args(R.rms_norm_fwd_rows,
+                                                 (x, w, y, r, 1 / 256, 1e-6, 1, 256), conv)
+                for r in (torch.empty(M, device="cuda"), R._NO_RSTD.get(x, 0, M))]
+        assert sigs[0].parameters == sigs[1].parameters, M
