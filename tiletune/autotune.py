@@ -479,15 +479,18 @@ class Autotuner:
 
     def _with_hints(self, kernel, cfg, dev):
         """kernel.replace_hints(cfg's hints), one object per (kernel, hints, device) for the
-        tuner's life. Each such object has its own JIT cache: sharing it between the search,
+        process's life. Each such object has its own JIT cache: sharing it between the search,
         the final round and the launch traces each config's kernel once per device in this
-        process, not once per stage (0.03-0.5 s a trace)."""
+        process, not once per stage (0.03-0.5 s a trace). None is ever dropped, not even by
+        `clear()`: a kernel object unloads its compiled code when freed, and a CUDA graph
+        captured with it would then replay code that is gone (references/reliability.md)."""
         hints = self.hints(cfg)
         try:
             memo = (kernel, tuple(sorted(hints.items())), dev)
-            built = self._hinted.get(memo)
-        except TypeError:                # an unhashable hint value: no sharing
-            return kernel.replace_hints(**hints)
+            hash(memo)
+        except TypeError:                # an unhashable hint value: keyed by its text
+            memo = (kernel, repr(sorted(hints.items())), dev)
+        built = self._hinted.get(memo)
         if built is None:
             built = self._hinted[memo] = kernel.replace_hints(**hints)
             precompile.track(built)
@@ -883,7 +886,7 @@ class Autotuner:
         self._plans.clear()
         self.records.clear()
         self._capture_cache.clear()
-        self._hinted.clear()
+        # (not _hinted: the compiled kernels stay loaded; see _with_hints)
 
 
 def _same_key(key):
@@ -1097,7 +1100,9 @@ def tuners():
 
 
 def clear_cache():
-    """Forget every in-memory tuning result (the persistent store is untouched)."""
+    """Forget every in-memory tuning result (the persistent store is untouched). The compiled
+    kernels stay loaded for the process's life: a CUDA graph captured before the call may
+    still replay them."""
     for t in _registry.values():
         t.clear()
 

@@ -122,6 +122,29 @@ def test_miss_searches_once_then_hits(env, monkeypatch):
     assert env.launches[-1][2] is kern
 
 
+def test_clear_cache_keeps_the_launched_kernel_objects(env):
+    """A kernel object unloads its compiled code when freed, and a CUDA graph captured before
+    `clear_cache()` may still replay it: clearing forgets results, never kernel objects."""
+    import gc
+    import weakref
+    t = env.make()
+    _, kern = resolve(t, ("k",))
+    alive = weakref.ref(kern)
+    del kern
+    autotune.clear_cache()
+    gc.collect()
+    assert alive() is not None and not t.cache and not t.records
+    _, again = resolve(t, ("k",))        # resolved again (from the store): the same object
+    assert again is alive()
+
+
+def test_unhashable_hints_still_build_one_object(env):
+    t = env.make()      # (cuTile's per-arch hint values are not hashable)
+    t.hints = lambda cfg: {"occupancy": ct.ByTarget(sm_90=cfg.occupancy, default=1)}
+    cfg = SimpleNamespace(tile=8, occupancy=2)
+    assert t._with_hints(_k, cfg, 0) is t._with_hints(_k, cfg, 0)
+
+
 def test_tuned_kernel_carries_exactly_the_winning_hints(env):
     t = env.make()
     _, kern = resolve(t, ("k",))

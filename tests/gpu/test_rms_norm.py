@@ -230,6 +230,39 @@ def test_cuda_graph_replay(fresh):
     assert rel(y, reference(x, w, 1e-6)) < TOL[torch.bfloat16]
 
 
+_GRAPH_AFTER_CLEAR = """
+import gc, torch, tiletune
+from tiletune.ops.rms_norm import rms_norm
+x = torch.randn(256, 1000, device="cuda", dtype=torch.bfloat16)
+w = torch.rand(1000, device="cuda", dtype=torch.bfloat16)
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    rms_norm(x, w)                      # resolves the key outside the capture
+torch.cuda.current_stream().wait_stream(s)
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    y = rms_norm(x, w)
+tiletune.clear_cache()
+gc.collect()
+x.copy_(torch.randn_like(x))
+y.fill_(float("nan"))
+g.replay()
+torch.cuda.synchronize()
+print("EQUAL", torch.equal(y, rms_norm(x, w)))
+del g
+"""
+
+
+def test_graph_replays_after_clear_cache(tmp_path):
+    """clear_cache() forgets results but keeps the compiled kernels a captured graph holds
+    (a freed kernel object unloads its code). A fresh process: a crash must not take pytest."""
+    env = dict(os.environ, TILETUNE_CACHE_DIR=str(tmp_path / "store"), DISABLE_AUTOTUNE="1")
+    r = subprocess.run([sys.executable, "-c", _GRAPH_AFTER_CLEAR], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and "EQUAL True" in r.stdout, (r.returncode, r.stderr[-2000:])
+
+
 def test_capture_of_cold_key_does_not_search(fresh):
     x = torch.randn(100, 640, device="cuda", dtype=torch.float16)
     w = torch.rand(640, device="cuda", dtype=torch.float16)
