@@ -182,20 +182,25 @@ def _build_of(case):
     return (fn.__module__, fn.__qualname__, repr(options), repr(signature(case.params)))
 
 
-def compile_all(ops, archs, jobs=None):
+def compile_all(ops, archs, jobs=None, select=None):
     """Compile every AOT case of the named ops for every arch, in a process pool (compiles are
     serialized inside one process), each distinct build once: a case whose build another case
     already has gets that build's result (seconds, stack frame or error) under its own label.
-    Returns a CompileReport, each build's stack frame in it."""
+    `select(op, index, case)`, given, picks the cases. Returns a CompileReport, each build's
+    stack frame in it."""
     from concurrent.futures import ProcessPoolExecutor
     first = {}                  # build -> (op, index) of the first case that has it
     same_as = []                # ((op, index) of a repeated build, its first case)
+    skipped = set()
     for op in ops:
         for i, case in enumerate(op_cases(op)):
+            if select is not None and not select(op, i, case):
+                skipped.add((op, i))
+                continue
             owner = first.setdefault(_build_of(case), (op, i))
             if owner != (op, i):
                 same_as.append(((op, i), owner))
-    repeated = {case for case, _ in same_as}
+    repeated = {case for case, _ in same_as} | skipped
     work = [(op, i, a) for op in ops for i in range(len(op_cases(op))) if (op, i) not in repeated
             for a in archs]
     report = CompileReport()
