@@ -966,8 +966,8 @@ class StandIns:
             classes = tuple(jit_size_class(n) for n in sizes)
             buf = self._by_class.get((dev, *classes))
             if buf is None:
-                buf = self._by_class[dev, *classes] = self._make(like, *classes)
-            self._by_sizes[dev, *sizes] = buf
+                buf = self._by_class[(dev, *classes)] = self._make(like, *classes)
+            self._by_sizes[(dev, *sizes)] = buf
         return buf
 
     def clear(self):
