@@ -24,7 +24,6 @@ Two ways to patch:
 The tiletune subclasses only override `forward`; `isinstance` against the HF class still holds.
 Patching twice is harmless; flags add (a second call with a flag off does not undo the first).
 """
-import functools
 import importlib
 import logging
 import weakref
@@ -268,10 +267,17 @@ def _is_hf_activation(act_fn, act):
         return act not in SWIGLU_ACTIVATIONS and act not in GEGLU_ACTIVATIONS
 
 
-@functools.lru_cache(maxsize=None)
+_ACTIVATION_TYPES = {}     # hidden_act -> the module type transformers builds for it
+
+
 def _hf_activation_type(act):
-    from transformers.activations import ACT2FN
-    return type(ACT2FN[act])
+    # a dict, not functools.lru_cache: torch.compile traces through a cache wrapper, and warns
+    # the user that it does, on every compiled forward of a patched MLP
+    found = _ACTIVATION_TYPES.get(act)
+    if found is None:
+        from transformers.activations import ACT2FN
+        found = _ACTIVATION_TYPES[act] = type(ACT2FN[act])
+    return found
 
 
 def _fusable(x, *projections):

@@ -648,16 +648,23 @@ def test_tiletune_mask():
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_compile_traces_kernels_without_graph_breaks(family, ops):
-    """torch.compile (dynamo) traces the patched forwards with no graph break, and the kernel
-    attention serves a forward with a cache (transformers' default); without one (use_cache=False)
-    transformers' packed-sequence check needs the data, so a mask is built: SDPA."""
+    """torch.compile (dynamo) traces the patched forwards with no graph break and no warning
+    about our code, and the kernel attention serves a forward with a cache (transformers'
+    default); without one (use_cache=False) transformers' packed-sequence check needs the data,
+    so a mask is built: SDPA."""
+    import warnings
     model = build(family)
     hf.apply_tiletune(model)
     ids = torch.randint(0, 128, (2, 12))
     torch._dynamo.reset()
     try:
-        explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
         assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+        ours = [str(w.message) for w in caught if "suites" in str(w.message)
+                or "tiletune" in str(w.message) or "/ops/" in str(w.message)]
+        assert not ours, ours
         assert ops["attention"] == 2
         ops["attention"] = 0
         torch._dynamo.reset()
