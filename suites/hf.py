@@ -271,8 +271,8 @@ _ACTIVATION_TYPES = {}     # hidden_act -> the module type transformers builds f
 
 
 def _hf_activation_type(act):
-    # a dict, not functools.lru_cache: torch.compile traces through a cache wrapper, and warns
-    # the user that it does, on every compiled forward of a patched MLP
+    # a dict, not functools.lru_cache: torch.compile traces through a cache wrapper and warns
+    # the user that it does when it compiles a patched MLP
     found = _ACTIVATION_TYPES.get(act)
     if found is None:
         from transformers.activations import ACT2FN
