@@ -405,13 +405,35 @@ _generated = {}
 
 
 def _tiletune_class(original, mixin, **attrs):
-    """The tiletune subclass of HF class `original` with `mixin`'s forward (one per class)."""
+    """The tiletune subclass of HF class `original` with `mixin`'s forward (one per class). It
+    is also this module's attribute of its name, which is where pickle looks a class up (a
+    patched model saved whole with torch.save, or sent to another process)."""
     cls = _generated.get(original)
     if cls is None:
-        cls = type(f"Tiletune{original.__name__}", (mixin, original),
+        name = f"Tiletune{original.__name__}"
+        cls = type(name, (mixin, original),
                    {"__module__": __name__, "_tiletune_original": original, **attrs})
         _generated[original] = cls
+        globals().setdefault(name, cls)
     return cls
+
+
+def __getattr__(name):
+    """A tiletune subclass that this process has not made yet, by name: a patched model
+    unpickled before any `apply_tiletune` here. Its modules then run as patched, the
+    "tiletune" attention implementation its config names included."""
+    if name.startswith("Tiletune"):
+        for fam in FAMILIES.values():
+            if name.startswith("Tiletune" + fam.prefix):
+                try:
+                    mod = fam.module()
+                except ImportError:
+                    continue
+                _swaps(fam, mod, rms_norm=True, mlp=True, experts=True, attention_forward=True)
+        if name in globals():
+            register_attention()
+            return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _original_class(cls):

@@ -672,3 +672,40 @@ def test_compile_traces_kernels_without_graph_breaks(family, ops):
         assert explained.graph_break_count == 0 and ops["attention"] == 0
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_patched_model_pickles_whole(family, tmp_path):
+    """torch.save of the whole patched model (and any pickling: spawned processes) finds the
+    tiletune subclasses by name, in this process and in a fresh one that has patched nothing:
+    there the modules come back patched, the "tiletune" attention registered, and revert gives
+    back transformers' model with the same weights."""
+    import subprocess
+    import sys
+    model = build(family)
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    hf.apply_tiletune(model)
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    again = torch.load(path, weights_only=False)
+    assert [type(m) for m in again.modules()] == [type(m) for m in model.modules()]
+    torch.save(ids, tmp_path / "ids.pt")
+    torch.save(expected, tmp_path / "expected.pt")
+    child = f"""
+import torch
+model = torch.load({str(path)!r}, weights_only=False)
+patched = sorted({{type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Tiletune")}})
+from transformers import AttentionInterface
+from tiletune.suites import hf
+assert "tiletune" in AttentionInterface._global_mapping and model.config._attn_implementation == "tiletune"
+hf.revert(model)
+with torch.no_grad():
+    logits = model(input_ids=torch.load({str(tmp_path / 'ids.pt')!r})).logits
+print("PATCHED", patched, "EQUAL", torch.equal(logits, torch.load({str(tmp_path / 'expected.pt')!r})))
+"""
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "EQUAL True" in out.stdout and "Tiletune" in out.stdout, out.stdout
