@@ -191,18 +191,13 @@ def compile_all(ops, archs, jobs=None, select=None):
     from concurrent.futures import ProcessPoolExecutor
     first = {}                  # build -> (op, index) of the first case that has it
     same_as = []                # ((op, index) of a repeated build, its first case)
-    skipped = set()
     for op in ops:
         for i, case in enumerate(op_cases(op)):
-            if select is not None and not select(op, i, case):
-                skipped.add((op, i))
-                continue
-            owner = first.setdefault(_build_of(case), (op, i))
-            if owner != (op, i):
-                same_as.append(((op, i), owner))
-    repeated = {case for case, _ in same_as} | skipped
-    work = [(op, i, a) for op in ops for i in range(len(op_cases(op))) if (op, i) not in repeated
-            for a in archs]
+            if select is None or select(op, i, case):
+                owner = first.setdefault(_build_of(case), (op, i))
+                if owner != (op, i):
+                    same_as.append(((op, i), owner))
+    work = [(op, i, a) for op, i in first.values() for a in archs]
     report = CompileReport()
     jobs = jobs or os.cpu_count() or 1
     if jobs == 1:
