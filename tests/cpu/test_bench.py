@@ -241,9 +241,18 @@ def test_host_against_torch_ratios_and_grad_step(monkeypatch):
     assert h["step_over_torch"] == pytest.approx(1.25)
     x, w = bench.leaves(torch.randn(3, 4).t(), torch.randn(3))
     assert x.requires_grad and x.stride() == (1, 4) and x.grad_fn is None
-    step = bench.grad_step(lambda a, b: (a * 2, (a[0] * b).sum()), (x, w))
+    calls = []
+
+    def f(a, b):
+        calls.append(1)
+        return a * 2, (a[0] * b).sum()
+    step = bench.grad_step(f, (x, w))
+    assert calls == []              # nothing runs (and so nothing tunes) before the first step
     gx, gw = step()
     assert gx.shape == x.shape and gw.shape == w.shape and x.grad is None
+    assert calls == [1]             # one forward a step
+    gx2, gw2 = step()
+    assert calls == [1, 1] and torch.equal(gx2, gx) and torch.equal(gw2, gw)   # the same grads
 
 
 def test_match_patterns():
