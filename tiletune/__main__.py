@@ -533,7 +533,8 @@ def _tune_parser(sub):
                    help="forward only, without gradients (the keys inference meets)")
     t.add_argument("--export", metavar="PATH",
                    help="write the winners this run resolved to PATH as a shipped file "
-                        "(rows already there are kept unless replaced)")
+                        "(rows already there are kept unless replaced; a PATH ending in .gz "
+                        "is written gzip-compressed, as the package's files are)")
     t.add_argument("--all", action="store_true",
                    help="with --export: every store row of this GPU and the installed "
                         "cuda-tile / tileiras, not only this run's")

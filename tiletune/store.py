@@ -21,18 +21,20 @@ cannot be opened or written (read-only folder, permission denied), or a file at 
 not a tiletune sqlite database (corrupt, foreign), is left as it is: loads return None and saves
 are skipped, with one warning per path.
 
-Shipped winners: package data, `tiletune/shipped/*.json` (format tiletune-shipped-1: rows of
-op, full store key and entry, as `python -m tiletune tune --export` writes them), read-only.
+Shipped winners: package data, `tiletune/shipped/*.json.gz` (format tiletune-shipped-1: rows
+of op, full store key and entry, as `python -m tiletune tune --export` writes them; a `.gz` name
+is gzip-compressed JSON, any other plain JSON), read-only.
 `load` consults them only where the user's store has no row for the (op, key): the user's own
 winners always win, and nothing ever writes the shipped files. The lookup takes the same full
 key, so a shipped row of another GPU, arch, cuda-tile or tileiras version, or config space and
 kernel code is never found. One relaxation: a row tuned on CUDA device 0 also serves the same
 key on device N (the device index, the last part of every op's key, names no property of the
 GPU; its name and arch are in the key).
-TILETUNE_SHIPPED=off turns them off; TILETUNE_SHIPPED=<folder or .json file> reads those
+TILETUNE_SHIPPED=off turns them off; TILETUNE_SHIPPED=<folder or shipped file> reads those
 instead of the package's (to try an exported file before shipping it).
 """
 import contextlib
+import gzip
 import json
 import os
 import re
@@ -40,6 +42,7 @@ import sqlite3
 import threading
 import time
 import warnings
+import zlib
 
 from tiletune import env
 
@@ -450,6 +453,7 @@ def used():
 
 SHIPPED = "shipped"
 SHIPPED_FORMAT = "tiletune-shipped-1"
+SHIPPED_SUFFIXES = (".json", ".json.gz")   # plain or gzip-compressed JSON
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shipped")
 # The parts every store key ends with (Autotuner.store_key): GPU name, arch, cuda-tile,
 # tileiras, space fingerprint; the op's key before them ends with the CUDA device index.
@@ -468,7 +472,7 @@ def source_of(entry):
 
 
 def shipped_source():
-    """The folder (or .json file) shipped winners are read from, or None when TILETUNE_SHIPPED
+    """The folder (or shipped file) shipped winners are read from, or None when TILETUNE_SHIPPED
     is off (off, 0, no, none, false, disable). Unset, blank or on (1, yes, true, ...): the
     package's `tiletune/shipped`."""
     value = os.environ.get("TILETUNE_SHIPPED")
@@ -492,13 +496,14 @@ def _any_device(key):
 
 
 def _shipped_files(source):
-    """[(path, mtime_ns, size)] of the .json files at `source` (a folder or one file), sorted."""
+    """[(path, mtime_ns, size)] of the shipped files (`SHIPPED_SUFFIXES`) at `source` (a
+    folder or one file), sorted."""
     if os.path.isfile(source):
         paths = [source]
     else:
         try:
             paths = [os.path.join(source, n) for n in sorted(os.listdir(source))
-                     if n.endswith(".json") and not n.startswith(".")]
+                     if n.endswith(SHIPPED_SUFFIXES) and not n.startswith(".")]
         except OSError:
             return []
     out = []
@@ -514,12 +519,15 @@ def _shipped_files(source):
 def read_shipped(path):
     """(header, rows) of one shipped file: header is the file's top-level fields but rows; rows
     [(op, key, entry)] are its well-formed rows. Raises ValueError for a file that is not a
-    tiletune-shipped-1 file, OSError where it cannot be read."""
-    with open(path, "rb") as f:
+    tiletune-shipped-1 file (a `.gz` file that is not gzip included), OSError where it cannot
+    be read."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
         try:
             data = json.load(f)
         except RecursionError as e:
             raise ValueError("nested too deep") from e
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+            raise ValueError(f"not a gzip file ({e})") from e
     if not isinstance(data, dict) or data.get("format") != SHIPPED_FORMAT or \
             not isinstance(data.get("rows"), list):
         raise ValueError(f"not a {SHIPPED_FORMAT} file")
@@ -593,8 +601,8 @@ def key_facts(key):
 
 
 def write_shipped(path, rows, header=None):
-    """Write rows [(op, key, entry)] to `path` as a shipped file (one row a line, sorted; the
-    file is replaced at once). Rows already in a shipped file at `path` are kept unless a new
+    """Write rows [(op, key, entry)] to `path` as a shipped file (one row a line, sorted;
+    gzip-compressed where `path` ends in .gz; the file is replaced at once). Rows already in a shipped file at `path` are kept unless a new
     row has their op and key. Returns (rows written, rows kept from the file). Raises
     ValueError where `path` holds something else than a shipped file, OSError where it cannot
     be read or written."""
@@ -612,8 +620,11 @@ def write_shipped(path, rows, header=None):
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        payload = text.encode()
+        if path.endswith(".gz"):      # no name and no time in the header: same rows, same bytes
+            payload = gzip.compress(payload, compresslevel=9, mtime=0)
+        with open(tmp, "wb") as f:
+            f.write(payload)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(OSError):

@@ -2,6 +2,7 @@
 `python -m tiletune tune` on a stand-in GPU: the lookup on hand-written files, then through the
 engine's real code with a stand-in search (tests/cpu/test_engine.py's), and the export format
 read back by the lookup."""
+import gzip
 import json
 import os
 import re
@@ -117,10 +118,11 @@ def test_unset_or_on_reads_the_package_folder(monkeypatch, value):
 
 def test_the_package_folder_holds_only_well_formed_shipped_files(monkeypatch):
     monkeypatch.delenv("TILETUNE_SHIPPED", raising=False)
-    names = [n for n in os.listdir(store.SHIPPED_DIR) if n.endswith(".json")]
-    for name in names:
-        header, rows = store.read_shipped(os.path.join(store.SHIPPED_DIR, name))
-        assert rows and all(store.key_facts(key) for _, key, _ in rows), name
+    paths = [p for p, _, _ in store._shipped_files(store.SHIPPED_DIR)]
+    assert len(paths) >= 2                           # the H100 and H200 files, compressed
+    for path in paths:
+        header, rows = store.read_shipped(path)
+        assert rows and all(store.key_facts(key) for _, key, _ in rows), path
 
 
 def _space_of(op, parts):
@@ -164,10 +166,11 @@ def test_every_shipped_row_is_found_by_the_current_code(monkeypatch):
     registry.ops()                       # imports every op module: each creates its tuners
     tuners = autotune.tuners()
     stale = []
-    for name in sorted(os.listdir(store.SHIPPED_DIR)):
-        if not name.endswith(".json"):
-            continue
-        _, rows = store.read_shipped(os.path.join(store.SHIPPED_DIR, name))
+    paths = [p for p, _, _ in store._shipped_files(store.SHIPPED_DIR)]
+    assert paths
+    for path in paths:
+        name = os.path.basename(path)
+        _, rows = store.read_shipped(path)
         for op, key, row in rows:
             parts = key.split(" | ")
             arch, fingerprint = parts[-4], parts[-1].split()[1]
@@ -243,6 +246,29 @@ def test_export_merges_and_writes_one_row_a_line(shipped, tmp_path):
     with pytest.raises(ValueError, match="not a tiletune-shipped-1 file"):
         store.write_shipped(str(bad), [(OP, skey(), entry())])
     assert bad.read_text() == '{"a": 1}'
+
+
+def test_a_gz_export_is_compressed_reproducible_and_read_back(shipped, tmp_path, monkeypatch):
+    """A path ending in .gz is written gzip-compressed, with no name or time in its header (the
+    same rows give the same bytes), read back as the plain file would be, merged on a second
+    export, and found by the lookup in a folder next to plain files."""
+    plain, packed = tmp_path / "a" / "h100.json", tmp_path / "a" / "h200.json.gz"
+    rows = [(OP, skey(), entry(64)), ("rope", skey(), entry(8))]
+    store.write_shipped(str(plain), rows, {"x": 1})
+    assert store.write_shipped(str(packed), rows, {"x": 1}) == (2, 0)
+    data = packed.read_bytes()
+    assert data[:2] == b"\x1f\x8b" and len(data) < plain.stat().st_size
+    assert gzip.decompress(data) == plain.read_bytes()
+    store.write_shipped(str(tmp_path / "b.json.gz"), rows, {"x": 1})
+    assert (tmp_path / "b.json.gz").read_bytes() == data
+    assert store.read_shipped(str(packed)) == store.read_shipped(str(plain))
+    assert store.write_shipped(str(packed), [(OP, skey(1), entry())]) == (3, 2)
+    assert len(store.read_shipped(str(packed))[1]) == 3
+    assert [os.path.basename(p) for p, _, _ in store._shipped_files(str(tmp_path / "a"))] == [
+        "h100.json", "h200.json.gz"]
+    (tmp_path / "c.json.gz").write_text("{not gzip")
+    with pytest.raises(ValueError, match="not a gzip file"):
+        store.read_shipped(str(tmp_path / "c.json.gz"))
 
 
 def test_exported_entries_keep_only_the_first_line_of_failure_messages():
