@@ -602,10 +602,10 @@ def key_facts(key):
 
 def write_shipped(path, rows, header=None):
     """Write rows [(op, key, entry)] to `path` as a shipped file (one row a line, sorted;
-    gzip-compressed where `path` ends in .gz; the file is replaced at once). Rows already in a shipped file at `path` are kept unless a new
-    row has their op and key. Returns (rows written, rows kept from the file). Raises
-    ValueError where `path` holds something else than a shipped file, OSError where it cannot
-    be read or written."""
+    gzip-compressed where `path` ends in .gz; the file is replaced at once). Rows already in a
+    shipped file at `path` are kept unless a new row has their op and key. Returns (rows
+    written, rows kept from the file). Raises ValueError where `path` holds something else than
+    a shipped file, OSError where it cannot be read or written."""
     new = {(op, key): entry for op, key, entry in rows}
     merged = {}
     if os.path.exists(path):
