@@ -31,7 +31,7 @@ from tiletune.suites import hf
 BATCH, SEQ = 2, 4096
 # `python -m tiletune tune` builds and steps its one-layer models through these
 # (tiletune.registry.models)
-build_model, model_step = hf.build_model, hf.model_step
+build_model, model_step, model_generate = hf.build_model, hf.model_step, hf.model_generate
 
 
 DENSE = ModelSpec("llama", hidden=2048, intermediate=8192, heads=16, kv_heads=8, head_dim=128)

@@ -770,6 +770,30 @@ def model_step(model, batch, seq, backward):
     torch.cuda.synchronize()
 
 
+def model_generate(model, batch, seq, lengths):
+    """What generating after a `seq`-token prompt launches: the prompt's forward with a KV
+    cache, then one decoding step (one new token a sequence) at each cache length of `lengths`
+    (ascending, each above `seq`). The cache is filled up to each length with random keys and
+    values: a step's op keys depend on the cache's shape, not on what it holds."""
+    config = model.config
+    kv_heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    weight = next(model.parameters())
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=weight.device)
+    model.eval()
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+        for length in lengths:
+            missing = length - 1 - cache.get_seq_length()
+            if missing > 0:
+                for layer in range(config.num_hidden_layers):
+                    k = torch.randn(batch, kv_heads, missing, head_dim, device=weight.device,
+                                    dtype=weight.dtype)
+                    cache.update(k, torch.randn_like(k), layer)
+            model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+    torch.cuda.synchronize()
+
+
 __all__ = ["ATTENTION_NAME", "AttentionRoute", "FAMILIES", "LlamaRMSNorm", "RMSNorm",
            "apply_tiletune", "apply_tiletune_to_llama", "apply_tiletune_to_mistral",
            "apply_tiletune_to_qwen2", "apply_tiletune_to_qwen3", "apply_tiletune_to_qwen3_moe",

@@ -391,15 +391,16 @@ def _tune_job(args, path, rank, world):
         gpus = f"{world} x {gpu}" if world > 1 else gpu
         print(f"tuning on {gpus} ({arch}) at batch {args.batch} x seq "
               f"{', '.join(map(str, seqs))}, {args.dtype}, "
-              f"{'forward only' if args.no_backward else 'forward + backward'}; store: {path}",
-              flush=True)
+              f"{'forward only' if args.no_backward else 'forward + backward'}"
+              f"{f', then generating {args.generate} tokens' if args.generate else ''}; "
+              f"store: {path}", flush=True)
         for spec in args.specs:
             print(f"  {spec.describe()}", flush=True)
     report, failed = pretune.Report(), None
     try:
         report = pretune.run(args.specs, seqs, args.batch, pretune.DTYPES[args.dtype],
                              not args.no_backward, out=lambda line: print(tag + line, flush=True),
-                             share=(rank, world))
+                             share=(rank, world), generate=args.generate)
     except autotune.TuningFailedError as e:
         failed = str(e)
     except Exception as e:           # in a job: reported at the gather, the others not left
@@ -506,7 +507,8 @@ def _tune_parser(sub):
         description="Build the model's family with one decoder layer and a small vocabulary\n"
                     "on this GPU, patch it with apply_tiletune, and run a forward and backward\n"
                     "at each --seq: every op key of that shape is searched once and saved to\n"
-                    "the store (keys do not depend on the number of layers or the vocabulary).\n"
+                    "the store (keys do not depend on the number of layers or the vocabulary);\n"
+                    "--generate N adds the keys of generating N tokens after each prompt.\n"
                     "Under torchrun (torchrun --nproc_per_node N -m tiletune tune ...) every\n"
                     "rank steps the first (model, --seq) pair, splitting each key's configs,\n"
                     "then every N-th of the rest; rank 0 prints the job's summary and writes\n"
@@ -531,6 +533,11 @@ def _tune_parser(sub):
                    help="model dtype (default bf16)")
     t.add_argument("--no-backward", action="store_true",
                    help="forward only, without gradients (the keys inference meets)")
+    t.add_argument("--generate", type=_positive, default=0, metavar="N",
+                   help="also tune what generating N tokens after each --seq prompt meets: "
+                        "the prompt's forward with a KV cache, then one decoding step at each "
+                        "cache length where the decode keys change (the first new token, then "
+                        "each next power of two up to seq + N)")
     t.add_argument("--export", metavar="PATH",
                    help="write the winners this run resolved to PATH as a shipped file "
                         "(rows already there are kept unless replaced; a PATH ending in .gz "

@@ -6,10 +6,11 @@ So `tune` builds the family's model with one decoder layer and a small vocabular
 patched with tiletune (the transformers suite's builder, which a registered case module
 provides: `registry.models()`), and runs one forward (and backward) at each (batch, seq): every
 key a training run of that shape meets is searched once and saved to the user's store, and the
-run itself starts with zero searches. `export` writes the winners in the shipped-file format
-(tiletune/store.py) that the package can carry as read-only defaults. Under torchrun the ranks
-share the (model, sequence length) pairs out (start_job, shares), each stepping its own with
-tiletune.distributed's process group set.
+run itself starts with zero searches; with `generate`, so is every key of generating that many
+tokens after the prompt (decode keys change with the cache length's power of two). `export`
+writes the winners in the shipped-file format (tiletune/store.py) that the package can carry as
+read-only defaults. Under torchrun the ranks share the (model, sequence length) pairs out
+(start_job, shares), each stepping its own with tiletune.distributed's process group set.
 """
 import dataclasses
 import datetime
@@ -187,9 +188,24 @@ def shares(n_pairs, world):
     return [[i for i in range(n_pairs) if i == 0 or (i - 1) % world == r] for r in range(world)]
 
 
-def run(model_specs, seqs, batch, dtype, backward, out=print, share=(0, 1)):
+def decode_lengths(seq, new_tokens):
+    """The cache lengths at which generating `new_tokens` after a `seq`-token prompt meets a
+    new decode key: decode attention keys bucket the cache length by the next power of two, so
+    the first new token, then the first length of each later bucket."""
+    last = seq + new_tokens
+    lengths = [seq + 1] if new_tokens > 0 else []
+    p = autotune.bucket(seq + 1)
+    while p < last:
+        lengths.append(p + 1)
+        p *= 2
+    return lengths
+
+
+def run(model_specs, seqs, batch, dtype, backward, out=print, share=(0, 1), generate=0):
     """Build each spec's model and step it at each sequence length; print a line per key
     resolved (searched, or found in the store or the shipped winners) and one per step.
+    generate > 0: after each step, also what generating that many tokens after the sequence
+    meets (the prompt with a KV cache, then a decoding step at each decode_lengths length).
     share (rank, world size): in a job of several ranks this rank steps its pairs of
     shares(); a key that several ranks meet is decided once (tiletune.distributed). Returns
     a Report."""
@@ -200,28 +216,41 @@ def run(model_specs, seqs, batch, dtype, backward, out=print, share=(0, 1)):
     t0 = time.perf_counter()
     if mine:
         precompile.warm()    # the compile workers start while the first model builds
-    _step(registry.models(), mine, batch, dtype, backward, out, report)
+    models = registry.models()
+    if generate and not hasattr(models, "model_generate"):
+        raise RuntimeError("tiletune: the registered model runner has no model_generate: "
+                           "it cannot tune generation (--generate)")
+    _step(models, mine, batch, dtype, backward, out, report, generate)
     report.wall_s = time.perf_counter() - t0
     return report
 
 
-def _step(models, pairs, batch, dtype, backward, out, report):
+def _step(models, pairs, batch, dtype, backward, out, report, generate=0):
     """Step each (spec, seq) pair, one model per spec, recording the keys each step resolved."""
+    def recorded(label, step, *args):
+        before = _resolved()
+        t = time.perf_counter()
+        step(*args)
+        recs = autotune.records()
+        new = [recs[op][key] for op, key in sorted(_resolved() - before, key=str)]
+        for rec in new:
+            out(record_line(rec))
+        report.records += new
+        out(f"{label}: {len(new)} new key{'' if len(new) == 1 else 's'} in "
+            f"{time.perf_counter() - t:.1f}s")
+
     for spec in dict.fromkeys(p[0] for p in pairs):
         my_seqs = [seq for s, seq in pairs if s is spec]
-        model = models.build_model(spec, max(my_seqs), dtype)
+        model = models.build_model(spec, max(my_seqs) + generate, dtype)
         try:
             for seq in my_seqs:
-                before = _resolved()
-                t = time.perf_counter()
-                models.model_step(model, batch, seq, backward)
-                recs = autotune.records()
-                new = [recs[op][key] for op, key in sorted(_resolved() - before, key=str)]
-                for rec in new:
-                    out(record_line(rec))
-                report.records += new
-                out(f"{spec.name} batch {batch} x seq {seq}: {len(new)} new "
-                    f"key{'' if len(new) == 1 else 's'} in {time.perf_counter() - t:.1f}s")
+                name = f"{spec.name} batch {batch} x seq {seq}"
+                recorded(name, models.model_step, model, batch, seq, backward)
+                if generate:
+                    lengths = decode_lengths(seq, generate)
+                    recorded(f"{name}, generating {generate} tokens (decoding at cache lengths "
+                             f"{', '.join(map(str, lengths))})",
+                             models.model_generate, model, batch, seq, lengths)
         finally:
             del model
             torch.cuda.empty_cache()

@@ -24,7 +24,8 @@ def ops():
 def models():
     """The registered case module that builds and steps a tiletune-patched transformers model of
     a `pretune.ModelSpec` (`build_model(spec, max_seq, dtype)`, `model_step(model, batch, seq,
-    backward)`): what `python -m tiletune tune` runs."""
+    backward)`, and for `--generate` `model_generate(model, batch, seq, cache_lengths)`): what
+    `python -m tiletune tune` runs."""
     for module in ops().values():
         if hasattr(module, "build_model") and hasattr(module, "model_step"):
             return module

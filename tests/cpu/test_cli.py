@@ -388,6 +388,31 @@ def test_each_familys_one_layer_model_builds_from_its_config(family):
     assert model(input_ids=ids, labels=ids, use_cache=False).loss.isfinite()
 
 
+def test_decode_lengths_step_once_per_decode_key():
+    """`tune --generate`'s decoding steps: the first new token, then the first cache length of
+    each later power-of-two bucket (the decode keys' tuning key), up to seq + new tokens."""
+    from tiletune import autotune, pretune
+    assert pretune.decode_lengths(1000, 3000) == [1001, 1025, 2049]
+    assert pretune.decode_lengths(1000, 25) == [1001, 1025]
+    assert pretune.decode_lengths(1000, 24) == [1001]
+    assert pretune.decode_lengths(1023, 1) == [1024]
+    assert pretune.decode_lengths(1024, 1) == [1025]
+    assert pretune.decode_lengths(1024, 31744) == [1025, 2049, 4097, 8193, 16385]
+    assert pretune.decode_lengths(4096, 0) == []
+    for seq, new in ((1, 5000), (777, 9000), (2048, 2048), (3, 1)):
+        lengths = pretune.decode_lengths(seq, new)
+        every = {autotune.bucket(n) for n in range(seq + 1, seq + new + 1)}
+        assert [autotune.bucket(n) for n in lengths] == sorted(every)   # one step a bucket
+        assert all(seq < n <= seq + new for n in lengths)
+
+
+def test_tune_generate_needs_a_count_of_at_least_one(capsys):
+    for bad in ("0", "-3", "x"):
+        with pytest.raises(SystemExit) as e:
+            main(["tune", "--preset", "llama3-8b", "--generate", bad])
+        assert e.value.code == 2 and "--generate: not an integer >= 1" in capsys.readouterr().err
+
+
 def test_tune_without_a_gpu_exits_2_and_says_why(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "store"))

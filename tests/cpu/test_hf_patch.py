@@ -360,6 +360,25 @@ def test_generation_with_cache_matches_hf(ops):
     assert ops["attention"] == 2 * 4
 
 
+def test_model_generate_steps_at_the_given_cache_lengths(ops, monkeypatch):
+    """`tune --generate`'s runner: the prompt with a KV cache, then one-token steps whose
+    attention sees exactly the asked cache lengths (the cache filled with random entries in
+    between), every layer."""
+    seen = []
+    attention = hf.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        seen.append((q.shape[0], q.shape[2], k.shape[2]))
+        return attention(q, k, v, **kw)
+    monkeypatch.setattr(hf, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    model = build("qwen3")
+    hf.apply_tiletune(model)
+    hf.model_generate(model, 2, 5, [6, 9, 17])
+    layers = model.config.num_hidden_layers
+    assert seen == [s for s in [(2, 5, 5), (2, 1, 6), (2, 1, 9), (2, 1, 17)] for _ in range(layers)]
+
+
 # ---------------------------------------------------------------------------------------------
 # Class level.
 

@@ -148,6 +148,11 @@ def _space_of(op, parts):
         return dict(td=fmha.head_tile(n[3]), sq=autotune.bucket(n[1]),
                     sk=autotune.bucket(n[2]), causal=parts[4] != "None",
                     packed=parts[4].startswith("packed"))
+    if op == "fmha_decode":                     # (B*Hkv, Sq, Sk, D, diagonal, group, lengths..)
+        from tiletune.ops import fmha
+        return dict(td=fmha.head_tile(n[3]), sq=n[1], sk=autotune.bucket(n[2]),
+                    kv_heads=autotune.bucket(n[0]), causal=parts[4] != "None",
+                    used=parts[6] == "True")
     if op == "grouped_mm":                                         # (E, K, N, T, ...)
         return dict(t=autotune.bucket(n[3]), e=n[0], k=n[1], n=n[2])
     if op == "grouped_mm_k":                                       # (E, M, N, T, ...)
@@ -365,9 +370,16 @@ def gpu(env, shipped, monkeypatch):
     def step(model, batch, seq, backward):
         test_engine.resolve(t, ("fwd", model.spec.hidden, batch * seq))
         test_engine.resolve(t, ("shared", model.spec.hidden))
-    monkeypatch.setattr(registry, "models",
-                        lambda: SimpleNamespace(build_model=build_model, model_step=step))
-    return SimpleNamespace(tuner=t, built=built, store=shipped.parent / "store", env=env)
+
+    def generate(model, batch, seq, lengths):
+        generated.append((seq, lengths))
+        for n in lengths:
+            test_engine.resolve(t, ("decode", batch, autotune.bucket(n)))
+    generated = []
+    monkeypatch.setattr(registry, "models", lambda: SimpleNamespace(
+        build_model=build_model, model_step=step, model_generate=generate))
+    return SimpleNamespace(tuner=t, built=built, store=shipped.parent / "store", env=env,
+                           generated=generated)
 
 
 def test_tune_prints_each_key_and_a_summary_and_saves_them(gpu, capsys):
@@ -398,6 +410,23 @@ def test_tune_prints_each_key_and_a_summary_and_saves_them(gpu, capsys):
     assert gpu.env.fake.calls == 0 and "forward only" in out[0]
     assert sum(line.startswith("store ") and "(in the store)" in line for line in out) == 3
     assert out[-1].startswith("0 keys tuned in 0.0s of search (3 already in the store, 0 shipped)")
+
+
+def test_tune_generate_steps_each_decode_bucket_after_each_prompt(gpu, capsys):
+    assert main(["tune", "--preset", "llama3.2-1b", "--seq", "1000", "3000", "--no-backward",
+                 "--generate", "3000"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("forward only, then generating 3000 tokens; store: "
+                           f"{gpu.store / store.DB_NAME}")
+    assert gpu.built == [("llama3.2-1b", 6000, torch.bfloat16)]     # positions up to seq + N
+    assert gpu.generated == [(1000, [1001, 1025, 2049]), (3000, [3001, 4097])]
+    lines = [line for line in out if "generating" in line and "new key" in line]
+    assert lines[0].startswith("llama3.2-1b batch 1 x seq 1000, generating 3000 tokens "
+                               "(decoding at cache lengths 1001, 1025, 2049): 3 new keys in")
+    assert lines[1].startswith("llama3.2-1b batch 1 x seq 3000, generating 3000 tokens "
+                               "(decoding at cache lengths 3001, 4097): 1 new key in")
+    decode = {k for k in store.entries()[gpu.tuner.name] if "decode" in k}
+    assert len(decode) == 4              # buckets 1024, 2048, 4096 and 8192, each once
 
 
 def test_tune_starts_the_compile_workers_before_building_the_first_model(gpu, monkeypatch):
