@@ -386,10 +386,11 @@ def _tune_job(args, path, rank, world):
     gpu = device.gpu_name(torch.cuda.current_device())
     arch = device.arch()
     seqs = list(dict.fromkeys(args.seq))
+    batches = list(dict.fromkeys(args.batch))
     lead, tag = rank == 0, (f"[rank {rank}] " if world > 1 else "")
     if lead:
         gpus = f"{world} x {gpu}" if world > 1 else gpu
-        print(f"tuning on {gpus} ({arch}) at batch {args.batch} x seq "
+        print(f"tuning on {gpus} ({arch}) at batch {', '.join(map(str, batches))} x seq "
               f"{', '.join(map(str, seqs))}, {args.dtype}, "
               f"{'forward only' if args.no_backward else 'forward + backward'}"
               f"{f', then generating {args.generate} tokens' if args.generate else ''}; "
@@ -398,7 +399,7 @@ def _tune_job(args, path, rank, world):
             print(f"  {spec.describe()}", flush=True)
     report, failed = pretune.Report(), None
     try:
-        report = pretune.run(args.specs, seqs, args.batch, pretune.DTYPES[args.dtype],
+        report = pretune.run(args.specs, seqs, batches, pretune.DTYPES[args.dtype],
                              not args.no_backward, out=lambda line: print(tag + line, flush=True),
                              share=(rank, world), generate=args.generate)
     except autotune.TuningFailedError as e:
@@ -506,13 +507,13 @@ def _tune_parser(sub):
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Build the model's family with one decoder layer and a small vocabulary\n"
                     "on this GPU, patch it with apply_tiletune, and run a forward and backward\n"
-                    "at each --seq: every op key of that shape is searched once and saved to\n"
-                    "the store (keys do not depend on the number of layers or the vocabulary);\n"
-                    "--generate N adds the keys of generating N tokens after each prompt.\n"
-                    "Under torchrun (torchrun --nproc_per_node N -m tiletune tune ...) every\n"
-                    "rank steps the first (model, --seq) pair, splitting each key's configs,\n"
-                    "then every N-th of the rest; rank 0 prints the job's summary and writes\n"
-                    "--export.",
+                    "at each --batch and --seq: every op key of that shape is searched once and\n"
+                    "saved to the store (keys do not depend on the number of layers or the\n"
+                    "vocabulary); --generate N adds the keys of generating N tokens after each\n"
+                    "prompt. Under torchrun (torchrun --nproc_per_node N -m tiletune tune ...)\n"
+                    "every rank steps the first (model, --batch, --seq) shape, splitting each\n"
+                    "key's configs, then every N-th of the rest; rank 0 prints the job's summary\n"
+                    "and writes --export.",
         epilog="presets:\n" + "\n".join(f"  {s.describe()}" for s in pretune.PRESETS.values()))
     t.add_argument("--preset", nargs="+", choices=list(pretune.PRESETS), metavar="NAME",
                    help=f"one or more of: {', '.join(pretune.PRESETS)}")
@@ -528,7 +529,8 @@ def _tune_parser(sub):
         t.add_argument(flag, type=_positive, metavar="N", help=what)
     t.add_argument("--seq", nargs="+", type=_positive, default=[4096], metavar="N",
                    help="sequence lengths, each tuned (default 4096)")
-    t.add_argument("--batch", type=_positive, default=1, metavar="N", help="batch (default 1)")
+    t.add_argument("--batch", nargs="+", type=_positive, default=[1], metavar="N",
+                   help="batch sizes, each tuned (default 1)")
     t.add_argument("--dtype", choices=list(pretune.DTYPES), default="bf16",
                    help="model dtype (default bf16)")
     t.add_argument("--no-backward", action="store_true",

@@ -9,8 +9,8 @@ key a training run of that shape meets is searched once and saved to the user's 
 run itself starts with zero searches; with `generate`, so is every key of generating that many
 tokens after the prompt (decode keys change with the cache length's power of two). `export`
 writes the winners in the shipped-file format (tiletune/store.py) that the package can carry as
-read-only defaults. Under torchrun the ranks share the (model, sequence length) pairs out
-(start_job, shares), each stepping its own with tiletune.distributed's process group set.
+read-only defaults. Under torchrun the ranks share the (model, batch, sequence length) steps
+out (start_job, shares), each stepping its own with tiletune.distributed's process group set.
 """
 import dataclasses
 import datetime
@@ -179,13 +179,13 @@ def _mine(record):
     return not record.agreement or record.agreement.get("by") == record.agreement.get("rank")
 
 
-def shares(n_pairs, world):
-    """[indices of the (model, sequence length) pairs] per rank of a job of `world`: pair 0 on
-    every rank, then pair i on rank (i - 1) mod world. Most of a cold run is the first pair's
-    compiles (later sequence lengths reuse them): stepping it together, the ranks meet its
-    keys at once and split each key's configs (tiletune.distributed); ranks that each stepped
-    a different first pair compiled the same kernels twice."""
-    return [[i for i in range(n_pairs) if i == 0 or (i - 1) % world == r] for r in range(world)]
+def shares(n_steps, world):
+    """[indices of the (model, batch, sequence length) steps] per rank of a job of `world`: step
+    0 on every rank, then step i on rank (i - 1) mod world. Most of a cold run is the first
+    step's compiles (later shapes reuse them): stepping it together, the ranks meet its keys at
+    once and split each key's configs (tiletune.distributed); ranks that each stepped a
+    different first step compiled the same kernels twice."""
+    return [[i for i in range(n_steps) if i == 0 or (i - 1) % world == r] for r in range(world)]
 
 
 def decode_lengths(seq, new_tokens):
@@ -201,17 +201,17 @@ def decode_lengths(seq, new_tokens):
     return lengths
 
 
-def run(model_specs, seqs, batch, dtype, backward, out=print, share=(0, 1), generate=0):
-    """Build each spec's model and step it at each sequence length; print a line per key
+def run(model_specs, seqs, batches, dtype, backward, out=print, share=(0, 1), generate=0):
+    """Build each spec's model and step it at each batch and sequence length; print a line per key
     resolved (searched, or found in the store or the shipped winners) and one per step.
     generate > 0: after each step, also what generating that many tokens after the sequence
     meets (the prompt with a KV cache, then a decoding step at each decode_lengths length).
-    share (rank, world size): in a job of several ranks this rank steps its pairs of
+    share (rank, world size): in a job of several ranks this rank steps its steps of
     shares(); a key that several ranks meet is decided once (tiletune.distributed). Returns
     a Report."""
     rank, world = share
-    pairs = [(spec, seq) for spec in model_specs for seq in seqs]
-    mine = [pairs[i] for i in shares(len(pairs), world)[rank]]
+    steps = [(spec, batch, seq) for spec in model_specs for batch in batches for seq in seqs]
+    mine = [steps[i] for i in shares(len(steps), world)[rank]]
     report = Report()
     t0 = time.perf_counter()
     if mine:
@@ -220,13 +220,13 @@ def run(model_specs, seqs, batch, dtype, backward, out=print, share=(0, 1), gene
     if generate and not hasattr(models, "model_generate"):
         raise RuntimeError("tiletune: the registered model runner has no model_generate: "
                            "it cannot tune generation (--generate)")
-    _step(models, mine, batch, dtype, backward, out, report, generate)
+    _step(models, mine, dtype, backward, out, report, generate)
     report.wall_s = time.perf_counter() - t0
     return report
 
 
-def _step(models, pairs, batch, dtype, backward, out, report, generate=0):
-    """Step each (spec, seq) pair, one model per spec, recording the keys each step resolved."""
+def _step(models, steps, dtype, backward, out, report, generate=0):
+    """Run each (spec, batch, seq) step, one model per spec, recording the keys each resolved."""
     def recorded(label, step, *args):
         before = _resolved()
         t = time.perf_counter()
@@ -239,11 +239,11 @@ def _step(models, pairs, batch, dtype, backward, out, report, generate=0):
         out(f"{label}: {len(new)} new key{'' if len(new) == 1 else 's'} in "
             f"{time.perf_counter() - t:.1f}s")
 
-    for spec in dict.fromkeys(p[0] for p in pairs):
-        my_seqs = [seq for s, seq in pairs if s is spec]
-        model = models.build_model(spec, max(my_seqs) + generate, dtype)
+    for spec in dict.fromkeys(p[0] for p in steps):
+        shapes = [(batch, seq) for s, batch, seq in steps if s is spec]
+        model = models.build_model(spec, max(seq for _, seq in shapes) + generate, dtype)
         try:
-            for seq in my_seqs:
+            for batch, seq in shapes:
                 name = f"{spec.name} batch {batch} x seq {seq}"
                 recorded(name, models.model_step, model, batch, seq, backward)
                 if generate:
@@ -265,7 +265,7 @@ def start_job(backend="nccl"):
     """(rank, world size) of the job `python -m tiletune tune` runs in: under torchrun
     (WORLD_SIZE > 1 in the environment) the process group is started here, on this rank's
     GPU (LOCAL_RANK), and set as tiletune's (tiletune.distributed), so the ranks share the
-    (spec, sequence length) pairs out and decide every key once; (0, 1) otherwise."""
+    (spec, batch, sequence length) steps out and decide every key once; (0, 1) otherwise."""
     import os
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:

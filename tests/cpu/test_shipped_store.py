@@ -412,6 +412,17 @@ def test_tune_prints_each_key_and_a_summary_and_saves_them(gpu, capsys):
     assert out[-1].startswith("0 keys tuned in 0.0s of search (3 already in the store, 0 shipped)")
 
 
+def test_tune_steps_every_batch_and_sequence_length_on_one_model(gpu, capsys):
+    assert main(["tune", "--preset", "llama3.2-1b", "--seq", "1024", "2048",
+                 "--batch", "1", "8", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("tuning on Fake H200 (sm_90) at batch 1, 8 x seq 1024, 2048, bf16")
+    assert [line.split(":")[0] for line in out if "new key" in line] == [
+        f"llama3.2-1b batch {b} x seq {s}" for b in (1, 8) for s in (1024, 2048)]
+    assert gpu.built == [("llama3.2-1b", 2048, torch.bfloat16)]
+    assert len(store.entries()[gpu.tuner.name]) == 5      # 4 token counts, 1 shared key
+
+
 def test_tune_generate_steps_each_decode_bucket_after_each_prompt(gpu, capsys):
     assert main(["tune", "--preset", "llama3.2-1b", "--seq", "1000", "3000", "--no-backward",
                  "--generate", "3000"]) == 0
@@ -482,8 +493,8 @@ def _job(monkeypatch, rank, world, other=None):
 
 def test_tune_in_a_job_steps_its_share_and_rank_0_reports_the_job(gpu, monkeypatch, tmp_path,
                                                                    capsys):
-    """Under torchrun every rank steps the first (model, sequence length) pair, then every
-    world-th of the others; rank 0 prints the header and the job's summary and exports every
+    """Under torchrun every rank steps the first (model, batch, sequence length) shape, then
+    every world-th of the others; rank 0 prints the header and the job's summary and exports every
     rank's rows once; the others print their own keys only."""
     assert pretune.shares(5, 2) == [[0, 1, 3], [0, 2, 4]]
     assert pretune.shares(1, 3) == [[0], [0], [0]] and pretune.shares(3, 1) == [[0, 1, 2]]
@@ -510,7 +521,7 @@ def test_tune_in_a_job_steps_its_share_and_rank_0_reports_the_job(gpu, monkeypat
     assert re.match(r"5 keys tuned in \d+\.\ds of search on 2 ranks \(0 already in the store, "
                     r"0 shipped\); 99\.0s in all", out[-2])
     assert out[-1].startswith(f"exported 3 entries to {path}")     # rank 1's row: one of these
-    # rank 1: the first pair, then its share; no header, no summary, no export
+    # rank 1: the first shape, then its share; no header, no summary, no export
     autotune.clear_cache()
     gpu.built.clear()
     steps.clear()

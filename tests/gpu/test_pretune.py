@@ -26,7 +26,7 @@ def generate(new_tokens):
 
 
 def test_tune_generate_leaves_generation_nothing_to_search(fresh):
-    report = pretune.run([SPEC], [PROMPT], BATCH, torch.bfloat16, backward=False,
+    report = pretune.run([SPEC], [PROMPT], [BATCH], torch.bfloat16, backward=False,
                          out=lambda line: None, generate=NEW)
     decode = [r.key for r in report.records if r.op == "fmha_decode"]
     # cache lengths 101-300: the tuning keys' buckets 128, 256 and 512, one search each
