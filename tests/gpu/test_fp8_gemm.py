@@ -9,7 +9,7 @@ signatures against the JIT's."""
 import pytest
 import torch
 
-from tiletune.device import sm_count
+from tiletune.device import persistent_ctas, sm_count
 from tiletune.ops import fp8_gemm as F8
 from tiletune.ops.fp8_gemm import fp8_mm, quantize_fp8, quantize_fp8_reference
 
@@ -406,29 +406,40 @@ def test_row_quantizer_two_pass_every_config(fresh, monkeypatch):
         assert torch.equal(s, rs) and same_bits(q, rq), vars(cfg)
 
 
-@pytest.mark.parametrize("granularity", ["block128x128", "tensor"])
+def _row_major_tiles(granularity, cfg, M, K):
+    """The tiles a quantizer's persistent grid strides over, for a row-major (M, K) x."""
+    if granularity == "row":
+        return -(-M // cfg.tr)
+    rows = F8.BLOCK if granularity == "block128x128" else cfg.tr
+    cols = cfg.tc if granularity == "tensor" else cfg.g * F8.BLOCK
+    return -(-M // rows) * -(-K // cols)
+
+
+@pytest.mark.parametrize("granularity", F8.GRANULARITIES)
 def test_quantize_every_config_strides_over_many_tiles(fresh, monkeypatch, granularity):
-    """The 128x128 and tensorwise quantizers on persistent grids: more tiles than CTAs at any
-    config (each CTA loops), ragged on both dims (partial blocks, 128x128 chunks past the last
-    row skipped), both layouts, the largest |x| in the last tile (the tensorwise amax reduces
-    across CTAs); every config bit-exact, then a NaN in the last tile reaches the scales."""
-    xs = [quant_input(2999, 4100, BF16), quant_input(2999, 4100, BF16, transposed=True)]
-    tuners = {"block128x128": [F8._quantize_128x128],
-              "tensor": [F8._tensor_amax, F8._quantize_tensor]}[granularity]
+    """Every quantizer on persistent grids where each CTA makes many trips of its tile loop
+    (tileiras 13.4 built TMA loops of other kernels that went wrong only there:
+    references/hardware-constraints.md), ragged on both dims (partial blocks, 128x128 chunks
+    past the last row skipped), both layouts, the largest |x| in the last tile (the tensorwise
+    amax reduces across CTAs); every config bit-exact, then a NaN in the last tile reaches the
+    scales."""
+    M, K = 12001, 4100
+    xs = [quant_input(M, K, BF16), quant_input(M, K, BF16, transposed=True)]
+    tuners = {"tensor": [F8._tensor_amax, F8._quantize_tensor], "row": [F8._quantize_row],
+              "block1x128": [F8._quantize_1x128], "block128x128": [F8._quantize_128x128]}
     for x in xs:
         x[-1, -1] = 1e6                                 # above everything quant_input draws
         rq, rs = quantize_fp8_reference(x, granularity)
         col = x.stride(0) == 1
-        for tuner in tuners:
-            space = dict(m=4096, k=4100, col=col) if tuner in F8.LAYOUT_TUNERS \
-                else dict(m=4096, k=4100)
+        for tuner in tuners[granularity]:
+            space = dict(m=M, k=K, col=col) if tuner in F8.LAYOUT_TUNERS else dict(m=M, k=K)
             for cfg in each_config(monkeypatch, tuner, list(tuner.configs("sm_90", **space))):
                 poison_allocator(torch)
                 q, s = quantize_fp8(x, granularity)
                 assert torch.equal(s, rs) and same_bits(q, rq), (col, vars(cfg))
-                rows, cols = (128, 128 * cfg.g) if granularity == "block128x128" else \
-                    (cfg.tr, cfg.tc)
-                assert -(-2999 // rows) * -(-4100 // cols) > sm_count(0) * cfg.occupancy
+                if not col:
+                    tiles = _row_major_tiles(granularity, cfg, M, K)
+                    assert tiles >= 3 * persistent_ctas(tiles, 0, cfg.occupancy), vars(cfg)
         x[-1, -1] = float("nan")
         q, s = quantize_fp8(x, granularity)
         rq, rs = quantize_fp8_reference(x, granularity)

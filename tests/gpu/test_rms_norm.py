@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import tiletune
-from tiletune.ops import rms_norm as R
+from tiletune.device import persistent_ctas
+from tiletune.ops import partials, rms_norm as R
 from tiletune.ops.rms_norm import rms_norm
 from tiletune.space import row_chunks
 
-from .conftest import assert_pair_agrees, poison_allocator, run_example_pair
+from .conftest import assert_pair_agrees, each_config, poison_allocator, run_example_pair
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}   # relative norm error
 
@@ -67,6 +68,27 @@ SHAPES = [(1, 1), (3, 7), (5, 1000), (37, 4096), (2, 3, 8192), (17, 16384), (9, 
 def test_tuned(fresh, shape, dt):
     check(shape, dt, dt)
     assert R._fwd.searches == 1
+
+
+# Every config of each kernel (the others on their defaults), not only the searches' winners, on
+# grids where a persistent CTA makes many trips of its tile loop: tileiras 13.4 built TMA loops
+# of other kernels that went wrong only there (references/hardware-constraints.md).
+EVERY = [("fwd", (20011, 4096)), ("fwd", (8001, 20000)), ("bwd", (20011, 4096)),
+         ("bwd_coef", (8001, 20000)), ("bwd_cols", (8001, 20000)), ("column_sum", (20011, 4096))]
+TUNERS = {"fwd": R._fwd, "bwd": R._bwd, "bwd_coef": R._bwd_coef, "bwd_cols": R._bwd_cols,
+          "column_sum": partials._column_sum}
+
+
+@pytest.mark.parametrize("kernel,shape", EVERY, ids=str)
+def test_every_config_is_correct(fresh, monkeypatch, kernel, shape):
+    tuner = TUNERS[kernel]
+    space = list(tuner.configs("sm_90", n_cols=shape[-1]))
+    for cfg in each_config(monkeypatch, tuner, space):
+        check(shape, torch.bfloat16, torch.bfloat16, grad=kernel != "fwd")
+        assert [c for c, _ in tuner.cache.values()] == [cfg], vars(cfg)
+        if kernel in ("fwd", "bwd", "bwd_coef") and getattr(cfg, "persistent", True):
+            tiles = -(-shape[0] // getattr(cfg, "tile_m", 1))
+            assert tiles >= 3 * persistent_ctas(tiles, 0, cfg.occupancy), vars(cfg)
 
 
 # Default configs (DISABLE_AUTOTUNE=1): every shape x every dtype.

@@ -2,9 +2,11 @@
 import pytest
 import torch
 
+from tiletune.device import persistent_ctas
+from tiletune.ops import rms_norm_rope as F
 from tiletune.ops.rms_norm_rope import rms_norm_rope
 
-from .conftest import disable_autotune
+from .conftest import disable_autotune, each_config
 from .test_rope import TOL, make, reference as rope_reference, rel
 
 
@@ -22,11 +24,7 @@ RUNS = ([(c, dt, True) for c in CASES for dt in (torch.float32, torch.bfloat16)]
         [(CASES[1], torch.float16, True), (CASES[1], torch.float32, False)])
 
 
-@pytest.mark.parametrize("case,dt,disable", RUNS,
-                         ids=[f"{c}-{dt}-{'DISABLE_AUTOTUNE' if d else 'tuned'}" for c, dt, d in RUNS])
-def test_forward_backward(fresh, monkeypatch, case, dt, disable):
-    if disable:
-        disable_autotune(monkeypatch)
+def check(case, dt):
     B, Hq, Hk, S, D, R_, with_pos = case
     q, k, cos, sin = make(B, Hq, Hk, S, D, R_, dt, rows=S + 3)
     wq = torch.rand(D, device="cuda", dtype=dt) + 0.5
@@ -42,6 +40,32 @@ def test_forward_backward(fresh, monkeypatch, case, dt, disable):
     want = torch.autograd.grad((rq, rk), ref_leaves, (dq.double(), dk.double()))
     for g, w in zip(got, want):
         assert rel(g, w) < 2 * TOL[dt]
+
+
+@pytest.mark.parametrize("case,dt,disable", RUNS,
+                         ids=[f"{c}-{dt}-{'DISABLE_AUTOTUNE' if d else 'tuned'}" for c, dt, d in RUNS])
+def test_forward_backward(fresh, monkeypatch, case, dt, disable):
+    if disable:
+        disable_autotune(monkeypatch)
+    check(case, dt)
+
+
+# Every config of the forward and of the backward (the other on its default) on grids where a
+# persistent CTA makes many trips of its position loop: tileiras 13.4 built TMA loops of other
+# kernels that went wrong only there (references/hardware-constraints.md).
+MANY_TRIPS = [(4, 32, 8, 4096, 128, 128, False), (2, 7, 1, 3001, 80, 40, True)]
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
+@pytest.mark.parametrize("case", MANY_TRIPS, ids=str)
+def test_every_config_is_correct(fresh, monkeypatch, case, kernel):
+    tuner = F._fwd if kernel == "fwd" else F._bwd
+    B, Hq, Hk, S, D, R_, _ = case
+    for cfg in each_config(monkeypatch, tuner, list(F.fused_configs("sm_90", Hq + Hk, R_))):
+        check(case, torch.bfloat16)
+        assert [c for c, _ in tuner.cache.values()] == [cfg], vars(cfg)
+        if cfg.persistent:
+            assert B * S >= 3 * persistent_ctas(B * S, 0, cfg.occupancy), vars(cfg)
 
 
 @pytest.mark.parametrize("wdt", [torch.float32, torch.float16], ids=str)
