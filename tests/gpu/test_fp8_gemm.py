@@ -144,6 +144,30 @@ def test_every_config_is_correct(fresh, monkeypatch, fast):
                 assert d < (FAST_LIMIT if fast else LIMIT), (scaling, vars(cfg), sa_i.stride(), d)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast_accum"])
+def test_persistent_configs_loop_over_many_tiles(fresh, monkeypatch, fast):
+    """Each persistent config of both kernels where every CTA (or cluster) makes at least three
+    trips of its tile loop (tileiras 13.4 built TMA loops of other kernels that went wrong only
+    there: references/hardware-constraints.md); rowwise, and block scaling in its one mode."""
+    M, N, K = 4001, 4999, 1024
+    runs = [("rowwise", F8._scaled_tuner, F8.fp8_configs("sm_90", M, N, K, fast=fast))]
+    if not fast:
+        runs.append(("block 1x128 x 128x128", F8._block_tuner,
+                     F8.fp8_block_configs("sm_90", M, N, K)))
+    for scaling, tuner, space in runs:
+        a, b, sa, sb = operands(M, N, K, scaling)
+        ref = reference(a, b, sa, sb)
+        cfgs = [c for c in space if c.persistent]
+        assert cfgs
+        for cfg in each_config(monkeypatch, tuner, cfgs):
+            poison_allocator(torch)
+            d = diff(fp8_mm(a, b, sa, sb, fast_accum=fast), ref)
+            assert d < (FAST_LIMIT if fast else LIMIT), (scaling, vars(cfg), d)
+            tiles = -(-M // cfg.tm) * -(-N // cfg.tn)
+            assert tiles >= 3 * persistent_ctas(tiles, 0, cfg.occupancy, cfg.num_ctas), \
+                vars(cfg)
+
+
 @pytest.mark.parametrize("scaling, fast",            # block scaling has one mode: exact's run
                          [(s, f) for s in SCALINGS for f in (False, True)
                           if not (f and s.startswith("block"))])

@@ -134,6 +134,23 @@ def test_every_config_is_correct(fresh, monkeypatch, shape):
         assert all(c is cfg for c, _ in G._gated.cache.values()), vars(cfg)
 
 
+def test_persistent_configs_loop_over_many_tiles(fresh, monkeypatch):
+    """Each persistent config (inference and training kernels) where every CTA (or cluster)
+    makes at least three trips of its tile loop (tileiras 13.4 built TMA loops of other kernels
+    that went wrong only there: references/hardware-constraints.md)."""
+    M, N, K = 6001, 1999, 1000
+    x, wg, wu = make((M,), N, K, BF16)
+    cfgs = [c for c in G.configs("sm_90", M, N, K) if c.persistent]
+    assert cfgs
+    for cfg in each_config(monkeypatch, G._gated, cfgs):
+        check(x, wg, wu, needs=(False, False, False))
+        check(x, wg, wu, needs=(True, False, False))
+        assert all(c is cfg for c, _ in G._gated.cache.values()), vars(cfg)
+        tiles = -(-M // cfg.tm) * -(-N // cfg.tn)
+        assert tiles >= 3 * device.persistent_ctas(tiles, 0, cfg.occupancy, cfg.num_ctas), \
+            vars(cfg)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", [((300,), 1001, 1000), ((2, 65), 448, 512), ((13,), 448, 520)],
                          ids=str)

@@ -7,6 +7,7 @@ import cuda.tile as ct
 import pytest
 import torch
 
+from tiletune.device import persistent_ctas
 from tiletune.ops import grouped_gemm as GG
 from tiletune.ops.grouped_gemm import grouped_mm
 from tiletune.space import cdiv
@@ -140,6 +141,24 @@ def test_every_config_is_correct(fresh, monkeypatch):
                            list(GG.k_grouped_configs("sm_90", 1024, 6, 270, 333))):
         poison_allocator(torch)
         assert rel(grouped_mm(dy.t(), x, offs), k_ref) < TOL[torch.bfloat16], vars(cfg)
+
+
+def test_every_config_loops_over_many_tiles(fresh, monkeypatch):
+    """Each config of the sm_90 space (every launch is persistent) where every CTA (or cluster)
+    makes at least three trips of its work-item loop (tileiras 13.4 built TMA loops of other
+    kernels that went wrong only there: references/hardware-constraints.md); groups that start
+    mid-tile and an empty one."""
+    c = [1999, 0, 2501, 1, 3000, 2499, 3000, 3000]
+    T, K, N = sum(c), 1000, 1999
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    w = weight(len(c), K, N, torch.bfloat16, True)
+    offs = offsets(c)
+    ref = reference(x, w, c)
+    for cfg in each_config(monkeypatch, GG._grouped, every_m_config(K, N)):
+        poison_allocator(torch)
+        assert rel(grouped_mm(x, w, offs), ref) < TOL[torch.bfloat16], vars(cfg)
+        items = sum(-(-n // cfg.tm) for n in c) * -(-N // cfg.tn)
+        assert items >= 3 * persistent_ctas(items, 0, cfg.occupancy, cfg.num_ctas), vars(cfg)
 
 
 def test_the_table_walk_on_every_split(fresh, monkeypatch):

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from tiletune.device import persistent_ctas
 from tiletune.ops import matmul as MM
 from tiletune.ops.matmul import matmul
 
@@ -65,6 +66,24 @@ def test_every_config_is_correct(fresh, monkeypatch, M, K):
         if M != 100:
             poison_allocator(torch)
             assert rel(matmul(a[1], b[1]), ref[1]) < TOL[torch.bfloat16], ("2-D", vars(cfg))
+
+
+def test_persistent_configs_loop_over_many_tiles(fresh, monkeypatch):
+    """Each persistent config of the sm_90 space where every CTA (or cluster) makes at least
+    three trips of its tile loop, so the loads of a CTA's next tile overlap the one before
+    (tileiras 13.4 built TMA loops of other kernels that went wrong only there:
+    references/hardware-constraints.md); ragged in M and N, batched."""
+    Z, M, N, K = 4, 2000, 1999, 1000
+    a = torch.randn(Z, M, K, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(Z, K, N, device="cuda", dtype=torch.bfloat16)
+    ref = a.float() @ b.float()
+    cfgs = [c for c in MM.matmul_configs("sm_90", M, N, K, Z) if c.persistent]
+    assert cfgs
+    for cfg in each_config(monkeypatch, MM._matmul, cfgs):
+        poison_allocator(torch)
+        assert rel(matmul(a, b), ref) < TOL[torch.bfloat16], vars(cfg)
+        tiles = Z * -(-M // cfg.tm) * -(-N // cfg.tn)
+        assert tiles >= 3 * persistent_ctas(tiles, 0, cfg.occupancy, cfg.num_ctas), vars(cfg)
 
 
 def test_two_d_and_batch_of_one_share_a_key(fresh):
