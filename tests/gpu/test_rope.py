@@ -90,10 +90,13 @@ def test_forward_backward(fresh, monkeypatch, case, dt, disable):
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
-@pytest.mark.parametrize("shape", [(2, 8, 2, 423, 80, 40), (1, 32, 8, 77, 128, 128)], ids=str)
+@pytest.mark.parametrize("shape", [(2, 8, 2, 423, 80, 40), (1, 32, 8, 77, 128, 128),
+                                   (4, 32, 8, 2047, 128, 128)], ids=str)
 def test_every_config_is_correct(fresh, monkeypatch, shape, inplace):
     """Not only the winner: each config of the space (positions per tile over a ragged S,
-    persistent grids) rotates correctly."""
+    persistent grids; at 4 x 2047 positions each persistent CTA makes 7 or more trips of its
+    loop, where tileiras 13.4 built TMA variants of this kernel that went wrong:
+    references/hardware-constraints.md) rotates correctly."""
     B, Hq, Hk, S, D, R_ = shape
     q, k, cos, sin = make(B, Hq, Hk, S, D, R_, torch.bfloat16)
     rq, rk = reference(q, k, cos, sin, None, R_)
