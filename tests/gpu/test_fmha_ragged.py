@@ -10,7 +10,7 @@ import torch
 import tiletune
 from tiletune.ops import fmha as FM
 
-from .conftest import disable_autotune, poison_allocator, tuned_or_disabled
+from .conftest import disable_autotune, each_config, poison_allocator, tuned_or_disabled
 from .test_fmha import TOL, check, check_grads, make, reference, rel
 
 
@@ -117,6 +117,28 @@ def test_decode_forward(fresh, monkeypatch, case, disable):
         n = searches()
         check_decode(q, k, v, causal)
         assert searches() == n
+
+
+# Every config of the decode space (split kernels of every tile and split count, the plain
+# forward), not only the searches' winners, on caches long enough that a split loops over many
+# key tiles; with seqused_k, the space for cache lengths (no plain entry).
+DECODE_EVERY = [(2, 32, 8, 1, 8193, 128, True, torch.bfloat16, None),
+                (3, 8, 1, 1, 4097, 64, False, torch.float16, None),
+                (2, 16, 4, 5, 3000, 128, True, torch.bfloat16, [2999, 1234])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", DECODE_EVERY, ids=str)
+def test_decode_every_config_is_correct(fresh, monkeypatch, case):
+    B, hq, hkv, sq, sk, d, causal, dt, lens = case
+    q, k, v = make(B, hq, hkv, sq, sk, d, dt)
+    space = list(FM.decode_configs("sm_90", FM.head_tile(d), sq, sk, kv_heads=B * hkv,
+                                   causal=causal, used=lens is not None))
+    assert {c.kind for c in space} == ({"split"} if lens else {"split", "plain"})
+    assert any(c.splits == 1 for c in space) and any(c.splits >= 16 for c in space)
+    for cfg in each_config(monkeypatch, FM._decode, space):
+        check_decode(q, k, v, causal, lens)
+        assert [c for c, _ in FM._decode.cache.values()] == [cfg], vars(cfg)
 
 
 @pytest.mark.parametrize("sq", [1, 7])
