@@ -56,6 +56,16 @@ def each_config(monkeypatch, tuner, space):
         yield cfg
 
 
+def assert_each_cta_loops(tiles, cfg, trips=3):
+    """A persistent grid over `tiles` at cfg's occupancy (in clusters of cfg.num_ctas CTAs)
+    gives each CTA or cluster at least `trips` tiles: the every-config tests' shapes where a
+    CTA's tile loop wraps (tileiras 13.4 built TMA loops that went wrong only there:
+    references/hardware-constraints.md)."""
+    from tiletune.device import persistent_ctas
+    ctas = persistent_ctas(tiles, 0, cfg.occupancy, getattr(cfg, "num_ctas", 1))
+    assert tiles >= trips * ctas, (tiles, ctas, vars(cfg))
+
+
 def poison_allocator(torch):
     """Make the caching allocator hand out NaN-filled memory, so unwritten outputs show up.
     - Cached blocks go back to the driver first: the block a previous output freed (in an

@@ -9,11 +9,12 @@ signatures against the JIT's."""
 import pytest
 import torch
 
-from tiletune.device import persistent_ctas, sm_count
+from tiletune.device import sm_count
 from tiletune.ops import fp8_gemm as F8
 from tiletune.ops.fp8_gemm import fp8_mm, quantize_fp8, quantize_fp8_reference
+from tiletune.space import cdiv
 
-from .conftest import disable_autotune, each_config, poison_allocator
+from .conftest import assert_each_cta_loops, disable_autotune, each_config, poison_allocator
 
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
 # DeepGEMM's measure against the float64 product of the dequantized operands. With float32
@@ -163,9 +164,7 @@ def test_persistent_configs_loop_over_many_tiles(fresh, monkeypatch, fast):
             poison_allocator(torch)
             d = diff(fp8_mm(a, b, sa, sb, fast_accum=fast), ref)
             assert d < (FAST_LIMIT if fast else LIMIT), (scaling, vars(cfg), d)
-            tiles = -(-M // cfg.tm) * -(-N // cfg.tn)
-            assert tiles >= 3 * persistent_ctas(tiles, 0, cfg.occupancy, cfg.num_ctas), \
-                vars(cfg)
+            assert_each_cta_loops(cdiv(M, cfg.tm) * cdiv(N, cfg.tn), cfg)
 
 
 @pytest.mark.parametrize("scaling, fast",            # block scaling has one mode: exact's run
@@ -433,10 +432,10 @@ def test_row_quantizer_two_pass_every_config(fresh, monkeypatch):
 def _row_major_tiles(granularity, cfg, M, K):
     """The tiles a quantizer's persistent grid strides over, for a row-major (M, K) x."""
     if granularity == "row":
-        return -(-M // cfg.tr)
+        return cdiv(M, cfg.tr)
     rows = F8.BLOCK if granularity == "block128x128" else cfg.tr
     cols = cfg.tc if granularity == "tensor" else cfg.g * F8.BLOCK
-    return -(-M // rows) * -(-K // cols)
+    return cdiv(M, rows) * cdiv(K, cols)
 
 
 @pytest.mark.parametrize("granularity", F8.GRANULARITIES)
@@ -462,8 +461,7 @@ def test_quantize_every_config_strides_over_many_tiles(fresh, monkeypatch, granu
                 q, s = quantize_fp8(x, granularity)
                 assert torch.equal(s, rs) and same_bits(q, rq), (col, vars(cfg))
                 if not col:
-                    tiles = _row_major_tiles(granularity, cfg, M, K)
-                    assert tiles >= 3 * persistent_ctas(tiles, 0, cfg.occupancy), vars(cfg)
+                    assert_each_cta_loops(_row_major_tiles(granularity, cfg, M, K), cfg)
         x[-1, -1] = float("nan")
         q, s = quantize_fp8(x, granularity)
         rq, rs = quantize_fp8_reference(x, granularity)

@@ -19,8 +19,9 @@ import tiletune
 from tiletune import device
 from tiletune.ops import gated_mlp as G
 from tiletune.ops.gated_mlp import swiglu_linear
+from tiletune.space import cdiv
 
-from .conftest import disable_autotune, each_config, poison_allocator
+from .conftest import assert_each_cta_loops, disable_autotune, each_config, poison_allocator
 
 BF16, F16 = torch.bfloat16, torch.float16
 # Outputs: relative Frobenius error against the float32 reference rounded to the output's dtype
@@ -146,9 +147,7 @@ def test_persistent_configs_loop_over_many_tiles(fresh, monkeypatch):
         check(x, wg, wu, needs=(False, False, False))
         check(x, wg, wu, needs=(True, False, False))
         assert all(c is cfg for c, _ in G._gated.cache.values()), vars(cfg)
-        tiles = -(-M // cfg.tm) * -(-N // cfg.tn)
-        assert tiles >= 3 * device.persistent_ctas(tiles, 0, cfg.occupancy, cfg.num_ctas), \
-            vars(cfg)
+        assert_each_cta_loops(cdiv(M, cfg.tm) * cdiv(N, cfg.tn), cfg)
 
 
 @pytest.mark.slow

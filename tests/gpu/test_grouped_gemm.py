@@ -7,12 +7,11 @@ import cuda.tile as ct
 import pytest
 import torch
 
-from tiletune.device import persistent_ctas
 from tiletune.ops import grouped_gemm as GG
 from tiletune.ops.grouped_gemm import grouped_mm
 from tiletune.space import cdiv
 
-from .conftest import disable_autotune, each_config, poison_allocator
+from .conftest import assert_each_cta_loops, disable_autotune, each_config, poison_allocator
 
 # Relative Frobenius error against the float32 reference rounded to the output's dtype: what
 # is left is float32 accumulation order, at most 1.6e-4 (bf16) and 5.6e-5 (fp16) for every
@@ -157,8 +156,7 @@ def test_every_config_loops_over_many_tiles(fresh, monkeypatch):
     for cfg in each_config(monkeypatch, GG._grouped, every_m_config(K, N)):
         poison_allocator(torch)
         assert rel(grouped_mm(x, w, offs), ref) < TOL[torch.bfloat16], vars(cfg)
-        items = sum(-(-n // cfg.tm) for n in c) * -(-N // cfg.tn)
-        assert items >= 3 * persistent_ctas(items, 0, cfg.occupancy, cfg.num_ctas), vars(cfg)
+        assert_each_cta_loops(sum(cdiv(n, cfg.tm) for n in c) * cdiv(N, cfg.tn), cfg)
 
 
 def test_the_table_walk_on_every_split(fresh, monkeypatch):

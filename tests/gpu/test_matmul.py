@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from tiletune.device import persistent_ctas
 from tiletune.ops import matmul as MM
 from tiletune.ops.matmul import matmul
+from tiletune.space import cdiv
 
-from .conftest import disable_autotune, each_config, poison_allocator
+from .conftest import assert_each_cta_loops, disable_autotune, each_config, poison_allocator
 
 # Relative Frobenius error against the float32 reference rounded to the output's dtype: what
 # is left is float32 accumulation order, at most 1.6e-4 (bf16) and 5.6e-5 (fp16) for every
@@ -82,8 +82,7 @@ def test_persistent_configs_loop_over_many_tiles(fresh, monkeypatch):
     for cfg in each_config(monkeypatch, MM._matmul, cfgs):
         poison_allocator(torch)
         assert rel(matmul(a, b), ref) < TOL[torch.bfloat16], vars(cfg)
-        tiles = Z * -(-M // cfg.tm) * -(-N // cfg.tn)
-        assert tiles >= 3 * persistent_ctas(tiles, 0, cfg.occupancy, cfg.num_ctas), vars(cfg)
+        assert_each_cta_loops(Z * cdiv(M, cfg.tm) * cdiv(N, cfg.tn), cfg)
 
 
 def test_two_d_and_batch_of_one_share_a_key(fresh):

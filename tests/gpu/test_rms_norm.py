@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import tiletune
-from tiletune.device import persistent_ctas
 from tiletune.ops import partials, rms_norm as R
 from tiletune.ops.rms_norm import rms_norm
-from tiletune.space import row_chunks
+from tiletune.space import cdiv, row_chunks
 
-from .conftest import assert_pair_agrees, each_config, poison_allocator, run_example_pair
+from .conftest import (assert_each_cta_loops, assert_pair_agrees, each_config, poison_allocator,
+                       run_example_pair)
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}   # relative norm error
 
@@ -87,8 +87,7 @@ def test_every_config_is_correct(fresh, monkeypatch, kernel, shape):
         check(shape, torch.bfloat16, torch.bfloat16, grad=kernel != "fwd")
         assert [c for c, _ in tuner.cache.values()] == [cfg], vars(cfg)
         if kernel in ("fwd", "bwd", "bwd_coef") and getattr(cfg, "persistent", True):
-            tiles = -(-shape[0] // getattr(cfg, "tile_m", 1))
-            assert tiles >= 3 * persistent_ctas(tiles, 0, cfg.occupancy), vars(cfg)
+            assert_each_cta_loops(cdiv(shape[0], getattr(cfg, "tile_m", 1)), cfg)
 
 
 # Default configs (DISABLE_AUTOTUNE=1): every shape x every dtype.

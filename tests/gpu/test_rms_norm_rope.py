@@ -2,11 +2,10 @@
 import pytest
 import torch
 
-from tiletune.device import persistent_ctas
 from tiletune.ops import rms_norm_rope as F
 from tiletune.ops.rms_norm_rope import rms_norm_rope
 
-from .conftest import disable_autotune, each_config
+from .conftest import assert_each_cta_loops, disable_autotune, each_config
 from .test_rope import TOL, make, reference as rope_reference, rel
 
 
@@ -65,7 +64,7 @@ def test_every_config_is_correct(fresh, monkeypatch, case, kernel):
         check(case, torch.bfloat16)
         assert [c for c, _ in tuner.cache.values()] == [cfg], vars(cfg)
         if cfg.persistent:
-            assert B * S >= 3 * persistent_ctas(B * S, 0, cfg.occupancy), vars(cfg)
+            assert_each_cta_loops(B * S, cfg)
 
 
 @pytest.mark.parametrize("wdt", [torch.float32, torch.float16], ids=str)
