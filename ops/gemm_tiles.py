@@ -47,9 +47,11 @@ def tile_grid(cfg, dev, rows, cols):
 
 def layout(t):
     """'row' if the last dim has unit stride, 'col' if the middle one has, else 'strided' (a
-    part of every GEMM key: each layout is its own JIT specialization)."""
-    if t.stride(-1) == 1:
+    part of every GEMM key: each layout is its own JIT specialization). (One stride() tuple:
+    stride(i) costs more host time.)"""
+    strides = t.stride()
+    if strides[-1] == 1:
         return "row"
-    if t.stride(-2) == 1:
+    if strides[-2] == 1:
         return "col"
     return "strided"

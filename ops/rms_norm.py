@@ -245,10 +245,12 @@ _bwd_cols = Autotuner(
 TUNERS = (_fwd, _bwd, _bwd_coef, _bwd_cols)
 
 
-def launch_fwd(x, w, y, rstd, eps):
+def launch_fwd(x, w, y, rstd, eps, M=None, N=None):
     """y, rstd = rms_norm(x (M, N), w); rstd None: y alone. (The hot path of every call: the
-    sizes travel with the inputs so the grid and arguments need not read them again.)"""
-    M, N = x.shape
+    sizes travel with the inputs so the grid and arguments need not read them again; a caller
+    that has them passes M and N.)"""
+    if M is None:
+        M, N = x.shape
     dev = x.get_device()
     if rstd is None:
         rstd = _NO_RSTD.get(x, dev, M)
@@ -282,8 +284,7 @@ _MAX_CHUNK_ELEMS = INT32_MAX   # kernels index with int32: launch at most this m
 
 def _check(x, weight, eps):
     """eps as a float; the errors name rms_norm and the argument."""
-    validate.tensor("rms_norm", "x", x)
-    validate.tensor("rms_norm", "weight", weight, like=x)
+    validate.pair("rms_norm", "x", x, "weight", weight)
     N = x.shape[-1] if x.dim() >= 1 else 0
     if N == 0:
         raise ValueError("rms_norm: x must have a last dimension (the hidden size) of at "
@@ -301,23 +302,24 @@ def _forward(x, weight, eps, keep_rstd=True):
     """(y, rstd): y like x, rstd float32 with one value per row (keep_rstd False: None)."""
     # y in x's shape, the kernel writing its rows (a view made here could not be changed in
     # place under autograd); new_empty with int sizes: the cheapest allocation
+    # (strides read as stride()[i]: stride(i) costs more host time)
     if x.dim() == 2:              # the common case: no reshape and no view (host time)
         M, N = x.shape
-        x2 = x if x.stride(1) == 1 else x.contiguous()
+        x2 = x if x.stride()[1] == 1 else x.contiguous()
         y = y_out = x.new_empty(M, N)
     else:
         N = x.shape[-1]
         x2 = x.reshape(-1, N)
-        if x2.stride(-1) != 1:
+        if x2.stride()[1] != 1:
             x2 = x2.contiguous()
         M = x2.shape[0]
         y_out = x.new_empty(*x.shape)
         y = y_out.view(M, N)
     rstd = x2.new_empty(M, dtype=torch.float32) if keep_rstd else None
     if M and N:
-        w = weight if weight.stride(0) == 1 else weight.contiguous()
+        w = weight if weight.stride()[0] == 1 else weight.contiguous()
         if M * N <= _MAX_CHUNK_ELEMS:
-            launch_fwd(x2, w, y, rstd, eps)
+            launch_fwd(x2, w, y, rstd, eps, M, N)
         else:
             for s, e in row_chunks(M, N):
                 launch_fwd(x2[s:e], w, y[s:e], None if rstd is None else rstd[s:e], eps)
@@ -330,15 +332,15 @@ def _backward(dy, x, weight, rstd):
     N = x.shape[-1]
     x2 = x if two_d else x.reshape(-1, N)
     dy2 = dy if dy.dim() == 2 else dy.reshape(-1, N)
-    if x2.stride(-1) != 1:
+    if x2.stride()[1] != 1:
         x2 = x2.contiguous()
-    if dy2.stride(-1) != 1:
+    if dy2.stride()[1] != 1:
         dy2 = dy2.contiguous()
     M = x2.shape[0]
     dx = x2.new_empty(M, N)
     if not (M and N):
         return dx.view(x.shape), torch.zeros_like(weight)
-    w = weight if weight.stride(0) == 1 else weight.contiguous()
+    w = weight if weight.stride()[0] == 1 else weight.contiguous()
     if M * N <= _MAX_CHUNK_ELEMS:
         dw = torch.empty_like(w)
         launch_bwd(dy2, x2, w, rstd, dx, dw)

@@ -196,30 +196,21 @@ _bwd = Autotuner(
 TUNERS = (_fwd, _bwd)
 
 
-def _aligned(es, *arrays):
-    """Every array's base and row stride are multiples of 16 bytes (the JIT then compiles
-    128-bit accesses; a chunk() half of an odd width gets narrower ones): a key flag, so that
-    both layouts keep their own winner."""
-    bits = 0
-    for a in arrays:
-        bits |= a.data_ptr() | a.stride(0) * es
-    return bits % 16 == 0
-
-
-def launch_fwd(gate, up, out, act):
-    """out = act(gate) * up for 2-D (M, N) arrays (M * N > 0, int32-indexable)."""
+def launch_fwd(gate, up, out, act, aligned):
+    """out = act(gate) * up for 2-D (M, N) arrays (M * N > 0, int32-indexable). aligned: every
+    array's base and row stride are multiples of 16 bytes (the JIT then compiles 128-bit
+    accesses; a chunk() half of an odd width gets narrower ones): a key flag, so that both
+    layouts keep their own winner."""
     M, N = gate.shape
     dev = gate.get_device()
-    key = (N, M, act, gate.dtype, _aligned(gate.element_size(), gate, up, out), dev)
-    _fwd.launch(key, dev, gate, up, out, act, M, N)
+    _fwd.launch((N, M, act, gate.dtype, aligned, dev), dev, gate, up, out, act, M, N)
 
 
-def launch_bwd(dy, gate, up, dgate, dup, act):
+def launch_bwd(dy, gate, up, dgate, dup, act, aligned):
     """dgate, dup written for 2-D (M, N) arrays (M * N > 0, int32-indexable)."""
     M, N = gate.shape
     dev = gate.get_device()
-    key = (N, M, act, gate.dtype, _aligned(gate.element_size(), dy, gate, up, dgate), dev)
-    _bwd.launch(key, dev, dy, gate, up, dgate, dup, act, M, N)
+    _bwd.launch((N, M, act, gate.dtype, aligned, dev), dev, dy, gate, up, dgate, dup, act, M, N)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +223,7 @@ def _rows(t, N):
     """t as (rows, N) with unit column stride: a view where one exists (the halves of a fused
     gate_up projection keep their row stride), else one copy."""
     t2 = t if t.dim() == 2 else t.reshape(-1, N)
-    return t2 if t2.stride(1) == 1 else t2.contiguous()
+    return t2 if t2.stride()[1] == 1 else t2.contiguous()
 
 
 def _out_rows(t, N):
@@ -241,18 +232,25 @@ def _out_rows(t, N):
 
 
 def _launch_rows(launch, N, arrays, act):
-    """launch(*arrays, act) once, or per row chunk where the arrays span more than int32
-    indexes (the stride loop written out: a generator costs a microsecond per call)."""
+    """launch(*arrays, act, aligned) once, or per row chunk where the arrays span more than
+    int32 indexes (each chunk starts a multiple of 16 rows in: aligned as the whole). Each
+    array's strides and address are read once (stride(i) costs more than stride()), and the
+    loops are written out (a generator costs a microsecond per call)."""
+    es = arrays[0].element_size()
     stride = N
+    bits = 0
     for a in arrays:
-        if a.stride(0) > stride:
-            stride = a.stride(0)
+        s = a.stride()[0]
+        if s > stride:
+            stride = s
+        bits |= a.data_ptr() | s * es
+    aligned = bits % 16 == 0
     M = arrays[0].shape[0]
     if (M - 1) * stride + N <= _MAX_SPAN:
-        launch(*arrays, act)
+        launch(*arrays, act, aligned)
         return
     for s, e in row_chunks(M, N, stride, _MAX_SPAN):
-        launch(*(a[s:e] for a in arrays), act)
+        launch(*(a[s:e] for a in arrays), act, aligned)
 
 
 def _forward(gate, up, act):
@@ -278,8 +276,7 @@ def backward(dy, gate, up, act):
 
 
 def _check(op, gate, up):
-    validate.tensor(op, "gate", gate)
-    validate.tensor(op, "up", up, like=gate)
+    validate.pair(op, "gate", gate, "up", up)
     if up.dtype != gate.dtype:
         raise TypeError(f"{op}: up dtype {up.dtype} differs from gate dtype {gate.dtype}")
     if up.shape != gate.shape:

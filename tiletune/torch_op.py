@@ -34,7 +34,7 @@ class TrainableOp:
                  backward_schema, backward_fake, save=None, outputs=1, inference=None):
         save = save or _save_inputs
         self.forward, self.backward, self.outputs, self._save = forward, backward, outputs, save
-        self._inference = inference
+        self._eager = inference or forward     # an eager call that needs no gradient
         self._fwd_op = torch.library.custom_op(f"{name}_fwd", forward, mutates_args=(),
                                                schema=forward_schema)
         self._fwd_op.register_fake(forward_fake)
@@ -60,7 +60,7 @@ class TrainableOp:
                         a = args[i]
                         if isinstance(a, _Tensor) and a.requires_grad:
                             return self._apply(*args)
-            results = (self._inference or self.forward)(*args)
+            results = self._eager(*args)
         if isinstance(results, torch.Tensor):
             return results
         return results[0] if self.outputs == 1 else results[:self.outputs]

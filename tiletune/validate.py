@@ -4,6 +4,7 @@ overlapping memory)."""
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_Tensor = torch.Tensor
 
 
 def tensor(op, name, t, device=None, dtypes=FLOAT_DTYPES, like=None):
@@ -21,6 +22,18 @@ def tensor(op, name, t, device=None, dtypes=FLOAT_DTYPES, like=None):
     if t.dtype not in dtypes:
         dtype(op, name, t, dtypes)
     return t
+
+
+def pair(op, name, t, other_name, other, dtypes=FLOAT_DTYPES):
+    """`tensor(op, name, t)` and `tensor(op, other_name, other, like=t)` in one call: the
+    passing case in one expression (host time of every call), the checks with their
+    messages where it fails."""
+    if (isinstance(t, _Tensor) and isinstance(other, _Tensor) and t.is_cuda and other.is_cuda
+            and t.dtype in dtypes and other.dtype in dtypes
+            and t.get_device() == other.get_device()):
+        return
+    tensor(op, name, t, dtypes=dtypes)
+    tensor(op, other_name, other, dtypes=dtypes, like=t)
 
 
 def is_tensor(op, name, t):

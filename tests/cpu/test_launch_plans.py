@@ -84,8 +84,8 @@ def _fp8(m):
 
 def _swiglu(n):
     g = torch.randn(n, 256, dtype=BF16)
-    SW.launch_fwd(g, g, torch.empty_like(g), SW.SILU)
-    SW.launch_bwd(g, g, g, torch.empty_like(g), torch.empty_like(g), SW.GELU_ERF)
+    SW.launch_fwd(g, g, torch.empty_like(g), SW.SILU, True)
+    SW.launch_bwd(g, g, g, torch.empty_like(g), torch.empty_like(g), SW.GELU_ERF, True)
 
 
 def _moe(t):

@@ -50,7 +50,7 @@ def test_inference_runs_where_no_gradient_can_reach(monkeypatch):
     """The inference function (which skips what only the backward reads) runs for an eager call
     without a gradient: under no_grad or on inputs that need none; with one, the forward."""
     calls = []
-    monkeypatch.setattr(_halved, "_inference", lambda x: calls.append("inference") or x * 0.5)
+    monkeypatch.setattr(_halved, "_eager", lambda x: calls.append("inference") or x * 0.5)
     x = torch.randn(4, dtype=torch.float64)
     assert torch.equal(_halved(x), x / 2) and calls == ["inference"]
     with torch.no_grad():

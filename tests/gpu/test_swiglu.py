@@ -122,9 +122,9 @@ def test_chunk_halves_are_read_in_place(fresh, monkeypatch, N, dt, tuned):
     seen = []
     real = S.launch_fwd
 
-    def spy(g, u, out, act):
+    def spy(g, u, out, act, aligned):
         seen.append((g, u))
-        real(g, u, out, act)
+        real(g, u, out, act, aligned)
     monkeypatch.setattr(S, "launch_fwd", spy)
     gu = make((300, 2 * N), dt)[0]
     check("swiglu", [gu], split=lambda t: t.chunk(2, dim=-1))
