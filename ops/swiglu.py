@@ -240,10 +240,10 @@ def _launch_rows(launch, N, arrays, act):
     stride = N
     bits = 0
     for a in arrays:
-        s = a.stride()[0]
-        if s > stride:
-            stride = s
-        bits |= a.data_ptr() | s * es
+        row_stride = a.stride()[0]
+        if row_stride > stride:
+            stride = row_stride
+        bits |= a.data_ptr() | row_stride * es
     aligned = bits % 16 == 0
     M = arrays[0].shape[0]
     if (M - 1) * stride + N <= _MAX_SPAN:
