@@ -128,13 +128,14 @@ def bench_host():
     w = torch.rand(1024, device="cuda", dtype=torch.bfloat16)
     y, rstd = torch.empty_like(x), torch.empty(64, device="cuda", dtype=torch.float32)
     eps = 1e-6
-    R.launch_fwd(x, w, y, rstd, eps)
+    R.launch_fwd(x, w, y, rstd, eps, 64, 1024)
     cfg, kernel = R._fwd.cache[(1024, 64, x.dtype, w.dtype, x.get_device())]
     grid = R._fwd_grid(cfg, 0, x, w, y, rstd, eps, 64, 1024)
     args = R._fwd_args(cfg, x, w, y, rstd, eps, 64, 1024)
     stream = current_stream(0)
     out = host_in_turns({"bare_launch": lambda: ct.launch(stream, grid, kernel, args),
-                         "engine_fast_path": lambda: R.launch_fwd(x, w, y, rstd, eps)})
+                         "engine_fast_path": lambda: R.launch_fwd(x, w, y, rstd, eps, 64,
+                                                                  1024)})
     out["fast_path_over_bare"] = out["engine_fast_path"] / out["bare_launch"]
     xw = leaves(x, w)
 

@@ -245,12 +245,9 @@ _bwd_cols = Autotuner(
 TUNERS = (_fwd, _bwd, _bwd_coef, _bwd_cols)
 
 
-def launch_fwd(x, w, y, rstd, eps, M=None, N=None):
+def launch_fwd(x, w, y, rstd, eps, M, N):
     """y, rstd = rms_norm(x (M, N), w); rstd None: y alone. (The hot path of every call: the
-    sizes travel with the inputs so the grid and arguments need not read them again; a caller
-    that has them passes M and N.)"""
-    if M is None:
-        M, N = x.shape
+    caller's sizes travel with the inputs so nothing here reads them again.)"""
     dev = x.get_device()
     if rstd is None:
         rstd = _NO_RSTD.get(x, dev, M)
@@ -322,7 +319,8 @@ def _forward(x, weight, eps, keep_rstd=True):
             launch_fwd(x2, w, y, rstd, eps, M, N)
         else:
             for s, e in row_chunks(M, N):
-                launch_fwd(x2[s:e], w, y[s:e], None if rstd is None else rstd[s:e], eps)
+                launch_fwd(x2[s:e], w, y[s:e], None if rstd is None else rstd[s:e], eps,
+                           e - s, N)
     return y_out, rstd
 
 

@@ -32,7 +32,7 @@ def defaults(launches, monkeypatch):
 def _rms_norm(n):
     x = torch.randn(n, 256, dtype=BF16)
     R.launch_fwd(x, torch.ones(256, dtype=BF16), torch.empty_like(x),
-                 torch.empty(n), 1e-6)
+                 torch.empty(n), 1e-6, n, 256)
 
 
 def _rms_norm_wide_backward(n):
