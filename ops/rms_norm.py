@@ -31,25 +31,67 @@ def _weight(w, c, TILE_N):
                       (1, TILE_N))
 
 
+# The whole-row forward takes rows as (M, N) or, without a host-side view, as (B, S, N) (a
+# view costs 1-2 us of host time a tensor): ALONG_S, a tile is TILE_M positions of one batch
+# entry (S a multiple of TILE_M); otherwise TILE_M batch entries at S = 1. ALONG_S means
+# nothing for (M, N) rows. Row tile t starts at row t * TILE_M either way, so rstd stays (M,).
+# (The backward takes (M, N) rows: in that form its best configs ran 1-3% faster on an H200,
+# references/hardware-constraints.md.)
+
+
+def _num_row_tiles(a, TILE_M, ALONG_S):
+    """How many row tiles a holds."""
+    if a.ndim == 3 and ALONG_S:
+        return a.shape[0] * (a.shape[1] // TILE_M)
+    return ct.cdiv(a.shape[0], TILE_M)
+
+
+def _load_rows(a, t, TILE_M, TILE_N, ALONG_S):
+    """Row tile t of a: a [TILE_M, TILE_N] float32 tile, zero past the end."""
+    if a.ndim == 2:
+        return ct.load(a, (t, 0), (TILE_M, TILE_N), padding_mode=ZERO).astype(ct.float32)
+    if ALONG_S:
+        per_entry = a.shape[1] // TILE_M
+        tile = ct.load(a, (t // per_entry, t % per_entry, 0), (1, TILE_M, TILE_N),
+                       padding_mode=ZERO)
+    else:
+        tile = ct.load(a, (t, 0, 0), (TILE_M, 1, TILE_N), padding_mode=ZERO)
+    return ct.reshape(tile, (TILE_M, TILE_N)).astype(ct.float32)
+
+
+def _store_rows(a, t, tile, TILE_M, TILE_N, ALONG_S):
+    """Row tile t of a = tile ([TILE_M, TILE_N]), in a's dtype; rows past the end dropped."""
+    tile = tile.astype(a.dtype)
+    if a.ndim == 2:
+        ct.store(a, (t, 0), tile)
+    elif ALONG_S:
+        per_entry = a.shape[1] // TILE_M
+        ct.store(a, (t // per_entry, t % per_entry, 0), ct.reshape(tile, (1, TILE_M, TILE_N)))
+    else:
+        ct.store(a, (t, 0, 0), ct.reshape(tile, (TILE_M, 1, TILE_N)))
+
+
 @ct.kernel
 def rms_norm_fwd_rows(x, w, y, rstd, inv_n, eps,
-                      TILE_M: ct.Constant[int], TILE_N: ct.Constant[int]):
-    """Whole rows in one tile: x, y (M, N), w (N,), rstd (M,) f32. Grid-stride over row tiles."""
+                      TILE_M: ct.Constant[int], TILE_N: ct.Constant[int],
+                      ALONG_S: ct.Constant[bool]):
+    """Whole rows in one tile: x, y (M, N) or (B, S, N), w (N,), rstd (M,) f32. Grid-stride
+    over row tiles."""
     wt = _weight(w, 0, TILE_N)
-    num_row_tiles = ct.cdiv(x.shape[0], TILE_M)
-    for t in range(ct.bid(0), num_row_tiles, ct.num_blocks(0)):
-        xt = ct.load(x, (t, 0), (TILE_M, TILE_N), padding_mode=ZERO).astype(ct.float32)
+    for t in range(ct.bid(0), _num_row_tiles(x, TILE_M, ALONG_S), ct.num_blocks(0)):
+        xt = _load_rows(x, t, TILE_M, TILE_N, ALONG_S)
         r = ct.rsqrt(ct.sum(xt * xt, axis=1, keepdims=True) * inv_n + eps)  # [TILE_M, 1]
-        ct.store(y, (t, 0), (xt * r * wt).astype(y.dtype))
+        _store_rows(y, t, xt * r * wt, TILE_M, TILE_N, ALONG_S)
         ct.store(rstd, (t,), ct.reshape(r, (TILE_M,)))
 
 
 @ct.kernel
 def rms_norm_fwd_chunked(x, w, y, rstd, inv_n, eps,
-                         TILE_M: ct.Constant[int], TILE_N: ct.Constant[int]):
+                         TILE_M: ct.Constant[int], TILE_N: ct.Constant[int],
+                         ALONG_S: ct.Constant[bool]):
     """Rows too wide for one tile: two passes over TILE_N-wide chunks (the second hits L2).
-    One row at a time (TILE_M is 1; it is a parameter so both forward kernels take the same
-    arguments)."""
+    One (M, N) row at a time (TILE_M is 1 and ALONG_S False: parameters so both forward
+    kernels take the same arguments)."""
     num_chunks = ct.cdiv(x.shape[1], TILE_N)
     for row in range(ct.bid(0), x.shape[0], ct.num_blocks(0)):
         acc = ct.zeros((1, TILE_N), ct.float32)
@@ -169,9 +211,13 @@ def bwd_cols_configs(arch, n_cols):
 
 # ---------------------------------------------------------------------------------------------
 # Launches. Each tuner declares its grid and arguments once; the engine looks the config up (or
-# tunes it) and launches. Rows are 2-D and contiguous here.
+# tunes it) and launches. Rows have unit stride. The forward takes M rows of N as (M, N) arrays
+# (S 0) or as (B, S, N) ones (S given): where a config's row tiles do not fit S (S > 1 and not
+# a multiple of tile_m) or its kernel takes (M, N) alone, their (M, N) views go to the kernel
+# instead. The grid is the same either way: cdiv(M, tile_m) row tiles. The backward's rows are
+# (M, N).
 
-def _fwd_grid(c, dev, x, w, y, rstd, eps, M, N):
+def _fwd_grid(c, dev, x, w, y, rstd, eps, M, N, S):
     tiles = cdiv(M, c.tile_m)
     return (persistent_ctas(tiles, dev, c.occupancy) if c.persistent else tiles,)
 
@@ -180,8 +226,10 @@ def _fwd_kernel(cfg):
     return rms_norm_fwd_rows if cfg.kind == "rows" else rms_norm_fwd_chunked
 
 
-def _fwd_args(c, x, w, y, rstd, eps, M, N):
-    return (x, w, y, rstd, 1.0 / N, eps, c.tile_m, c.tile_n)
+def _fwd_args(c, x, w, y, rstd, eps, M, N, S):
+    if S and (S % c.tile_m and S != 1 or c.kind != "rows"):
+        x, y, S = x.reshape(M, N), y.view(M, N), 0
+    return (x, w, y, rstd, 1.0 / N, eps, c.tile_m, c.tile_n, S > 1)
 
 
 def _bwd_space(dy, x, *rest):
@@ -198,10 +246,10 @@ _BY_ROWS = bucketed(1)
 _fwd = Autotuner(
     "rms_norm_fwd", _fwd_kernel, fwd_configs,
     default=SimpleNamespace(kind="chunked", tile_m=1, tile_n=4096, occupancy=2, persistent=True),
-    space=lambda x, w, y, rstd, eps, M, N: dict(n_cols=N), grid=_fwd_grid,
+    space=lambda x, w, y, rstd, eps, M, N, S: dict(n_cols=N), grid=_fwd_grid,
     args=_fwd_args, tune_key=_BY_ROWS,
-    work=lambda x, w, y, rstd, eps, M, N: Work(bytes=2 * x.numel() * x.element_size()
-                                               + w.numel() * w.element_size() + 4 * M))
+    work=lambda x, w, y, rstd, eps, M, N, S: Work(bytes=2 * x.numel() * x.element_size()
+                                                  + w.numel() * w.element_size() + 4 * M))
 
 
 def _bwd_ctas(c, dev, dy, x, *rest):
@@ -245,13 +293,14 @@ _bwd_cols = Autotuner(
 TUNERS = (_fwd, _bwd, _bwd_coef, _bwd_cols)
 
 
-def launch_fwd(x, w, y, rstd, eps, M, N):
-    """y, rstd = rms_norm(x (M, N), w); rstd None: y alone. (The hot path of every call: the
-    caller's sizes travel with the inputs so nothing here reads them again.)"""
+def launch_fwd(x, w, y, rstd, eps, M, N, S=0):
+    """y, rstd = rms_norm(x, w) over M rows of N: x and y (M, N), or (B, S, N) with S given;
+    rstd (M,) or None: y alone. (The hot path of every call: the caller's sizes travel with
+    the inputs so nothing here reads them again.)"""
     dev = x.get_device()
     if rstd is None:
         rstd = _NO_RSTD.get(x, dev, M)
-    _fwd.launch((N, M, x.dtype, w.dtype, dev), dev, x, w, y, rstd, eps, M, N)
+    _fwd.launch((N, M, x.dtype, w.dtype, dev), dev, x, w, y, rstd, eps, M, N, S)
 
 
 # A forward that no backward reads hands the kernels a stand-in for its (M,) rstd (the engine's
@@ -299,11 +348,18 @@ def _forward(x, weight, eps, keep_rstd=True):
     """(y, rstd): y like x, rstd float32 with one value per row (keep_rstd False: None)."""
     # y in x's shape, the kernel writing its rows (a view made here could not be changed in
     # place under autograd); new_empty with int sizes: the cheapest allocation
-    # (strides read as stride()[i]: stride(i) costs more host time)
-    if x.dim() == 2:              # the common case: no reshape and no view (host time)
+    # (strides read as stride()[i]: stride(i) costs more host time). 2-D and 3-D x reach the
+    # kernels without a view (1-2 us of host time each); other ranks as (M, N) rows.
+    S = 0
+    if x.dim() == 2:
         M, N = x.shape
         x2 = x if x.stride()[1] == 1 else x.contiguous()
         y = y_out = x.new_empty(M, N)
+    elif x.dim() == 3 and x.numel() <= _MAX_CHUNK_ELEMS:
+        B, S, N = x.shape
+        M = B * S
+        x2 = x if x.stride()[2] == 1 else x.contiguous()
+        y = y_out = x.new_empty(B, S, N)
     else:
         N = x.shape[-1]
         x2 = x.reshape(-1, N)
@@ -316,7 +372,7 @@ def _forward(x, weight, eps, keep_rstd=True):
     if M and N:
         w = weight if weight.stride()[0] == 1 else weight.contiguous()
         if M * N <= _MAX_CHUNK_ELEMS:
-            launch_fwd(x2, w, y, rstd, eps, M, N)
+            launch_fwd(x2, w, y, rstd, eps, M, N, S)
         else:
             for s, e in row_chunks(M, N):
                 launch_fwd(x2[s:e], w, y[s:e], None if rstd is None else rstd[s:e], eps,

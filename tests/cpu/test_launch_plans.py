@@ -116,3 +116,26 @@ def test_launch_keys_hold_every_size_of_the_grid(defaults, op):
     assert [g for g, _, _ in first] != [g for g, _, _ in second]
     tuned = {name: len(t.cache) for name, t in autotune.tuners().items() if t.cache}
     assert tuned and all(v == 1 for v in tuned.values()), tuned    # one tuning key each
+
+
+# (B, S, N) rows: the whole-row forward takes them as they are where the config's row tiles fit
+# S (along S, or across the batch at S = 1), else (M, N) views of the same memory, as the
+# backward always does. The default configs at N = 1024 have 8-row tiles.
+@pytest.mark.parametrize("shape,along_s", [((4, 64, 1024), True), ((64, 1, 1024), False),
+                                           ((4, 65, 1024), None)], ids=str)
+def test_rms_norm_hands_batched_rows_over_without_a_view(defaults, shape, along_s):
+    x, w = torch.randn(shape, dtype=BF16), torch.ones(shape[-1], dtype=BF16)
+    y, rstd = R._forward(x, w, 1e-6)
+    dy = torch.randn_like(x)
+    dx, _ = R._backward(dy, x, w, rstd)
+    assert y.shape == dx.shape == shape and rstd.shape == (shape[0] * shape[1],)
+    (_, _, fwd), (_, _, bwd) = defaults[:2]
+    rows = (x.numel() // shape[-1], shape[-1])
+    for arrays, outputs, flag in (((fwd[0], fwd[2]), (x, y), fwd[-1]),
+                                  ((bwd[0], bwd[1], bwd[4]), (dy, x, dx), None)):
+        assert [a.data_ptr() for a in arrays] == [t.data_ptr() for t in outputs]
+        if along_s is None or flag is None:
+            assert all(a.shape == rows for a in arrays)
+            assert flag in (None, False)
+        else:
+            assert all(a is t for a, t in zip(arrays, outputs)) and flag is along_s

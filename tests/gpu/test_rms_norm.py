@@ -1,4 +1,5 @@
 """RMSNorm on the GPU against a float32 reference on random data."""
+import math
 import os
 import subprocess
 import sys
@@ -57,24 +58,43 @@ def check(shape, dt, wdt, eps=1e-6, grad=True):
     assert torch.equal(xr.detach(), x)    # input untouched
 
 
+# (B, S, N) inputs reach the whole-row forward as it is where a config's row tiles fit S (along
+# S, or across the batch at S = 1), else as (M, N) views: (4, 1, 1000) and (1, 1, 4096) take
+# the first, (3, 64, 1024) the second, (2, 5, 4096) the views with the default 2-row tiles.
 SHAPES = [(1, 1), (3, 7), (5, 1000), (37, 4096), (2, 3, 8192), (17, 16384), (9, 20000),
-          (4, 65536), (1025, 1001), (300, 128)]
+          (4, 65536), (1025, 1001), (300, 128), (4, 1, 1000), (1, 1, 4096), (3, 64, 1024),
+          (2, 5, 4096)]
 
 
 # Tuned (a full search per key, ~10 s of compiles each): every dtype, aligned, odd and wide rows.
 @pytest.mark.parametrize("shape,dt", [((5, 1000), torch.float16), ((37, 4096), torch.bfloat16),
                                       ((9, 20000), torch.float32), ((1025, 1001), torch.bfloat16),
-                                      ((3, 7), torch.float32)], ids=str)
+                                      ((3, 7), torch.float32), ((3, 64, 1024), torch.bfloat16)],
+                         ids=str)
 def test_tuned(fresh, shape, dt):
     check(shape, dt, dt)
     assert R._fwd.searches == 1
+
+
+def test_rows_and_batched_rows_share_a_key(fresh, monkeypatch):
+    """(192, 1024), (3, 64, 1024) and (192, 1, 1024) are one launch key: one search each way,
+    whichever layout comes first, every layout correct."""
+    for i, shapes in enumerate((((192, 1024), (3, 64, 1024), (192, 1, 1024)),
+                                ((192, 1, 1024), (3, 64, 1024), (192, 1024)))):
+        monkeypatch.setenv("TILETUNE_CACHE_DIR", str(fresh / str(i)))     # an empty store
+        tiletune.clear_cache()
+        for shape in shapes:
+            check(shape, torch.bfloat16, torch.bfloat16)
+        assert R._fwd.searches == 1 and R._bwd.searches == 1
 
 
 # Every config of each kernel (the others on their defaults), not only the searches' winners, on
 # grids where a persistent CTA makes many trips of its tile loop: tileiras 13.4 built TMA loops
 # of other kernels that went wrong only there (references/hardware-constraints.md).
 EVERY = [("fwd", (20011, 4096)), ("fwd", (8001, 20000)), ("bwd", (20011, 4096)),
-         ("bwd_coef", (8001, 20000)), ("bwd_cols", (8001, 20000)), ("column_sum", (20011, 4096))]
+         ("bwd_coef", (8001, 20000)), ("bwd_cols", (8001, 20000)), ("column_sum", (20011, 4096)),
+         # (B, S, N): tiles along S (2560 rows an entry: a multiple of every tile) and across B
+         ("fwd", (8, 2560, 4096)), ("fwd", (20011, 1, 4096))]
 TUNERS = {"fwd": R._fwd, "bwd": R._bwd, "bwd_coef": R._bwd_coef, "bwd_cols": R._bwd_cols,
           "column_sum": partials._column_sum}
 
@@ -87,7 +107,7 @@ def test_every_config_is_correct(fresh, monkeypatch, kernel, shape):
         check(shape, torch.bfloat16, torch.bfloat16, grad=kernel != "fwd")
         assert [c for c, _ in tuner.cache.values()] == [cfg], vars(cfg)
         if kernel in ("fwd", "bwd", "bwd_coef") and getattr(cfg, "persistent", True):
-            assert_each_cta_loops(cdiv(shape[0], getattr(cfg, "tile_m", 1)), cfg)
+            assert_each_cta_loops(cdiv(math.prod(shape[:-1]), getattr(cfg, "tile_m", 1)), cfg)
 
 
 # Default configs (DISABLE_AUTOTUNE=1): every shape x every dtype.
@@ -307,6 +327,28 @@ def test_non_contiguous_input(fresh):
     assert rel(rms_norm(xt, wt), reference(xt, wt, 1e-6)) < TOL[torch.float32]
 
 
+def test_batched_rows_in_other_layouts(fresh):
+    """(B, S, N) views the forward takes without a copy or view: rows of a wider tensor, the
+    batch and sequence dims swapped, one position of a longer sequence; forward and backward
+    against float64."""
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    wide = torch.randn(2, 48, 4160, device="cuda", dtype=torch.bfloat16)[..., :4096]
+    swapped = torch.randn(48, 2, 4096, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    last = torch.randn(6, 33, 4096, device="cuda", dtype=torch.bfloat16)[:, -1:]
+    for x in (wide, swapped, last):
+        poison_allocator(torch)
+        xr, wr = x.detach().requires_grad_(), w.detach().clone().requires_grad_()
+        y = rms_norm(xr, wr)
+        ref_x, ref_w = x.double().requires_grad_(), w.double().requires_grad_()
+        ref = reference(ref_x, ref_w, 1e-6)
+        assert y.shape == x.shape and rel(y, ref) < TOL[torch.bfloat16]
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        ref.backward(dy.double())
+        assert rel(xr.grad, ref_x.grad) < 2 * TOL[torch.bfloat16]
+        assert rel(wr.grad, ref_w.grad) < 2 * TOL[torch.bfloat16]
+
+
 def test_empty_batch(fresh):
     w = torch.rand(4096, device="cuda")
     for shape in [(0, 4096), (2, 0, 4096)]:
@@ -376,10 +418,11 @@ def test_aot_signature_matches_jit():
         w = torch.rand(N, device="cuda", dtype=torch.float32)
         y, r = torch.empty_like(x), torch.empty(M, device="cuda")
         tn = R.next_pow2(N)
-        jit = KernelSignature.from_kernel_args(R.rms_norm_fwd_rows, (x, w, y, r, 1.0 / N, 1e-6, 1, tn),
+        jit = KernelSignature.from_kernel_args(R.rms_norm_fwd_rows, (x, w, y, r, 1.0 / N, 1e-6, 1, tn, False),
                                                CallingConvention.cutile_python_v2())
         mine = signature([jit_array(x.dtype, x.shape), jit_array(w.dtype, w.shape),
-                          jit_array(y.dtype, y.shape), jit_array(r.dtype, r.shape), F32, F32, 1, tn])
+                          jit_array(y.dtype, y.shape), jit_array(r.dtype, r.shape), F32, F32, 1, tn,
+                          False])
         assert jit.parameters == mine.parameters
 
 
@@ -393,6 +436,6 @@ def test_no_grad_stand_in_has_the_real_rstd_signature():
         w = torch.rand(256, device="cuda", dtype=torch.bfloat16)
         y = torch.empty_like(x)
         sigs = [KernelSignature.from_kernel_args(R.rms_norm_fwd_rows,
-                                                 (x, w, y, r, 1 / 256, 1e-6, 1, 256), conv)
+                                                 (x, w, y, r, 1 / 256, 1e-6, 1, 256, False), conv)
                 for r in (torch.empty(M, device="cuda"), R._NO_RSTD.get(x, 0, M))]
         assert sigs[0].parameters == sigs[1].parameters, M

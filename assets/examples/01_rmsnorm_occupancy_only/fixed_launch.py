@@ -20,7 +20,9 @@ grid = (min(-(-M // TILE_M), num_sms * 2),)
 
 
 def run():
-    ct.launch(torch.cuda.current_stream(), grid, kernel, (x, w, y, rstd, 1.0 / N, EPS, TILE_M, TILE_N))
+    # ALONG_S False: x and y are (M, N) rows
+    ct.launch(torch.cuda.current_stream(), grid, kernel,
+              (x, w, y, rstd, 1.0 / N, EPS, TILE_M, TILE_N, False))
 
 
 run()
