@@ -55,6 +55,13 @@ def compile_cases():
             if N * bf16.itemsize % 16:
                 yield _case(kind, default, _arrays(kind, bf16, M, N, chunked=True), S.SILU,
                             f"N={N} bf16 chunk() halves")
+    # The forward on (B, 1, N) arrays (gate and up the chunk() halves of one tensor), each
+    # config differing in more than occupancy.
+    N = AOT_WIDTHS[0]
+    half = jit_array(bf16, (M, 1, N), (2 * N, 2 * N, 1))
+    for cfg in tightest(S.configs("sm_90", N)):
+        yield _case("fwd", cfg, [half, half, jit_array(bf16, (M, 1, N))], S.SILU,
+                    f"({M}, 1, {N}) bf16")
 
 
 # ---------------------------------------------------------------------------------------------

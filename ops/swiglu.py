@@ -96,17 +96,40 @@ def _act_and_grad(g, ACT):
     return g * cdf, cdf + g * pdf
 
 
+# The forward also takes decode's (B, 1, N) arrays without a host-side view (a view costs 1-2 us
+# of host time a tensor, and decode steps are host-bound): a row tile is TILE_M batch entries. Other (B, S, N) come as (M, N) rows: tiles of TILE_M positions along S ran the
+# default config 1.4x slower than on the rows at (4, 4096, 14336) on an H200
+# (references/hardware-constraints.md).
+
+
+def _any_tile(a, tm, tn, TILE_M, TILE_N):
+    """Tile (tm, tn) of a's rows as float32, a being (M, N) or (B, 1, N)."""
+    if a.ndim == 2:
+        return _tile(a, tm, tn, TILE_M, TILE_N)
+    t = ct.load(a, (tm, 0, tn), (TILE_M, 1, TILE_N), padding_mode=ZERO)
+    return ct.reshape(t, (TILE_M, TILE_N)).astype(ct.float32)
+
+
+def _put_tile(a, tm, tn, tile, TILE_M, TILE_N):
+    """Tile (tm, tn) of a's rows = tile, in a's dtype."""
+    tile = tile.astype(a.dtype)
+    if a.ndim == 2:
+        ct.store(a, (tm, tn), tile)
+    else:
+        ct.store(a, (tm, 0, tn), ct.reshape(tile, (TILE_M, 1, TILE_N)))
+
+
 @ct.kernel
 def glu_fwd(gate, up, out, ACT: ct.Constant[int], TILE_M: ct.Constant[int],
             TILE_N: ct.Constant[int]):
-    """out = act(gate) * up."""
-    col_tiles = ct.cdiv(gate.shape[1], TILE_N)
+    """out = act(gate) * up; (M, N) or (B, 1, N) arrays."""
+    col_tiles = ct.cdiv(gate.shape[gate.ndim - 1], TILE_N)
     for t in range(ct.bid(0), ct.cdiv(gate.shape[0], TILE_M) * col_tiles, ct.num_blocks(0)):
         tm = t // col_tiles
         tn = t - tm * col_tiles
-        g = _tile(gate, tm, tn, TILE_M, TILE_N)
-        y = activation(g, ACT) * _tile(up, tm, tn, TILE_M, TILE_N)
-        ct.store(out, (tm, tn), y.astype(out.dtype))
+        g = _any_tile(gate, tm, tn, TILE_M, TILE_N)
+        y = activation(g, ACT) * _any_tile(up, tm, tn, TILE_M, TILE_N)
+        _put_tile(out, tm, tn, y, TILE_M, TILE_N)
 
 
 @ct.kernel
@@ -165,7 +188,8 @@ def configs(arch, n_cols):
 # ---------------------------------------------------------------------------------------------
 # Launches. Each tuner declares its grid and arguments once; the engine looks the config up (or
 # tunes it) and launches. gate and up are 2-D (M, N) with unit column stride and any row
-# stride; out, dy, dgate and dup are contiguous.
+# stride; out, dy, dgate and dup are contiguous. The forward also takes (B, 1, N) arrays with
+# unit last stride: their row stride is the first one.
 
 def _grid(c, dev, M, N):
     tiles = cdiv(M, c.tile_m) * cdiv(N, c.tile_n)
@@ -197,11 +221,11 @@ TUNERS = (_fwd, _bwd)
 
 
 def launch_fwd(gate, up, out, act, aligned):
-    """out = act(gate) * up for 2-D (M, N) arrays (M * N > 0, int32-indexable). aligned: every
-    array's base and row stride are multiples of 16 bytes (the JIT then compiles 128-bit
-    accesses; a chunk() half of an odd width gets narrower ones): a key flag, so that both
-    layouts keep their own winner."""
-    M, N = gate.shape
+    """out = act(gate) * up for (M, N) or (M, 1, N) arrays (M * N > 0, int32-indexable).
+    aligned: every array's base and row stride are multiples of 16 bytes (the JIT then
+    compiles 128-bit accesses; a chunk() half of an odd width gets narrower ones): a key flag,
+    so that both layouts keep their own winner."""
+    M, N = gate.shape[0], gate.shape[-1]
     dev = gate.get_device()
     _fwd.launch((N, M, act, gate.dtype, aligned, dev), dev, gate, up, out, act, M, N)
 
@@ -253,10 +277,30 @@ def _launch_rows(launch, N, arrays, act):
         launch(*(a[s:e] for a in arrays), act, aligned)
 
 
+def _launch_positions(gate, up, out, act):
+    """launch_fwd on (B, 1, N) arrays as they are (no views: host time), where each has a unit
+    last stride and int32 indexes reach every element; False where not (then as rows)."""
+    B, _, N = gate.shape
+    es = gate.element_size()
+    bits = stride = 0
+    for a in (gate, up, out):
+        st = a.stride()
+        if st[2] != 1:
+            return False
+        bits |= a.data_ptr() | st[0] * es
+        if st[0] > stride:
+            stride = st[0]
+    if (B - 1) * stride + N > _MAX_SPAN:
+        return False
+    launch_fwd(gate, up, out, act, bits % 16 == 0)
+    return True
+
+
 def _forward(gate, up, act):
     """act(gate) * up: a new contiguous tensor shaped like gate."""
     out = gate.new_empty(*gate.shape)      # (sizes unpacked: a torch.Size argument costs more)
-    if gate.numel():
+    if gate.numel() and not (gate.dim() == 3 and gate.shape[1] == 1
+                             and _launch_positions(gate, up, out, act)):
         N = gate.shape[-1]
         _launch_rows(launch_fwd, N, (_rows(gate, N), _rows(up, N), _out_rows(out, N)), act)
     return out

@@ -207,9 +207,9 @@ def test_forward_and_backward_wiring(emulated, act):
     torch.testing.assert_close(du.double(), ru, rtol=1e-6, atol=1e-6)
     kernels = [k for k, _ in emulated]
     assert kernels == ["swiglu_fwd", "swiglu_bwd"]
-    for _, args in emulated:
+    for kernel, args in emulated:      # S = 5 fits no row tile of the default (64 rows): rows
         assert all(a.shape == (15, 17) for a in args if isinstance(a, torch.Tensor))
-        assert args[-3] == act
+        assert args[3 if kernel == "swiglu_fwd" else 5] == act
 
 
 def test_backward_keeps_gate_and_up_not_the_product(emulated):
@@ -224,6 +224,23 @@ def test_no_grad_call_runs_only_the_forward(emulated):
     g = torch.randn(4, 8)
     y = S._glu(g, g, S.SILU)
     assert y.grad_fn is None and [k for k, _ in emulated] == ["swiglu_fwd"]
+
+
+@pytest.mark.parametrize("shape", [(40, 1, 2 * 64), (2, 64, 2 * 64)], ids=str)
+def test_one_position_reaches_the_forward_without_a_view(emulated, shape):
+    """(B, 1, N) gate and up (here the chunk() halves of one tensor) go to the forward kernel
+    as they are, other (B, S, N) as (M, N) views; the backward always takes (M, N) rows."""
+    gu = torch.randn(shape, requires_grad=True)
+    g, u = gu.chunk(2, dim=-1)
+    y = S._glu(g, u, S.SILU)
+    torch.testing.assert_close(y.double(), _reference(g, u, S.SILU).detach())
+    y.backward(torch.randn_like(y))
+    (_, fwd), (_, bwd) = emulated
+    if shape[1] == 1:
+        assert fwd[0] is g and fwd[1] is u and fwd[2] is y
+    else:
+        assert fwd[0].shape == fwd[2].shape == (shape[0] * shape[1], 64)
+    assert all(a.dim() == 2 for a in bwd[:5])
 
 
 def test_chunk_halves_are_read_in_place(emulated):

@@ -79,7 +79,11 @@ def check(act, leaves, split=pair, grad=True):
     return y
 
 
-SHAPES = [(1, 1), (3, 1001), (257, 4097), (4096, 14336), (2, 3, 8), (5, 64), (7, 2, 1001)]
+# (B, 1, N) inputs reach the forward as they are, other (B, S, N) as (M, N) views: (4, 1, 1000)
+# and (1, 1, 4096) the first, (2, 3, 8), (7, 2, 1001), (3, 64, 1024) and (2, 5, 4096) the
+# views.
+SHAPES = [(1, 1), (3, 1001), (257, 4097), (4096, 14336), (2, 3, 8), (5, 64), (7, 2, 1001),
+          (4, 1, 1000), (1, 1, 4096), (3, 64, 1024), (2, 5, 4096)]
 
 
 # Default configs (DISABLE_AUTOTUNE=1): every shape x every dtype (swiglu), and the gelu forms.
@@ -104,7 +108,8 @@ def test_disable_autotune_geglu(fresh, monkeypatch, act, shape, dt):
                                           ("swiglu", (4096, 14336), BF16),
                                           ("geglu_tanh", (3, 1001), F16),
                                           ("geglu_none", (64, 11008), F32),
-                                          ("swiglu", (2, 50, 1001), F32)], ids=str)
+                                          ("swiglu", (2, 50, 1001), F32),
+                                          ("swiglu", (3, 64, 1024), BF16)], ids=str)
 def test_tuned(fresh, act, shape, dt):
     check(act, make(shape, dt))
     assert S._fwd.searches == 1 and S._bwd.searches == 1
@@ -122,9 +127,9 @@ def test_chunk_halves_are_read_in_place(fresh, monkeypatch, N, dt, tuned):
     seen = []
     real = S.launch_fwd
 
-    def spy(g, u, out, act, aligned):
+    def spy(g, u, out, act, aligned, S=0):
         seen.append((g, u))
-        real(g, u, out, act, aligned)
+        real(g, u, out, act, aligned, S)
     monkeypatch.setattr(S, "launch_fwd", spy)
     gu = make((300, 2 * N), dt)[0]
     check("swiglu", [gu], split=lambda t: t.chunk(2, dim=-1))
@@ -136,8 +141,9 @@ def test_chunk_halves_are_read_in_place(fresh, monkeypatch, N, dt, tuned):
 @pytest.mark.parametrize("dt", [BF16, F32], ids=str)
 def test_chunk_halves_of_3d_and_unaligned_views(fresh, monkeypatch, dt):
     disable_autotune(monkeypatch)
-    gu = make((2, 33, 2 * 1024), dt)[0]
-    check("geglu_tanh", [gu], split=lambda t: t.chunk(2, dim=-1))
+    for shape in ((2, 33, 2 * 1024), (9, 1, 2 * 1001)):
+        gu = make(shape, dt)[0]       # as rows, then one position (its up half unaligned)
+        check("geglu_tanh", [gu], split=lambda t: t.chunk(2, dim=-1))
     wide = make((77, 2 * 4096 + 3), dt)[0]      # views one element in: unaligned bases
     check("swiglu", [wide], split=lambda t: (t[:, 1:4097], t[:, 4098:8194]))
     check("geglu_none", [wide], split=lambda t: (t[:, 3:4099], t[:, 4099:8195]))
@@ -182,7 +188,8 @@ def test_gradient_of_only_one_input(fresh, monkeypatch):
                                             ("bwd", "swiglu", (33, 4097)),
                                             ("bwd", "geglu_tanh", (257, 1001)),
                                             ("fwd", "swiglu", (4099, 4097)),
-                                            ("bwd", "swiglu", (4099, 4097))], ids=str)
+                                            ("bwd", "swiglu", (4099, 4097)),
+                                            ("fwd", "swiglu", (4099, 1, 4097))], ids=str)
 def test_every_config_is_correct(fresh, monkeypatch, kind, act, shape):
     """Each sm_90 config of one kernel (the other on its default), not only the searches'
     winners: ragged rows, several column tiles per row, persistent and one-tile-per-CTA grids
@@ -276,7 +283,7 @@ def test_aot_signature_matches_jit():
     """The CI compile's signatures (cases/swiglu.py) equal what the JIT infers on the GPU, the
     chunk() halves (aligned and not) included."""
     from cuda.tile.compilation import CallingConvention, KernelSignature
-    from tiletune.aot import signature
+    from tiletune.aot import jit_array, signature
     from tiletune.cases.swiglu import _arrays
     for M, N, dt, chunked in [(4096, 14336, BF16, False), (4096, 14336, BF16, True),
                               (4096, 1001, BF16, True), (1, 1001, F16, False),
@@ -293,3 +300,11 @@ def test_aot_signature_matches_jit():
                                                    CallingConvention.cutile_python_v2())
             mine = signature([*_arrays(kind, dt, M, N, chunked), S.SILU, 1, 1024])
             assert jit.parameters == mine.parameters, (M, N, dt, chunked, kind)
+    # the forward's (B, 1, N) case: chunk() halves of one tensor and a contiguous output
+    g, u = torch.randn(4096, 1, 2 * 14336, device="cuda", dtype=BF16).chunk(2, dim=-1)
+    o = torch.empty(4096, 1, 14336, device="cuda", dtype=BF16)
+    jit = KernelSignature.from_kernel_args(S.glu_fwd, (g, u, o, S.SILU, 1, 1024),
+                                           CallingConvention.cutile_python_v2())
+    half = jit_array(BF16, (4096, 1, 14336), (2 * 14336, 2 * 14336, 1))
+    mine = signature([half, half, jit_array(BF16, (4096, 1, 14336)), S.SILU, 1, 1024])
+    assert jit.parameters == mine.parameters
