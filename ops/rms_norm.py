@@ -349,7 +349,8 @@ def _forward(x, weight, eps, keep_rstd=True):
     # y in x's shape, the kernel writing its rows (a view made here could not be changed in
     # place under autograd); new_empty with int sizes: the cheapest allocation
     # (strides read as stride()[i]: stride(i) costs more host time). 2-D and 3-D x reach the
-    # kernels without a view (1-2 us of host time each); other ranks as (M, N) rows.
+    # launch without a view (1-2 us of host time each; _fwd_args makes one only for a config
+    # whose row tiles do not fit S); other ranks as (M, N) rows.
     S = 0
     if x.dim() == 2:
         M, N = x.shape
