@@ -10,6 +10,7 @@ from tiletune import validate
 from tiletune.autotune import Autotuner, StandIns, Work, bucketed
 from tiletune.device import persistent_ctas, sm_count
 from tiletune.ops.partials import sum_rows
+from tiletune.ops.rows import load_rows, num_row_tiles, store_rows
 from tiletune.space import INT32_MAX, cdiv, next_pow2, product, row_chunks
 from tiletune.torch_op import TrainableOp
 
@@ -31,44 +32,9 @@ def _weight(w, c, TILE_N):
                       (1, TILE_N))
 
 
-# The whole-row forward takes rows as (M, N) or, without a host-side view, as (B, S, N) (a
-# view costs 1-2 us of host time a tensor): ALONG_S, a tile is TILE_M positions of one batch
-# entry (S a multiple of TILE_M); otherwise TILE_M batch entries at S = 1. ALONG_S means
-# nothing for (M, N) rows. Row tile t starts at row t * TILE_M either way, so rstd stays (M,).
-# (The backward takes (M, N) rows: in that form its best configs ran 1-3% faster on an H200,
+# The whole-row forward takes (M, N) rows or (B, S, N) arrays (ops/rows.py). (The backward
+# takes (M, N) rows: in that form its best configs ran 1-3% faster on an H200,
 # references/hardware-constraints.md.)
-
-
-def _num_row_tiles(a, TILE_M, ALONG_S):
-    """How many row tiles a holds."""
-    if a.ndim == 3 and ALONG_S:
-        return a.shape[0] * (a.shape[1] // TILE_M)
-    return ct.cdiv(a.shape[0], TILE_M)
-
-
-def _load_rows(a, t, TILE_M, TILE_N, ALONG_S):
-    """Row tile t of a: a [TILE_M, TILE_N] float32 tile, zero past the end."""
-    if a.ndim == 2:
-        return ct.load(a, (t, 0), (TILE_M, TILE_N), padding_mode=ZERO).astype(ct.float32)
-    if ALONG_S:
-        per_entry = a.shape[1] // TILE_M
-        tile = ct.load(a, (t // per_entry, t % per_entry, 0), (1, TILE_M, TILE_N),
-                       padding_mode=ZERO)
-    else:
-        tile = ct.load(a, (t, 0, 0), (TILE_M, 1, TILE_N), padding_mode=ZERO)
-    return ct.reshape(tile, (TILE_M, TILE_N)).astype(ct.float32)
-
-
-def _store_rows(a, t, tile, TILE_M, TILE_N, ALONG_S):
-    """Row tile t of a = tile ([TILE_M, TILE_N]), in a's dtype; rows past the end dropped."""
-    tile = tile.astype(a.dtype)
-    if a.ndim == 2:
-        ct.store(a, (t, 0), tile)
-    elif ALONG_S:
-        per_entry = a.shape[1] // TILE_M
-        ct.store(a, (t // per_entry, t % per_entry, 0), ct.reshape(tile, (1, TILE_M, TILE_N)))
-    else:
-        ct.store(a, (t, 0, 0), ct.reshape(tile, (TILE_M, 1, TILE_N)))
 
 
 @ct.kernel
@@ -78,10 +44,10 @@ def rms_norm_fwd_rows(x, w, y, rstd, inv_n, eps,
     """Whole rows in one tile: x, y (M, N) or (B, S, N), w (N,), rstd (M,) f32. Grid-stride
     over row tiles."""
     wt = _weight(w, 0, TILE_N)
-    for t in range(ct.bid(0), _num_row_tiles(x, TILE_M, ALONG_S), ct.num_blocks(0)):
-        xt = _load_rows(x, t, TILE_M, TILE_N, ALONG_S)
+    for t in range(ct.bid(0), num_row_tiles(x, TILE_M, ALONG_S), ct.num_blocks(0)):
+        xt = load_rows(x, t, 0, TILE_M, TILE_N, ALONG_S)
         r = ct.rsqrt(ct.sum(xt * xt, axis=1, keepdims=True) * inv_n + eps)  # [TILE_M, 1]
-        _store_rows(y, t, xt * r * wt, TILE_M, TILE_N, ALONG_S)
+        store_rows(y, t, 0, xt * r * wt, TILE_M, TILE_N, ALONG_S)
         ct.store(rstd, (t,), ct.reshape(r, (TILE_M,)))
 
 
@@ -227,7 +193,7 @@ def _fwd_kernel(cfg):
 
 
 def _fwd_args(c, x, w, y, rstd, eps, M, N, S):
-    if S and (S % c.tile_m and S != 1 or c.kind != "rows"):
+    if S and (c.kind != "rows" or S > 1 and S % c.tile_m):
         x, y, S = x.reshape(M, N), y.view(M, N), 0
     return (x, w, y, rstd, 1.0 / N, eps, c.tile_m, c.tile_n, S > 1)
 

@@ -18,6 +18,7 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucketed
 from tiletune.device import persistent_ctas
+from tiletune.ops.rows import load_rows, store_rows
 from tiletune.space import INT32_MAX, cdiv, next_pow2, product, row_chunks
 from tiletune.torch_op import TrainableOp
 
@@ -96,27 +97,10 @@ def _act_and_grad(g, ACT):
     return g * cdf, cdf + g * pdf
 
 
-# The forward also takes decode's (B, 1, N) arrays without a host-side view (a view costs 1-2 us
-# of host time a tensor, and decode steps are host-bound): a row tile is TILE_M batch entries. Other (B, S, N) come as (M, N) rows: tiles of TILE_M positions along S ran the
-# default config 1.4x slower than on the rows at (4, 4096, 14336) on an H200
+# The forward also takes decode's (B, 1, N) arrays without a host-side view (ops/rows.py; decode
+# steps are host-bound). Other (B, S, N) come as (M, N) rows: tiles of TILE_M positions along S
+# ran the default config 1.4x slower than on the rows at (4, 4096, 14336) on an H200
 # (references/hardware-constraints.md).
-
-
-def _any_tile(a, tm, tn, TILE_M, TILE_N):
-    """Tile (tm, tn) of a's rows as float32, a being (M, N) or (B, 1, N)."""
-    if a.ndim == 2:
-        return _tile(a, tm, tn, TILE_M, TILE_N)
-    t = ct.load(a, (tm, 0, tn), (TILE_M, 1, TILE_N), padding_mode=ZERO)
-    return ct.reshape(t, (TILE_M, TILE_N)).astype(ct.float32)
-
-
-def _put_tile(a, tm, tn, tile, TILE_M, TILE_N):
-    """Tile (tm, tn) of a's rows = tile, in a's dtype."""
-    tile = tile.astype(a.dtype)
-    if a.ndim == 2:
-        ct.store(a, (tm, tn), tile)
-    else:
-        ct.store(a, (tm, 0, tn), ct.reshape(tile, (TILE_M, 1, TILE_N)))
 
 
 @ct.kernel
@@ -127,9 +111,9 @@ def glu_fwd(gate, up, out, ACT: ct.Constant[int], TILE_M: ct.Constant[int],
     for t in range(ct.bid(0), ct.cdiv(gate.shape[0], TILE_M) * col_tiles, ct.num_blocks(0)):
         tm = t // col_tiles
         tn = t - tm * col_tiles
-        g = _any_tile(gate, tm, tn, TILE_M, TILE_N)
-        y = activation(g, ACT) * _any_tile(up, tm, tn, TILE_M, TILE_N)
-        _put_tile(out, tm, tn, y, TILE_M, TILE_N)
+        g = load_rows(gate, tm, tn, TILE_M, TILE_N, False)
+        y = activation(g, ACT) * load_rows(up, tm, tn, TILE_M, TILE_N, False)
+        store_rows(out, tm, tn, y, TILE_M, TILE_N, False)
 
 
 @ct.kernel
