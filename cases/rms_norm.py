@@ -18,11 +18,11 @@ from tiletune.space import next_pow2
 
 # 4096 and 16384 bracket the whole-row tiles (8192's tile shapes lie between theirs), 1001 is
 # ragged, 20000 takes the chunked kernels. Every config compiles at 4096; at the other widths
-# the default and each config differing in more than occupancy once (aot.tightest); those of
-# the forward also compile for (B, S, N) arrays at 4096: tiles along S (B 4, S 1024) and across
-# B (S 1).
+# the default and each config differing in more than occupancy once (aot.tightest); the
+# forward's and the backward's also compile for (..., N) arrays the kernels view as rows: (B, S,
+# N), decode's (B, 1, N) and (B, S, H, D) heads.
 AOT_WIDTHS = (4096, 1001, 16384, 20000)
-BATCHED = ((4, 1024, True), (4096, 1, False))     # (B, S, ALONG_S)
+BATCHED = ((4, 1024, 4096), (4096, 1, 4096), (2, 2048, 32, 128))
 
 
 def _at(N, cfgs):
@@ -45,7 +45,7 @@ def compile_cases():
                 combos += [(f32, f32), (torch.float16, torch.float16), (bf16, f32)]
             for xd, wd in combos:
                 params = [jit_array(xd, (M, N)), jit_array(wd, (N,)), jit_array(xd, (M, N)),
-                          jit_array(f32, (M,)), F32, F32, cfg.tile_m, cfg.tile_n, False]
+                          jit_array(f32, (M,)), F32, F32, cfg.tile_m, cfg.tile_n]
                 yield CompileCase("rms_norm", R._fwd.build(cfg), params,
                                   f"rms_norm_fwd N={N} {xd} w={wd} {vars(cfg)}")
         x, w, r = jit_array(bf16, (M, N)), jit_array(bf16, (N,)), jit_array(f32, (M,))
@@ -63,14 +63,18 @@ def compile_cases():
                 yield CompileCase("rms_norm", R._bwd_cols.build(cfg),
                                   [x, x, w, r, r, x, part, cfg.tile_m, cfg.tile_n],
                                   f"rms_norm_bwd_cols N={N} {vars(cfg)}")
-    N = AOT_WIDTHS[0]
-    w, r = jit_array(bf16, (N,)), jit_array(f32, (M,))
-    for B, S, along in BATCHED:
-        x = jit_array(bf16, (B, S, N))
+    for shape in BATCHED:
+        N = shape[-1]
+        x, w = jit_array(bf16, shape), jit_array(bf16, (N,))
+        r, part = jit_array(f32, (M,)), jit_array(f32, (G, N))
         for cfg in tightest(R.fwd_configs("sm_90", N)):
             yield CompileCase("rms_norm", R._fwd.build(cfg),
-                              [x, w, x, r, F32, F32, cfg.tile_m, cfg.tile_n, along],
-                              f"rms_norm_fwd ({B}, {S}, {N}) {vars(cfg)}")
+                              [x, w, x, r, F32, F32, cfg.tile_m, cfg.tile_n],
+                              f"rms_norm_fwd {shape} {vars(cfg)}")
+        for cfg in tightest(R.bwd_configs("sm_90", N)):
+            yield CompileCase("rms_norm", R._bwd.build(cfg),
+                              [x, x, w, r, x, part, F32, cfg.tile_m, cfg.tile_n],
+                              f"rms_norm_bwd {shape} {vars(cfg)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,8 +145,8 @@ def bench_host():
     eps = 1e-6
     R.launch_fwd(x, w, y, rstd, eps, 64, 1024)
     cfg, kernel = R._fwd.cache[(1024, 64, x.dtype, w.dtype, x.get_device())]
-    grid = R._fwd_grid(cfg, 0, x, w, y, rstd, eps, 64, 1024, 0)
-    args = R._fwd_args(cfg, x, w, y, rstd, eps, 64, 1024, 0)
+    grid = R._fwd_grid(cfg, 0, x, w, y, rstd, eps, 64, 1024)
+    args = R._fwd_args(cfg, x, w, y, rstd, eps, 64, 1024)
     stream = current_stream(0)
     out = host_in_turns({"bare_launch": lambda: ct.launch(stream, grid, kernel, args),
                          "engine_fast_path": lambda: R.launch_fwd(x, w, y, rstd, eps, 64,

@@ -55,13 +55,16 @@ def compile_cases():
             if N * bf16.itemsize % 16:
                 yield _case(kind, default, _arrays(kind, bf16, M, N, chunked=True), S.SILU,
                             f"N={N} bf16 chunk() halves")
-    # The forward on (B, 1, N) arrays (gate and up the chunk() halves of one tensor), each
-    # config differing in more than occupancy.
+    # Both kernels on (..., N) tensors they view as rows: (B, S, N) (gate and up the chunk()
+    # halves of one tensor) and decode's (B, 1, N), each config differing in more than
+    # occupancy.
     N = AOT_WIDTHS[0]
-    half = jit_array(bf16, (M, 1, N), (2 * N, 2 * N, 1))
-    for cfg in tightest(S.configs("sm_90", N)):
-        yield _case("fwd", cfg, [half, half, jit_array(bf16, (M, 1, N))], S.SILU,
-                    f"({M}, 1, {N}) bf16")
+    for shape in ((4, M // 4, N), (M, 1, N)):
+        whole = jit_array(bf16, shape)
+        half = jit_array(bf16, shape, (shape[1] * 2 * N, 2 * N, 1))
+        for cfg in tightest(S.configs("sm_90", N)):
+            yield _case("fwd", cfg, [half, half, whole], S.SILU, f"{shape} bf16")
+            yield _case("bwd", cfg, [whole, half, half, whole, whole], S.SILU, f"{shape} bf16")
 
 
 # ---------------------------------------------------------------------------------------------

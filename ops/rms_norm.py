@@ -10,7 +10,7 @@ from tiletune import validate
 from tiletune.autotune import Autotuner, StandIns, Work, bucketed
 from tiletune.device import persistent_ctas, sm_count
 from tiletune.ops.partials import sum_rows
-from tiletune.ops.rows import load_rows, num_row_tiles, store_rows
+from tiletune.ops.rows import as_rows, row_stride
 from tiletune.space import INT32_MAX, cdiv, next_pow2, product, row_chunks
 from tiletune.torch_op import TrainableOp
 
@@ -32,32 +32,33 @@ def _weight(w, c, TILE_N):
                       (1, TILE_N))
 
 
-# The whole-row forward takes (M, N) rows or (B, S, N) arrays (ops/rows.py). (The backward
-# takes (M, N) rows: in that form its best configs ran 1-3% faster on an H200,
-# references/hardware-constraints.md.)
+# Every kernel takes x, y, dy and dx as (M, N) rows or as (..., N) tensors whose leading dims
+# merge into rows (ops/rows.py), viewed as rows in the kernel.
 
 
 @ct.kernel
 def rms_norm_fwd_rows(x, w, y, rstd, inv_n, eps,
-                      TILE_M: ct.Constant[int], TILE_N: ct.Constant[int],
-                      ALONG_S: ct.Constant[bool]):
-    """Whole rows in one tile: x, y (M, N) or (B, S, N), w (N,), rstd (M,) f32. Grid-stride
-    over row tiles."""
+                      TILE_M: ct.Constant[int], TILE_N: ct.Constant[int]):
+    """Whole rows in one tile: x, y (M, N) rows, w (N,), rstd (M,) f32. Grid-stride over row
+    tiles."""
+    x = as_rows(x)
+    y = as_rows(y)
     wt = _weight(w, 0, TILE_N)
-    for t in range(ct.bid(0), num_row_tiles(x, TILE_M, ALONG_S), ct.num_blocks(0)):
-        xt = load_rows(x, t, 0, TILE_M, TILE_N, ALONG_S)
+    for t in range(ct.bid(0), ct.cdiv(x.shape[0], TILE_M), ct.num_blocks(0)):
+        xt = ct.load(x, (t, 0), (TILE_M, TILE_N), padding_mode=ZERO).astype(ct.float32)
         r = ct.rsqrt(ct.sum(xt * xt, axis=1, keepdims=True) * inv_n + eps)  # [TILE_M, 1]
-        store_rows(y, t, 0, xt * r * wt, TILE_M, TILE_N, ALONG_S)
+        ct.store(y, (t, 0), (xt * r * wt).astype(y.dtype))
         ct.store(rstd, (t,), ct.reshape(r, (TILE_M,)))
 
 
 @ct.kernel
 def rms_norm_fwd_chunked(x, w, y, rstd, inv_n, eps,
-                         TILE_M: ct.Constant[int], TILE_N: ct.Constant[int],
-                         ALONG_S: ct.Constant[bool]):
+                         TILE_M: ct.Constant[int], TILE_N: ct.Constant[int]):
     """Rows too wide for one tile: two passes over TILE_N-wide chunks (the second hits L2).
-    One (M, N) row at a time (TILE_M is 1 and ALONG_S False: parameters so both forward
-    kernels take the same arguments)."""
+    One row at a time (TILE_M is 1: a parameter so both forward kernels take the same
+    arguments)."""
+    x = as_rows(x)
+    y = as_rows(y)
     num_chunks = ct.cdiv(x.shape[1], TILE_N)
     for row in range(ct.bid(0), x.shape[0], ct.num_blocks(0)):
         acc = ct.zeros((1, TILE_N), ct.float32)
@@ -76,6 +77,9 @@ def rms_norm_bwd_rows(dy, x, w, rstd, dx, dw_partial, inv_n,
                       TILE_M: ct.Constant[int], TILE_N: ct.Constant[int]):
     """dx = r*g - x*r^3*mean(g*x) with g = dy*w; each CTA adds its rows' dy*x*r into one row of
     dw_partial (G, N) f32, summed over G afterwards. Whole rows in one tile."""
+    dy = as_rows(dy)
+    x = as_rows(x)
+    dx = as_rows(dx)
     wt = _weight(w, 0, TILE_N)
     dw_acc = ct.zeros((1, TILE_N), ct.float32)
     num_row_tiles = ct.cdiv(x.shape[0], TILE_M)
@@ -93,6 +97,8 @@ def rms_norm_bwd_rows(dy, x, w, rstd, dx, dw_partial, inv_n,
 @ct.kernel
 def rms_norm_bwd_row_coef(dy, x, w, rstd, coef, inv_n, TILE_N: ct.Constant[int]):
     """Wide rows, step 1: coef[r] = rstd^3 * mean(dy*w*x) per row."""
+    dy = as_rows(dy)
+    x = as_rows(x)
     num_chunks = ct.cdiv(x.shape[1], TILE_N)
     for row in range(ct.bid(0), x.shape[0], ct.num_blocks(0)):
         acc = ct.zeros((1, TILE_N), ct.float32)
@@ -108,6 +114,9 @@ def rms_norm_bwd_cols(dy, x, w, rstd, coef, dx, dw_partial,
                       TILE_M: ct.Constant[int], TILE_N: ct.Constant[int]):
     """Wide rows, step 2: grid (column blocks, row groups); dx = r*dy*w - x*coef, and each CTA's
     column block of sum(dy*x*r) over its rows goes to dw_partial[row group]."""
+    dy = as_rows(dy)
+    x = as_rows(x)
+    dx = as_rows(dx)
     col = ct.bid(0)
     wt = _weight(w, col, TILE_N)
     dw_acc = ct.zeros((1, TILE_N), ct.float32)
@@ -177,13 +186,11 @@ def bwd_cols_configs(arch, n_cols):
 
 # ---------------------------------------------------------------------------------------------
 # Launches. Each tuner declares its grid and arguments once; the engine looks the config up (or
-# tunes it) and launches. Rows have unit stride. The forward takes M rows of N as (M, N) arrays
-# (S 0) or as (B, S, N) ones (S given): where a config's row tiles do not fit S (S > 1 and not
-# a multiple of tile_m) or its kernel takes (M, N) alone, their (M, N) views go to the kernel
-# instead. The grid is the same either way: cdiv(M, tile_m) row tiles. The backward's rows are
-# (M, N).
+# tunes it) and launches. x, y, dy and dx hold M rows of N with unit stride: (M, N) arrays, or
+# (..., N) ones whose leading dims merge into rows (the kernels view them as rows); M and N
+# travel with them.
 
-def _fwd_grid(c, dev, x, w, y, rstd, eps, M, N, S):
+def _fwd_grid(c, dev, x, w, y, rstd, eps, M, N):
     tiles = cdiv(M, c.tile_m)
     return (persistent_ctas(tiles, dev, c.occupancy) if c.persistent else tiles,)
 
@@ -192,14 +199,12 @@ def _fwd_kernel(cfg):
     return rms_norm_fwd_rows if cfg.kind == "rows" else rms_norm_fwd_chunked
 
 
-def _fwd_args(c, x, w, y, rstd, eps, M, N, S):
-    if S and (c.kind != "rows" or S > 1 and S % c.tile_m):
-        x, y, S = x.reshape(M, N), y.view(M, N), 0
-    return (x, w, y, rstd, 1.0 / N, eps, c.tile_m, c.tile_n, S > 1)
+def _fwd_args(c, x, w, y, rstd, eps, M, N):
+    return (x, w, y, rstd, 1.0 / N, eps, c.tile_m, c.tile_n)
 
 
-def _bwd_space(dy, x, *rest):
-    return dict(n_cols=x.shape[1])
+def _bwd_space(dy, x, w, rstd, *rest):
+    return dict(n_cols=rest[-1])
 
 
 def _bwd_work(dy, x, w, *rest):
@@ -212,38 +217,37 @@ _BY_ROWS = bucketed(1)
 _fwd = Autotuner(
     "rms_norm_fwd", _fwd_kernel, fwd_configs,
     default=SimpleNamespace(kind="chunked", tile_m=1, tile_n=4096, occupancy=2, persistent=True),
-    space=lambda x, w, y, rstd, eps, M, N, S: dict(n_cols=N), grid=_fwd_grid,
+    space=lambda x, w, y, rstd, eps, M, N: dict(n_cols=N), grid=_fwd_grid,
     args=_fwd_args, tune_key=_BY_ROWS,
-    work=lambda x, w, y, rstd, eps, M, N, S: Work(bytes=2 * x.numel() * x.element_size()
-                                                  + w.numel() * w.element_size() + 4 * M))
+    work=lambda x, w, y, rstd, eps, M, N: Work(bytes=2 * x.numel() * x.element_size()
+                                               + w.numel() * w.element_size() + 4 * M))
 
 
-def _bwd_ctas(c, dev, dy, x, *rest):
-    return persistent_ctas(cdiv(x.shape[0], c.tile_m), dev, c.occupancy)
+def _bwd_ctas(c, dev, M):
+    return persistent_ctas(cdiv(M, c.tile_m), dev, c.occupancy)
 
 
 _bwd = Autotuner(
     "rms_norm_bwd", rms_norm_bwd_rows, bwd_configs,
     default=SimpleNamespace(tile_m=1, tile_n=MAX_ROW_TILE, occupancy=2),
     space=_bwd_space, work=_bwd_work, tune_key=_BY_ROWS,
-    scratch=lambda c, dev, dy, x, w, rstd, dx: ((_bwd_ctas(c, dev, dy, x), x.shape[1]),
-                                                torch.float32),
-    grid=lambda c, dev, dy, x, *rest: (_bwd_ctas(c, dev, dy, x),),
-    args=lambda c, dy, x, w, rstd, dx, partial: (dy, x, w, rstd, dx, partial, 1.0 / x.shape[1],
-                                                 c.tile_m, c.tile_n))
+    scratch=lambda c, dev, dy, x, w, rstd, dx, M, N: ((_bwd_ctas(c, dev, M), N), torch.float32),
+    grid=lambda c, dev, dy, x, w, rstd, dx, M, N, *partial: (_bwd_ctas(c, dev, M),),
+    args=lambda c, dy, x, w, rstd, dx, M, N, partial: (dy, x, w, rstd, dx, partial, 1.0 / N,
+                                                       c.tile_m, c.tile_n))
 
 # Wide rows: a per-row coefficient, then column blocks writing dx and dweight partials.
 _bwd_coef = Autotuner(
     "rms_norm_bwd_coef", rms_norm_bwd_row_coef, bwd_coef_configs,
     default=SimpleNamespace(tile_n=4096, occupancy=4), space=_bwd_space, tune_key=_BY_ROWS,
-    grid=lambda c, dev, dy, x, *rest: (persistent_ctas(x.shape[0], dev, c.occupancy),),
-    args=lambda c, dy, x, w, rstd, coef: (dy, x, w, rstd, coef, 1.0 / x.shape[1], c.tile_n))
+    grid=lambda c, dev, dy, x, w, rstd, coef, M, N: (persistent_ctas(M, dev, c.occupancy),),
+    args=lambda c, dy, x, w, rstd, coef, M, N: (dy, x, w, rstd, coef, 1.0 / N, c.tile_n))
 
 
-def _cols_grid(c, dev, dy, x, *rest):
+def _cols_grid(c, dev, dy, x, w, rstd, coef, dx, M, N, *partial):
     """(column blocks, row groups): about SMs x occupancy CTAs in all."""
-    col_blocks = cdiv(x.shape[1], c.tile_n)
-    rows = min(cdiv(x.shape[0], c.tile_m), cdiv(sm_count(dev) * c.occupancy, col_blocks))
+    col_blocks = cdiv(N, c.tile_n)
+    rows = min(cdiv(M, c.tile_m), cdiv(sm_count(dev) * c.occupancy, col_blocks))
     return (col_blocks, max(1, rows))
 
 
@@ -251,22 +255,22 @@ _bwd_cols = Autotuner(
     "rms_norm_bwd_cols", rms_norm_bwd_cols, bwd_cols_configs,
     default=SimpleNamespace(tile_m=8, tile_n=512, occupancy=4), space=_bwd_space, work=_bwd_work,
     tune_key=_BY_ROWS,
-    scratch=lambda c, dev, dy, x, *rest: ((_cols_grid(c, dev, dy, x)[1], x.shape[1]),
-                                          torch.float32),
+    scratch=lambda c, dev, *inputs: ((_cols_grid(c, dev, *inputs)[1], inputs[-1]),
+                                     torch.float32),
     grid=_cols_grid,
-    args=lambda c, dy, x, w, rstd, coef, dx, partial: (dy, x, w, rstd, coef, dx, partial,
-                                                       c.tile_m, c.tile_n))
+    args=lambda c, dy, x, w, rstd, coef, dx, M, N, partial: (dy, x, w, rstd, coef, dx, partial,
+                                                             c.tile_m, c.tile_n))
 TUNERS = (_fwd, _bwd, _bwd_coef, _bwd_cols)
 
 
-def launch_fwd(x, w, y, rstd, eps, M, N, S=0):
-    """y, rstd = rms_norm(x, w) over M rows of N: x and y (M, N), or (B, S, N) with S given;
+def launch_fwd(x, w, y, rstd, eps, M, N):
+    """y, rstd = rms_norm(x, w) over M rows of N (x and y as the launches above take them);
     rstd (M,) or None: y alone. (The hot path of every call: the caller's sizes travel with
     the inputs so nothing here reads them again.)"""
     dev = x.get_device()
     if rstd is None:
         rstd = _NO_RSTD.get(x, dev, M)
-    _fwd.launch((N, M, x.dtype, w.dtype, dev), dev, x, w, y, rstd, eps, M, N, S)
+    _fwd.launch((N, M, x.dtype, w.dtype, dev), dev, x, w, y, rstd, eps, M, N)
 
 
 # A forward that no backward reads hands the kernels a stand-in for its (M,) rstd (the engine's
@@ -275,23 +279,22 @@ def launch_fwd(x, w, y, rstd, eps, M, N, S=0):
 _NO_RSTD = StandIns(lambda like, m: like.new_empty(m, dtype=torch.float32))
 
 
-def launch_bwd(dy, x, w, rstd, dx, dw):
-    """dx (M, N) and dw (N,) written in place (dw in its own dtype)."""
-    M, N = x.shape
+def launch_bwd(dy, x, w, rstd, dx, dw, M, N):
+    """dx (as x) and dw (N,) written in place (dw in its own dtype)."""
     dev = x.get_device()
     key = (N, M, x.dtype, dy.dtype, w.dtype, dev)
     if next_pow2(N) <= MAX_ROW_TILE:
-        sum_rows(_bwd.launch(key, dev, dy, x, w, rstd, dx), dw)
+        sum_rows(_bwd.launch(key, dev, dy, x, w, rstd, dx, M, N), dw)
         return
-    coef = torch.empty(M, device=x.device, dtype=torch.float32)
-    _bwd_coef.launch(key, dev, dy, x, w, rstd, coef)
-    sum_rows(_bwd_cols.launch(key, dev, dy, x, w, rstd, coef, dx), dw)
+    coef = x.new_empty(M, dtype=torch.float32)
+    _bwd_coef.launch(key, dev, dy, x, w, rstd, coef, M, N)
+    sum_rows(_bwd_cols.launch(key, dev, dy, x, w, rstd, coef, dx, M, N), dw)
 
 
 # ---------------------------------------------------------------------------------------------
 # Host side: validation, flattening to rows, int32-safe row chunks.
 
-_MAX_CHUNK_ELEMS = INT32_MAX   # kernels index with int32: launch at most this many elements
+_MAX_SPAN = INT32_MAX   # kernels index with int32: a launch reaches at most this many elements
 
 
 def _check(x, weight, eps):
@@ -301,78 +304,75 @@ def _check(x, weight, eps):
     if N == 0:
         raise ValueError("rms_norm: x must have a last dimension (the hidden size) of at "
                          f"least 1, got shape {tuple(x.shape)}")
-    if N > _MAX_CHUNK_ELEMS:
+    if N > _MAX_SPAN:
         raise ValueError(f"rms_norm: x rows of {N} elements are not supported (at most "
-                         f"{_MAX_CHUNK_ELEMS} = 2^31 - 1: the kernels index a row with int32)")
+                         f"{_MAX_SPAN} = 2^31 - 1: the kernels index a row with int32)")
     if weight.dim() != 1 or weight.shape[0] != N:
         raise ValueError(f"rms_norm: weight must have shape ({N},) to match the last "
                          f"dim of x, got {tuple(weight.shape)}")
     return validate.eps("rms_norm", eps)
 
 
+def _rows_of(t, N):
+    """(t2, M, stride): t as the kernels take it (t itself where its leading dims merge into
+    rows of unit stride: no view, which costs 1-2 us of host time a tensor; else (M, N) rows,
+    a view or one copy), its row count and row stride."""
+    if t.dim() >= 2:
+        stride = row_stride(t)
+        if stride:
+            return t, t.numel() // N, stride
+    t2 = t.reshape(-1, N)
+    if t2.stride()[1] != 1:
+        t2 = t2.contiguous()
+    return t2, t2.shape[0], t2.stride()[0]
+
+
+def _contiguous_weight(weight):
+    return weight if weight.stride()[0] == 1 else weight.contiguous()
+
+
 def _forward(x, weight, eps, keep_rstd=True):
     """(y, rstd): y like x, rstd float32 with one value per row (keep_rstd False: None)."""
-    # y in x's shape, the kernel writing its rows (a view made here could not be changed in
-    # place under autograd); new_empty with int sizes: the cheapest allocation
-    # (strides read as stride()[i]: stride(i) costs more host time). 2-D and 3-D x reach the
-    # launch without a view (1-2 us of host time each; _fwd_args makes one only for a config
-    # whose row tiles do not fit S); other ranks as (M, N) rows.
-    S = 0
-    if x.dim() == 2:
-        M, N = x.shape
-        x2 = x if x.stride()[1] == 1 else x.contiguous()
-        y = y_out = x.new_empty(M, N)
-    elif x.dim() == 3 and x.numel() <= _MAX_CHUNK_ELEMS:
-        B, S, N = x.shape
-        M = B * S
-        x2 = x if x.stride()[2] == 1 else x.contiguous()
-        y = y_out = x.new_empty(B, S, N)
-    else:
-        N = x.shape[-1]
-        x2 = x.reshape(-1, N)
-        if x2.stride()[1] != 1:
-            x2 = x2.contiguous()
-        M = x2.shape[0]
-        y_out = x.new_empty(*x.shape)
-        y = y_out.view(M, N)
-    rstd = x2.new_empty(M, dtype=torch.float32) if keep_rstd else None
+    # y in x's shape and contiguous, so the kernel takes it as it is (a view made here could
+    # not be changed in place under autograd); new_empty with int sizes: the cheapest
+    # allocation.
+    N = x.shape[-1]
+    x2, M, stride = _rows_of(x, N)
+    y = x.new_empty(*x.shape)
+    rstd = x.new_empty(M, dtype=torch.float32) if keep_rstd else None
     if M and N:
-        w = weight if weight.stride()[0] == 1 else weight.contiguous()
-        if M * N <= _MAX_CHUNK_ELEMS:
-            launch_fwd(x2, w, y, rstd, eps, M, N, S)
+        w = _contiguous_weight(weight)
+        if (M - 1) * max(stride, N) + N <= _MAX_SPAN:
+            launch_fwd(x2, w, y if x2 is x else y.view(M, N), rstd, eps, M, N)
         else:
-            for s, e in row_chunks(M, N):
-                launch_fwd(x2[s:e], w, y[s:e], None if rstd is None else rstd[s:e], eps,
+            x2, y2 = x2.reshape(M, N), y.view(M, N)
+            for s, e in row_chunks(M, N, stride, _MAX_SPAN):
+                launch_fwd(x2[s:e], w, y2[s:e], None if rstd is None else rstd[s:e], eps,
                            e - s, N)
-    return y_out, rstd
+    return y, rstd
 
 
 def _backward(dy, x, weight, rstd):
     """(dx, dw): dx like x, dw like weight."""
-    two_d = x.dim() == 2
     N = x.shape[-1]
-    x2 = x if two_d else x.reshape(-1, N)
-    dy2 = dy if dy.dim() == 2 else dy.reshape(-1, N)
-    if x2.stride()[1] != 1:
-        x2 = x2.contiguous()
-    if dy2.stride()[1] != 1:
-        dy2 = dy2.contiguous()
-    M = x2.shape[0]
-    dx = x2.new_empty(M, N)
+    x2, M, stride = _rows_of(x, N)
+    dy2, _, dy_stride = _rows_of(dy, N)
+    dx = x.new_empty(*x.shape)
     if not (M and N):
-        return dx.view(x.shape), torch.zeros_like(weight)
-    w = weight if weight.stride()[0] == 1 else weight.contiguous()
-    if M * N <= _MAX_CHUNK_ELEMS:
+        return dx, torch.zeros_like(weight)
+    w = _contiguous_weight(weight)
+    stride = max(stride, dy_stride, N)
+    if (M - 1) * stride + N <= _MAX_SPAN:
         dw = torch.empty_like(w)
-        launch_bwd(dy2, x2, w, rstd, dx, dw)
-        return (dx if two_d else dx.view(x.shape)), dw
-    chunks = row_chunks(M, N)
+        launch_bwd(dy2, x2, w, rstd, dx if x2 is x else dx.view(M, N), dw, M, N)
+        return dx, dw
+    x2, dy2, dx2 = x2.reshape(M, N), dy2.reshape(M, N), dx.view(M, N)
     dw32 = torch.zeros(N, device=x.device, dtype=torch.float32)   # f32 sum over row chunks
     part = torch.empty(N, device=x.device, dtype=torch.float32)
-    for s, e in chunks:
-        launch_bwd(dy2[s:e], x2[s:e], w, rstd[s:e], dx[s:e], part)
+    for s, e in row_chunks(M, N, stride, _MAX_SPAN):
+        launch_bwd(dy2[s:e], x2[s:e], w, rstd[s:e], dx2[s:e], part, e - s, N)
         dw32 += part
-    return dx.view(x.shape), dw32.to(weight.dtype)
+    return dx, dw32.to(weight.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucketed
 from tiletune.device import persistent_ctas
-from tiletune.ops.rows import load_rows, store_rows
+from tiletune.ops.rows import as_rows, row_stride
 from tiletune.space import INT32_MAX, cdiv, next_pow2, product, row_chunks
 from tiletune.torch_op import TrainableOp
 
@@ -28,10 +28,11 @@ ZERO = ct.PaddingMode.ZERO
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 
 # ---------------------------------------------------------------------------------------------
-# Kernels. Arrays are 2-D (rows, N) with unit column stride and any row stride (the halves of a
-# fused gate_up projection come in as they are). A 2-D tile index t walks the (row tile, column
-# tile) grid row-major: grid-stride over SMs x occupancy CTAs (persistent) or one tile per CTA.
-# Tiles past the array's end load zeros (their results are dropped on store).
+# Kernels. Arrays are (M, N) rows with unit column stride and any row stride (the halves of a
+# fused gate_up projection come in as they are), or (..., N) tensors whose leading dims merge
+# into such rows, viewed as rows in the kernel (ops/rows.py). A 2-D tile index t walks the (row
+# tile, column tile) grid row-major: grid-stride over SMs x occupancy CTAs (persistent) or one
+# tile per CTA. Tiles past the array's end load zeros (their results are dropped on store).
 
 
 def _tile(a, tm, tn, TILE_M, TILE_N):
@@ -97,23 +98,20 @@ def _act_and_grad(g, ACT):
     return g * cdf, cdf + g * pdf
 
 
-# The forward also takes decode's (B, 1, N) arrays without a host-side view (ops/rows.py; decode
-# steps are host-bound). Other (B, S, N) come as (M, N) rows: tiles of TILE_M positions along S
-# ran the default config 1.4x slower than on the rows at (4, 4096, 14336) on an H200
-# (references/hardware-constraints.md).
-
-
 @ct.kernel
 def glu_fwd(gate, up, out, ACT: ct.Constant[int], TILE_M: ct.Constant[int],
             TILE_N: ct.Constant[int]):
-    """out = act(gate) * up; (M, N) or (B, 1, N) arrays."""
-    col_tiles = ct.cdiv(gate.shape[gate.ndim - 1], TILE_N)
+    """out = act(gate) * up."""
+    gate = as_rows(gate)
+    up = as_rows(up)
+    out = as_rows(out)
+    col_tiles = ct.cdiv(gate.shape[1], TILE_N)
     for t in range(ct.bid(0), ct.cdiv(gate.shape[0], TILE_M) * col_tiles, ct.num_blocks(0)):
         tm = t // col_tiles
         tn = t - tm * col_tiles
-        g = load_rows(gate, tm, tn, TILE_M, TILE_N, False)
-        y = activation(g, ACT) * load_rows(up, tm, tn, TILE_M, TILE_N, False)
-        store_rows(out, tm, tn, y, TILE_M, TILE_N, False)
+        g = _tile(gate, tm, tn, TILE_M, TILE_N)
+        y = activation(g, ACT) * _tile(up, tm, tn, TILE_M, TILE_N)
+        ct.store(out, (tm, tn), y.astype(out.dtype))
 
 
 @ct.kernel
@@ -121,6 +119,11 @@ def glu_bwd(dy, gate, up, dgate, dup, ACT: ct.Constant[int], TILE_M: ct.Constant
             TILE_N: ct.Constant[int]):
     """dup = dy * act(gate), dgate = dy * up * act'(gate): the activation is recomputed from
     gate (nothing but gate and up is kept for the backward)."""
+    dy = as_rows(dy)
+    gate = as_rows(gate)
+    up = as_rows(up)
+    dgate = as_rows(dgate)
+    dup = as_rows(dup)
     col_tiles = ct.cdiv(gate.shape[1], TILE_N)
     for t in range(ct.bid(0), ct.cdiv(gate.shape[0], TILE_M) * col_tiles, ct.num_blocks(0)):
         tm = t // col_tiles
@@ -171,9 +174,9 @@ def configs(arch, n_cols):
 
 # ---------------------------------------------------------------------------------------------
 # Launches. Each tuner declares its grid and arguments once; the engine looks the config up (or
-# tunes it) and launches. gate and up are 2-D (M, N) with unit column stride and any row
-# stride; out, dy, dgate and dup are contiguous. The forward also takes (B, 1, N) arrays with
-# unit last stride: their row stride is the first one.
+# tunes it) and launches. Every array holds M rows of N with unit column stride (gate and up any
+# row stride; out, dy, dgate and dup are contiguous), as (M, N) or as (..., N) the kernels view
+# as rows.
 
 def _grid(c, dev, M, N):
     tiles = cdiv(M, c.tile_m) * cdiv(N, c.tile_n)
@@ -204,89 +207,64 @@ _bwd = Autotuner(
 TUNERS = (_fwd, _bwd)
 
 
-def launch_fwd(gate, up, out, act, aligned):
-    """out = act(gate) * up for (M, N) or (M, 1, N) arrays (M * N > 0, int32-indexable).
-    aligned: every array's base and row stride are multiples of 16 bytes (the JIT then
-    compiles 128-bit accesses; a chunk() half of an odd width gets narrower ones): a key flag,
-    so that both layouts keep their own winner."""
-    M, N = gate.shape[0], gate.shape[-1]
+def launch_fwd(gate, up, out, act, aligned, M, N):
+    """out = act(gate) * up over M rows of N (M * N > 0, int32-indexable). aligned: every
+    array's base and row stride are multiples of 16 bytes (the JIT then compiles 128-bit
+    accesses; a chunk() half of an odd width gets narrower ones): a key flag, so that both
+    layouts keep their own winner."""
     dev = gate.get_device()
     _fwd.launch((N, M, act, gate.dtype, aligned, dev), dev, gate, up, out, act, M, N)
 
 
-def launch_bwd(dy, gate, up, dgate, dup, act, aligned):
-    """dgate, dup written for 2-D (M, N) arrays (M * N > 0, int32-indexable)."""
-    M, N = gate.shape
+def launch_bwd(dy, gate, up, dgate, dup, act, aligned, M, N):
+    """dgate, dup written over M rows of N (M * N > 0, int32-indexable)."""
     dev = gate.get_device()
     _bwd.launch((N, M, act, gate.dtype, aligned, dev), dev, dy, gate, up, dgate, dup, act, M, N)
 
 
 # ---------------------------------------------------------------------------------------------
-# Host side: validation, flattening to rows, int32-safe row chunks.
+# Host side: validation, rows, int32-safe row chunks.
 
 _MAX_SPAN = INT32_MAX   # kernels index with int32: a launch reaches at most this many elements
 
 
-def _rows(t, N):
-    """t as (rows, N) with unit column stride: a view where one exists (the halves of a fused
-    gate_up projection keep their row stride), else one copy."""
-    t2 = t if t.dim() == 2 else t.reshape(-1, N)
-    return t2 if t2.stride()[1] == 1 else t2.contiguous()
-
-
-def _out_rows(t, N):
-    """A new contiguous output as (rows, N): itself where it is 2-D (no view: host time)."""
-    return t if t.dim() == 2 else t.view(-1, N)
-
-
 def _launch_rows(launch, N, arrays, act):
-    """launch(*arrays, act, aligned) once, or per row chunk where the arrays span more than
-    int32 indexes (each chunk starts a multiple of 16 rows in: aligned as the whole). Each
-    array's strides and address are read once (stride(i) costs more than stride()), and the
-    loops are written out (a generator costs a microsecond per call)."""
+    """launch(*arrays, act, aligned, M, N) once, or per row chunk where the arrays span more
+    than int32 indexes (each chunk starts a multiple of 16 rows in: aligned as the whole).
+    Arrays whose leading dims merge into rows go as they are (a view costs 1-2 us of host time
+    a tensor), others as (M, N) rows: a view, or one copy. Each array's strides and address
+    are read once (stride(i) costs more than stride()), and the loops are written out (a
+    generator costs a microsecond per call)."""
     es = arrays[0].element_size()
+    M = arrays[0].numel() // N
     stride = N
     bits = 0
+    rows = []
     for a in arrays:
-        row_stride = a.stride()[0]
-        if row_stride > stride:
-            stride = row_stride
-        bits |= a.data_ptr() | row_stride * es
+        row = row_stride(a) if a.dim() >= 2 else 0
+        if not row:
+            a = a.reshape(M, N)
+            if a.stride()[1] != 1:
+                a = a.contiguous()
+            row = a.stride()[0]
+        if row > stride:
+            stride = row
+        bits |= a.data_ptr() | row * es
+        rows.append(a)
     aligned = bits % 16 == 0
-    M = arrays[0].shape[0]
     if (M - 1) * stride + N <= _MAX_SPAN:
-        launch(*arrays, act, aligned)
+        launch(*rows, act, aligned, M, N)
         return
+    rows = [a.reshape(M, N) for a in rows]
     for s, e in row_chunks(M, N, stride, _MAX_SPAN):
-        launch(*(a[s:e] for a in arrays), act, aligned)
-
-
-def _launch_positions(gate, up, out, act):
-    """launch_fwd on (B, 1, N) arrays as they are (no views: host time), where each has a unit
-    last stride and int32 indexes reach every element; False where not (then as rows)."""
-    B, _, N = gate.shape
-    es = gate.element_size()
-    bits = stride = 0
-    for a in (gate, up, out):
-        st = a.stride()
-        if st[2] != 1:
-            return False
-        bits |= a.data_ptr() | st[0] * es
-        if st[0] > stride:
-            stride = st[0]
-    if (B - 1) * stride + N > _MAX_SPAN:
-        return False
-    launch_fwd(gate, up, out, act, bits % 16 == 0)
-    return True
+        launch(*(a[s:e] for a in rows), act, aligned, e - s, N)
 
 
 def _forward(gate, up, act):
     """act(gate) * up: a new contiguous tensor shaped like gate."""
     out = gate.new_empty(*gate.shape)      # (sizes unpacked: a torch.Size argument costs more)
-    if gate.numel() and not (gate.dim() == 3 and gate.shape[1] == 1
-                             and _launch_positions(gate, up, out, act)):
-        N = gate.shape[-1]
-        _launch_rows(launch_fwd, N, (_rows(gate, N), _rows(up, N), _out_rows(out, N)), act)
+    if gate.numel():
+        _launch_rows(launch_fwd, gate.shape[-1], (gate, up, out), act)
     return out
 
 
@@ -297,9 +275,7 @@ def backward(dy, gate, up, act):
     dgate = gate.new_empty(*gate.shape)
     dup = gate.new_empty(*gate.shape)
     if gate.numel():
-        N = gate.shape[-1]
-        _launch_rows(launch_bwd, N, (_rows(dy, N), _rows(gate, N), _rows(up, N),
-                                     _out_rows(dgate, N), _out_rows(dup, N)), act)
+        _launch_rows(launch_bwd, gate.shape[-1], (dy, gate, up, dgate, dup), act)
     return dgate, dup
 
 

@@ -178,7 +178,8 @@ def emulated(launches, monkeypatch):
             a1, b1, a2, b2, c = args[:5]
             c.copy_(a1.double() @ b1.double() + a2.double() @ b2.double())
         elif kernel == "swiglu_bwd":
-            dy, gate, up, dgate, dup = (a.double() for a in args[:5])
+            # (..., N) arrays: the kernel views them as rows
+            dy, gate, up, dgate, dup = (a.double().reshape(-1, a.shape[-1]) for a in args[:5])
             s = torch.sigmoid(gate)
             args[4].copy_(dy * gate * s)
             args[3].copy_(dy * up * s * (1 + gate * (1 - s)))

@@ -39,7 +39,7 @@ def _rms_norm_wide_backward(n):
     """Its row-coefficient launch (the column launches' grids take scratch: computed per call)."""
     x, w = torch.randn(n, 40000, dtype=BF16), torch.ones(40000, dtype=BF16)
     R._bwd_coef.launch((40000, n, BF16, BF16, BF16, -1), -1, x, x, w, torch.ones(n),
-                       torch.empty(n))
+                       torch.empty(n), n, 40000)
 
 
 def _rope(b):
@@ -84,8 +84,8 @@ def _fp8(m):
 
 def _swiglu(n):
     g = torch.randn(n, 256, dtype=BF16)
-    SW.launch_fwd(g, g, torch.empty_like(g), SW.SILU, True)
-    SW.launch_bwd(g, g, g, torch.empty_like(g), torch.empty_like(g), SW.GELU_ERF, True)
+    SW.launch_fwd(g, g, torch.empty_like(g), SW.SILU, True, n, 256)
+    SW.launch_bwd(g, g, g, torch.empty_like(g), torch.empty_like(g), SW.GELU_ERF, True, n, 256)
 
 
 def _moe(t):
@@ -118,24 +118,47 @@ def test_launch_keys_hold_every_size_of_the_grid(defaults, op):
     assert tuned and all(v == 1 for v in tuned.values()), tuned    # one tuning key each
 
 
-# (B, S, N) rows: the whole-row forward takes them as they are where the config's row tiles fit
-# S (along S, or across the batch at S = 1), else (M, N) views of the same memory, as the
-# backward always does. The default configs at N = 1024 have 8-row tiles.
-@pytest.mark.parametrize("shape,along_s", [((4, 64, 1024), True), ((64, 1, 1024), False),
-                                           ((4, 65, 1024), None)], ids=str)
-def test_rms_norm_hands_batched_rows_over_without_a_view(defaults, shape, along_s):
+# (..., N) tensors whose leading dims merge into rows reach every RMSNorm and SwiGLU kernel as
+# they are (the kernels view them as rows); others as (M, N) rows of the same memory where a view
+# exists, else a copy.
+MERGED = [(4, 64, 1024), (64, 1, 1024), (4, 65, 1024), (2, 3, 4, 128)]
+
+
+@pytest.mark.parametrize("shape", MERGED, ids=str)
+def test_rms_norm_hands_merged_rows_over_without_a_view(defaults, shape):
     x, w = torch.randn(shape, dtype=BF16), torch.ones(shape[-1], dtype=BF16)
     y, rstd = R._forward(x, w, 1e-6)
     dy = torch.randn_like(x)
     dx, _ = R._backward(dy, x, w, rstd)
-    assert y.shape == dx.shape == shape and rstd.shape == (shape[0] * shape[1],)
+    assert y.shape == dx.shape == shape and rstd.shape == (x.numel() // shape[-1],)
     (_, _, fwd), (_, _, bwd) = defaults[:2]
-    rows = (x.numel() // shape[-1], shape[-1])
-    for arrays, outputs, flag in (((fwd[0], fwd[2]), (x, y), fwd[-1]),
-                                  ((bwd[0], bwd[1], bwd[4]), (dy, x, dx), None)):
-        assert [a.data_ptr() for a in arrays] == [t.data_ptr() for t in outputs]
-        if along_s is None or flag is None:
-            assert all(a.shape == rows for a in arrays)
-            assert flag in (None, False)
-        else:
-            assert all(a is t for a, t in zip(arrays, outputs)) and flag is along_s
+    for arrays, outputs in (((fwd[0], fwd[2]), (x, y)), ((bwd[0], bwd[1], bwd[4]), (dy, x, dx))):
+        assert all(a is t for a, t in zip(arrays, outputs))
+
+
+@pytest.mark.parametrize("shape", MERGED, ids=str)
+def test_swiglu_hands_merged_rows_over_without_a_view(defaults, shape):
+    g, u = torch.randn(shape, dtype=BF16), torch.randn(shape, dtype=BF16)
+    out = SW._forward(g, u, SW.SILU)
+    dy = torch.randn_like(g)
+    dg, du = SW.backward(dy, g, u, SW.SILU)
+    (_, _, fwd), (_, _, bwd) = defaults[:2]
+    assert all(a is t for a, t in zip(fwd[:3], (g, u, out)))
+    assert all(a is t for a, t in zip(bwd[:5], (dy, g, u, dg, du)))
+
+
+def test_rows_that_do_not_merge_go_as_views_or_copies(defaults):
+    """The batch and sequence dims swapped (a copy) and one position of a longer sequence (a
+    view of the same memory) go as (M, N) rows, y with them."""
+    w = torch.ones(1024, dtype=BF16)
+    swapped = torch.randn(65, 4, 1024, dtype=BF16).transpose(0, 1)
+    last = torch.randn(4, 9, 1024, dtype=BF16)[:, -1:]
+    for x, same_memory in ((swapped, False), (last, True)):
+        defaults.clear()
+        R._forward(x, w, 1e-6)
+        (_, _, fwd), = defaults
+        assert fwd[0].shape == fwd[2].shape == (x.numel() // 1024, 1024)
+        assert (fwd[0].data_ptr() == x.data_ptr()) is same_memory
+    assert R.row_stride(swapped) == 0 and R.row_stride(last) == 0
+    assert R.row_stride(torch.randn(2, 3, 4, 2 * 1024)[..., :1024]) == 2 * 1024
+    assert R.row_stride(torch.randn(5, 1, 1024)) == 1024

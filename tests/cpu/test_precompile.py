@@ -13,7 +13,7 @@ from tiletune.ops import rms_norm as R
 def fwd_params(tile_n):
     bf = torch.bfloat16
     return [jit_array(bf, (64, 4096)), jit_array(bf, (4096,)), jit_array(bf, (64, 4096)),
-            jit_array(torch.float32, (64,)), F32, F32, 1, tile_n, False]
+            jit_array(torch.float32, (64,)), F32, F32, 1, tile_n]
 
 
 def cache_in(monkeypatch, path):

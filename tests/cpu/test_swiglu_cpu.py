@@ -173,13 +173,16 @@ def emulated(launches, monkeypatch):
     monkeypatch.setitem(device._SM_COUNT, -1, 132)      # a CPU tensor's device index
     calls = []
 
+    def rows(a):          # (..., N) as the kernels view it
+        return a.reshape(-1, a.shape[-1])
+
     def launch(stream, grid, kernel, args):
         calls.append((kernel, args))
         if kernel == "swiglu_fwd":
-            gate, up, out, act = args[:4]
+            gate, up, out, act = *map(rows, args[:3]), args[3]
             out.copy_(_act(gate, act) * up.double())
         else:
-            dy, gate, up, dgate, dup, act = args[:6]
+            dy, gate, up, dgate, dup, act = *map(rows, args[:5]), args[5]
             dup.copy_(dy.double() * _act(gate, act))
             dgate.copy_(dy.double() * up.double() * _act_grad(gate, act))
     monkeypatch.setattr(S.ct, "launch", launch)
@@ -207,8 +210,8 @@ def test_forward_and_backward_wiring(emulated, act):
     torch.testing.assert_close(du.double(), ru, rtol=1e-6, atol=1e-6)
     kernels = [k for k, _ in emulated]
     assert kernels == ["swiglu_fwd", "swiglu_bwd"]
-    for kernel, args in emulated:      # (3, 5, 17) reaches both kernels as (M, N) rows
-        assert all(a.shape == (15, 17) for a in args if isinstance(a, torch.Tensor))
+    for kernel, args in emulated:      # (3, 5, 17) reaches both kernels as it is
+        assert all(a.shape == (3, 5, 17) for a in args if isinstance(a, torch.Tensor))
         assert args[3 if kernel == "swiglu_fwd" else 5] == act
 
 
@@ -227,25 +230,22 @@ def test_no_grad_call_runs_only_the_forward(emulated):
 
 
 @pytest.mark.parametrize("shape", [(40, 1, 2 * 64), (2, 64, 2 * 64)], ids=str)
-def test_one_position_reaches_the_forward_without_a_view(emulated, shape):
-    """(B, 1, N) gate and up (here the chunk() halves of one tensor) go to the forward kernel
-    as they are, other (B, S, N) as (M, N) views; the backward always takes (M, N) rows."""
+def test_merged_rows_reach_the_kernels_without_a_view(emulated, shape):
+    """(B, S, N) gate and up (here the chunk() halves of one tensor) and decode's (B, 1, N) go
+    to both kernels as they are (the kernels view them as rows)."""
     gu = torch.randn(shape, requires_grad=True)
     g, u = gu.chunk(2, dim=-1)
     y = S._glu(g, u, S.SILU)
     torch.testing.assert_close(y.double(), _reference(g, u, S.SILU).detach())
     y.backward(torch.randn_like(y))
     (_, fwd), (_, bwd) = emulated
-    if shape[1] == 1:
-        assert fwd[0] is g and fwd[1] is u and fwd[2] is y
-    else:
-        assert fwd[0].shape == fwd[2].shape == (shape[0] * shape[1], 64)
-    assert all(a.dim() == 2 for a in bwd[:5])
+    assert fwd[0] is g and fwd[1] is u and fwd[2] is y
+    assert all(a.dim() == 3 for a in bwd[:5]) and bwd[1] is g and bwd[2] is u
 
 
 def test_chunk_halves_are_read_in_place(emulated):
-    """gate, up = gate_up.chunk(2, -1): 2-D (rows, N) arrays with row stride 2N, no copy (also
-    from a 3-D (B, S, 2N) tensor, whose halves flatten to rows as views)."""
+    """gate, up = gate_up.chunk(2, -1): (..., N) arrays with row stride 2N, no copy (2-D, and
+    3-D halves of a (B, S, 2N) tensor, which the kernels view as rows)."""
     for shape in ((6, 2 * 33), (2, 3, 2 * 64)):
         gu = torch.randn(shape, requires_grad=True)
         g, u = gu.chunk(2, dim=-1)
@@ -254,7 +254,7 @@ def test_chunk_halves_are_read_in_place(emulated):
         torch.testing.assert_close(y.double(), _reference(g, u, S.SILU).detach())
         (_, (ag, au, out, *_)), = emulated
         n = shape[-1] // 2
-        assert ag.stride() == (2 * n, 1) and au.stride() == (2 * n, 1)
+        assert ag.stride()[-2:] == (2 * n, 1) and au.stride()[-2:] == (2 * n, 1)
         assert ag.data_ptr() == gu.data_ptr() and au.data_ptr() == gu.data_ptr() + n * 4
         dy = torch.randn_like(y)
         (dgu,) = torch.autograd.grad(y, gu, dy)
@@ -262,7 +262,7 @@ def test_chunk_halves_are_read_in_place(emulated):
         (ref,) = torch.autograd.grad(_reference(*gu64.chunk(2, -1), S.SILU), gu64, dy.double())
         torch.testing.assert_close(dgu.double(), ref)
         (_, (_, bg, bu, *_)) = emulated[-1]
-        assert bg.data_ptr() == gu.data_ptr() and bu.stride() == (2 * n, 1)
+        assert bg.data_ptr() == gu.data_ptr() and bu.stride()[-2:] == (2 * n, 1)
 
 
 def test_other_layouts_are_copied_once(emulated):

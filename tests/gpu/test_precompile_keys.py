@@ -21,7 +21,7 @@ def _rms_case(M, N):
     w = torch.rand(N, device="cuda", dtype=torch.bfloat16)
     y, r = torch.empty_like(x), torch.empty(M, device="cuda")
     tn = R.next_pow2(N)
-    return R.rms_norm_fwd_rows, {"occupancy": 2}, (M,), (x, w, y, r, 1.0 / N, 1e-6, 1, tn, False)
+    return R.rms_norm_fwd_rows, {"occupancy": 2}, (M,), (x, w, y, r, 1.0 / N, 1e-6, 1, tn)
 
 
 def _grouped_case():

@@ -58,12 +58,11 @@ def check(shape, dt, wdt, eps=1e-6, grad=True):
     assert torch.equal(xr.detach(), x)    # input untouched
 
 
-# (B, S, N) inputs reach the whole-row forward as it is where a config's row tiles fit S (along
-# S, or across the batch at S = 1), else as (M, N) views: (4, 1, 1000) and (1, 1, 4096) take
-# the first, (3, 64, 1024) the second, (2, 5, 4096) the views with the default 2-row tiles.
+# (..., N) inputs whose leading dims merge into rows reach every kernel as they are (viewed as
+# rows in the kernel): (B, S, N), decode's (B, 1, N), (B, S, H, D) heads, and wide rows.
 SHAPES = [(1, 1), (3, 7), (5, 1000), (37, 4096), (2, 3, 8192), (17, 16384), (9, 20000),
           (4, 65536), (1025, 1001), (300, 128), (4, 1, 1000), (1, 1, 4096), (3, 64, 1024),
-          (2, 5, 4096)]
+          (2, 5, 4096), (2, 3, 5, 128), (2, 3, 20000)]
 
 
 # Tuned (a full search per key, ~10 s of compiles each): every dtype, aligned, odd and wide rows.
@@ -93,8 +92,9 @@ def test_rows_and_batched_rows_share_a_key(fresh, monkeypatch):
 # of other kernels that went wrong only there (references/hardware-constraints.md).
 EVERY = [("fwd", (20011, 4096)), ("fwd", (8001, 20000)), ("bwd", (20011, 4096)),
          ("bwd_coef", (8001, 20000)), ("bwd_cols", (8001, 20000)), ("column_sum", (20011, 4096)),
-         # (B, S, N): tiles along S (2560 rows an entry: a multiple of every tile) and across B
-         ("fwd", (8, 2560, 4096)), ("fwd", (20011, 1, 4096))]
+         # (..., N) tensors the kernels view as rows
+         ("fwd", (8, 2501, 4096)), ("fwd", (20011, 1, 4096)), ("bwd", (7, 2861, 4096)),
+         ("fwd", (3, 2667, 20000))]
 TUNERS = {"fwd": R._fwd, "bwd": R._bwd, "bwd_coef": R._bwd_coef, "bwd_cols": R._bwd_cols,
           "column_sum": partials._column_sum}
 
@@ -328,9 +328,9 @@ def test_non_contiguous_input(fresh):
 
 
 def test_batched_rows_in_other_layouts(fresh):
-    """(B, S, N) views the forward takes without a copy or view: rows of a wider tensor, the
-    batch and sequence dims swapped, one position of a longer sequence; forward and backward
-    against float64."""
+    """(B, S, N) views, forward and backward against float64: rows of a wider tensor (the
+    kernels view it as rows), the batch and sequence dims swapped (copied as rows), one position
+    of a longer sequence (an (M, N) view)."""
     w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
     wide = torch.randn(2, 48, 4160, device="cuda", dtype=torch.bfloat16)[..., :4096]
     swapped = torch.randn(48, 2, 4096, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
@@ -347,6 +347,25 @@ def test_batched_rows_in_other_layouts(fresh):
         ref.backward(dy.double())
         assert rel(xr.grad, ref_x.grad) < 2 * TOL[torch.bfloat16]
         assert rel(wr.grad, ref_w.grad) < 2 * TOL[torch.bfloat16]
+
+
+def test_merged_rows_reach_the_kernels_without_a_view(fresh, monkeypatch):
+    """Contiguous (B, S, N) and (B, S, H, D) tensors are the very tensors the kernels get,
+    forward and backward; dx comes back in x's shape."""
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    seen = []
+    for name in ("launch_fwd", "launch_bwd"):
+        real = getattr(R, name)
+
+        def spy(*args, real=real):
+            seen.append(args)
+            real(*args)
+        monkeypatch.setattr(R, name, spy)
+    for shape in ((2, 33, 1024), (2, 5, 4, 128), (2, 3, 20000)):
+        seen.clear()
+        check(shape, torch.bfloat16, torch.bfloat16)
+        (fx, _, fy, *_), (bdy, bx, _, _, bdx, *_) = seen
+        assert all(t.shape == shape for t in (fx, fy, bdy, bx, bdx)), shape
 
 
 def test_empty_batch(fresh):
@@ -410,20 +429,23 @@ def test_more_than_2_31_elements(fresh, monkeypatch):
 
 
 def test_aot_signature_matches_jit():
-    """The CI compile's signatures (tiletune.aot.jit_array) equal what the JIT infers on the GPU."""
+    """The CI compile's signatures (tiletune.aot.jit_array) equal what the JIT infers on the GPU,
+    for (M, N) rows and the (..., N) tensors the kernels view as rows."""
     from cuda.tile.compilation import CallingConvention, KernelSignature
     from tiletune.aot import F32, jit_array, signature
-    for M, N, dt in [(4096, 4096, torch.bfloat16), (1000, 1001, torch.float16), (1, 4097, torch.float32)]:
-        x = torch.randn(M, N, device="cuda", dtype=dt)
+    for shape, dt in [((4096, 4096), torch.bfloat16), ((1000, 1001), torch.float16),
+                      ((1, 4097), torch.float32), ((4, 1024, 4096), torch.bfloat16),
+                      ((4096, 1, 4096), torch.bfloat16), ((2, 2048, 32, 128), torch.bfloat16)]:
+        M, N = math.prod(shape[:-1]), shape[-1]
+        x = torch.randn(shape, device="cuda", dtype=dt)
         w = torch.rand(N, device="cuda", dtype=torch.float32)
         y, r = torch.empty_like(x), torch.empty(M, device="cuda")
         tn = R.next_pow2(N)
-        jit = KernelSignature.from_kernel_args(R.rms_norm_fwd_rows, (x, w, y, r, 1.0 / N, 1e-6, 1, tn, False),
+        jit = KernelSignature.from_kernel_args(R.rms_norm_fwd_rows, (x, w, y, r, 1.0 / N, 1e-6, 1, tn),
                                                CallingConvention.cutile_python_v2())
         mine = signature([jit_array(x.dtype, x.shape), jit_array(w.dtype, w.shape),
-                          jit_array(y.dtype, y.shape), jit_array(r.dtype, r.shape), F32, F32, 1, tn,
-                          False])
-        assert jit.parameters == mine.parameters
+                          jit_array(y.dtype, y.shape), jit_array(r.dtype, r.shape), F32, F32, 1, tn])
+        assert jit.parameters == mine.parameters, shape
 
 
 def test_no_grad_stand_in_has_the_real_rstd_signature():
@@ -436,6 +458,6 @@ def test_no_grad_stand_in_has_the_real_rstd_signature():
         w = torch.rand(256, device="cuda", dtype=torch.bfloat16)
         y = torch.empty_like(x)
         sigs = [KernelSignature.from_kernel_args(R.rms_norm_fwd_rows,
-                                                 (x, w, y, r, 1 / 256, 1e-6, 1, 256, False), conv)
+                                                 (x, w, y, r, 1 / 256, 1e-6, 1, 256), conv)
                 for r in (torch.empty(M, device="cuda"), R._NO_RSTD.get(x, 0, M))]
         assert sigs[0].parameters == sigs[1].parameters, M

@@ -79,11 +79,10 @@ def check(act, leaves, split=pair, grad=True):
     return y
 
 
-# (B, 1, N) inputs reach the forward as they are, other (B, S, N) as (M, N) views: (4, 1, 1000)
-# and (1, 1, 4096) the first, (2, 3, 8), (7, 2, 1001), (3, 64, 1024) and (2, 5, 4096) the
-# views.
+# (..., N) inputs whose leading dims merge into rows reach the kernels as they are (viewed as rows
+# in the kernel): (B, S, N), decode's (B, 1, N) and (B, S, H, D) heads among them.
 SHAPES = [(1, 1), (3, 1001), (257, 4097), (4096, 14336), (2, 3, 8), (5, 64), (7, 2, 1001),
-          (4, 1, 1000), (1, 1, 4096), (3, 64, 1024), (2, 5, 4096)]
+          (4, 1, 1000), (1, 1, 4096), (3, 64, 1024), (2, 5, 4096), (2, 3, 5, 128)]
 
 
 # Default configs (DISABLE_AUTOTUNE=1): every shape x every dtype (swiglu), and the gelu forms.
@@ -127,15 +126,41 @@ def test_chunk_halves_are_read_in_place(fresh, monkeypatch, N, dt, tuned):
     seen = []
     real = S.launch_fwd
 
-    def spy(g, u, out, act, aligned, S=0):
+    def spy(g, u, out, act, aligned, M, N):
         seen.append((g, u))
-        real(g, u, out, act, aligned, S)
+        real(g, u, out, act, aligned, M, N)
     monkeypatch.setattr(S, "launch_fwd", spy)
     gu = make((300, 2 * N), dt)[0]
     check("swiglu", [gu], split=lambda t: t.chunk(2, dim=-1))
     (g, u), = seen
     assert g.stride() == (2 * N, 1) and u.stride() == (2 * N, 1)
     assert u.data_ptr() - g.data_ptr() == N * gu.element_size()
+
+
+def test_merged_rows_reach_the_kernels_without_a_view(fresh, monkeypatch):
+    """Contiguous (B, S, N) and (B, S, H, D) tensors and the chunk() halves of a (B, S, 2N)
+    projection are the very tensors the kernels get, forward and backward; a (B, S, N) tensor
+    whose leading dims do not merge (S and B swapped) goes as (M, N) rows."""
+    disable_autotune(monkeypatch)
+    seen = []
+    for name in ("launch_fwd", "launch_bwd"):
+        real = getattr(S, name)
+
+        def spy(*args, real=real):
+            seen.append(args[:-4])
+            real(*args)
+        monkeypatch.setattr(S, name, spy)
+    for shape, split in (((2, 33, 1024), pair), ((2, 5, 4, 64), pair),
+                         ((3, 17, 2 * 1001), lambda t: t.chunk(2, dim=-1))):
+        seen.clear()
+        leaves = make(shape, BF16) if split is pair else make(shape, BF16)[:1]
+        check("swiglu", leaves, split=split)
+        fwd, bwd = seen
+        assert all(a.dim() == len(shape) for a in fwd + bwd), shape
+    seen.clear()
+    check("swiglu", make((48, 2, 256), BF16), split=lambda a, b: (a.transpose(0, 1),
+                                                                  b.transpose(0, 1)))
+    assert seen[0][0].dim() == 2 and seen[0][2].dim() == 3      # gate copied as rows, out not
 
 
 @pytest.mark.parametrize("dt", [BF16, F32], ids=str)
@@ -189,7 +214,8 @@ def test_gradient_of_only_one_input(fresh, monkeypatch):
                                             ("bwd", "geglu_tanh", (257, 1001)),
                                             ("fwd", "swiglu", (4099, 4097)),
                                             ("bwd", "swiglu", (4099, 4097)),
-                                            ("fwd", "swiglu", (4099, 1, 4097))], ids=str)
+                                            ("fwd", "swiglu", (4099, 1, 4097)),
+                                            ("bwd", "swiglu", (3, 1366, 4097))], ids=str)
 def test_every_config_is_correct(fresh, monkeypatch, kind, act, shape):
     """Each sm_90 config of one kernel (the other on its default), not only the searches'
     winners: ragged rows, several column tiles per row, persistent and one-tile-per-CTA grids
@@ -300,11 +326,15 @@ def test_aot_signature_matches_jit():
                                                    CallingConvention.cutile_python_v2())
             mine = signature([*_arrays(kind, dt, M, N, chunked), S.SILU, 1, 1024])
             assert jit.parameters == mine.parameters, (M, N, dt, chunked, kind)
-    # the forward's (B, 1, N) case: chunk() halves of one tensor and a contiguous output
-    g, u = torch.randn(4096, 1, 2 * 14336, device="cuda", dtype=BF16).chunk(2, dim=-1)
-    o = torch.empty(4096, 1, 14336, device="cuda", dtype=BF16)
-    jit = KernelSignature.from_kernel_args(S.glu_fwd, (g, u, o, S.SILU, 1, 1024),
-                                           CallingConvention.cutile_python_v2())
-    half = jit_array(BF16, (4096, 1, 14336), (2 * 14336, 2 * 14336, 1))
-    mine = signature([half, half, jit_array(BF16, (4096, 1, 14336)), S.SILU, 1, 1024])
-    assert jit.parameters == mine.parameters
+    # (B, S, N) and decode's (B, 1, N) cases: chunk() halves of one tensor, contiguous others
+    for shape in ((4, 1024, 14336), (4096, 1, 14336)):
+        g, u = torch.randn(*shape[:-1], 2 * shape[-1], device="cuda", dtype=BF16).chunk(2, -1)
+        o = torch.empty(shape, device="cuda", dtype=BF16)
+        half = jit_array(BF16, shape, (shape[1] * 2 * shape[-1], 2 * shape[-1], 1))
+        whole = jit_array(BF16, shape)
+        for kernel, arrays, params in ((S.glu_fwd, (g, u, o), [half, half, whole]),
+                                       (S.glu_bwd, (o, g, u, o, o), [whole, half, half, whole,
+                                                                     whole])):
+            jit = KernelSignature.from_kernel_args(kernel, (*arrays, S.SILU, 1, 1024),
+                                                   CallingConvention.cutile_python_v2())
+            assert jit.parameters == signature([*params, S.SILU, 1, 1024]).parameters, shape

@@ -20,9 +20,8 @@ grid = (min(-(-M // TILE_M), num_sms * 2),)
 
 
 def run():
-    # ALONG_S False: x and y are (M, N) rows
     ct.launch(torch.cuda.current_stream(), grid, kernel,
-              (x, w, y, rstd, 1.0 / N, EPS, TILE_M, TILE_N, False))
+              (x, w, y, rstd, 1.0 / N, EPS, TILE_M, TILE_N))
 
 
 run()
