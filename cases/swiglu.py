@@ -56,13 +56,14 @@ def compile_cases():
                 yield _case(kind, default, _arrays(kind, bf16, M, N, chunked=True), S.SILU,
                             f"N={N} bf16 chunk() halves")
     # Both kernels on (..., N) tensors they view as rows: (B, S, N) (gate and up the chunk()
-    # halves of one tensor) and decode's (B, 1, N), each config differing in more than
-    # occupancy.
+    # halves of one tensor) at each config differing in more than occupancy, decode's (B, 1, N)
+    # at the default (the view is the same code at every tile).
     N = AOT_WIDTHS[0]
     for shape in ((4, M // 4, N), (M, 1, N)):
         whole = jit_array(bf16, shape)
         half = jit_array(bf16, shape, (shape[1] * 2 * N, 2 * N, 1))
-        for cfg in tightest(S.configs("sm_90", N)):
+        cfgs = tightest(S.configs("sm_90", N))
+        for cfg in cfgs if shape[1] > 1 else cfgs[:1]:
             yield _case("fwd", cfg, [half, half, whole], S.SILU, f"{shape} bf16")
             yield _case("bwd", cfg, [whole, half, half, whole, whole], S.SILU, f"{shape} bf16")
 

@@ -317,18 +317,13 @@ def _rows_of(t, N):
     """(t2, M, stride): t as the kernels take it (t itself where its leading dims merge into
     rows of unit stride: no view, which costs 1-2 us of host time a tensor; else (M, N) rows,
     a view or one copy), its row count and row stride."""
-    if t.dim() >= 2:
-        stride = row_stride(t)
-        if stride:
-            return t, t.numel() // N, stride
+    stride = row_stride(t)
+    if stride:
+        return t, t.numel() // N, stride
     t2 = t.reshape(-1, N)
     if t2.stride()[1] != 1:
         t2 = t2.contiguous()
     return t2, t2.shape[0], t2.stride()[0]
-
-
-def _contiguous_weight(weight):
-    return weight if weight.stride()[0] == 1 else weight.contiguous()
 
 
 def _forward(x, weight, eps, keep_rstd=True):
@@ -336,13 +331,23 @@ def _forward(x, weight, eps, keep_rstd=True):
     # y in x's shape and contiguous, so the kernel takes it as it is (a view made here could
     # not be changed in place under autograd); new_empty with int sizes: the cheapest
     # allocation.
-    N = x.shape[-1]
-    x2, M, stride = _rows_of(x, N)
-    y = x.new_empty(*x.shape)
+    shape = x.shape
+    N = shape[-1]
+    strides = x.stride()
+    nd = len(strides)
+    # (M, N) rows and (B, S, N) that merge into rows written out (_rows_of in two lines): the
+    # hot paths, where a function call is a measurable share of the call
+    if nd == 2 and strides[1] == 1:
+        x2, M, stride = x, shape[0], strides[0]
+    elif nd == 3 and strides[2] == 1 and (shape[0] == 1 or strides[0] == shape[1] * strides[1]):
+        x2, M, stride = x, shape[0] * shape[1], strides[1]
+    else:
+        x2, M, stride = _rows_of(x, N)
+    y = x.new_empty(*shape)
     rstd = x.new_empty(M, dtype=torch.float32) if keep_rstd else None
-    if M and N:
-        w = _contiguous_weight(weight)
-        if (M - 1) * max(stride, N) + N <= _MAX_SPAN:
+    if M:
+        w = weight if weight.stride()[0] == 1 else weight.contiguous()
+        if (M - 1) * (stride if stride > N else N) + N <= _MAX_SPAN:
             launch_fwd(x2, w, y if x2 is x else y.view(M, N), rstd, eps, M, N)
         else:
             x2, y2 = x2.reshape(M, N), y.view(M, N)
@@ -358,9 +363,9 @@ def _backward(dy, x, weight, rstd):
     x2, M, stride = _rows_of(x, N)
     dy2, _, dy_stride = _rows_of(dy, N)
     dx = x.new_empty(*x.shape)
-    if not (M and N):
+    if not M:
         return dx, torch.zeros_like(weight)
-    w = _contiguous_weight(weight)
+    w = weight if weight.stride()[0] == 1 else weight.contiguous()
     stride = max(stride, dy_stride, N)
     if (M - 1) * stride + N <= _MAX_SPAN:
         dw = torch.empty_like(w)

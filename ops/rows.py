@@ -22,11 +22,16 @@ def as_rows(a):
 def row_stride(t):
     """On the host: the row stride of t's rows where t (at least 2-D) has a unit last stride and
     its leading dims merge into rows spaced by the second-last dim's stride (as_rows' view);
-    0 where not."""
-    shape, strides = t.shape, t.stride()
-    last = len(shape) - 1
-    if strides[last] != 1:
+    0 where not. (On every call's path: 2-D and 3-D are written out.)"""
+    strides = t.stride()
+    last = len(strides) - 1
+    if last < 1 or strides[last] != 1:
         return 0
+    if last == 1:
+        return strides[0]
+    shape = t.shape
+    if last == 2:
+        return strides[1] if shape[0] == 1 or strides[0] == shape[1] * strides[1] else 0
     for i in range(last - 1):
         if shape[i] != 1 and strides[i] != shape[i + 1] * strides[i + 1]:
             return 0

@@ -228,21 +228,22 @@ def launch_bwd(dy, gate, up, dgate, dup, act, aligned, M, N):
 _MAX_SPAN = INT32_MAX   # kernels index with int32: a launch reaches at most this many elements
 
 
-def _launch_rows(launch, N, arrays, act):
-    """launch(*arrays, act, aligned, M, N) once, or per row chunk where the arrays span more
-    than int32 indexes (each chunk starts a multiple of 16 rows in: aligned as the whole).
-    Arrays whose leading dims merge into rows go as they are (a view costs 1-2 us of host time
-    a tensor), others as (M, N) rows: a view, or one copy. Each array's strides and address
-    are read once (stride(i) costs more than stride()), and the loops are written out (a
-    generator costs a microsecond per call)."""
-    es = arrays[0].element_size()
-    M = arrays[0].numel() // N
+def _launch_rows(launch, N, inputs, outputs, act):
+    """launch(*inputs, *outputs, act, aligned, M, N) once, or per row chunk where the arrays
+    span more than int32 indexes (each chunk starts a multiple of 16 rows in: aligned as the
+    whole). Inputs whose leading dims merge into rows go as they are (a view costs 1-2 us of
+    host time a tensor), others as (M, N) rows: a view, or one copy; outputs are new contiguous
+    tensors (row stride N, bases from the allocator: 16-byte aligned) and go as they are. Each
+    input's strides and address are read once (stride(i) costs more than stride()), and the
+    loops are written out (a generator costs a microsecond per call)."""
+    es = outputs[0].element_size()
+    M = outputs[0].numel() // N
     stride = N
-    bits = 0
-    rows = []
-    for a in arrays:
-        row = row_stride(a) if a.dim() >= 2 else 0
-        if not row:
+    bits = N * es
+    arrays = []
+    for a in inputs:
+        row = row_stride(a)
+        if not row and not (a.dim() == 2 and a.stride()[1] == 1):   # (2-D: any row stride)
             a = a.reshape(M, N)
             if a.stride()[1] != 1:
                 a = a.contiguous()
@@ -250,21 +251,22 @@ def _launch_rows(launch, N, arrays, act):
         if row > stride:
             stride = row
         bits |= a.data_ptr() | row * es
-        rows.append(a)
+        arrays.append(a)
+    arrays += outputs
     aligned = bits % 16 == 0
     if (M - 1) * stride + N <= _MAX_SPAN:
-        launch(*rows, act, aligned, M, N)
+        launch(*arrays, act, aligned, M, N)
         return
-    rows = [a.reshape(M, N) for a in rows]
+    arrays = [a.reshape(M, N) for a in arrays]
     for s, e in row_chunks(M, N, stride, _MAX_SPAN):
-        launch(*(a[s:e] for a in rows), act, aligned, e - s, N)
+        launch(*(a[s:e] for a in arrays), act, aligned, e - s, N)
 
 
 def _forward(gate, up, act):
     """act(gate) * up: a new contiguous tensor shaped like gate."""
     out = gate.new_empty(*gate.shape)      # (sizes unpacked: a torch.Size argument costs more)
     if gate.numel():
-        _launch_rows(launch_fwd, gate.shape[-1], (gate, up, out), act)
+        _launch_rows(launch_fwd, gate.shape[-1], (gate, up), (out,), act)
     return out
 
 
@@ -275,7 +277,7 @@ def backward(dy, gate, up, act):
     dgate = gate.new_empty(*gate.shape)
     dup = gate.new_empty(*gate.shape)
     if gate.numel():
-        _launch_rows(launch_bwd, gate.shape[-1], (dy, gate, up, dgate, dup), act)
+        _launch_rows(launch_bwd, gate.shape[-1], (dy, gate, up), (dgate, dup), act)
     return dgate, dup
 
 

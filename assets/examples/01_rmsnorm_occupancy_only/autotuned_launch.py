@@ -29,7 +29,7 @@ tuner = Autotuner(
     "example_rms_norm", rms_norm_fwd_rows, fwd_configs, default=None,
     space=lambda x, w, y, rstd: dict(n_cols=x.shape[1]), grid=grid,
     args=lambda cfg, x, w, y, rstd: (x, w, y, rstd, 1.0 / x.shape[1], EPS, cfg.tile_m,
-                                     cfg.tile_n, False))   # False: (M, N) rows
+                                     cfg.tile_n))
 
 
 def run():
