@@ -162,3 +162,19 @@ def test_rows_that_do_not_merge_go_as_views_or_copies(defaults):
     assert R.row_stride(swapped) == 0 and R.row_stride(last) == 0
     assert R.row_stride(torch.randn(2, 3, 4, 2 * 1024)[..., :1024]) == 2 * 1024
     assert R.row_stride(torch.randn(5, 1, 1024)) == 1024
+
+
+def test_rms_norm_rows_past_int32_go_in_row_chunks_of_any_shape(defaults, monkeypatch):
+    """(B, S, N) tensors reaching past the int32 bound (here made small) go as row chunks of
+    (M, N) views, forward and backward, each within the bound."""
+    monkeypatch.setattr(R, "_MAX_SPAN", 40 * 64)
+    x, w = torch.randn(3, 30, 64, dtype=BF16), torch.ones(64, dtype=BF16)
+    y, rstd = R._forward(x, w, 1e-6)
+    R._backward(torch.randn_like(x), x, w, rstd)
+    fwd = [args for _, _, args in defaults if len(args) == 8]
+    bwd = [args for _, _, args in defaults if len(args) == 9]
+    assert sum(a[0].shape[0] for a in fwd) == sum(a[1].shape[0] for a in bwd) == 90
+    for args in fwd + bwd:
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[1] == 64:
+                assert (a.shape[0] - 1) * a.stride(0) + 64 <= 40 * 64

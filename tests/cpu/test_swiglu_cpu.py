@@ -309,6 +309,23 @@ def test_int32_row_chunks(emulated, monkeypatch):
     for _, args in emulated:
         for a in args[:3]:
             assert (a.shape[0] - 1) * a.stride(0) + a.shape[1] <= S._MAX_SPAN
+    # (B, S, 2N) halves, forward and backward: the chunks are (M, N) rows of them
+    emulated.clear()
+    gu3 = torch.randn(4, 25, 64, requires_grad=True)
+    g3, u3 = gu3.chunk(2, dim=-1)
+    y3 = S._glu(g3, u3, S.SILU)
+    assert y3.shape == (4, 25, 32)
+    torch.testing.assert_close(y3.double(), _reference(g3, u3, S.SILU).detach())
+    dy = torch.randn_like(y3)
+    (dgu,) = torch.autograd.grad(y3, gu3, dy)
+    gu64 = gu3.detach().double().requires_grad_()
+    (ref,) = torch.autograd.grad(_reference(*gu64.chunk(2, -1), S.SILU), gu64, dy.double())
+    torch.testing.assert_close(dgu.double(), ref)
+    for _, args in emulated:
+        arrays = [a for a in args if isinstance(a, torch.Tensor)]
+        assert all(a.dim() == 2 and (a.shape[0] - 1) * a.stride(0) + a.shape[1] <= S._MAX_SPAN
+                   for a in arrays)
+    assert sum(args[0].shape[0] for k, args in emulated if k == "swiglu_fwd") == 100
 
 
 def test_row_chunks():
