@@ -10,7 +10,7 @@ from tiletune import validate
 from tiletune.autotune import Autotuner, StandIns, Work, bucketed
 from tiletune.device import persistent_ctas, sm_count
 from tiletune.ops.partials import sum_rows
-from tiletune.ops.rows import as_rows, row_stride
+from tiletune.ops.rows import as_rows, host_rows
 from tiletune.space import INT32_MAX, cdiv, next_pow2, product, row_chunks
 from tiletune.torch_op import TrainableOp
 
@@ -313,19 +313,6 @@ def _check(x, weight, eps):
     return validate.eps("rms_norm", eps)
 
 
-def _rows_of(t, N):
-    """(t2, M, stride): t as the kernels take it (t itself where its leading dims merge into
-    rows of unit stride: no view, which costs 1-2 us of host time a tensor; else (M, N) rows,
-    a view or one copy), its row count and row stride."""
-    stride = row_stride(t)
-    if stride:
-        return t, t.numel() // N, stride
-    t2 = t.reshape(-1, N)
-    if t2.stride()[1] != 1:
-        t2 = t2.contiguous()
-    return t2, t2.shape[0], t2.stride()[0]
-
-
 def _forward(x, weight, eps, keep_rstd=True):
     """(y, rstd): y like x, rstd float32 with one value per row (keep_rstd False: None)."""
     # y in x's shape and contiguous, so the kernel takes it as it is (a view made here could
@@ -335,14 +322,15 @@ def _forward(x, weight, eps, keep_rstd=True):
     N = shape[-1]
     strides = x.stride()
     nd = len(strides)
-    # (M, N) rows and (B, S, N) that merge into rows written out (_rows_of in two lines): the
+    # (M, N) rows and (B, S, N) that merge into rows written out (host_rows in two lines): the
     # hot paths, where a function call is a measurable share of the call
     if nd == 2 and strides[1] == 1:
         x2, M, stride = x, shape[0], strides[0]
     elif nd == 3 and strides[2] == 1 and (shape[0] == 1 or strides[0] == shape[1] * strides[1]):
         x2, M, stride = x, shape[0] * shape[1], strides[1]
     else:
-        x2, M, stride = _rows_of(x, N)
+        x2, stride = host_rows(x, N)
+        M = x.numel() // N
     y = x.new_empty(*shape)
     rstd = x.new_empty(M, dtype=torch.float32) if keep_rstd else None
     if M:
@@ -360,8 +348,9 @@ def _forward(x, weight, eps, keep_rstd=True):
 def _backward(dy, x, weight, rstd):
     """(dx, dw): dx like x, dw like weight."""
     N = x.shape[-1]
-    x2, M, stride = _rows_of(x, N)
-    dy2, _, dy_stride = _rows_of(dy, N)
+    M = x.numel() // N
+    x2, stride = host_rows(x, N)
+    dy2, dy_stride = host_rows(dy, N)
     dx = x.new_empty(*x.shape)
     if not M:
         return dx, torch.zeros_like(weight)

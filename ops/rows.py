@@ -36,3 +36,16 @@ def row_stride(t):
         if shape[i] != 1 and strides[i] != shape[i + 1] * strides[i + 1]:
             return 0
     return strides[last - 1]
+
+
+def host_rows(t, N):
+    """On the host: (t2, row stride), t2 being t itself where row_stride(t) finds rows, else t's
+    (M, N) rows with unit column stride: a view, or one copy (also for a row stride of 0, an
+    expanded tensor, which the kernels take only as a 2-D array)."""
+    stride = row_stride(t)
+    if stride:
+        return t, stride
+    t2 = t.reshape(-1, N)
+    if t2.stride()[1] != 1:
+        t2 = t2.contiguous()
+    return t2, t2.stride()[0]

@@ -18,7 +18,7 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucketed
 from tiletune.device import persistent_ctas
-from tiletune.ops.rows import as_rows, row_stride
+from tiletune.ops.rows import as_rows, host_rows
 from tiletune.space import INT32_MAX, cdiv, next_pow2, product, row_chunks
 from tiletune.torch_op import TrainableOp
 
@@ -242,12 +242,7 @@ def _launch_rows(launch, N, inputs, outputs, act):
     bits = N * es
     arrays = []
     for a in inputs:
-        row = row_stride(a)
-        if not row and not (a.dim() == 2 and a.stride()[1] == 1):   # (2-D: any row stride)
-            a = a.reshape(M, N)
-            if a.stride()[1] != 1:
-                a = a.contiguous()
-            row = a.stride()[0]
+        a, row = host_rows(a, N)
         if row > stride:
             stride = row
         bits |= a.data_ptr() | row * es

@@ -12,6 +12,7 @@ from tiletune.ops import moe as MOE
 from tiletune.ops import rms_norm as R
 from tiletune.ops import rms_norm_rope as RR
 from tiletune.ops import rope as RP
+from tiletune.ops.rows import row_stride
 from tiletune.ops import swiglu as SW
 from tests.cpu.stand_ins import resolve_misses_to_default
 
@@ -159,9 +160,9 @@ def test_rows_that_do_not_merge_go_as_views_or_copies(defaults):
         (_, _, fwd), = defaults
         assert fwd[0].shape == fwd[2].shape == (x.numel() // 1024, 1024)
         assert (fwd[0].data_ptr() == x.data_ptr()) is same_memory
-    assert R.row_stride(swapped) == 0 and R.row_stride(last) == 0
-    assert R.row_stride(torch.randn(2, 3, 4, 2 * 1024)[..., :1024]) == 2 * 1024
-    assert R.row_stride(torch.randn(5, 1, 1024)) == 1024
+    assert row_stride(swapped) == 0 and row_stride(last) == 0
+    assert row_stride(torch.randn(2, 3, 4, 2 * 1024)[..., :1024]) == 2 * 1024
+    assert row_stride(torch.randn(5, 1, 1024)) == 1024
 
 
 def test_rms_norm_rows_past_int32_go_in_row_chunks_of_any_shape(defaults, monkeypatch):
