@@ -69,7 +69,7 @@ def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
     rows = stat_rows(B * hq, sq)
     used = jit_array(torch.int32, (B,) if lengths else (2,))
     group = hq // hkv
-    tg, tq = FM.decode_rows(group, sq)
+    tg, tq = FM.decode_rows(group, sq, cfg.keys_m)
     td = FM.head_tile(d)
     o_part = lse_part = kv
     if cfg.splits > 1:
@@ -77,7 +77,7 @@ def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
         o_part = jit_array(torch.float32, (cfg.splits, rows_all, td))
         lse_part = jit_array(torch.float32, (cfg.splits, rows_all))   # after o_part in scratch
     kernel = [q, kv, kv, used, q, rows, o_part, lse_part, F32, I32, group, tg, tq, cfg.tn, td,
-              causal, lengths, cfg.splits > 1]
+              causal, lengths, cfg.splits > 1, cfg.keys_m]
     combine = None
     if cfg.splits > 1:
         combine = [o_part, lse_part, q, rows, group, tg, tq,
@@ -142,16 +142,17 @@ def compile_cases():
 
 def decode_cases():
     """Decode at B32 Hq32/8 Sq1 Sk4096 D128 bf16 with cache lengths: each compile of the sm_90
-    space (key tile x split or not: the number of splits is a runtime value), the sm_100
-    default and the combine; then the default for causal Sq 5, MQA 16/1 fp16 D64, and a group
-    of 7 (Qwen2-7B), each with its combine. The plain entries are the forward's, compiled
-    above."""
+    space (product form x key tile x split or not: the number of splits is a runtime value),
+    the sm_100 default and the combine; then the default (with its combine) and the first
+    transposed-product entry for causal Sq 5, MQA 16/1 fp16 D64, and a group of 7 (Qwen2-7B).
+    The plain entries are the forward's, compiled above."""
     head = (torch.bfloat16, 32, 32, 8, 1, 4096, 128, False)
     seen, combined = set(), False
-    cfgs = list(FM.decode_configs("sm_90", 128, 1, 4096, kv_heads=256, used=True))
-    cfgs.append(next(FM.decode_configs("sm_100", 128, 1, 4096, kv_heads=256, used=True)))
+    cfgs = list(FM.decode_configs("sm_90", 128, 1, 4096, kv_heads=256, used=True, group=4))
+    cfgs.append(next(FM.decode_configs("sm_100", 128, 1, 4096, kv_heads=256, used=True,
+                                       group=4)))
     for cfg in cfgs:
-        compiled = (cfg.tn, cfg.splits > 1, getattr(cfg, "num_worker_warps", None))
+        compiled = (cfg.keys_m, cfg.tn, cfg.splits > 1, getattr(cfg, "num_worker_warps", None))
         if compiled in seen:
             continue
         seen.add(compiled)
@@ -168,14 +169,18 @@ def decode_cases():
             ("MQA 16/1 fp16 D64", (torch.float16, 8, 16, 1, 1, 777, 64, False), True),
             ("group 7 D128 causal", (torch.bfloat16, 2, 28, 4, 1, 3000, 128, True), True)]:
         dt, B, hq, hkv, sq, sk, d, causal = shape
-        cfg = next(FM.decode_configs("sm_90", FM.head_tile(d), sq, bucket(sk),
-                                     kv_heads=bucket(B * hkv), causal=causal, used=lengths))
-        kernel, combine = decode_params(cfg, *shape, lengths)
-        yield CompileCase("fmha", FM._decode.build(cfg), kernel,
-                          f"fmha decode {label} default {vars(cfg)}")
-        if combine is not None:
-            yield CompileCase("fmha", FM.COMBINE, combine,
-                              f"fmha decode combine {label} {vars(cfg)}")
+        space = list(FM.decode_configs("sm_90", FM.head_tile(d), sq, bucket(sk),
+                                       kv_heads=bucket(B * hkv), causal=causal, used=lengths,
+                                       group=hq // hkv))
+        picked = [("default", space[0])]
+        picked += [("transposed", c) for c in space if c.kind == "split" and c.keys_m][:1]
+        for which, cfg in picked:
+            kernel, combine = decode_params(cfg, *shape, lengths)
+            yield CompileCase("fmha", FM._decode.build(cfg), kernel,
+                              f"fmha decode {label} {which} {vars(cfg)}")
+            if combine is not None and which == "default":
+                yield CompileCase("fmha", FM.COMBINE, combine,
+                                  f"fmha decode combine {label} {vars(cfg)}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -391,12 +391,45 @@ def fmha_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, 
 # float32 partials, which the combine kernel merges; splits = 1 writes o and LSE2 directly.
 # USED: batch b sees only keys [0, used[b]) (a cache's filled length; causal is bottom-right on
 # it): k and v are sliced to it, so whatever the cache holds past it is never read.
+# KEYS_M computes the transposed products, S^T = K q^T and O^T = V^T P^T, so that the MMA's M is
+# the key tile and the head dim and its N the few rows: sm_90's HGMMA takes M in 64s, and with
+# fewer rows (GQA 32/8: 4 heads x 4 rows) the row-major products build as HMMA 16x8x16.
+
+def _decode_keys_m(qt, k, v, b, hk, n0, n1, hi, last_key, qk_scale, TN, TD, CAUSAL):
+    """Key tiles [n0, n1) of k[b, hk] and v[b, hk] (keys < hi seen; under CAUSAL row r sees
+    keys <= last_key[r]) folded into the rows of qt [R, TD] as transposed products. Returns
+    the rows' (m_i, l_i, acc) as [R, 1], [R, 1] and [R, TD]."""
+    rows = qt.shape[0]
+    q_t = ct.transpose(qt)                                             # [TD, R]
+    last = ct.reshape(last_key, (1, rows))
+    keys = ct.arange(TN, dtype=ct.int32)[:, None]
+    m_i = ct.full((1, rows), NEG_INF, ct.float32)
+    l_i = ct.zeros((1, rows), ct.float32)
+    acc = ct.zeros((TD, rows), ct.float32)                             # O^T
+    for n in range(n0, n1):
+        s = ct.mma(_tile(k, b, hk, n, TN, TD), q_t, ct.zeros((TN, rows), ct.float32))
+        key = n * TN + keys
+        ok = key < hi
+        if CAUSAL:
+            ok = ok & (key <= last)
+        s = ct.where(ok, s, NEG_INF)                                   # S^T [TN, R]
+        m_new = ct.maximum(m_i, ct.max(s, axis=0, keepdims=True) * qk_scale)
+        m_use = ct.where(m_new == NEG_INF, 0.0, m_new)
+        p = ct.exp2(s * qk_scale - m_use, flush_to_zero=True)          # P^T
+        alpha = ct.exp2(m_i - m_use, flush_to_zero=True)
+        l_i = l_i * alpha + ct.sum(p, axis=0, keepdims=True)
+        vt = _keys_t(v, b, hk, n, TN, TD)                              # V^T [TD, TN]
+        acc = ct.mma(vt, p.astype(v.dtype), acc * alpha)
+        m_i = m_new
+    return ct.reshape(m_i, (rows, 1)), ct.reshape(l_i, (rows, 1)), ct.transpose(acc)
+
 
 @ct.kernel
 def fmha_decode_kernel(q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset,
                        GROUP: ct.Constant[int], TG: ct.Constant[int], TQ: ct.Constant[int],
                        TN: ct.Constant[int], TD: ct.Constant[int], CAUSAL: ct.Constant[bool],
-                       USED: ct.Constant[bool], SPLIT: ct.Constant[bool]):
+                       USED: ct.Constant[bool], SPLIT: ct.Constant[bool],
+                       KEYS_M: ct.Constant[bool]):
     """Grid (splits, B*Hkv). TG >= GROUP and TQ >= Sq are powers of two; o_part (splits,
     B*Hkv*TG*TQ, TD) and lse_part (splits, B*Hkv*TG*TQ) float32 are written where SPLIT (row
     block bhk of TG*TQ rows: this CTA's), o and lse (B*Hq, Sq) otherwise."""
@@ -431,13 +464,17 @@ def fmha_decode_kernel(q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset
     n0 = s * per
     n1 = min(n0 + per, n_tiles)
     last_key = i + offset                                              # [TR, 1]
-    cols = ct.arange(TN, dtype=ct.int32)[None, :]
-    m_i = ct.full((TG * TQ, 1), NEG_INF, ct.float32)
-    l_i = ct.zeros((TG * TQ, 1), ct.float32)
-    acc = ct.zeros((TG * TQ, TD), ct.float32)
-    for n in range(n0, n1):
-        sc = _masked(_scores(qt, k, b, hk, n, TN, TD), n, cols, hi, last_key, TN, CAUSAL)
-        m_i, l_i, acc = _softmax_step(sc, m_i, l_i, acc, v, b, hk, n, qk_scale, TN, TD)
+    if KEYS_M:
+        m_i, l_i, acc = _decode_keys_m(qt, k, v, b, hk, n0, n1, hi, last_key, qk_scale, TN, TD,
+                                       CAUSAL)
+    else:
+        cols = ct.arange(TN, dtype=ct.int32)[None, :]
+        m_i = ct.full((TG * TQ, 1), NEG_INF, ct.float32)
+        l_i = ct.zeros((TG * TQ, 1), ct.float32)
+        acc = ct.zeros((TG * TQ, TD), ct.float32)
+        for n in range(n0, n1):
+            sc = _masked(_scores(qt, k, b, hk, n, TN, TD), n, cols, hi, last_key, TN, CAUSAL)
+            m_i, l_i, acc = _softmax_step(sc, m_i, l_i, acc, v, b, hk, n, qk_scale, TN, TD)
     live = l_i > 0.0
     out = acc * ct.where(live, 1.0 / l_i, 0.0)
     if SPLIT:
@@ -623,7 +660,13 @@ DECODE_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 # (key tile, occupancy), default first: 64-key tiles won all but one bench row; a CTA holds little
 # (TG*TQ x TD float32), so two or four per SM hide the loads' latency where the grid is small.
 DECODE_TILES = ((64, 2), (64, 1), (64, 4), (128, 2))
-DECODE_FIELDS = ("tn", "splits", "num_worker_warps", "occupancy")
+# Where a group's rows leave the row-major products short of HGMMA's 64 (DECODE_HGMMA_ROWS),
+# the transposed products (KEYS_M) take these tiles and every other row-major one leaves: at
+# GQA 32/8 (H200, CUDA graphs, references/kernel-type-templates.md) they ran 0.6-3.3% ahead of
+# the tuned row-major kernel at B1, B8 and B32, Sk 1024-32768. The default stays row-major.
+DECODE_KEYS_M_TILES = ((64, 4), (128, 2), (128, 4))
+DECODE_HGMMA_ROWS = 64
+DECODE_FIELDS = ("tn", "splits", "num_worker_warps", "occupancy", "keys_m")
 
 
 # The combine's tile: every split's [TQ, TDC] piece at once, at most COMBINE_TILE elements. Its
@@ -643,12 +686,12 @@ def combine_tiles(splits, sq, td):
 
 
 @functools.lru_cache(maxsize=None)
-def decode_rows(group, sq):
+def decode_rows(group, sq, keys_m=False):
     """(TG, TQ): the padded group and query rows a decode CTA packs, at least 16 rows in all
-    (the MMA's smallest M) and two query rows (TQ 1 made the sm_90 compile of MQA's
-    32-head tile spill)."""
+    (the row-major MMA's smallest M; 8, its N, for KEYS_M) and two query rows (TQ 1 made the
+    sm_90 compile of MQA's 32-head tile spill)."""
     tg = next_pow2(group)
-    return tg, max(next_pow2(sq), cdiv(16, tg), 2)
+    return tg, max(next_pow2(sq), cdiv(8 if keys_m else 16, tg), 2)
 
 
 def decodes(group, sq, td):
@@ -657,19 +700,23 @@ def decodes(group, sq, td):
     return sq <= DECODE_MAX_SQ and tg * tq <= DECODE_MAX_ROWS and td <= 128
 
 
-def decode_configs(arch, td, sq=1, sk=4096, kv_heads=32, causal=False, used=False):
-    """kv_heads: B * Hkv (CTAs per split). The default takes the fewest splits that give two
+def decode_configs(arch, td, sq=1, sk=4096, kv_heads=32, causal=False, used=False, *, group):
+    """kv_heads: B * Hkv (CTAs per split), group: Hq // Hkv. The default takes the fewest splits that give two
     CTAs per SM of an H100 (264), at most one per key tile."""
     mj = major(arch)
     warps = 4 if mj == 9 else None
+    tiles = DECODE_TILES
+    keys_m = mj == 9 and math.prod(decode_rows(group, sq)) < DECODE_HGMMA_ROWS
+    if keys_m:
+        tiles = DECODE_TILES[:1] + DECODE_KEYS_M_TILES
     rows = []
-    for tn, occupancy in DECODE_TILES:
+    for t, (tn, occupancy) in enumerate(tiles):
         for splits in DECODE_SPLITS:
             if splits == 1 or (splits <= cdiv(sk, tn) and splits * kv_heads <= DECODE_MAX_CTAS):
-                rows.append((tn, splits, warps, occupancy))
+                rows.append((tn, splits, warps, occupancy, keys_m and t > 0))
     want = next((s for s in DECODE_SPLITS if s * kv_heads >= 264), DECODE_SPLITS[-1])
-    tn, occupancy = DECODE_TILES[0]
-    best = max((r for r in rows if r[0] == tn and r[3] == occupancy and r[1] <= want),
+    tn, occupancy = tiles[0]
+    best = max((r for r in rows if (r[0], r[3]) == (tn, occupancy) and r[1] <= want),
                key=lambda r: r[1])
     rows.remove(best)
     yield from table(DECODE_FIELDS, [best, *rows], kind="split")
@@ -925,7 +972,8 @@ def launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale, pa
 
 def _decode_shape(q, k, v, used, o, lse, qk_scale, offset, td, causal, lengths):
     return dict(td=td, sq=q.shape[2], sk=bucket(k.shape[2]),
-                kv_heads=bucket(k.shape[0] * k.shape[1]), causal=causal, used=lengths)
+                kv_heads=bucket(k.shape[0] * k.shape[1]), causal=causal, used=lengths,
+                group=q.shape[1] // k.shape[1])
 
 
 def _decode_split(cfg):
@@ -939,7 +987,7 @@ def decode_kernel_for(cfg):
 def _decode_scratch(cfg, dev, q, k, v, used, o, lse, qk_scale, offset, td, causal, lengths):
     if not _decode_split(cfg):
         return None
-    tg, tq = decode_rows(q.shape[1] // k.shape[1], q.shape[2])
+    tg, tq = decode_rows(q.shape[1] // k.shape[1], q.shape[2], cfg.keys_m)
     return (cfg.splits * k.shape[0] * k.shape[1] * tg * tq * (td + 1),), torch.float32
 
 
@@ -953,14 +1001,14 @@ def _decode_args(cfg, q, k, v, used, o, lse, qk_scale, offset, td, causal, lengt
     if cfg.kind == "plain":
         return _fwd_args(cfg, q, k, v, o, lse, used, used, qk_scale, offset, td, causal, None)
     group = q.shape[1] // k.shape[1]
-    tg, tq = decode_rows(group, q.shape[2])
+    tg, tq = decode_rows(group, q.shape[2], cfg.keys_m)
     o_part, lse_part = k, k                   # stand-ins where the kernel writes o directly
     if buf is not None:
         rows = k.shape[0] * k.shape[1] * tg * tq
         n = cfg.splits * rows * td
         o_part, lse_part = buf[:n].view(cfg.splits, rows, td), buf[n:].view(cfg.splits, rows)
     return (q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset, group, tg, tq, cfg.tn,
-            td, causal, lengths, buf is not None)
+            td, causal, lengths, buf is not None, cfg.keys_m)
 
 
 def _decode_run(cfg, kernel, stream, dev, q, k, v, used, o, lse, qk_scale, offset, td, causal,
@@ -988,7 +1036,7 @@ def _decode_work(q, k, v, used, o, lse, qk_scale, offset, td, causal, lengths):
 
 _decode = Autotuner("fmha_decode", decode_kernel_for, decode_configs,
                     default=SimpleNamespace(tn=128, splits=1, num_worker_warps=4, occupancy=1,
-                                            kind="split"),
+                                            keys_m=False, kind="split"),
                     space=_decode_shape, grid=_decode_grid, args=_decode_args,
                     scratch=_decode_scratch, run=_decode_run, partly_timed=_decode_split,
                     work=_decode_work, tune_key=bucketed(0, 2))

@@ -60,7 +60,7 @@ def test_aot_covers_every_sm90_and_sm100_config_at_d128():
             for cfg in gen(arch, 128, causal=True):
                 assert any(f"fmha {kind} " in lb and str(vars(cfg)) in lb for lb in labels), \
                     (kind, arch, vars(cfg))
-    assert len(labels) <= 84, "keep the CI's FMHA compiles near 170 (two archs)"
+    assert len(labels) <= 86, "keep the CI's FMHA compiles near 170 (two archs)"
 
 
 def test_causal_forward_runs_heaviest_tiles_first_with_one_space():
@@ -259,11 +259,13 @@ def test_host_launches_decode(stubbed_launch, monkeypatch):
     used = torch.tensor([333, 7], dtype=torch.int32)
     FM._fmha(q, k, v, True, 330, 0.125, used)
     assert stubbed_launch[0][2]["used"] is used and stubbed_launch[0][2]["USED"] is True
-    space = list(FM.decode_configs("sm_90", 64, 3, 512, kv_heads=4, causal=True, used=False))
+    space = list(FM.decode_configs("sm_90", 64, 3, 512, kv_heads=4, causal=True, used=False,
+                                   group=2))
     assert (space[0].tn, space[0].splits, space[0].occupancy) == (64, 8, 2)
     assert {c.kind for c in space} == {"split", "plain"}
     assert all(c.kind == "split" for c in
-               FM.decode_configs("sm_90", 64, 3, 512, kv_heads=4, causal=True, used=True))
+               FM.decode_configs("sm_90", 64, 3, 512, kv_heads=4, causal=True, used=True,
+                                 group=2))
     # 1024 q heads: the combine's CTAs stride over them, 4 per SM of the 132
     stubbed_launch.clear()
     q, k, v = _qkv(B=32, hq=32, hkv=1, sq=1, sk=2048, d=128)
@@ -295,15 +297,20 @@ def test_host_launches_under_torch_compile(stubbed_launch, monkeypatch):
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100", "sm_80"])
 def test_decode_space(arch):
     """At most MAX_CONFIGS, no repeats, splits within one key tile each and DECODE_MAX_CTAS in
-    all, the plain forward's entry only without cache lengths; the default takes the fewest
-    splits that reach 264 CTAs (as many as the key tiles allow)."""
-    for kv_heads, sk, used in itertools.product((1, 8, 256, 4096), (1, 64, 4096, 65536),
-                                                (False, True)):
-        cfgs = list(FM.decode_configs(arch, 128, 1, sk, kv_heads=kv_heads, used=used))
+    all, the plain forward's entry only without cache lengths; the default (row-major products)
+    takes the fewest splits that reach 264 CTAs (as many as the key tiles allow). On sm_90 the
+    transposed products replace the row-major key tiles but the default's where a group's rows
+    stay short of 64 (GQA 32/8, MHA, Sq 5 at group 4), and are absent from MQA 32/1's space."""
+    for kv_heads, sk, used, (group, sq) in itertools.product(
+            (1, 8, 256, 4096), (1, 64, 4096, 65536), (False, True),
+            ((4, 1), (32, 1), (1, 1), (4, 5))):
+        cfgs = list(FM.decode_configs(arch, 128, sq, sk, kv_heads=kv_heads, used=used,
+                                      group=group))
         assert 1 <= len(cfgs) <= MAX_CONFIGS
         assert len({tuple(sorted(vars(c).items())) for c in cfgs}) == len(cfgs)
-        for c in cfgs:
-            if c.kind == "split" and c.splits > 1:
+        split = [c for c in cfgs if c.kind == "split"]
+        for c in split:
+            if c.splits > 1:
                 assert c.splits <= -(-sk // c.tn) and c.splits * kv_heads <= FM.DECODE_MAX_CTAS
         assert sum(c.kind == "plain" for c in cfgs) == (0 if used else 1)
         first = cfgs[0]
@@ -311,10 +318,18 @@ def test_decode_space(arch):
         want = next((s for s in FM.DECODE_SPLITS if s * kv_heads >= 264), 64)
         allowed = [s for s in FM.DECODE_SPLITS
                    if s == 1 or (s <= tiles and s * kv_heads <= FM.DECODE_MAX_CTAS)]
-        assert (first.kind, first.tn) == ("split", 64)
+        assert (first.kind, first.tn, first.occupancy, first.keys_m) == ("split", 64, 2, False)
         assert first.splits == max(s for s in allowed if s <= want)
+        transposed = {(c.tn, c.occupancy) for c in split if c.keys_m}
+        row_major = {(c.tn, c.occupancy) for c in split if not c.keys_m}
+        if arch == "sm_90" and group != 32:
+            assert transposed == set(FM.DECODE_KEYS_M_TILES) and row_major == {(64, 2)}
+        else:
+            assert not transposed and row_major == set(FM.DECODE_TILES)
     assert FM.decode_rows(32, 1) == (32, 2) and FM.decode_rows(7, 3) == (8, 4)
     assert FM.decode_rows(1, 1) == (1, 16) and FM.decodes(32, 16, 128) is False
+    assert FM.decode_rows(4, 1, keys_m=True) == (4, 2) and FM.decode_rows(1, 1, True) == (1, 8)
+    assert FM.decode_rows(32, 1, keys_m=True) == (32, 2)
 
 
 def test_more_heads_than_the_grid_takes_are_refused_by_name():

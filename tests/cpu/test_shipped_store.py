@@ -152,7 +152,7 @@ def _space_of(op, parts):
         from tiletune.ops import fmha
         return dict(td=fmha.head_tile(n[3]), sq=n[1], sk=autotune.bucket(n[2]),
                     kv_heads=autotune.bucket(n[0]), causal=parts[4] != "None",
-                    used=parts[6] == "True")
+                    used=parts[6] == "True", group=n[5])
     if op == "grouped_mm":                                         # (E, K, N, T, ...)
         return dict(t=autotune.bucket(n[3]), e=n[0], k=n[1], n=n[2])
     if op == "grouped_mm_k":                                       # (E, M, N, T, ...)

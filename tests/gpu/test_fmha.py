@@ -330,7 +330,7 @@ def test_aot_signature_matches_jit_packed_and_decode():
             FM._unread(q, q.get_device())
         inputs = (q, k, v, used, o, FM._flat(lse), 0.1, 0, FM.head_tile(d), True, lengths)
         cfg = next(FM.decode_configs("sm_90", FM.head_tile(d), sq, sk, kv_heads=B * hkv,
-                                     used=lengths))
+                                     used=lengths, group=hq // hkv))
         assert cfg.splits > 1
         spec = FM._decode_scratch(cfg, 0, *inputs)
         buf = torch.empty(spec[0], dtype=spec[1], device="cuda")

@@ -133,7 +133,7 @@ def test_decode_every_config_is_correct(fresh, monkeypatch, case):
     B, hq, hkv, sq, sk, d, causal, dt, lens = case
     q, k, v = make(B, hq, hkv, sq, sk, d, dt)
     space = list(FM.decode_configs("sm_90", FM.head_tile(d), sq, sk, kv_heads=B * hkv,
-                                   causal=causal, used=lens is not None))
+                                   causal=causal, used=lens is not None, group=hq // hkv))
     assert {c.kind for c in space} == ({"split"} if lens else {"split", "plain"})
     assert any(c.splits == 1 for c in space) and any(c.splits >= 16 for c in space)
     for cfg in each_config(monkeypatch, FM._decode, space):
