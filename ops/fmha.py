@@ -701,8 +701,9 @@ def decodes(group, sq, td):
 
 
 def decode_configs(arch, td, sq=1, sk=4096, kv_heads=32, causal=False, used=False, *, group):
-    """kv_heads: B * Hkv (CTAs per split), group: Hq // Hkv. The default takes the fewest splits that give two
-    CTAs per SM of an H100 (264), at most one per key tile."""
+    """kv_heads: B * Hkv (CTAs per split), group: Hq // Hkv (whose rows decide whether the
+    transposed products are offered). The default takes the fewest splits that give two CTAs
+    per SM of an H100 (264), at most one per key tile."""
     mj = major(arch)
     warps = 4 if mj == 9 else None
     tiles = DECODE_TILES
