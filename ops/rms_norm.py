@@ -323,7 +323,7 @@ def _forward(x, weight, eps, keep_rstd=True):
     strides = x.stride()
     nd = len(strides)
     # (M, N) rows and (B, S, N) that merge into rows written out (host_rows in two lines): the
-    # hot paths, where a function call is a measurable share of the call
+    # hot paths, where calling host_rows cost 0.25-0.4 us more of a 3.6 us body (CPU host)
     if nd == 2 and strides[1] == 1:
         x2, M, stride = x, shape[0], strides[0]
     elif nd == 3 and strides[2] == 1 and (shape[0] == 1 or strides[0] == shape[1] * strides[1]):
