@@ -73,15 +73,14 @@ def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
     td = FM.head_tile(d)
     o_part = lse_part = kv
     if cfg.splits > 1:
-        rows_all = B * hkv * tg * tq
-        o_part = jit_array(torch.float32, (cfg.splits, rows_all, td))
-        lse_part = jit_array(torch.float32, (cfg.splits, rows_all))   # after o_part in scratch
-    kernel = [q, kv, kv, used, q, rows, o_part, lse_part, F32, I32, group, tg, tq, cfg.tn, td,
-              causal, lengths, cfg.splits > 1, cfg.keys_m]
+        part_rows, lse_rows = FM.partial_rows(B * hkv, group, sq)
+        o_part = jit_array(torch.float32, (cfg.splits, part_rows, td))
+        lse_part = jit_array(torch.float32, (cfg.splits, lse_rows))   # after o_part in scratch
+    kernel = [q, kv, kv, used, q, rows, o_part, lse_part, F32, I32, group, tg, tq,
+              FM.next_pow2(sq), cfg.tn, td, causal, lengths, cfg.splits > 1, cfg.keys_m]
     combine = None
     if cfg.splits > 1:
-        combine = [o_part, lse_part, q, rows, group, tg, tq,
-                   *FM.combine_tiles(cfg.splits, sq, td)]
+        combine = [o_part, lse_part, q, rows, group, tg, *FM.combine_tiles(cfg.splits, sq, td)]
     return kernel, combine
 
 
@@ -172,8 +171,9 @@ def decode_cases():
         space = list(FM.decode_configs("sm_90", FM.head_tile(d), sq, bucket(sk),
                                        kv_heads=bucket(B * hkv), causal=causal, used=lengths,
                                        group=hq // hkv))
-        picked = [("default", space[0])]
-        picked += [("transposed", c) for c in space if c.kind == "split" and c.keys_m][:1]
+        picked = [("default", space[0])]      # and the first split of the other products
+        picked += [("transposed" if c.keys_m else "row-major", c) for c in space
+                   if c.kind == "split" and c.keys_m != space[0].keys_m][:1]
         for which, cfg in picked:
             kernel, combine = decode_params(cfg, *shape, lengths)
             yield CompileCase("fmha", FM._decode.build(cfg), kernel,

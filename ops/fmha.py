@@ -427,12 +427,14 @@ def _decode_keys_m(qt, k, v, b, hk, n0, n1, hi, last_key, qk_scale, TN, TD, CAUS
 @ct.kernel
 def fmha_decode_kernel(q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset,
                        GROUP: ct.Constant[int], TG: ct.Constant[int], TQ: ct.Constant[int],
-                       TN: ct.Constant[int], TD: ct.Constant[int], CAUSAL: ct.Constant[bool],
-                       USED: ct.Constant[bool], SPLIT: ct.Constant[bool],
-                       KEYS_M: ct.Constant[bool]):
-    """Grid (splits, B*Hkv). TG >= GROUP and TQ >= Sq are powers of two; o_part (splits,
-    B*Hkv*TG*TQ, TD) and lse_part (splits, B*Hkv*TG*TQ) float32 are written where SPLIT (row
-    block bhk of TG*TQ rows: this CTA's), o and lse (B*Hq, Sq) otherwise."""
+                       TS: ct.Constant[int], TN: ct.Constant[int], TD: ct.Constant[int],
+                       CAUSAL: ct.Constant[bool], USED: ct.Constant[bool],
+                       SPLIT: ct.Constant[bool], KEYS_M: ct.Constant[bool]):
+    """Grid (splits, B*Hkv). TG >= GROUP and TQ >= TS >= Sq are powers of two (TS: Sq rounded
+    up; TQ may be padded further for the MMA). Where SPLIT, o_part (splits, B*Hkv*TG*TS, TD)
+    and lse_part (splits, >= B*Hkv*TG*TS) float32 get each head's first TS rows (row block bhk
+    of TG*TS rows: this CTA's; the padding rows are not stored); o and lse (B*Hq, Sq)
+    otherwise."""
     s = ct.bid(0)
     splits = ct.num_blocks(0)
     bhk = ct.bid(1)
@@ -478,9 +480,11 @@ def fmha_decode_kernel(q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset
     live = l_i > 0.0
     out = acc * ct.where(live, 1.0 / l_i, 0.0)
     if SPLIT:
-        ct.store(o_part, (s, bhk, 0), ct.reshape(out, (1, TG * TQ, TD)))
+        part = ct.extract(ct.reshape(out, (TG, TQ, TD)), (0, 0, 0), shape=(TG, TS, TD))
+        ct.store(o_part, (s, bhk, 0), ct.reshape(part, (1, TG * TS, TD)))
         lse2 = ct.where(live, m_i + ct.log2(l_i), NEG_INF)
-        ct.store(lse_part, (s, bhk), ct.reshape(lse2, (1, TG * TQ)))
+        lse2 = ct.extract(ct.reshape(lse2, (TG, TQ)), (0, 0), shape=(TG, TS))
+        ct.store(lse_part, (s, bhk), ct.reshape(lse2, (1, TG * TS)))
     else:
         lse2 = ct.where(live, m_i + ct.log2(l_i), POS_INF)
         if TG == GROUP:    # rows b * Hq + hk * GROUP + g of lse: row block bhk of TG
@@ -494,12 +498,11 @@ def fmha_decode_kernel(q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset
 
 @ct.kernel
 def fmha_decode_combine_kernel(o_part, lse_part, o, lse, GROUP: ct.Constant[int],
-                               TG: ct.Constant[int], TQ: ct.Constant[int], TS: ct.Constant[int],
+                               TG: ct.Constant[int], TS: ct.Constant[int],
                                SP: ct.Constant[int], TDC: ct.Constant[int]):
     """o and lse (B*Hq, Sq) of each q head from the splits' partials: each split's output
-    weighted by 2^(its LSE2 - the total's). A head's TQ partial rows are row block
-    (b * Hkv + hk) * TG + g of TQ; the first TS (Sq rounded up to a power of two, <= TQ) are
-    read (the others are the decode CTA's padding). Every split is loaded at once (SP >=
+    weighted by 2^(its LSE2 - the total's). A head's TS partial rows (Sq rounded up to a
+    power of two) are row block (b * Hkv + hk) * TG + g of TS. Every split is loaded at once (SP >=
     splits, a power of two; LSE2 pads with -inf, weight 0) so the loads are in flight
     together; each CTA takes TDC columns of the head dim. Grid (CTAs striding over the B*Hq
     heads, cdiv(TD, TDC)): one CTA per head spent longer starting than loading (16-23 us for
@@ -510,7 +513,7 @@ def fmha_decode_combine_kernel(o_part, lse_part, o, lse, GROUP: ct.Constant[int]
         b, h = _unflatten(bh, hq)
         hk = h // GROUP
         g = h - hk * GROUP
-        blk = ((b * (hq // GROUP) + hk) * TG + g) * (TQ // TS)     # in blocks of TS rows
+        blk = (b * (hq // GROUP) + hk) * TG + g                    # in blocks of TS rows
         # Measured on an H100: from 8 rows a (SP, rows) tile load of LSE2 faulted (a misaligned
         # 8-byte read, though the tile lies inside the array), so those rows are gathered; at
         # 4 rows or fewer the load is clean and the gather cost up to 60 us at 32 splits.
@@ -661,10 +664,13 @@ DECODE_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 # (TG*TQ x TD float32), so two or four per SM hide the loads' latency where the grid is small.
 DECODE_TILES = ((64, 2), (64, 1), (64, 4), (128, 2))
 # Where a group's rows leave the row-major products short of HGMMA's 64 (DECODE_HGMMA_ROWS),
-# the transposed products (KEYS_M) take these tiles and every other row-major one leaves: at
-# GQA 32/8 (H200, CUDA graphs, references/kernel-type-templates.md) they ran 0.6-3.3% ahead of
-# the tuned row-major kernel at B1, B8 and B32, Sk 1024-32768. The default stays row-major.
-DECODE_KEYS_M_TILES = ((64, 4), (128, 2), (128, 4))
+# the transposed products (KEYS_M) take these tiles, the first the default, and of the
+# row-major ones (64, 2) stays: at GQA 32/8 (H200, CUDA graphs,
+# references/kernel-type-templates.md) they ran 0.6-3.3% ahead of the tuned row-major kernel at
+# B1, B8 and B32, Sk 1024-32768, and every search of the shipped H200 decode keys chose them
+# (most often 128-key tiles at occupancy 2). At Sq 5 and group 4 they build without the
+# row-major default's spill (328 bytes on sm_90).
+DECODE_KEYS_M_TILES = ((128, 2), (64, 4), (128, 4))
 DECODE_HGMMA_ROWS = 64
 DECODE_FIELDS = ("tn", "splits", "num_worker_warps", "occupancy", "keys_m")
 
@@ -688,10 +694,12 @@ def combine_tiles(splits, sq, td):
 @functools.lru_cache(maxsize=None)
 def decode_rows(group, sq, keys_m=False):
     """(TG, TQ): the padded group and query rows a decode CTA packs, at least 16 rows in all
-    (the row-major MMA's smallest M; 8, its N, for KEYS_M) and two query rows (TQ 1 made the
-    sm_90 compile of MQA's 32-head tile spill)."""
+    (the row-major MMA's smallest M; 8, its N, for KEYS_M) and, row-major, two query rows
+    (TQ 1 made the sm_90 compile of MQA's 32-head tile spill; the transposed builds do not)."""
     tg = next_pow2(group)
-    return tg, max(next_pow2(sq), cdiv(8 if keys_m else 16, tg), 2)
+    if keys_m:
+        return tg, max(next_pow2(sq), cdiv(8, tg))
+    return tg, max(next_pow2(sq), cdiv(16, tg), 2)
 
 
 def decodes(group, sq, td):
@@ -702,23 +710,22 @@ def decodes(group, sq, td):
 
 def decode_configs(arch, td, sq=1, sk=4096, kv_heads=32, causal=False, used=False, *, group):
     """kv_heads: B * Hkv (CTAs per split), group: Hq // Hkv (whose rows decide whether the
-    transposed products are offered). The default takes the fewest splits that give two CTAs
-    per SM of an H100 (264), at most one per key tile."""
+    transposed products are offered, and then are the default). The default takes the fewest
+    splits that give two CTAs per SM of an H100 (264), at most one per key tile."""
     mj = major(arch)
     warps = 4 if mj == 9 else None
-    tiles = DECODE_TILES
-    keys_m = mj == 9 and math.prod(decode_rows(group, sq)) < DECODE_HGMMA_ROWS
-    if keys_m:
-        tiles = DECODE_TILES[:1] + DECODE_KEYS_M_TILES
+    tiles = [(tn, occupancy, False) for tn, occupancy in DECODE_TILES]
+    if mj == 9 and math.prod(decode_rows(group, sq)) < DECODE_HGMMA_ROWS:
+        tiles = [(tn, occupancy, True) for tn, occupancy in DECODE_KEYS_M_TILES] + tiles[:1]
     rows = []
-    for t, (tn, occupancy) in enumerate(tiles):
+    for tn, occupancy, keys_m in tiles:
         for splits in DECODE_SPLITS:
             if splits == 1 or (splits <= cdiv(sk, tn) and splits * kv_heads <= DECODE_MAX_CTAS):
-                rows.append((tn, splits, warps, occupancy, keys_m and t > 0))
+                rows.append((tn, splits, warps, occupancy, keys_m))
     want = next((s for s in DECODE_SPLITS if s * kv_heads >= 264), DECODE_SPLITS[-1])
-    tn, occupancy = tiles[0]
-    best = max((r for r in rows if (r[0], r[3]) == (tn, occupancy) and r[1] <= want),
-               key=lambda r: r[1])
+    tn, occupancy, keys_m = tiles[0]
+    best = max((r for r in rows if (r[0], r[3], r[4]) == (tn, occupancy, keys_m)
+                and r[1] <= want), key=lambda r: r[1])
     rows.remove(best)
     yield from table(DECODE_FIELDS, [best, *rows], kind="split")
     if not used:
@@ -985,11 +992,18 @@ def decode_kernel_for(cfg):
     return fmha_decode_kernel if cfg.kind == "split" else fmha_fwd_kernel
 
 
+def partial_rows(kv_heads, group, sq):
+    """(rows of o_part, of lse_part): each of the B * Hkv kv heads' TG q heads x TS query rows,
+    the second rounded up to 4 so that lse_part's rows stay 16-byte aligned (TG * TS may be 1)."""
+    rows = kv_heads * next_pow2(group) * next_pow2(sq)
+    return rows, cdiv(rows, 4) * 4
+
+
 def _decode_scratch(cfg, dev, q, k, v, used, o, lse, qk_scale, offset, td, causal, lengths):
     if not _decode_split(cfg):
         return None
-    tg, tq = decode_rows(q.shape[1] // k.shape[1], q.shape[2], cfg.keys_m)
-    return (cfg.splits * k.shape[0] * k.shape[1] * tg * tq * (td + 1),), torch.float32
+    rows, lse_rows = partial_rows(k.shape[0] * k.shape[1], q.shape[1] // k.shape[1], q.shape[2])
+    return (cfg.splits * (rows * td + lse_rows),), torch.float32
 
 
 def _decode_grid(cfg, dev, q, k, *rest):
@@ -1005,11 +1019,11 @@ def _decode_args(cfg, q, k, v, used, o, lse, qk_scale, offset, td, causal, lengt
     tg, tq = decode_rows(group, q.shape[2], cfg.keys_m)
     o_part, lse_part = k, k                   # stand-ins where the kernel writes o directly
     if buf is not None:
-        rows = k.shape[0] * k.shape[1] * tg * tq
+        rows, lse_rows = partial_rows(k.shape[0] * k.shape[1], group, q.shape[2])
         n = cfg.splits * rows * td
-        o_part, lse_part = buf[:n].view(cfg.splits, rows, td), buf[n:].view(cfg.splits, rows)
-    return (q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset, group, tg, tq, cfg.tn,
-            td, causal, lengths, buf is not None, cfg.keys_m)
+        o_part, lse_part = buf[:n].view(cfg.splits, rows, td), buf[n:].view(cfg.splits, lse_rows)
+    return (q, k, v, used, o, lse, o_part, lse_part, qk_scale, offset, group, tg, tq,
+            next_pow2(q.shape[2]), cfg.tn, td, causal, lengths, buf is not None, cfg.keys_m)
 
 
 def _decode_run(cfg, kernel, stream, dev, q, k, v, used, o, lse, qk_scale, offset, td, causal,
@@ -1025,7 +1039,7 @@ def _decode_run(cfg, kernel, stream, dev, q, k, v, used, o, lse, qk_scale, offse
     tiles = combine_tiles(cfg.splits, q.shape[2], td)
     combine_grid = (persistent_ctas(q.shape[0] * q.shape[1], dev, COMBINE_OCCUPANCY),
                     td // tiles[2])
-    combine_args = (args[6], args[7], o, lse, args[10], args[11], args[12], *tiles)
+    combine_args = (args[6], args[7], o, lse, args[10], args[11], *tiles)
     ct.launch(stream, grid, kernel, args)
     ct.launch(stream, combine_grid, COMBINE, combine_args)
 

@@ -238,30 +238,33 @@ def test_host_launches_plain_call_and_tuner_space(stubbed_launch):
 
 def test_host_launches_decode(stubbed_launch, monkeypatch):
     """Sq <= 16: the decode family. Its default splits the key range (B * Hkv = 4 CTAs alone
-    would leave most SMs idle) into one 64-key tile per split, then combines the partials;
-    the group's heads and query rows are packed into the CTA's rows (TG 2 x TQ 8 = 16). Cache
-    lengths reach the kernel as USED; without them its stand-in array is never read."""
+    would leave most SMs idle) into one 128-key tile per split, then combines the partials;
+    the group's heads and query rows are packed into the CTA's rows (the transposed products:
+    TG 2 x TQ 4 = 8). Cache lengths reach the kernel as USED; without them its stand-in array
+    is never read."""
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, device=None, **kw: empty(*a, **kw))
     q, k, v = _qkv(sq=3, sk=333, d=64)
     o = FM._fmha(q, k, v, True, 330, 0.125)
     assert o.shape == q.shape
     (n1, g1, f1), (n2, g2, f2) = stubbed_launch
-    assert (n1, g1, n2, g2) == ("fmha_decode_kernel", (8, 4), "fmha_decode_combine_kernel",
+    assert (n1, g1, n2, g2) == ("fmha_decode_kernel", (4, 4), "fmha_decode_combine_kernel",
                                 (8, 1))
-    assert (f2["TS"], f2["SP"], f2["TDC"]) == (4, 8, 64)    # Sq 3: 4 of the 8 rows a head
-    assert (f1["GROUP"], f1["TG"], f1["TQ"], f1["TN"], f1["TD"]) == (2, 2, 8, 64, 64)
-    assert (f1["CAUSAL"], f1["USED"], f1["SPLIT"], f1["offset"]) == (True, False, True, 330)
-    assert f1["o_part"].shape == (8, 64, 64) and f1["lse_part"].shape == (8, 64)
+    assert (f2["TS"], f2["SP"], f2["TDC"]) == (4, 4, 64)    # Sq 3: 4 rows a head
+    assert (f1["GROUP"], f1["TG"], f1["TQ"], f1["TS"], f1["TN"], f1["TD"]) == (2, 2, 4, 4, 128, 64)
+    assert (f1["CAUSAL"], f1["USED"], f1["SPLIT"], f1["KEYS_M"]) == (True, False, True, True)
+    assert f1["offset"] == 330
+    # the partials hold each head's 4 rows (2 x 2 kv heads x 2 heads x 4 rows)
+    assert f1["o_part"].shape == (4, 32, 64) and f1["lse_part"].shape == (4, 32)
     assert f2["o_part"] is f1["o_part"] and f2["o"] is f1["o"]
-    assert (f2["GROUP"], f2["TG"], f2["TQ"]) == (2, 2, 8)
+    assert (f2["GROUP"], f2["TG"]) == (2, 2) and "TQ" not in f2
     stubbed_launch.clear()
     used = torch.tensor([333, 7], dtype=torch.int32)
     FM._fmha(q, k, v, True, 330, 0.125, used)
     assert stubbed_launch[0][2]["used"] is used and stubbed_launch[0][2]["USED"] is True
     space = list(FM.decode_configs("sm_90", 64, 3, 512, kv_heads=4, causal=True, used=False,
                                    group=2))
-    assert (space[0].tn, space[0].splits, space[0].occupancy) == (64, 8, 2)
+    assert (space[0].tn, space[0].splits, space[0].occupancy) == (128, 4, 2)
     assert {c.kind for c in space} == {"split", "plain"}
     assert all(c.kind == "split" for c in
                FM.decode_configs("sm_90", 64, 3, 512, kv_heads=4, causal=True, used=True,
@@ -297,10 +300,11 @@ def test_host_launches_under_torch_compile(stubbed_launch, monkeypatch):
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100", "sm_80"])
 def test_decode_space(arch):
     """At most MAX_CONFIGS, no repeats, splits within one key tile each and DECODE_MAX_CTAS in
-    all, the plain forward's entry only without cache lengths; the default (row-major products)
-    takes the fewest splits that reach 264 CTAs (as many as the key tiles allow). On sm_90 the
-    transposed products replace the row-major key tiles but the default's where a group's rows
-    stay short of 64 (GQA 32/8, MHA, Sq 5 at group 4), and are absent from MQA 32/1's space."""
+    all, the plain forward's entry only without cache lengths; the default takes the fewest
+    splits that reach 264 CTAs (as many as the key tiles allow). On sm_90, where a group's rows
+    stay short of 64 (GQA 32/8, MHA, Sq 5 at group 4), the transposed products replace the
+    row-major key tiles but (64, occupancy 2) and give the default; they are absent from MQA
+    32/1's space."""
     for kv_heads, sk, used, (group, sq) in itertools.product(
             (1, 8, 256, 4096), (1, 64, 4096, 65536), (False, True),
             ((4, 1), (32, 1), (1, 1), (4, 5))):
@@ -314,22 +318,24 @@ def test_decode_space(arch):
                 assert c.splits <= -(-sk // c.tn) and c.splits * kv_heads <= FM.DECODE_MAX_CTAS
         assert sum(c.kind == "plain" for c in cfgs) == (0 if used else 1)
         first = cfgs[0]
-        tiles = -(-sk // 64)
+        offered = arch == "sm_90" and group != 32
+        default = ("split", 128, 2, True) if offered else ("split", 64, 2, False)
+        assert (first.kind, first.tn, first.occupancy, first.keys_m) == default
+        tiles = -(-sk // first.tn)
         want = next((s for s in FM.DECODE_SPLITS if s * kv_heads >= 264), 64)
         allowed = [s for s in FM.DECODE_SPLITS
                    if s == 1 or (s <= tiles and s * kv_heads <= FM.DECODE_MAX_CTAS)]
-        assert (first.kind, first.tn, first.occupancy, first.keys_m) == ("split", 64, 2, False)
         assert first.splits == max(s for s in allowed if s <= want)
         transposed = {(c.tn, c.occupancy) for c in split if c.keys_m}
         row_major = {(c.tn, c.occupancy) for c in split if not c.keys_m}
-        if arch == "sm_90" and group != 32:
+        if offered:
             assert transposed == set(FM.DECODE_KEYS_M_TILES) and row_major == {(64, 2)}
         else:
             assert not transposed and row_major == set(FM.DECODE_TILES)
     assert FM.decode_rows(32, 1) == (32, 2) and FM.decode_rows(7, 3) == (8, 4)
     assert FM.decode_rows(1, 1) == (1, 16) and FM.decodes(32, 16, 128) is False
     assert FM.decode_rows(4, 1, keys_m=True) == (4, 2) and FM.decode_rows(1, 1, True) == (1, 8)
-    assert FM.decode_rows(32, 1, keys_m=True) == (32, 2)
+    assert FM.decode_rows(8, 1, keys_m=True) == (8, 1) and FM.decode_rows(8, 3, True) == (8, 4)
 
 
 def test_more_heads_than_the_grid_takes_are_refused_by_name():

@@ -339,7 +339,7 @@ def test_aot_signature_matches_jit_packed_and_decode():
         jit = KernelSignature.from_kernel_args(FM.fmha_decode_kernel, args, conv)
         assert jit.parameters == signature(kernel).parameters, (B, hq, hkv, sq, sk, d)
         jit = KernelSignature.from_kernel_args(
-            FM.COMBINE, (args[6], args[7], o, args[5], args[10], args[11], args[12],
-                         *FM.combine_tiles(cfg.splits, sq, args[14])),
+            FM.COMBINE, (args[6], args[7], o, args[5], args[10], args[11],
+                         *FM.combine_tiles(cfg.splits, sq, args[15])),
             conv)
         assert jit.parameters == signature(combine).parameters, (B, hq, hkv, sq, sk, d)

@@ -121,9 +121,11 @@ def test_decode_forward(fresh, monkeypatch, case, disable):
 
 # Every config of the decode space (split kernels of every tile and split count, the plain
 # forward), not only the searches' winners, on caches long enough that a split loops over many
-# key tiles; with seqused_k, the space for cache lengths (no plain entry).
+# key tiles; with seqused_k, the space for cache lengths (no plain entry). MHA at B3 H5: 15
+# partial rows a split (lse_part's rows padded to 16).
 DECODE_EVERY = [(2, 32, 8, 1, 8193, 128, True, torch.bfloat16, None),
                 (3, 8, 1, 1, 4097, 64, False, torch.float16, None),
+                (3, 5, 5, 1, 2000, 128, True, torch.bfloat16, None),
                 (2, 16, 4, 5, 3000, 128, True, torch.bfloat16, [2999, 1234])]
 
 

@@ -27,7 +27,7 @@ TG, TQ = decode_rows(GROUP, 1)            # the q heads of a KV head (and query 
 TN = 64
 kernel = fmha_decode_kernel.replace_hints(occupancy=2, num_worker_warps=4)
 args = (q, k, v, used, o, lse, k, k,      # (no partials without a split: k stands in for them)
-        LOG2E / math.sqrt(D), 0, GROUP, TG, TQ, TN, D, False, True, False, False)
+        LOG2E / math.sqrt(D), 0, GROUP, TG, TQ, 1, TN, D, False, True, False, False)
 
 
 def step():
