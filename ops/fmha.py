@@ -668,8 +668,8 @@ DECODE_TILES = ((64, 2), (64, 1), (64, 4), (128, 2))
 # row-major ones (64, 2) stays: at GQA 32/8 (H200, CUDA graphs,
 # references/kernel-type-templates.md) they ran 0.6-3.3% ahead of the tuned row-major kernel at
 # B1, B8 and B32, Sk 1024-32768, and every search of the shipped H200 decode keys chose them
-# (most often 128-key tiles at occupancy 2). At Sq 5 and group 4 they build without the
-# row-major default's spill (328 bytes on sm_90).
+# (most often 128-key tiles at occupancy 2). At Sq 5 and group 4 (32 rows) they build without
+# spills, where every row-major 64-key tile spills 168-360 bytes on sm_90.
 DECODE_KEYS_M_TILES = ((128, 2), (64, 4), (128, 4))
 DECODE_HGMMA_ROWS = 64
 DECODE_FIELDS = ("tn", "splits", "num_worker_warps", "occupancy", "keys_m")
