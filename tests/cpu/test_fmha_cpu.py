@@ -336,6 +336,9 @@ def test_decode_space(arch):
     assert FM.decode_rows(1, 1) == (1, 16) and FM.decodes(32, 16, 128) is False
     assert FM.decode_rows(4, 1, keys_m=True) == (4, 2) and FM.decode_rows(1, 1, True) == (1, 8)
     assert FM.decode_rows(8, 1, keys_m=True) == (8, 1) and FM.decode_rows(8, 3, True) == (8, 4)
+    # partials: TG x TS rows per kv head (Sq rounded up, not TQ); lse_part's rows padded to 4
+    assert FM.partial_rows(15, 1, 1) == (15, 16) and FM.partial_rows(32, 32, 1) == (1024, 1024)
+    assert FM.partial_rows(4, 7, 3) == (128, 128) and FM.partial_rows(3, 2, 1) == (6, 8)
 
 
 def test_more_heads_than_the_grid_takes_are_refused_by_name():
