@@ -408,11 +408,7 @@ def _decode_keys_m(qt, k, v, b, hk, n0, n1, hi, last_key, qk_scale, TN, TD, CAUS
     acc = ct.zeros((TD, rows), ct.float32)                             # O^T
     for n in range(n0, n1):
         s = ct.mma(_tile(k, b, hk, n, TN, TD), q_t, ct.zeros((TN, rows), ct.float32))
-        key = n * TN + keys
-        ok = key < hi
-        if CAUSAL:
-            ok = ok & (key <= last)
-        s = ct.where(ok, s, NEG_INF)                                   # S^T [TN, R]
+        s = _masked(s, n, keys, hi, last, TN, CAUSAL)                  # S^T [TN, R]
         m_new = ct.maximum(m_i, ct.max(s, axis=0, keepdims=True) * qk_scale)
         m_use = ct.where(m_new == NEG_INF, 0.0, m_new)
         p = ct.exp2(s * qk_scale - m_use, flush_to_zero=True)          # P^T
