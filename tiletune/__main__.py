@@ -289,7 +289,8 @@ def cmd_bench(args):
                                           ("--json", args.json),
                                           ("--plot", args.plot), ("--match", args.match),
                                           ("--skip-peer", args.skip_peer),
-                                          ("--graph", args.graph)) if value]
+                                          ("--graph", args.graph),
+                                          ("--sustained", args.sustained)) if value]
         if given:
             print(f"{', '.join(given)} ignored: no GPU to benchmark", flush=True)
         return _compile(args.ops, ["sm_90"], None)
@@ -303,7 +304,8 @@ def cmd_bench(args):
         return bench.main(args.ops, full=args.full, host=args.host,
                           json_path=args.json or bench.DEFAULT_JSON,
                           plot_path=args.plot, match=args.match or (),
-                          skip_peers=args.skip_peer or (), graph=args.graph)
+                          skip_peers=args.skip_peer or (), graph=args.graph,
+                          sustained=args.sustained)
     except bench.OutputNotWritable as e:      # refused before any row is tuned and timed
         print(f"tiletune bench: {e}", file=sys.stderr, flush=True)
         return 2
@@ -477,6 +479,11 @@ def parser():
                    help="also time every row's candidates replayed from a CUDA graph (the "
                         "decode rows always are): the kernels' time without the eager call's "
                         "host time")
+    b.add_argument("--sustained", action="store_true",
+                   help="time each candidate in 100 ms blocks (half of each untimed), in turns: "
+                        "every kernel at the clock its own sustained load settles at, as in "
+                        "long training runs or triton's do_bench (default: blocks of 10 runs, "
+                        "where a slow or host-bound peer's idle gaps let the clocks rise)")
     k = sub.add_parser("compile", epilog=_ops_epilog,
                        help="AOT-compile every config of every kernel (no GPU needed)")
     k.add_argument("ops", nargs="*", help="ops to compile (default: all)")

@@ -178,9 +178,13 @@ def _time_graphs(row, candidates, timing):
         row[f"vs_{label}_graph"] = us[label] / tuned
 
 
-def run_case(case, skip_peers=(), seen_peers=None):
+SUSTAINED_BLOCK_MS = 100.0     # --sustained: each candidate's block in turns, half untimed
+
+
+def run_case(case, skip_peers=(), seen_peers=None, sustained=False):
     """Time one row. skip_peers: baseline labels not to time; seen_peers (a set): gets the
-    row's baseline labels, skipped ones included."""
+    row's baseline labels, skipped ones included; sustained: every candidate in blocks of
+    SUSTAINED_BLOCK_MS (time_interleaved's block_ms), the row marked "timing": "sustained"."""
     if case.setup is not None:
         case.setup(case)
     if seen_peers is not None:
@@ -188,6 +192,10 @@ def run_case(case, skip_peers=(), seen_peers=None):
     for peer in skip_peers:
         case.baselines.pop(peer, None)
     row = {"op": case.op, "case": case.name, "mode": case.mode}
+    timing = dict(case.timing)
+    if sustained:
+        timing["block_ms"] = SUSTAINED_BLOCK_MS
+        row["timing"] = "sustained"
     # torch.compile peers compile for this row's shapes alone: rows that wrap one function
     # would otherwise share dynamo's cache (a dynamic-shape graph from the second row on)
     torch._dynamo.reset()
@@ -205,7 +213,7 @@ def run_case(case, skip_peers=(), seen_peers=None):
         row["fixed_error"] = _error(e)
     candidates += [(label, fn, None) for label, fn in case.baselines.items()]
     ceiling = [(case.ceiling[0], case.ceiling[1], None)] if case.ceiling else []
-    us = time_interleaved(candidates + ceiling, **case.timing)
+    us = time_interleaved(candidates + ceiling, **timing)
     if isinstance(us["tuned"], Exception):
         raise us["tuned"]
     row["tuned_us"] = us["tuned"]
@@ -228,7 +236,7 @@ def run_case(case, skip_peers=(), seen_peers=None):
             row[f"{label}_us"] = us[label] * case.ceiling_scale
             row[f"frac_{label}"] = row[f"{label}_us"] / row["tuned_us"]
     if case.graph:                    # tuned, fixed and the baselines (not the ceiling)
-        _time_graphs(row, candidates, case.timing)
+        _time_graphs(row, candidates, timing)
     for when in ("", "_graph"):       # rates of the eager time, and of the graph's where timed
         tuned_us = row.get(f"tuned{when}_us")
         if case.bytes and tuned_us:
@@ -418,7 +426,7 @@ def _matches(label, pattern):
 
 
 def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=None, match=(),
-         skip_peers=(), graph=False):
+         skip_peers=(), graph=False, sustained=False):
     """Benchmark the named ops (default: every registered op, in registration order).
 
     full: every row of each op (`bench_cases(full=True)`), not only its headline rows, and the
@@ -429,6 +437,7 @@ def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=
     skip_peers: baseline labels not to time (e.g. "tilegym", whose own first-call tuning is
     slow);
     graph: time every row's candidates replayed from CUDA graphs too (`BenchCase.graph`);
+    sustained: time every candidate in blocks of SUSTAINED_BLOCK_MS (`run_case`);
     json_path: written after every row and at the end (None: no JSON)."""
     modules = registry.ops()
     names = list(ops or modules)
@@ -443,7 +452,9 @@ def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=
     precompile.warm()        # the compile workers start while the first rows set up
     print(f"device: {dev}, torch {torch.__version__}; "
           + ("host tables only (--host)" if host else "every row (--full)" if full
-             else "headline rows (--full: every row)"), flush=True)
+             else "headline rows (--full: every row)")
+          + (f"; sustained blocks of {SUSTAINED_BLOCK_MS:.0f} ms (--sustained)"
+             if sustained and not host else ""), flush=True)
     rows, tables, seen_peers, considered, failed = [], {}, set(), 0, 0
     for op in names:
         mod = modules[op]
@@ -460,7 +471,7 @@ def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=
                 continue
             case.graph = case.graph or graph
             try:
-                row = run_case(case, skip_peers, seen_peers)
+                row = run_case(case, skip_peers, seen_peers, sustained)
             except Exception as e:
                 print(f"{op} {case.name} {case.mode}: FAILED {type(e).__name__}: {e}", flush=True)
                 failed += 1

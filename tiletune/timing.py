@@ -1,6 +1,7 @@
 """Device timing shared by the engine's final round and the benchmarks: CUDA events, L2 flushed
 before every run, candidates timed in turns."""
 import contextlib
+import math
 
 import torch
 
@@ -21,13 +22,23 @@ def release():
     _flush_bufs.clear()
 
 
-def time_interleaved(candidates, rounds=5, reps=10, warmup=5):
+MAX_BLOCK_RUNS = 2000        # a sustained block of a microsecond kernel: runs, not milliseconds
+
+
+def time_interleaved(candidates, rounds=5, reps=10, warmup=5, block_ms=0.0):
     """Median device time in microseconds of each (label, fn, context) candidate, L2 flushed
     before each run. The candidates take turns in blocks of `reps` runs (`rounds` times), so
     clock and power drift during a row falls on all of them alike instead of on whichever ran
     last. `context` (a context-manager factory, or None) is entered around each block, outside
     the timed events. A candidate whose warm-up raises is left out: its label maps to the
-    exception instead of a time."""
+    exception instead of a time.
+
+    block_ms > 0 times the sustained regime: each block first runs its candidate untimed for
+    about block_ms / 2, then times at least `reps` runs and at least block_ms / 2 of them, so
+    every candidate is timed at the clock its own load settles at (the power limit, for heavy
+    kernels), as long runs of one kernel in training or triton's do_bench see it, not in the
+    idle gaps a slower or host-bound neighbour leaves (references/search-strategies.md, A/B
+    method)."""
     result, live = {}, []
     for label, fn, ctx in candidates:
         try:
@@ -38,11 +49,21 @@ def time_interleaved(candidates, rounds=5, reps=10, warmup=5):
         except Exception as e:
             result[label] = e
     torch.cuda.synchronize()
+    runs = {label: (0, reps) for label, _, _ in live}     # (untimed, timed) runs a block
+    if block_ms > 0:
+        for label, fn, ctx in live:
+            run_ms = _one_run_ms(fn, ctx)
+            n = min(MAX_BLOCK_RUNS, max(reps, math.ceil(block_ms / 2 / max(run_ms, 1e-4))))
+            runs[label] = (n, n)
     events = {label: [] for label, _, _ in live}
     for _ in range(rounds):
         for label, fn, ctx in live:
+            untimed, timed = runs[label]
             with (ctx or contextlib.nullcontext)():
-                for _ in range(reps):
+                for _ in range(untimed):
+                    _flush_l2()
+                    fn()
+                for _ in range(timed):
                     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     _flush_l2()
                     s.record()
@@ -54,6 +75,18 @@ def time_interleaved(candidates, rounds=5, reps=10, warmup=5):
         ts = sorted(s.elapsed_time(e) * 1e3 for s, e in pairs)
         result[label] = ts[len(ts) // 2]
     return result
+
+
+def _one_run_ms(fn, ctx):
+    """Milliseconds of one run with its L2 flush (what a sustained block repeats)."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with (ctx or contextlib.nullcontext)():
+        s.record()
+        _flush_l2()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e)
 
 
 def time_us(fn, reps=50, warmup=10):

@@ -67,6 +67,44 @@ def test_run_case_times_every_candidate_in_turns(clock):
     assert blocks == ["tuned", "fixed", "peer", "copy"] * 5
 
 
+def _heating(clock):
+    """A kernel that runs 10 us until it has run 200 us back to back, then 20 us (its power
+    limit), and a host-bound neighbour during whose gaps the card cools."""
+    heat = {"us": 0.0}
+
+    def hot():
+        us = 10.0 if heat["us"] < 200.0 else 20.0
+        heat["us"] += us
+        clock.run("hot", us)
+
+    def idle():
+        heat["us"] = 0.0
+        clock.run("idle", 50.0)
+    return hot, idle
+
+
+def test_sustained_blocks_time_a_kernel_at_the_speed_its_own_load_settles_at(clock):
+    hot, idle = _heating(clock)
+    cands = [("hot", hot, None), ("idle", idle, None)]
+    assert timing.time_interleaved(cands)["hot"] == pytest.approx(10.0)   # blocks of 10 runs
+    clock.trace.clear()
+    us = timing.time_interleaved(cands, block_ms=1.0)
+    assert us["hot"] == pytest.approx(20.0) and us["idle"] == pytest.approx(50.0)
+    # each block: about 0.5 ms untimed, then 0.5 ms timed, at the run time estimated after the
+    # warm-up (hot: 50 runs each; idle: 10, as 0.5 ms of 50 us runs is no more than `reps`)
+    hot_runs = clock.trace.count("hot") - 5 - 1          # warm-up, the one estimating run
+    idle_runs = clock.trace.count("idle") - 5 - 1
+    assert 5 * 100 <= hot_runs <= 5 * 102 and 5 * 20 <= idle_runs <= 5 * 22
+
+
+def test_a_sustained_row_says_so(clock):
+    hot, idle = _heating(clock)
+    case = bench.BenchCase("op", "shape", "fwd", hot, {"peer": idle})
+    row = bench.run_case(case, sustained=True)
+    assert row["timing"] == "sustained" and row["tuned_us"] == pytest.approx(20.0)
+    assert "timing" not in bench.run_case(case)
+
+
 @pytest.mark.parametrize("when", ["first call", "warm-up"])
 def test_a_fixed_default_that_fails_is_reported_and_the_row_stands(clock, when):
     calls = []

@@ -193,11 +193,11 @@ def test_bench_without_a_gpu_compiles_and_names_ignored_flags(ops, compiles, mon
                                                               capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["bench", "alpha", "--plot", "x.png", "--json", "r.json", "--match", "fwd",
-                 "--skip-peer", "liger", "--full", "--graph"]) == 0
+                 "--skip-peer", "liger", "--full", "--graph", "--sustained"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("No CUDA GPU here")
-    assert out[1] == ("--full, --json, --plot, --match, --skip-peer, --graph ignored: no GPU to "
-                      "benchmark")
+    assert out[1] == ("--full, --json, --plot, --match, --skip-peer, --graph, --sustained "
+                      "ignored: no GPU to benchmark")
     assert compiles == [(["alpha"], ["sm_90"], compiles[0][2])]
     assert not os.path.exists("r.json") and not os.path.exists("x.png")
     assert main(["bench"]) == 0                       # no flags given: no "ignored" line
