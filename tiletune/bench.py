@@ -12,6 +12,11 @@ for every row). A replay costs the kernels' time alone, which is what a caller t
 graphs sees (a serving loop's decode). The eager time includes the host's wherever a call spends
 longer on the host than its kernels run.
 
+With `sustained` (`--sustained`) each candidate's turn is a 100 ms block, the first half untimed,
+so that every kernel is timed at the clock its own load settles at (the power limit, for heavy
+GEMMs) instead of after the idle gaps a slower or host-bound neighbour leaves: the two regimes
+can order a pair differently (references/search-strategies.md, A/B method).
+
 `main` prints one line per row as it finishes, then a table per op, the store and the number of
 searches this process ran, and the host overheads; it writes the rows to JSON after every row.
 """
