@@ -11,7 +11,8 @@ config), the arguments, `ct.launch`. A miss maps the key to its tuning key (dyna
 bucketed) and, where that misses too, goes through `tune`: DISABLE_AUTOTUNE=1 -> the first
 config; else the persistent store; else `exhaustive_search` over the op's configs (compiled in
 parallel first, see tiletune/precompile.py), then a final round that times its close finishers
-and the default in turns; then `replace_hints` once and cache.
+and the default in turns (sustained blocks for long tensor-core kernels); then `replace_hints`
+once and cache.
 """
 import dataclasses
 import functools
@@ -70,6 +71,15 @@ MAX_CONFIGS = 30
 # in turns): the final round decides.
 FINAL_MARGIN = 0.05
 FINALISTS = 4
+# Tensor-core keys of at least SUSTAINED_FINAL_US run their final round sustained: each finalist
+# in blocks of timing.SUSTAINED_BLOCK_MS, so its clock settles at its own power draw, as in a
+# training loop's long stretches of GEMMs (and triton's do_bench). Short blocks in turns let
+# the power-hungry configs run at the clock their neighbours' idle gaps leave: on an H200 the
+# grouped GEMM's 128x128 configs ran 5-17% slower sustained than in turns while its 128x256
+# ones held within 1.3% at the DeepSeek-like keys, which reverses their ranking
+# (references/search-strategies.md, A/B method).
+SUSTAINED_FINAL_US = 100.0
+SUSTAINED_FINAL_ROUNDS = 2
 COMPILE_TIMEOUT_SEC = env.number("TILETUNE_COMPILE_TIMEOUT_SEC", 60.0)
 # A search that takes longer than this says so in one line (op, key, seconds, winner) even
 # without TILETUNE_LOG, so a slow first call does not look like a hang.
@@ -761,11 +771,13 @@ class Autotuner:
                        if not (search.partly_timed and search.partly_timed(m.config))), ranked[0])
         best, best_us, final = anchor.config, anchor.mean_us, []
         finalists = self._finalists(ranked, anchor, cfgs[0])
+        regime = ("sustained" if search.work and search.work.flops and best_us >= SUSTAINED_FINAL_US
+                  else "turns")
         if len(finalists) > 1:
             stream = torch.cuda.current_stream(dev)
             try:
                 with torch.cuda.device(dev):
-                    final = self._final_round(finalists, search, stream, best_us, dev)
+                    final = self._final_round(finalists, search, stream, best_us, dev, regime)
             except Exception as e:     # e.g. no memory left for the L2 flush: keep the anchor
                 log.info("%s %s: final round skipped: %s: %s", self.name, key,
                          type(e).__name__, str(e)[:200])
@@ -774,7 +786,8 @@ class Autotuner:
                 timing.release()
             if final:
                 best, best_us = final[0]
-            final = [{"config": config_dict(c), "median_us": us} for c, us in final]
+            final = [{"config": config_dict(c), "median_us": us, "timing": regime}
+                     for c, us in final]
         elapsed = time.perf_counter() - t0
         rates = search.work.rates(best_us) if search.work else {}
         record = TuningRecord(self.name, key, config_dict(best), "search", record_timings,
@@ -793,11 +806,16 @@ class Autotuner:
             finalists.append(default)
         return finalists
 
-    def _final_round(self, finalists, search, stream, best_us, dev):
-        """[(cfg, median us)] fastest first, the finalists timed in turns (~10 ms blocks)."""
+    def _final_round(self, finalists, search, stream, best_us, dev, regime="turns"):
+        """[(cfg, median us)] fastest first, the finalists timed in turns: ~10 ms blocks, or
+        sustained blocks (SUSTAINED_FINAL_US)."""
         runs = [(i, self._runner(c, search, stream, dev), None) for i, c in enumerate(finalists)]
-        reps = max(3, min(20, int(10000 / max(best_us, 1.0))))
-        us = timing.time_interleaved(runs, rounds=5, reps=reps, warmup=2)
+        if regime == "sustained":
+            us = timing.time_interleaved(runs, rounds=SUSTAINED_FINAL_ROUNDS, reps=3, warmup=2,
+                                         block_ms=timing.SUSTAINED_BLOCK_MS)
+        else:
+            reps = max(3, min(20, int(10000 / max(best_us, 1.0))))
+            us = timing.time_interleaved(runs, rounds=5, reps=reps, warmup=2)
         timed = [(c, us[i]) for i, c in enumerate(finalists) if not isinstance(us[i], Exception)]
         return sorted(timed, key=lambda t: t[1])
 
@@ -847,7 +865,7 @@ class Autotuner:
         # a long search is said even without TILETUNE_LOG (a slow first call is not a hang)
         log.log(logging.WARNING if record.search_s >= LONG_SEARCH_SEC else logging.INFO, line)
         if record.final:
-            log.info("  final round (in turns): %s", ", ".join(
+            log.info("  final round (%s): %s", record.final[0].get("timing", "turns"), ", ".join(
                 f"{f['config']} {f['median_us']:.2f} us" for f in record.final))
         for f in record.failures:      # why a config failed matters as much as the winner
             log.info("  %s failed: %s: %s", f["config"], f["error"], str(f["message"])[:300])

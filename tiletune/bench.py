@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tiletune import autotune, env, precompile, registry, store
-from tiletune.timing import time_interleaved
+from tiletune.timing import SUSTAINED_BLOCK_MS, time_interleaved
 
 
 @dataclass
@@ -181,9 +181,6 @@ def _time_graphs(row, candidates, timing):
             continue
         row[f"{label}_graph_us"] = us[label]
         row[f"vs_{label}_graph"] = us[label] / tuned
-
-
-SUSTAINED_BLOCK_MS = 100.0     # --sustained: each candidate's block in turns, half untimed
 
 
 def run_case(case, skip_peers=(), seen_peers=None, sustained=False):

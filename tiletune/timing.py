@@ -23,6 +23,9 @@ def release():
 
 
 MAX_BLOCK_RUNS = 2000        # a sustained block of a microsecond kernel: runs, not milliseconds
+# A sustained block (block_ms): long enough that a heavy kernel's clock settles at its own power
+# draw (the engine's final round for tensor-core keys, `bench --sustained`).
+SUSTAINED_BLOCK_MS = 100.0
 
 
 def time_interleaved(candidates, rounds=5, reps=10, warmup=5, block_ms=0.0):

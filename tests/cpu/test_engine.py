@@ -34,8 +34,9 @@ def _space(arch, n):
 class FakeSearch:
     """Stands in for exhaustive_search: times are a function of the config; counts calls."""
 
-    def __init__(self, fail=(), delay=0.0, best_occ=2):
+    def __init__(self, fail=(), delay=0.0, best_occ=2, base_us=10.0):
         self.calls, self.fail, self.delay, self.best_occ = 0, set(fail), delay, best_occ
+        self.base_us = base_us
 
     def __call__(self, space, stream, grid_fn, kernel, args_fn, hints_fn=None, **kw):
         self.calls += 1
@@ -48,7 +49,7 @@ class FakeSearch:
             if c.occupancy in self.fail:
                 bad.append((c, RuntimeError, f"boom {c.occupancy}"))
             else:
-                ok.append(cuda.tile.tune.Measurement(config=c, mean_us=10.0 + abs(c.occupancy - self.best_occ),
+                ok.append(cuda.tile.tune.Measurement(config=c, mean_us=self.base_us + abs(c.occupancy - self.best_occ),
                                                      num_samples=5, error_margin_us=0.1))
         if not ok:
             raise ValueError("No valid config found in search space.")
@@ -60,10 +61,11 @@ class FakeFinalRound:
     order, 10 us apart); records what it was given."""
 
     def __init__(self):
-        self.calls, self.times = [], None
+        self.calls, self.times, self.kwargs = [], None, []
 
     def __call__(self, candidates, **kw):
         self.calls.append([label for label, _, _ in candidates])
+        self.kwargs.append(kw)
         if isinstance(self.times, Exception):
             raise self.times
         for _, fn, _ in candidates:      # one run each, so tests see what the round launches
@@ -394,6 +396,33 @@ def test_final_round_can_overturn_the_search(env):
     cfg2, _ = resolve(t, ("k", 7))
     assert cfg2.occupancy == 1 and t.records[("k", 7)].source == "store"
     assert t.records[("k", 7)].final == rec.final
+
+
+@pytest.mark.parametrize("base_us, work, regime", [
+    (200.0, Work(flops=1e12), "sustained"),
+    (autotune.SUSTAINED_FINAL_US, Work(flops=1e12), "sustained"),
+    (50.0, Work(flops=1e12), "turns"),          # short kernels: the power limit does not bind
+    (200.0, Work(bytes=1e9), "turns"),          # memory-bound: no tensor-core clock to settle
+    (200.0, None, "turns"),
+])
+def test_long_tensor_core_keys_run_their_final_round_sustained(env, base_us, work, regime):
+    env.fake.base_us = base_us
+    t = env.make()
+    s = Search(shape=dict(n=16), grid_fn=lambda c: (1,), args_fn=lambda c: (), work=work)
+    t.tune(("k", 13), 0, s)
+    kw = env.final.kwargs[-1]
+    if regime == "sustained":
+        assert kw["block_ms"] == timing.SUSTAINED_BLOCK_MS
+        assert kw["rounds"] == autotune.SUSTAINED_FINAL_ROUNDS
+    else:
+        assert kw.get("block_ms", 0) == 0 and kw["rounds"] == 5
+    rec = t.records[("k", 13)]
+    assert len(rec.final) > 1 and {f["timing"] for f in rec.final} == {regime}
+    # the store keeps the regime; a second process reads it back
+    t.clear()
+    t.tune(("k", 13), 0, s)
+    assert t.records[("k", 13)].source == "store"
+    assert t.records[("k", 13)].final == rec.final
 
 
 def test_no_final_round_when_the_default_wins_alone(env):
