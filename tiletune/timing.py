@@ -34,7 +34,7 @@ def time_interleaved(candidates, rounds=5, reps=10, warmup=5, block_ms=0.0):
     clock and power drift during a row falls on all of them alike instead of on whichever ran
     last. `context` (a context-manager factory, or None) is entered around each block, outside
     the timed events. A candidate whose warm-up raises is left out: its label maps to the
-    exception instead of a time.
+    exception instead of a time. Odd rounds run the candidates in reverse order.
 
     block_ms > 0 times the sustained regime: each block first runs its candidate untimed for
     about block_ms / 2, then times at least `reps` runs and at least block_ms / 2 of them, so
@@ -59,8 +59,10 @@ def time_interleaved(candidates, rounds=5, reps=10, warmup=5, block_ms=0.0):
             n = min(MAX_BLOCK_RUNS, max(reps, math.ceil(block_ms / 2 / max(run_ms, 1e-4))))
             runs[label] = (n, n)
     events = {label: [] for label, _, _ in live}
-    for _ in range(rounds):
-        for label, fn, ctx in live:
+    for r in range(rounds):
+        # every other round in reverse, so that no candidate always follows the same one or
+        # always comes last (a sustained rotation heats the GPU as it goes)
+        for label, fn, ctx in (live if r % 2 == 0 else live[::-1]):
             untimed, timed = runs[label]
             with (ctx or contextlib.nullcontext)():
                 for _ in range(untimed):

@@ -62,9 +62,11 @@ def test_run_case_times_every_candidate_in_turns(clock):
     assert row["copy_us"] == pytest.approx(20.0) and row["frac_copy"] == pytest.approx(1.0)
     assert row["tuned_TFLOPs"] == pytest.approx(2e6 / 20.0 / 1e6)
     assert os.environ.get("DISABLE_AUTOTUNE") != "1"           # put back after the fixed runs
-    # after warm-up, the candidates take turns in blocks of 10 runs, 5 rounds
+    # after warm-up, the candidates take turns in blocks of 10 runs, 5 rounds, every other
+    # round in reverse
     blocks = clock.trace[-200::10]
-    assert blocks == ["tuned", "fixed", "peer", "copy"] * 5
+    turn = ["tuned", "fixed", "peer", "copy"]
+    assert blocks == (turn + turn[::-1]) * 2 + turn
 
 
 def _heating(clock):
@@ -207,7 +209,8 @@ def test_a_graph_row_times_each_candidate_replayed_from_its_cuda_graph(clock, mo
     assert row["vs_nocap"] == pytest.approx(80 / 60) and "vs_nocap_graph" not in row
     assert os.environ.get("DISABLE_AUTOTUNE") != "1"
     # the replays take turns in blocks, as the eager calls do
-    assert clock.trace[-150::10] == ["tuned graph", "fixed graph", "peer graph"] * 5
+    turn = ["tuned graph", "fixed graph", "peer graph"]
+    assert clock.trace[-150::10] == (turn + turn[::-1]) * 2 + turn
     line = bench.progress_line(row)
     assert "60.00 us, 1.17x fixed, 40.00 us from a CUDA graph, " in line
     assert "1.10x peer_graph" in line and "nocap_graph failed" in line
