@@ -406,7 +406,8 @@ def print_summary(host):
             if r.source == "search":
                 print(f"  {op} {[str(p) for p in k]}: {r.config} {r.best_us:.1f} us, "
                       f"{len(r.timings)} configs in {r.search_s:.1f}s, slowest "
-                      f"{r.timings[-1]['mean_us']:.1f} us; final round: "
+                      f"{r.timings[-1]['mean_us']:.1f} us; final round"
+                      + (f" ({r.final[0].get('timing', 'turns')}): " if r.final else ": ")
                       + (", ".join(f"{f['config']} {f['median_us']:.1f}" for f in r.final)
                          or "none"))
     for op, h in host.items():
