@@ -189,38 +189,60 @@ def compile_all(ops, archs, jobs=None, select=None):
     `select(op, index, case)`, given, picks the cases. Returns a CompileReport, each build's
     stack frame in it."""
     from concurrent.futures import ProcessPoolExecutor
-    first = {}                  # build -> (op, index) of the first case that has it
-    same_as = []                # ((op, index) of a repeated build, its first case)
-    for op in ops:
-        for i, case in enumerate(op_cases(op)):
-            if select is None or select(op, i, case):
-                owner = first.setdefault(_build_of(case), (op, i))
-                if owner != (op, i):
-                    same_as.append(((op, i), owner))
-    work = [(op, i, a) for op, i in first.values() for a in archs]
-    report = CompileReport()
     jobs = jobs or os.cpu_count() or 1
     if jobs == 1:
-        results = list(map(_compile_worker, work))
-    else:
-        with ProcessPoolExecutor(jobs) as pool:
-            futures = [pool.submit(_compile_worker, w) for w in work]
+        pending = PendingCompiles(ops, archs, select)
+        return pending.report([_compile_worker(w) for w in pending.work])
+    with ProcessPoolExecutor(jobs) as pool:
+        return start_compiles(ops, archs, pool, select).report()
+
+
+def start_compiles(ops, archs, pool, select=None):
+    """compile_all's builds submitted to `pool` (a concurrent.futures executor) without waiting:
+    `.report()` of the result waits for them. Several calls may share one pool."""
+    pending = PendingCompiles(ops, archs, select)
+    pending.futures = [pool.submit(_compile_worker, w) for w in pending.work]
+    return pending
+
+
+class PendingCompiles:
+    """The distinct builds of some ops' cases (`work`: (op, case index, arch)), and which
+    cases repeat a build (`same_as`), planned in the calling process."""
+
+    def __init__(self, ops, archs, select=None):
+        first = {}                  # build -> (op, index) of the first case that has it
+        self.same_as = []           # ((op, index) of a repeated build, its first case)
+        for op in ops:
+            for i, case in enumerate(op_cases(op)):
+                if select is None or select(op, i, case):
+                    owner = first.setdefault(_build_of(case), (op, i))
+                    if owner != (op, i):
+                        self.same_as.append(((op, i), owner))
+        self.archs = archs
+        self.work = [(op, i, a) for op, i in first.values() for a in archs]
+        self.futures = []
+
+    def report(self, results=None):
+        """The CompileReport, from `results` (one per build of `work`) or the futures."""
+        if results is None:
             results = []
-            for (op, i, arch), f in zip(work, futures):
+            for (op, i, arch), f in zip(self.work, self.futures):
                 try:
                     results.append(f.result())
                 except Exception as e:   # a compile process died (killed, crashed): reported
                     results.append((op_cases(op)[i].label, arch, None, None,
                                     f"{type(e).__name__}: {e or 'a compile process died'}"))
-    by_case = {(op, i, arch): r for (op, i, arch), r in zip(work, results)}
-    for (op, i), (first_op, first_i) in same_as:
-        for arch in archs:
-            _, _, secs, frame, err = by_case[first_op, first_i, arch]
-            results.append((op_cases(op)[i].label, arch, secs, frame, err))
-    for label, arch, secs, frame, err in results:
-        if err is None:
-            report.ok.append((f"{label} [{arch}]", secs))
-            report.frames[f"{label} [{arch}]"] = frame
-        else:
-            report.failed.append((f"{label} [{arch}]", err))
-    return report
+        by_case = {(op, i, arch): r for (op, i, arch), r in zip(self.work, results)}
+        results = list(results)
+        for (op, i), (first_op, first_i) in self.same_as:
+            for arch in self.archs:
+                _, _, secs, frame, err = by_case[first_op, first_i, arch]
+                results.append((op_cases(op)[i].label, arch, secs, frame, err))
+        report = CompileReport()
+        for label, arch, secs, frame, err in results:
+            if err is None:
+                report.ok.append((f"{label} [{arch}]", secs))
+                report.frames[f"{label} [{arch}]"] = frame
+            else:
+                report.failed.append((f"{label} [{arch}]", err))
+        return report

@@ -4,6 +4,29 @@ import pytest
 from tiletune import device, store
 
 
+COMPILE_TESTS = ("test_every_config_compiles", "test_each_kernel_compiles_for_other_archs")
+
+
+@pytest.hookimpl(trylast=True)       # after -k and --deselect have chosen the items
+def pytest_collection_modifyitems(session, config, items):
+    """The AOT compile tests run last, their compiles started now (test_aot_compile.py)."""
+    compiling = [item for item in items if getattr(item, "originalname", None) in COMPILE_TESTS]
+    if not compiling:
+        return
+    items[:] = [item for item in items if item not in compiling] + compiling
+    _compiling.append(compiling[0].module)
+    _compiling[0].start_compiles(
+        [(item.originalname, item.callspec.params["op"]) for item in compiling])
+
+
+_compiling = []      # the module whose compiles started
+
+
+def pytest_sessionfinish(session):
+    for module in _compiling:
+        module.stop_compiles()
+
+
 @pytest.fixture(autouse=True)
 def local_store_folders(monkeypatch, tmp_path_factory):
     """Every store folder reads as local: the CPU tests count the store's warnings, and a

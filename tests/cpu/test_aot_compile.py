@@ -33,11 +33,49 @@ def _spills(op, report):
             and not any(known in label for known in KNOWN_FRAMES)}
 
 
+# The compile tests' builds start in one pool of their own when the session is collected
+# (tests/cpu/conftest.py), at the lowest CPU priority, and the tests run last: the rest of the
+# suite runs while they compile. Run alone, a test compiles its own.
+_pool = None
+_started = {}          # (test name, op) -> aot.PendingCompiles
+
+
+def start_compiles(tests):
+    """Submit the builds of each (test name, op) in `tests` to one low-priority pool."""
+    global _pool
+    from concurrent.futures import ProcessPoolExecutor
+    _pool = ProcessPoolExecutor(os.cpu_count() or 1, initializer=os.nice, initargs=(19,))
+    for name, op in tests:
+        archs, select = _builds(name, op)
+        _started[name, op] = aot.start_compiles([op], archs, _pool, select)
+
+
+def stop_compiles():
+    """Drop the builds no test waited for (a stopped or failed session)."""
+    if _pool is not None:
+        _pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _builds(name, op):
+    """(archs, select) of a compile test."""
+    if name == "test_every_config_compiles":
+        return ["sm_90", "sm_100"], None
+    return OTHER_ARCHS.get(op, ["sm_80", "sm_120"]), _each_kernel_and_other_arch_cases()
+
+
+def _report(name, op):
+    pending = _started.pop((name, op), None)
+    if pending is not None:
+        return pending.report()
+    archs, select = _builds(name, op)
+    return compile_all([op], archs, select=select)
+
+
 @pytest.mark.parametrize("op", [op for op in registry.ops() if op not in MODEL_ROWS])
 def test_every_config_compiles(op):
     cases = op_cases(op)
     assert cases
-    report = compile_all([op], ["sm_90", "sm_100"])
+    report = _report("test_every_config_compiles", op)
     assert not report.failed, "\n".join(f"{label}: {err}" for label, err in report.failed)
     assert len(report.ok) == 2 * len(cases)
     spills = _spills(op, report)
@@ -65,8 +103,7 @@ def _each_kernel_and_other_arch_cases():
 
 @pytest.mark.parametrize("op", [op for op in registry.ops() if op not in MODEL_ROWS])
 def test_each_kernel_compiles_for_other_archs(op):
-    report = compile_all([op], OTHER_ARCHS.get(op, ["sm_80", "sm_120"]),
-                         select=_each_kernel_and_other_arch_cases())
+    report = _report("test_each_kernel_compiles_for_other_archs", op)
     assert report.ok
     assert not report.failed, "\n".join(f"{label}: {err}" for label, err in report.failed)
 
