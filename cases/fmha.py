@@ -7,7 +7,7 @@ import cuda.tile as ct
 import torch
 from cuda.tile.compilation import ScalarConstraint
 
-from tiletune.aot import F32, CompileCase, jit_array
+from tiletune.aot import F32, CompileCase, jit_array, space_archs
 from tiletune.autotune import bucket
 from tiletune.bench import BenchCase, grad_step, host_against_torch, leaves
 from tiletune.space import f32_row
@@ -100,7 +100,8 @@ def compile_cases():
                 seen.append(cfg)
                 yield CompileCase("fmha", TUNERS[kind].build(cfg), _params(kind, cfg, *head),
                                   f"fmha {kind} {arch} space B4 H32 S4096 D128 bf16 causal "
-                                  f"{vars(cfg)}")
+                                  f"{vars(cfg)}",
+                                  spaces=space_archs(lambda a: gen(a, 128, causal=True), cfg))
     variants = [  # label, kinds, (dtype, B, Hq, Hkv, Sq, Sk, D, causal)
         ("non-causal", ("fwd", "dkdv"), (bf, 4, 32, 32, 4096, 4096, 128, False)),
         ("D64 fp16 causal", ("fwd", "dq", "dkdv"), (f16, 8, 16, 16, 2048, 2048, 64, True)),

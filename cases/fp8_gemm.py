@@ -3,7 +3,7 @@ mode), the quantizers' rows (against a copy of the input and the torch reference
 ahead-of-time compile cases of both."""
 import torch
 
-from tiletune.aot import F32, CompileCase, jit_array, tightest
+from tiletune.aot import F32, CompileCase, jit_array, space_archs, tightest
 from tiletune.bench import BenchCase, host_against_torch
 from tiletune.ops import fp8_gemm as F8
 from tiletune.ops import matmul as MM
@@ -93,7 +93,9 @@ def _gemm_cases():
         for arch, cfg in _each_once(F8.fp8_configs, archs, *sq, fast=fast):
             yield CompileCase("fp8_gemm", F8._scaled_tuner.build(cfg),
                               _gemm_params(cfg, *sq, fast=fast),
-                              f"fp8_mm {arch} {acc} space 4096^3 rowwise {vars(cfg)}")
+                              f"fp8_mm {arch} {acc} space 4096^3 rowwise {vars(cfg)}",
+                              spaces=space_archs(lambda a: F8.fp8_configs(a, *sq, fast=fast),
+                                                 cfg))
         skinny = (128, 4096, 4096)         # the entries only skinny keys search
         wide = list(F8.fp8_configs("sm_90", *sq, fast=fast))
         for cfg in F8.fp8_configs("sm_90", *skinny, fast=fast):
@@ -115,7 +117,8 @@ def _gemm_cases():
                               f"fp8_mm split-K sum {split} {mode}wise {out}")
     for arch, cfg in _each_once(F8.fp8_block_configs, ("sm_90", "sm_100", "sm_120"), *sq):
         yield CompileCase("fp8_gemm", F8._block_tuner.build(cfg), _block_params(cfg, *sq),
-                          f"fp8_mm block {arch} space 4096^3 1x128 x 128x128 {vars(cfg)}")
+                          f"fp8_mm block {arch} space 4096^3 1x128 x 128x128 {vars(cfg)}",
+                          spaces=space_archs(lambda a: F8.fp8_block_configs(a, *sq), cfg))
     gemm = list(F8.fp8_configs("sm_90", *sq))
     block = list(F8.fp8_block_configs("sm_90", *sq))
     cfg = gemm[0]

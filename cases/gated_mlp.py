@@ -4,7 +4,7 @@ and its ahead-of-time compile cases."""
 import torch
 import torch.nn.functional as F
 
-from tiletune.aot import CompileCase, jit_array
+from tiletune.aot import CompileCase, jit_array, space_archs
 from tiletune.bench import BenchCase, grad_step, host_against_torch, leaves
 from tiletune.ops import gated_mlp as G
 from tiletune.ops.swiglu import SILU, swiglu
@@ -32,10 +32,10 @@ def params(cfg, dt, M, N, K, save, act=SILU):
     return list(G._args(cfg, x, w, w, y, gate, up, act, save))
 
 
-def _case(cfg, dt, M, N, K, save, label):
+def _case(cfg, dt, M, N, K, save, label, spaces=()):
     kind = "training" if save else "inference"
     return CompileCase("gated_mlp", G._gated.build(cfg), params(cfg, dt, M, N, K, save),
-                       f"gated_mlp {kind} {label} {vars(cfg)}")
+                       f"gated_mlp {kind} {label} {vars(cfg)}", spaces=spaces)
 
 
 def dx_params(cfg, dt, M, N, K):
@@ -45,9 +45,9 @@ def dx_params(cfg, dt, M, N, K):
     return list(G._dx._args(cfg, d, w, d, w, dx))
 
 
-def _dx_case(cfg, dt, M, N, K, label):
+def _dx_case(cfg, dt, M, N, K, label, spaces=()):
     return CompileCase("gated_mlp", G._dx.build(cfg), dx_params(cfg, dt, M, N, K),
-                       f"gated_mlp dx {label} {vars(cfg)}")
+                       f"gated_mlp dx {label} {vars(cfg)}", spaces=spaces)
 
 
 def _dx_cases(M, N, K):
@@ -56,11 +56,14 @@ def _dx_cases(M, N, K):
     pre-Hopper pair."""
     bf, f16 = torch.bfloat16, torch.float16
     sm90 = list(G.dx_configs("sm_90", M, N, K))
+
+    def spaces(cfg):
+        return space_archs(lambda arch: G.dx_configs(arch, M, N, K), cfg)
     for cfg in sm90:
-        yield _dx_case(cfg, bf, M, N, K, f"sm_90 space {M}x{N}x{K} bf16")
+        yield _dx_case(cfg, bf, M, N, K, f"sm_90 space {M}x{N}x{K} bf16", spaces(cfg))
     for cfg in G.dx_configs("sm_100", M, N, K):
         if cfg not in sm90:
-            yield _dx_case(cfg, bf, M, N, K, f"sm_100 space {M}x{N}x{K} bf16")
+            yield _dx_case(cfg, bf, M, N, K, f"sm_100 space {M}x{N}x{K} bf16", spaces(cfg))
     yield _dx_case(sm90[0], f16, M, N, K, f"{M}x{N}x{K} fp16")
     yield _dx_case(sm90[0], bf, 1000, 1001, 1000, "ragged 1000x1001x1000 bf16")
     yield _dx_case(sm90[0], bf, 1, N, K, f"one row 1x{N}x{K} bf16")
@@ -76,12 +79,15 @@ def compile_cases():
     M, N, K = ALIGNED
     yield from _dx_cases(M, N, K)
     sm90 = list(G.configs("sm_90", M, N, K))
+
+    def spaces(cfg):
+        return space_archs(lambda arch: G.configs(arch, M, N, K), cfg)
     for cfg in sm90:
         for save in (False, True):
-            yield _case(cfg, bf, M, N, K, save, f"sm_90 space {M}x{N}x{K} bf16")
+            yield _case(cfg, bf, M, N, K, save, f"sm_90 space {M}x{N}x{K} bf16", spaces(cfg))
     for cfg in G.configs("sm_100", M, N, K):
         if cfg not in sm90:
-            yield _case(cfg, bf, M, N, K, False, f"sm_100 space {M}x{N}x{K} bf16")
+            yield _case(cfg, bf, M, N, K, False, f"sm_100 space {M}x{N}x{K} bf16", spaces(cfg))
     default = sm90[0]
     yield _case(default, f16, M, N, K, False, f"{M}x{N}x{K} fp16")
     for save in (False, True):

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import cuda.tile as ct
 import torch
 
-from tiletune.aot import CompileCase, jit_array
+from tiletune.aot import CompileCase, jit_array, space_archs
 from tiletune.bench import BenchCase, grad_step, host_against_torch, leaves
 from tiletune.ops import grouped_gemm as GG
 
@@ -71,7 +71,8 @@ def compile_cases():
                 if cfg not in seen.setdefault(tuner, []):
                     seen[tuner].append(cfg)
                     yield CompileCase("grouped_gemm", tuner.build(cfg), params(cfg),
-                                      f"{name} {arch} space {label} {vars(cfg)}")
+                                      f"{name} {arch} space {label} {vars(cfg)}",
+                                      spaces=space_archs(gen, cfg))
     for label, shape, kw in [("row-major w", key, {"w_t": False}),
                              ("fp16", (f16, 8, 16384, 4096, 14336), {}),
                              ("odd K N 4095x1000", (bf, 8, 4096, 4095, 1000), {}),

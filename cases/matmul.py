@@ -38,7 +38,7 @@ def compile_cases():
         for cfg in MM.matmul_configs(arch, 4096, 4096, 4096):
             yield CompileCase("matmul", MM._matmul.build(cfg),
                               _params(cfg, bf, None, 4096, 4096, 4096),
-                              f"matmul {arch} space 4096^3 bf16 {vars(cfg)}")
+                              f"matmul {arch} space 4096^3 bf16 {vars(cfg)}", spaces=(arch,))
     cfg = next(MM.matmul_configs("sm_90", 4096, 4096, 4096))
     for label, shape in [("A^T", (bf, None, 4096, 4096, 4096, True, False)),
                          ("B^T", (bf, None, 4096, 4096, 4096, False, True)),

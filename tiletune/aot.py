@@ -93,6 +93,24 @@ class CompileCase:
     kernel: object          # a ct.kernel, hints already applied
     params: list            # constraints, constants in place
     label: str = ""
+    spaces: tuple = ()      # the SPACE_ARCHS whose config space lists the config (space_archs)
+
+
+# The archs with spaces of their own: a config of one of their spaces compiles for the archs of
+# SPACE_ARCHS whose spaces list it (the engine never launches it on the other), and for any
+# other arch asked. Every other case compiles for every arch asked.
+SPACE_ARCHS = ("sm_90", "sm_100")
+
+
+def space_archs(configs_of, cfg):
+    """The SPACE_ARCHS whose space, `configs_of(arch)`, lists cfg."""
+    return tuple(a for a in SPACE_ARCHS if cfg in list(configs_of(a)))
+
+
+def case_archs(case, archs):
+    """The archs of `archs` that `case` compiles for."""
+    spaces = getattr(case, "spaces", ())
+    return [a for a in archs if not spaces or a not in SPACE_ARCHS or a in spaces]
 
 
 @dataclass
@@ -183,8 +201,8 @@ def _build_of(case):
 
 
 def compile_all(ops, archs, jobs=None, select=None):
-    """Compile every AOT case of the named ops for every arch, in a process pool (compiles are
-    serialized inside one process), each distinct build once: a case whose build another case
+    """Compile every AOT case of the named ops for every arch it compiles for (`case_archs`), in
+    a process pool (compiles are serialized inside one process), each distinct build once: a case whose build another case
     already has gets that build's result (seconds, stack frame or error) under its own label.
     `select(op, index, case)`, given, picks the cases. Returns a CompileReport, each build's
     stack frame in it."""
@@ -210,16 +228,19 @@ class PendingCompiles:
     cases repeat a build (`same_as`), planned in the calling process."""
 
     def __init__(self, ops, archs, select=None):
-        first = {}                  # build -> (op, index) of the first case that has it
-        self.same_as = []           # ((op, index) of a repeated build, its first case)
+        first = {}                  # (build, arch) -> (op, index) of the first case that has it
+        self.same_as = []           # ((op, index) of a repeated build, arch, its first case)
+        self.work = []
         for op in ops:
             for i, case in enumerate(op_cases(op)):
                 if select is None or select(op, i, case):
-                    owner = first.setdefault(_build_of(case), (op, i))
-                    if owner != (op, i):
-                        self.same_as.append(((op, i), owner))
-        self.archs = archs
-        self.work = [(op, i, a) for op, i in first.values() for a in archs]
+                    build = _build_of(case)
+                    for arch in case_archs(case, archs):
+                        owner = first.setdefault((build, arch), (op, i))
+                        if owner == (op, i):
+                            self.work.append((op, i, arch))
+                        else:
+                            self.same_as.append(((op, i), arch, owner))
         self.futures = []
 
     def report(self, results=None):
@@ -234,10 +255,9 @@ class PendingCompiles:
                                     f"{type(e).__name__}: {e or 'a compile process died'}"))
         by_case = {(op, i, arch): r for (op, i, arch), r in zip(self.work, results)}
         results = list(results)
-        for (op, i), (first_op, first_i) in self.same_as:
-            for arch in self.archs:
-                _, _, secs, frame, err = by_case[first_op, first_i, arch]
-                results.append((op_cases(op)[i].label, arch, secs, frame, err))
+        for (op, i), arch, (first_op, first_i) in self.same_as:
+            _, _, secs, frame, err = by_case[first_op, first_i, arch]
+            results.append((op_cases(op)[i].label, arch, secs, frame, err))
         report = CompileReport()
         for label, arch, secs, frame, err in results:
             if err is None:

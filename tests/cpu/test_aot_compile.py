@@ -77,7 +77,10 @@ def test_every_config_compiles(op):
     assert cases
     report = _report("test_every_config_compiles", op)
     assert not report.failed, "\n".join(f"{label}: {err}" for label, err in report.failed)
-    assert len(report.ok) == 2 * len(cases)
+    assert len(report.ok) == sum(len(aot.case_archs(c, ["sm_90", "sm_100"])) for c in cases)
+    # every sm_90 config of the op's spaces compiled for sm_90, every sm_100 one for sm_100
+    for arch in aot.SPACE_ARCHS:
+        assert all(f"{c.label} [{arch}]" in report.frames for c in cases if arch in c.spaces)
     spills = _spills(op, report)
     assert not spills, "\n".join(f"{label}: {frame} bytes of stack"
                                  for label, frame in spills.items())
@@ -176,3 +179,35 @@ def test_cases_that_share_a_build_compile_it_once(monkeypatch):
     assert len(report.ok) == 8 and not report.failed
     assert report.frames["not persistent [sm_90]"] == report.frames["persistent [sm_90]"] == 0
     assert report.frames["occupancy 1 [sm_100]"] == 16
+
+
+def test_a_space_config_compiles_for_the_archs_whose_space_lists_it(monkeypatch):
+    """A config of sm_90's space alone compiles for sm_90, not sm_100 (never launched there),
+    and still for other archs asked; one in both spaces for both; other cases for every arch."""
+    from types import SimpleNamespace
+    from tiletune.aot import jit_array
+
+    def case(label, name, spaces=()):
+        kernel = SimpleNamespace(_pyfunc=SimpleNamespace(__module__="m", __qualname__=name),
+                                 _compiler_options="")
+        return SimpleNamespace(label=label, kernel=kernel, spaces=spaces,
+                               params=[jit_array(torch.float32, (64, 32))])
+    cases = [case("sm_90 only", "a", ("sm_90",)), case("both", "b", ("sm_90", "sm_100")),
+             case("sm_100 only", "c", ("sm_100",)), case("any", "d"),
+             case("sm_100 copy of both", "b", ("sm_100",))]   # the same build as "both"
+    monkeypatch.setitem(aot._CASES, "fake", cases)
+    compiled = []
+
+    def worker(args):
+        compiled.append(args[1:])
+        return cases[args[1]].label, args[2], 0.5, 0, None
+    monkeypatch.setattr(aot, "_compile_worker", worker)
+    report = aot.compile_all(["fake"], ["sm_90", "sm_100", "sm_120"], jobs=1)
+    assert sorted(compiled) == [(0, "sm_120"), (0, "sm_90"), (1, "sm_100"), (1, "sm_120"),
+                                (1, "sm_90"), (2, "sm_100"), (2, "sm_120"), (3, "sm_100"),
+                                (3, "sm_120"), (3, "sm_90")]
+    assert sorted(label for label, _ in report.ok) == sorted(
+        ["sm_90 only [sm_90]", "sm_90 only [sm_120]", "both [sm_90]", "both [sm_100]",
+         "both [sm_120]", "sm_100 only [sm_100]", "sm_100 only [sm_120]", "any [sm_90]",
+         "any [sm_100]", "any [sm_120]", "sm_100 copy of both [sm_100]",
+         "sm_100 copy of both [sm_120]"])
