@@ -202,8 +202,9 @@ def _build_of(case):
 
 def compile_all(ops, archs, jobs=None, select=None):
     """Compile every AOT case of the named ops for every arch it compiles for (`case_archs`), in
-    a process pool (compiles are serialized inside one process), each distinct build once: a case whose build another case
-    already has gets that build's result (seconds, stack frame or error) under its own label.
+    a process pool (compiles are serialized inside one process), each distinct build once: a
+    case whose build another case already has gets that build's result (seconds, stack frame
+    or error) under its own label.
     `select(op, index, case)`, given, picks the cases. Returns a CompileReport, each build's
     stack frame in it."""
     from concurrent.futures import ProcessPoolExecutor

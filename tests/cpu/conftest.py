@@ -5,6 +5,7 @@ from tiletune import device, store
 
 
 COMPILE_TESTS = ("test_every_config_compiles", "test_each_kernel_compiles_for_other_archs")
+_compiling = []      # the test module whose compiles started
 
 
 @pytest.hookimpl(trylast=True)       # after -k and --deselect have chosen the items
@@ -17,9 +18,6 @@ def pytest_collection_modifyitems(session, config, items):
     _compiling.append(compiling[0].module)
     _compiling[0].start_compiles(
         [(item.originalname, item.callspec.params["op"]) for item in compiling])
-
-
-_compiling = []      # the module whose compiles started
 
 
 def pytest_sessionfinish(session):
