@@ -9,7 +9,7 @@ _compiling = []      # the test module whose compiles started
 
 
 @pytest.hookimpl(trylast=True)       # after -k and --deselect have chosen the items
-def pytest_collection_modifyitems(session, config, items):
+def pytest_collection_modifyitems(items):
     """The AOT compile tests run last, their compiles started now (test_aot_compile.py)."""
     compiling = [item for item in items if getattr(item, "originalname", None) in COMPILE_TESTS]
     if not compiling:
@@ -20,7 +20,8 @@ def pytest_collection_modifyitems(session, config, items):
         [(item.originalname, item.callspec.params["op"]) for item in compiling])
 
 
-def pytest_sessionfinish(session):
+def pytest_unconfigure(config):
+    """Drop the compiles no test waited for (a run stopped early)."""
     for module in _compiling:
         module.stop_compiles()
 

@@ -33,7 +33,7 @@ def _spills(op, report):
             and not any(known in label for known in KNOWN_FRAMES)}
 
 
-# The compile tests' builds start in one pool of their own when the session is collected
+# The compile tests' builds start in one pool of their own when the tests are collected
 # (tests/cpu/conftest.py), at the lowest CPU priority, and the tests run last: the rest of the
 # suite runs while they compile. Run alone, a test compiles its own.
 _pool = None
@@ -51,7 +51,7 @@ def start_compiles(tests):
 
 
 def stop_compiles():
-    """Drop the builds no test waited for (a stopped or failed session)."""
+    """Drop the builds no test waited for (a run stopped early)."""
     if _pool is not None:
         _pool.shutdown(wait=False, cancel_futures=True)
 
