@@ -92,7 +92,7 @@ def compile_cases():
     bf, f16 = torch.bfloat16, torch.float16
     head = (bf, 4, 32, 32, 4096, 4096, 128, True)
     for kind, gen in GENS.items():
-        seen = []
+        seen, spaces = [], space_archs(lambda a: gen(a, 128, causal=True))
         for arch in ("sm_90", "sm_100", "sm_80"):
             for cfg in gen(arch, 128, causal=True):
                 if cfg in seen:
@@ -101,7 +101,7 @@ def compile_cases():
                 yield CompileCase("fmha", TUNERS[kind].build(cfg), _params(kind, cfg, *head),
                                   f"fmha {kind} {arch} space B4 H32 S4096 D128 bf16 causal "
                                   f"{vars(cfg)}",
-                                  spaces=space_archs(lambda a: gen(a, 128, causal=True), cfg))
+                                  spaces=spaces(cfg))
     variants = [  # label, kinds, (dtype, B, Hq, Hkv, Sq, Sk, D, causal)
         ("non-causal", ("fwd", "dkdv"), (bf, 4, 32, 32, 4096, 4096, 128, False)),
         ("D64 fp16 causal", ("fwd", "dq", "dkdv"), (f16, 8, 16, 16, 2048, 2048, 64, True)),

@@ -90,12 +90,12 @@ def _gemm_cases():
     # use_fast_acc elsewhere)
     for fast, archs in ((False, ("sm_90", "sm_100", "sm_120")), (True, ("sm_90",))):
         acc = "fast_accum" if fast else "exact"
+        spaces = space_archs(lambda a: F8.fp8_configs(a, *sq, fast=fast))
         for arch, cfg in _each_once(F8.fp8_configs, archs, *sq, fast=fast):
             yield CompileCase("fp8_gemm", F8._scaled_tuner.build(cfg),
                               _gemm_params(cfg, *sq, fast=fast),
                               f"fp8_mm {arch} {acc} space 4096^3 rowwise {vars(cfg)}",
-                              spaces=space_archs(lambda a: F8.fp8_configs(a, *sq, fast=fast),
-                                                 cfg))
+                              spaces=spaces(cfg))
         skinny = (128, 4096, 4096)         # the entries only skinny keys search
         wide = list(F8.fp8_configs("sm_90", *sq, fast=fast))
         for cfg in F8.fp8_configs("sm_90", *skinny, fast=fast):
@@ -115,10 +115,11 @@ def _gemm_cases():
             yield CompileCase("fp8_gemm", F8.fp8_splitk_sum_kernel,
                               _sum_params(split, 128, 4096, mode=mode, out=out),
                               f"fp8_mm split-K sum {split} {mode}wise {out}")
+    block_spaces = space_archs(lambda a: F8.fp8_block_configs(a, *sq))
     for arch, cfg in _each_once(F8.fp8_block_configs, ("sm_90", "sm_100", "sm_120"), *sq):
         yield CompileCase("fp8_gemm", F8._block_tuner.build(cfg), _block_params(cfg, *sq),
                           f"fp8_mm block {arch} space 4096^3 1x128 x 128x128 {vars(cfg)}",
-                          spaces=space_archs(lambda a: F8.fp8_block_configs(a, *sq), cfg))
+                          spaces=block_spaces(cfg))
     gemm = list(F8.fp8_configs("sm_90", *sq))
     block = list(F8.fp8_block_configs("sm_90", *sq))
     cfg = gemm[0]

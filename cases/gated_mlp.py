@@ -56,9 +56,7 @@ def _dx_cases(M, N, K):
     pre-Hopper pair."""
     bf, f16 = torch.bfloat16, torch.float16
     sm90 = list(G.dx_configs("sm_90", M, N, K))
-
-    def spaces(cfg):
-        return space_archs(lambda arch: G.dx_configs(arch, M, N, K), cfg)
+    spaces = space_archs(lambda arch: G.dx_configs(arch, M, N, K))
     for cfg in sm90:
         yield _dx_case(cfg, bf, M, N, K, f"sm_90 space {M}x{N}x{K} bf16", spaces(cfg))
     for cfg in G.dx_configs("sm_100", M, N, K):
@@ -79,9 +77,7 @@ def compile_cases():
     M, N, K = ALIGNED
     yield from _dx_cases(M, N, K)
     sm90 = list(G.configs("sm_90", M, N, K))
-
-    def spaces(cfg):
-        return space_archs(lambda arch: G.configs(arch, M, N, K), cfg)
+    spaces = space_archs(lambda arch: G.configs(arch, M, N, K))
     for cfg in sm90:
         for save in (False, True):
             yield _case(cfg, bf, M, N, K, save, f"sm_90 space {M}x{N}x{K} bf16", spaces(cfg))

@@ -66,13 +66,14 @@ def compile_cases():
                       lambda cfg: _m_params(cfg, *small), "E128 2048x2048x1536 w^T bf16"))
     seen = {}
     for name, tuner, gen, params, label in spaces:
+        archs_of = space_archs(gen)
         for arch in ("sm_90", "sm_100", "sm_80"):      # each config once, under its first arch
             for cfg in gen(arch):
                 if cfg not in seen.setdefault(tuner, []):
                     seen[tuner].append(cfg)
                     yield CompileCase("grouped_gemm", tuner.build(cfg), params(cfg),
                                       f"{name} {arch} space {label} {vars(cfg)}",
-                                      spaces=space_archs(gen, cfg))
+                                      spaces=archs_of(cfg))
     for label, shape, kw in [("row-major w", key, {"w_t": False}),
                              ("fp16", (f16, 8, 16384, 4096, 14336), {}),
                              ("odd K N 4095x1000", (bf, 8, 4096, 4095, 1000), {}),

@@ -93,7 +93,7 @@ class CompileCase:
     kernel: object          # a ct.kernel, hints already applied
     params: list            # constraints, constants in place
     label: str = ""
-    spaces: tuple = ()      # the SPACE_ARCHS whose config space lists the config (space_archs)
+    spaces: tuple = ()      # the SPACE_ARCHS whose config spaces list the config (space_archs)
 
 
 # The archs with spaces of their own: a config of one of their spaces compiles for the archs of
@@ -102,9 +102,11 @@ class CompileCase:
 SPACE_ARCHS = ("sm_90", "sm_100")
 
 
-def space_archs(configs_of, cfg):
-    """The SPACE_ARCHS whose space, `configs_of(arch)`, lists cfg."""
-    return tuple(a for a in SPACE_ARCHS if cfg in list(configs_of(a)))
+def space_archs(configs_of):
+    """cfg -> the SPACE_ARCHS whose space, `configs_of(arch)`, lists cfg (each space listed
+    once)."""
+    spaces = {a: list(configs_of(a)) for a in SPACE_ARCHS}
+    return lambda cfg: tuple(a for a in SPACE_ARCHS if cfg in spaces[a])
 
 
 def case_archs(case, archs):
