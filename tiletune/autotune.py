@@ -77,9 +77,13 @@ FINALISTS = 4
 # the power-hungry configs run at the clock their neighbours' idle gaps leave: on an H200 the
 # grouped GEMM's 128x128 configs ran 5-17% slower sustained than in turns while its 128x256
 # ones held within 1.3% at the DeepSeek-like keys, which reverses their ranking
-# (references/search-strategies.md, A/B method).
+# (references/search-strategies.md, A/B method). The sustained round starts after
+# timing.PREHEAT_MS of untimed runs (after the search's idle compiles the card runs its first
+# 100-200 ms of heavy work at boost clocks) and takes three rounds: with two and no pre-heat,
+# one H200 bench's final rounds timed the default 10-20% over its own bench rows at two grouped
+# keys and chose configs that those rows put 1-5% behind it.
 SUSTAINED_FINAL_US = 100.0
-SUSTAINED_FINAL_ROUNDS = 2
+SUSTAINED_FINAL_ROUNDS = 3
 COMPILE_TIMEOUT_SEC = env.number("TILETUNE_COMPILE_TIMEOUT_SEC", 60.0)
 # A search that takes longer than this says so in one line (op, key, seconds, winner) even
 # without TILETUNE_LOG, so a slow first call does not look like a hang.
@@ -732,7 +736,8 @@ class Autotuner:
         rounds, reps = 3, 10
         try:
             with ct.compiler_timeout(COMPILE_TIMEOUT_SEC), torch.cuda.device(dev):
-                us = timing.time_interleaved(runs, rounds=rounds, reps=reps, warmup=2)
+                us = timing.time_interleaved(runs, rounds=rounds, reps=reps, warmup=2,
+                                             preheat_ms=0)
         except Exception as e:          # e.g. no memory for the L2 flush: none of them timed
             us = {i: e for i, _ in candidates}
         finally:
@@ -815,7 +820,8 @@ class Autotuner:
                                          block_ms=timing.SUSTAINED_BLOCK_MS)
         else:
             reps = max(3, min(20, int(10000 / max(best_us, 1.0))))
-            us = timing.time_interleaved(runs, rounds=5, reps=reps, warmup=2)
+            # (blocks of at most 20 runs under 100 us: the whole round is shorter than a boost)
+            us = timing.time_interleaved(runs, rounds=5, reps=reps, warmup=2, preheat_ms=0)
         timed = [(c, us[i]) for i, c in enumerate(finalists) if not isinstance(us[i], Exception)]
         return sorted(timed, key=lambda t: t[1])
 

@@ -26,9 +26,15 @@ MAX_BLOCK_RUNS = 2000        # a sustained block of a microsecond kernel: runs, 
 # A sustained block (block_ms): long enough that a heavy kernel's clock settles at its own power
 # draw (the engine's final round for tensor-core keys, `bench --sustained`).
 SUSTAINED_BLOCK_MS = 100.0
+# Untimed runs of every candidate before the first timed block: a GPU that was idle or lightly
+# loaded (compiles, host work, a search's gaps) runs its first 100-200 ms of heavy work at
+# boost clocks, up to 20% faster than once the power limit holds it (H200), which would favour
+# whichever candidate is timed first.
+PREHEAT_MS = 300.0
 
 
-def time_interleaved(candidates, rounds=5, reps=10, warmup=5, block_ms=0.0):
+def time_interleaved(candidates, rounds=5, reps=10, warmup=5, block_ms=0.0,
+                     preheat_ms=PREHEAT_MS):
     """Median device time in microseconds of each (label, fn, context) candidate, L2 flushed
     before each run. The candidates take turns in blocks of `reps` runs (`rounds` times), so
     clock and power drift during a row falls on all of them alike instead of on whichever ran
@@ -41,7 +47,10 @@ def time_interleaved(candidates, rounds=5, reps=10, warmup=5, block_ms=0.0):
     every candidate is timed at the clock its own load settles at (the power limit, for heavy
     kernels), as long runs of one kernel in training or triton's do_bench see it, not in the
     idle gaps a slower or host-bound neighbour leaves (references/search-strategies.md, A/B
-    method)."""
+    method).
+
+    Before the first timed block the candidates run untimed in turn for about preheat_ms in
+    all (PREHEAT_MS), so that none is timed at the boost clocks of a GPU coming out of idle."""
     result, live = {}, []
     for label, fn, ctx in candidates:
         try:
@@ -53,11 +62,16 @@ def time_interleaved(candidates, rounds=5, reps=10, warmup=5, block_ms=0.0):
             result[label] = e
     torch.cuda.synchronize()
     runs = {label: (0, reps) for label, _, _ in live}     # (untimed, timed) runs a block
+    run_ms = {label: _one_run_ms(fn, ctx) for label, fn, ctx in live} if live else {}
     if block_ms > 0:
-        for label, fn, ctx in live:
-            run_ms = _one_run_ms(fn, ctx)
-            n = min(MAX_BLOCK_RUNS, max(reps, math.ceil(block_ms / 2 / max(run_ms, 1e-4))))
+        for label, _, _ in live:
+            n = min(MAX_BLOCK_RUNS, max(reps, _runs_for(block_ms / 2, run_ms[label])))
             runs[label] = (n, n)
+    for label, fn, ctx in live if preheat_ms > 0 else ():
+        with (ctx or contextlib.nullcontext)():
+            for _ in range(min(MAX_BLOCK_RUNS, _runs_for(preheat_ms / len(live), run_ms[label]))):
+                _flush_l2()
+                fn()
     events = {label: [] for label, _, _ in live}
     for r in range(rounds):
         # every other round in reverse, so that no candidate always follows the same one or
@@ -80,6 +94,10 @@ def time_interleaved(candidates, rounds=5, reps=10, warmup=5, block_ms=0.0):
         ts = sorted(s.elapsed_time(e) * 1e3 for s, e in pairs)
         result[label] = ts[len(ts) // 2]
     return result
+
+
+def _runs_for(ms, run_ms):
+    return math.ceil(ms / max(run_ms, 1e-4))
 
 
 def _one_run_ms(fn, ctx):

@@ -90,13 +90,34 @@ def test_sustained_blocks_time_a_kernel_at_the_speed_its_own_load_settles_at(clo
     cands = [("hot", hot, None), ("idle", idle, None)]
     assert timing.time_interleaved(cands)["hot"] == pytest.approx(10.0)   # blocks of 10 runs
     clock.trace.clear()
-    us = timing.time_interleaved(cands, block_ms=1.0)
+    us = timing.time_interleaved(cands, block_ms=1.0, preheat_ms=0)   # (counts the blocks' runs)
     assert us["hot"] == pytest.approx(20.0) and us["idle"] == pytest.approx(50.0)
     # each block: about 0.5 ms untimed, then 0.5 ms timed, at the run time estimated after the
     # warm-up (hot: 50 runs each; idle: 10, as 0.5 ms of 50 us runs is no more than `reps`)
     hot_runs = clock.trace.count("hot") - 5 - 1          # warm-up, the one estimating run
     idle_runs = clock.trace.count("idle") - 5 - 1
     assert 5 * 100 <= hot_runs <= 5 * 102 and 5 * 20 <= idle_runs <= 5 * 22
+
+
+def test_a_preheat_keeps_the_first_candidate_off_boost_clocks(clock):
+    """A card coming out of idle runs its first millisecond of work faster (a boost that fades
+    as the power limit takes hold): two copies of one kernel time alike only when the candidates
+    first run untimed past it."""
+    work = {"us": 0.0}
+
+    def kernel(label):
+        def run():
+            us = 5.0 + 5.0 * min(1.0, work["us"] / 1000.0)
+            work["us"] += us
+            clock.run(label, us)
+        return run
+
+    cands = [("first", kernel("first"), None), ("second", kernel("second"), None)]
+    us = timing.time_interleaved(cands, rounds=2, reps=50, warmup=1, preheat_ms=0)
+    assert abs(us["first"] / us["second"] - 1) > 0.1
+    work["us"] = 0.0                                     # idle again
+    us = timing.time_interleaved(cands, rounds=2, reps=50, warmup=1, preheat_ms=1.0)
+    assert us["first"] == pytest.approx(10.0) and us["second"] == pytest.approx(10.0)
 
 
 def test_a_sustained_row_says_so(clock):
