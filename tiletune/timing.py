@@ -62,7 +62,8 @@ def time_interleaved(candidates, rounds=5, reps=10, warmup=5, block_ms=0.0,
             result[label] = e
     torch.cuda.synchronize()
     runs = {label: (0, reps) for label, _, _ in live}     # (untimed, timed) runs a block
-    run_ms = {label: _one_run_ms(fn, ctx) for label, fn, ctx in live} if live else {}
+    if block_ms > 0 or preheat_ms > 0:
+        run_ms = {label: _one_run_ms(fn, ctx) for label, fn, ctx in live}
     if block_ms > 0:
         for label, _, _ in live:
             n = min(MAX_BLOCK_RUNS, max(reps, _runs_for(block_ms / 2, run_ms[label])))
