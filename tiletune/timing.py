@@ -68,11 +68,13 @@ def time_interleaved(candidates, rounds=5, reps=10, warmup=5, block_ms=0.0,
         for label, _, _ in live:
             n = min(MAX_BLOCK_RUNS, max(reps, _runs_for(block_ms / 2, run_ms[label])))
             runs[label] = (n, n)
-    for label, fn, ctx in live if preheat_ms > 0 else ():
-        with (ctx or contextlib.nullcontext)():
-            for _ in range(min(MAX_BLOCK_RUNS, _runs_for(preheat_ms / len(live), run_ms[label]))):
-                _flush_l2()
-                fn()
+    if preheat_ms > 0:
+        for label, fn, ctx in live:
+            with (ctx or contextlib.nullcontext)():
+                for _ in range(min(MAX_BLOCK_RUNS, _runs_for(preheat_ms / len(live),
+                                                             run_ms[label]))):
+                    _flush_l2()
+                    fn()
     events = {label: [] for label, _, _ in live}
     for r in range(rounds):
         # every other round in reverse, so that no candidate always follows the same one or
