@@ -41,6 +41,7 @@ def compile_cases():
     for cfg in RNR.fused_configs("sm_90", 40, 128):
         yield CompileCase("rms_norm_rope", RNR._fwd.build(cfg), fwd + [cfg.latency],
                           f"rms_norm_rope_fwd {vars(cfg)}")
+    for cfg in RNR.fused_configs("sm_90", 40, 128, backward=True):
         yield CompileCase("rms_norm_rope", RNR._bwd.build(cfg), bwd + [cfg.latency],
                           f"rms_norm_rope_bwd {vars(cfg)}")
     fwd, bwd = _params(torch.float16, 2, 7, 1, 423, 80, 40, True)

@@ -171,13 +171,18 @@ def rms_norm_rope_bwd(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in
 # the best forward and 1.4x / 4.3x the best backward, on an H200 1.5-1.9x the best forward
 # (before the cos/sin rows became plain loads), and its kernels were the slowest of the space to
 # compile (sm_90, one at a time on the CPU: backward 1.45 / 3.07 s, forward 0.58 / 1.49 s, every
-# other entry 0.10-0.94 s). Measurements: references/parameter-space-design.md ("Fused
-# RMSNorm+RoPE").
+# other entry 0.10-0.94 s). Occupancy 3 is searched for the forward alone: it builds without
+# spills on sm_90 at D64 and D128 and ran B4 Hq32 Hkv8 S4096 D128 in 102.6-106.3 us on an H200
+# against occupancy 4's 114.7-116.1 (torch.compile of HF's code 106.4-107.0), its time alike in
+# every process, where the default's moved between 100 and 125 us; the backward at occupancy 3
+# spills (144-272 bytes at D128) and ran 1.07-1.24x the best. Measurements:
+# references/parameter-space-design.md ("Fused RMSNorm+RoPE").
 
-def fused_configs(arch, heads, rot):
-    yield from table(("occupancy", "persistent", "latency"),
-                     ((2, True, 5), (2, True, 1), (2, True, 10), (4, True, 1), (4, True, 5),
-                      (2, False, 5), (4, False, 5)))
+def fused_configs(arch, heads, rot, backward=False):
+    rows = ((2, True, 5), (2, True, 1), (2, True, 10), (4, True, 1), (4, True, 5))
+    if not backward:
+        rows += ((3, True, 1), (3, True, 5))
+    yield from table(("occupancy", "persistent", "latency"), rows + ((2, False, 5), (4, False, 5)))
 
 
 DEFAULT = next(fused_configs("sm_90", 40, 128))
@@ -218,7 +223,8 @@ _fwd = Autotuner(
     work=lambda q, k, *rest: Work(bytes=2 * (q.numel() + k.numel()) * q.element_size()))
 _bwd = Autotuner(
     "rms_norm_rope_bwd", rms_norm_rope_bwd, fused_configs, default=DEFAULT,
-    space=lambda dq, dk, *rest: dict(heads=dq.shape[1] + dk.shape[1], rot=rest[-1]),
+    space=lambda dq, dk, *rest: dict(heads=dq.shape[1] + dk.shape[1], rot=rest[-1],
+                                     backward=True),
     scratch=lambda c, dev, dq, *rest: ((2, _grid(c, dev, dq)[0], dq.shape[3]), torch.float32),
     grid=_grid, args=_bwd_args, tune_key=bucketed(4),
     work=lambda dq, dk, *rest: Work(bytes=3 * (dq.numel() + dk.numel()) * dq.element_size()))

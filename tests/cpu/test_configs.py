@@ -29,6 +29,8 @@ def spaces():
             yield f"matmul {arch} {m}x{n}x{k}", list(MM.matmul_configs(arch, m, n, k))
         for heads, rot in itertools.product((2, 40, 160), (32, 64, 128)):
             yield f"rms_norm_rope {arch} H={heads} R={rot}", list(RNR.fused_configs(arch, heads, rot))
+            yield (f"rms_norm_rope_bwd {arch} H={heads} R={rot}",
+                   list(RNR.fused_configs(arch, heads, rot, backward=True)))
         for heads, rot, pos in itertools.product((1, 8, 32, 64), (32, 128, 256), (False, True)):
             yield (f"rope_tiles {arch} H={heads} R={rot} pos={pos}",
                    list(RP.rope_tile_configs(arch, heads, rot, pos)))

@@ -136,7 +136,7 @@ def _space_of(op, parts):
     if op in ("rope", "rope_inplace"):                             # (Hq, Hk, D, rot, BS, ..)
         return dict(heads=n[0], rot=n[3], has_pos=parts[7] == "True")
     if op in ("rms_norm_rope_fwd", "rms_norm_rope_bwd"):           # (Hq, Hk, D, rot, ...)
-        return dict(heads=n[0] + n[1], rot=n[3])
+        return dict(heads=n[0] + n[1], rot=n[3], backward=op == "rms_norm_rope_bwd")
     if op in ("matmul",):                                          # (M, N, K, Z, ...)
         return dict(m=n[0], n=n[1], k=n[2], z=n[3])
     if op in ("gated_mlp", "gated_mlp_dx"):                        # (M, N, K, ...)

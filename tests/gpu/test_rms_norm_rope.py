@@ -60,7 +60,8 @@ MANY_TRIPS = [(4, 32, 8, 4096, 128, 128, False), (2, 7, 1, 3001, 80, 40, True)]
 def test_every_config_is_correct(fresh, monkeypatch, case, kernel):
     tuner = F._fwd if kernel == "fwd" else F._bwd
     B, Hq, Hk, S, D, R_, _ = case
-    for cfg in each_config(monkeypatch, tuner, list(F.fused_configs("sm_90", Hq + Hk, R_))):
+    space = F.fused_configs("sm_90", Hq + Hk, R_, backward=kernel == "bwd")
+    for cfg in each_config(monkeypatch, tuner, list(space)):
         check(case, torch.bfloat16)
         assert [c for c, _ in tuner.cache.values()] == [cfg], vars(cfg)
         if cfg.persistent:
