@@ -175,7 +175,7 @@ def rms_norm_rope_bwd(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in
 # spills on sm_90 at D64 and D128 and ran B4 Hq32 Hkv8 S4096 D128 in 102.6-106.3 us on an H200
 # against occupancy 4's 114.7-116.1 (torch.compile of HF's code 106.4-107.0), its time alike in
 # every process, where the default's moved between 100 and 125 us; the backward at occupancy 3
-# spills (144-272 bytes at D128) and ran 1.07-1.24x the best. Measurements:
+# spills (144-272 bytes at D128) and ran 1.05-1.24x the best. Measurements:
 # references/parameter-space-design.md ("Fused RMSNorm+RoPE").
 
 def fused_configs(arch, heads, rot, backward=False):
