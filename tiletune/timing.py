@@ -71,10 +71,7 @@ def time_interleaved(candidates, rounds=5, reps=10, warmup=5, block_ms=0.0,
     if preheat_ms > 0:
         for label, fn, ctx in live:
             with (ctx or contextlib.nullcontext)():
-                for _ in range(min(MAX_BLOCK_RUNS, _runs_for(preheat_ms / len(live),
-                                                             run_ms[label]))):
-                    _flush_l2()
-                    fn()
+                _untimed(fn, min(MAX_BLOCK_RUNS, _runs_for(preheat_ms / len(live), run_ms[label])))
     events = {label: [] for label, _, _ in live}
     for r in range(rounds):
         # every other round in reverse, so that no candidate always follows the same one or
@@ -82,9 +79,7 @@ def time_interleaved(candidates, rounds=5, reps=10, warmup=5, block_ms=0.0,
         for label, fn, ctx in (live if r % 2 == 0 else live[::-1]):
             untimed, timed = runs[label]
             with (ctx or contextlib.nullcontext)():
-                for _ in range(untimed):
-                    _flush_l2()
-                    fn()
+                _untimed(fn, untimed)
                 for _ in range(timed):
                     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     _flush_l2()
@@ -97,6 +92,13 @@ def time_interleaved(candidates, rounds=5, reps=10, warmup=5, block_ms=0.0,
         ts = sorted(s.elapsed_time(e) * 1e3 for s, e in pairs)
         result[label] = ts[len(ts) // 2]
     return result
+
+
+def _untimed(fn, n):
+    """n runs of fn, each after an L2 flush, as the timed ones run, with no events."""
+    for _ in range(n):
+        _flush_l2()
+        fn()
 
 
 def _runs_for(ms, run_ms):
