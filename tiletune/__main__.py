@@ -71,7 +71,7 @@ def _ops(parser, names):
 def _compile(ops, archs, jobs):
     from tiletune import aot
     n = sum(len(aot.op_cases(op)) for op in ops)
-    compiles = n * len(archs)
+    compiles = len(aot.planned_cases(ops, archs))
     if not compiles:
         print(f"nothing to compile: no compile cases in {', '.join(ops)}")
         return 0

@@ -110,9 +110,29 @@ def space_archs(configs_of):
 
 
 def case_archs(case, archs):
-    """The archs of `archs` that `case` compiles for."""
+    """The archs of `archs` that `case` may compile for (its spaces'; see also EVERY_CASE_ARCHS)."""
     spaces = getattr(case, "spaces", ())
     return [a for a in archs if not spaces or a not in SPACE_ARCHS or a in spaces]
+
+
+# The archs our GPUs are: every case compiles for them, each signature the ops launch (dtypes,
+# ragged widths, strides, ranks). For another arch a case compiles where its own space lists that
+# arch or where it is its config's first case: a config's other cases differ from it only in
+# their arrays, and on a compile-only arch one build per config says the config compiles there.
+EVERY_CASE_ARCHS = ("sm_90",)
+
+
+def _config_of(case):
+    """What makes a case's config: the kernel's function, its hints and the constant arguments
+    (tiles and flags), not its arrays and scalars. (Where cuTile's attributes are missing, every
+    case is its own config.)"""
+    kernel = getattr(case, "kernel", None)
+    fn, options = getattr(kernel, "_pyfunc", None), getattr(kernel, "_compiler_options", None)
+    if fn is None or options is None:
+        return id(case)
+    constants = tuple(repr(p) for p in case.params
+                      if not isinstance(p, (ArrayConstraint, ScalarConstraint)))
+    return fn.__module__, fn.__qualname__, repr(options), constants
 
 
 @dataclass
@@ -203,7 +223,7 @@ def _build_of(case):
 
 
 def compile_all(ops, archs, jobs=None, select=None):
-    """Compile every AOT case of the named ops for every arch it compiles for (`case_archs`), in
+    """Compile the AOT cases of the named ops for the archs `planned_cases` gives them, in
     a process pool (compiles are serialized inside one process), each distinct build once: a
     case whose build another case already has gets that build's result (seconds, stack frame
     or error) under its own label.
@@ -226,6 +246,26 @@ def start_compiles(ops, archs, pool, select=None):
     return pending
 
 
+def planned_cases(ops, archs, select=None):
+    """(op, case index, arch) of every compile of the named ops' cases (`select`ed): each case
+    for each arch of `case_archs`, on archs outside EVERY_CASE_ARCHS only the cases whose space
+    lists the arch and the first case of every other config."""
+    chosen = [(op, i, case) for op in ops for i, case in enumerate(op_cases(op))
+              if select is None or select(op, i, case)]
+    claimed = {(_config_of(case), arch) for _, _, case in chosen
+               for arch in getattr(case, "spaces", ()) if arch not in EVERY_CASE_ARCHS}
+    planned = []
+    for op, i, case in chosen:
+        config = _config_of(case)
+        for arch in case_archs(case, archs):
+            if arch not in EVERY_CASE_ARCHS and arch not in getattr(case, "spaces", ()):
+                if (config, arch) in claimed:
+                    continue
+                claimed.add((config, arch))
+            planned.append((op, i, arch))
+    return planned
+
+
 class PendingCompiles:
     """The distinct builds of some ops' cases (`work`: (op, case index, arch)), and which
     cases repeat a build (`same_as`), planned in the calling process."""
@@ -234,16 +274,12 @@ class PendingCompiles:
         first = {}                  # (build, arch) -> (op, index) of the first case that has it
         self.same_as = []           # ((op, index) of a repeated build, arch, its first case)
         self.work = []
-        for op in ops:
-            for i, case in enumerate(op_cases(op)):
-                if select is None or select(op, i, case):
-                    build = _build_of(case)
-                    for arch in case_archs(case, archs):
-                        owner = first.setdefault((build, arch), (op, i))
-                        if owner == (op, i):
-                            self.work.append((op, i, arch))
-                        else:
-                            self.same_as.append(((op, i), arch, owner))
+        for op, i, arch in planned_cases(ops, archs, select):
+            owner = first.setdefault((_build_of(op_cases(op)[i]), arch), (op, i))
+            if owner == (op, i):
+                self.work.append((op, i, arch))
+            else:
+                self.same_as.append(((op, i), arch, owner))
         self.futures = []
 
     def report(self, results=None):

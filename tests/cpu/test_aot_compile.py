@@ -77,9 +77,13 @@ def test_every_config_compiles(op):
     assert cases
     report = _report("test_every_config_compiles", op)
     assert not report.failed, "\n".join(f"{label}: {err}" for label, err in report.failed)
-    assert len(report.ok) == sum(len(aot.case_archs(c, ["sm_90", "sm_100"])) for c in cases)
-    # every sm_90 config of the op's spaces compiled for sm_90, every sm_100 one for sm_100
+    assert len(report.ok) == len(aot.planned_cases([op], ["sm_90", "sm_100"]))
+    # every case for sm_90; every config (kernel, hints, constants) for each arch whose space may
+    # have it, and every sm_90 config of the op's spaces for sm_90, every sm_100 one for sm_100
+    assert all(f"{c.label} [sm_90]" in report.frames for c in cases if aot.case_archs(c, ["sm_90"]))
     for arch in aot.SPACE_ARCHS:
+        configs = {aot._config_of(c) for c in cases if aot.case_archs(c, [arch])}
+        assert configs == {aot._config_of(c) for c in cases if f"{c.label} [{arch}]" in report.frames}
         assert all(f"{c.label} [{arch}]" in report.frames for c in cases if arch in c.spaces)
     spills = _spills(op, report)
     assert not spills, "\n".join(f"{label}: {frame} bytes of stack"
@@ -179,14 +183,17 @@ def test_cases_that_share_a_build_compile_it_once(monkeypatch):
     report = aot.compile_all(["fake"], ["sm_90", "sm_100"], jobs=1)
     assert sorted(compiled) == sorted(
         (i, a) for i in (0, 2, 3) for a in ("sm_90", "sm_100"))
-    assert len(report.ok) == 8 and not report.failed
+    # (sm_100 compiles each config once: "not persistent" has no sm_100 case of its own)
+    assert len(report.ok) == 7 and not report.failed
+    assert "not persistent [sm_100]" not in report.frames
     assert report.frames["not persistent [sm_90]"] == report.frames["persistent [sm_90]"] == 0
     assert report.frames["occupancy 1 [sm_100]"] == 16
 
 
 def test_a_space_config_compiles_for_the_archs_whose_space_lists_it(monkeypatch):
     """A config of sm_90's space alone compiles for sm_90, not sm_100 (never launched there),
-    and still for other archs asked; one in both spaces for both; other cases for every arch."""
+    and still for other archs asked; one in both spaces for both; other cases for every arch
+    (outside sm_90 once a config: the sm_100 copy of "both" has no sm_120 build)."""
     from types import SimpleNamespace
     from tiletune.aot import jit_array
 
@@ -212,5 +219,30 @@ def test_a_space_config_compiles_for_the_archs_whose_space_lists_it(monkeypatch)
     assert sorted(label for label, _ in report.ok) == sorted(
         ["sm_90 only [sm_90]", "sm_90 only [sm_120]", "both [sm_90]", "both [sm_100]",
          "both [sm_120]", "sm_100 only [sm_100]", "sm_100 only [sm_120]", "any [sm_90]",
-         "any [sm_100]", "any [sm_120]", "sm_100 copy of both [sm_100]",
-         "sm_100 copy of both [sm_120]"])
+         "any [sm_100]", "any [sm_120]", "sm_100 copy of both [sm_100]"])
+
+
+def test_other_archs_compile_each_config_once_and_every_case_of_their_spaces(monkeypatch):
+    """sm_90 compiles every case. sm_100 compiles a config (kernel, hints, constant arguments)
+    at its first case, its other cases (other arrays: a dtype, a width) not; a case whose space
+    lists sm_100 compiles there even after another case of its config."""
+    from types import SimpleNamespace
+    from tiletune.aot import jit_array
+
+    def case(label, name, tile, dtype, spaces=()):
+        kernel = SimpleNamespace(_pyfunc=SimpleNamespace(__module__="m", __qualname__=name),
+                                 _compiler_options="")
+        return SimpleNamespace(label=label, kernel=kernel, spaces=spaces,
+                               params=[jit_array(dtype, (64, 32)), tile])
+    f32, bf16 = torch.float32, torch.bfloat16
+    cases = [case("k 64 bf16", "k", 64, bf16), case("k 64 f32", "k", 64, f32),
+             case("k 128 f32", "k", 128, f32), case("j 64 f32", "j", 64, f32),
+             case("j 64 bf16 space", "j", 64, bf16, ("sm_90", "sm_100")),
+             case("j 64 f16 sm_90 space", "j", 64, torch.float16, ("sm_90",))]
+    monkeypatch.setitem(aot._CASES, "fake", cases)
+    monkeypatch.setattr(aot, "compile_case", lambda case, arch: (0.5, 0))
+    report = aot.compile_all(["fake"], ["sm_90", "sm_100"], jobs=1)
+    assert not report.failed
+    assert sorted(label for label, _ in report.ok) == sorted(
+        [f"{c.label} [sm_90]" for c in cases]
+        + ["k 64 bf16 [sm_100]", "k 128 f32 [sm_100]", "j 64 bf16 space [sm_100]"])

@@ -30,7 +30,9 @@ def ops(monkeypatch):
 def compiles(monkeypatch):
     """aot stubbed: each op has 3 compile cases; records the compile_all calls."""
     calls = []
-    monkeypatch.setattr(aot, "op_cases", lambda op: [object()] * 3)
+    cases = {}
+    monkeypatch.setattr(aot, "op_cases",
+                        lambda op: cases.setdefault(op, [object() for _ in range(3)]))
 
     def compile_all(ops, archs, jobs=None):
         calls.append((list(ops), list(archs), jobs))
