@@ -110,7 +110,8 @@ def space_archs(configs_of):
 
 
 def case_archs(case, archs):
-    """The archs of `archs` that `case` may compile for (its spaces'; see also EVERY_CASE_ARCHS)."""
+    """The archs of `archs` that `case` may compile for, by its spaces (planned_cases then
+    picks)."""
     spaces = getattr(case, "spaces", ())
     return [a for a in archs if not spaces or a not in SPACE_ARCHS or a in spaces]
 

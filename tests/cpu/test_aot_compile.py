@@ -80,10 +80,12 @@ def test_every_config_compiles(op):
     assert len(report.ok) == len(aot.planned_cases([op], ["sm_90", "sm_100"]))
     # every case for sm_90; every config (kernel, hints, constants) for each arch whose space may
     # have it, and every sm_90 config of the op's spaces for sm_90, every sm_100 one for sm_100
-    assert all(f"{c.label} [sm_90]" in report.frames for c in cases if aot.case_archs(c, ["sm_90"]))
+    assert all(f"{c.label} [sm_90]" in report.frames
+               for c in cases if aot.case_archs(c, ["sm_90"]))
     for arch in aot.SPACE_ARCHS:
         configs = {aot._config_of(c) for c in cases if aot.case_archs(c, [arch])}
-        assert configs == {aot._config_of(c) for c in cases if f"{c.label} [{arch}]" in report.frames}
+        built = {aot._config_of(c) for c in cases if f"{c.label} [{arch}]" in report.frames}
+        assert built == configs
         assert all(f"{c.label} [{arch}]" in report.frames for c in cases if arch in c.spaces)
     spills = _spills(op, report)
     assert not spills, "\n".join(f"{label}: {frame} bytes of stack"
