@@ -123,17 +123,24 @@ def case_archs(case, archs):
 EVERY_CASE_ARCHS = ("sm_90",)
 
 
-def _config_of(case):
-    """What makes a case's config: the kernel's function, its hints and the constant arguments
-    (tiles and flags), not its arrays and scalars. (Where cuTile's attributes are missing, every
-    case is its own config.)"""
+def _kernel_of(case):
+    """The case's kernel function and compiler options (the hints), or None where cuTile's
+    attributes for them are missing (then every case is its own config and build)."""
     kernel = getattr(case, "kernel", None)
     fn, options = getattr(kernel, "_pyfunc", None), getattr(kernel, "_compiler_options", None)
     if fn is None or options is None:
+        return None
+    return fn.__module__, fn.__qualname__, repr(options)
+
+
+def _config_of(case):
+    """What makes a case's config: its kernel and hints and the constant arguments (tiles and
+    flags), not its arrays and scalars."""
+    kernel = _kernel_of(case)
+    if kernel is None:
         return id(case)
-    constants = tuple(repr(p) for p in case.params
-                      if not isinstance(p, (ArrayConstraint, ScalarConstraint)))
-    return fn.__module__, fn.__qualname__, repr(options), constants
+    return kernel + (tuple(repr(p) for p in case.params
+                           if not isinstance(p, (ArrayConstraint, ScalarConstraint))),)
 
 
 @dataclass
@@ -214,13 +221,11 @@ def _compile_worker(args):
 def _build_of(case):
     """What decides a case's cubin: the kernel's function, its compiler options (the hints) and
     the signature. Cases of configs that differ only on the host (a persistent grid or not, a
-    space listed for two archs) build the same cubin. (The kernel's function and options are
-    cuTile's attributes; where they are missing, every case is its own build.)"""
-    kernel = getattr(case, "kernel", None)
-    fn, options = getattr(kernel, "_pyfunc", None), getattr(kernel, "_compiler_options", None)
-    if fn is None or options is None:
+    space listed for two archs) build the same cubin."""
+    kernel = _kernel_of(case)
+    if kernel is None:
         return id(case)
-    return (fn.__module__, fn.__qualname__, repr(options), repr(signature(case.params)))
+    return kernel + (repr(signature(case.params)),)
 
 
 def compile_all(ops, archs, jobs=None, select=None):
