@@ -16,6 +16,8 @@ from tiletune.ops.rotary import ctas, math_tile, position_tile_at, prepare
 from tiletune.space import cdiv, next_pow2, table
 from tiletune.torch_op import TrainableOp
 
+_increment_version = torch.autograd.graph.increment_version
+
 ZERO = ct.PaddingMode.ZERO
 
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +200,11 @@ def _forward(q, k, cos, sin, pos, rot, f32, inplace):
         return _rope_out(q, k, cos, sin, pos, rot, False, f32)
     if q.shape[0] * q.shape[2]:
         launch(q, k, cos, sin, pos, None, None, rot, False, f32)
+        # Written by the kernel, not by torch: bump the version counters so that a graph that
+        # saved q or k refuses its backward (the autograd Function's mark_dirty does it too).
+        if not q.is_inference():
+            _increment_version(q)
+            _increment_version(k)
     return q, k
 
 
@@ -267,14 +274,19 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
 
 def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """HF-compatible functional form (transformers 4.x argument order: pass `unsqueeze_dim` by
-    keyword, as transformers 5 dropped `position_ids`): returns (q_embed, k_embed). cos/sin as
-    HF passes them ((B, S, D) or (S, D)); `unsqueeze_dim` is accepted for signature
-    compatibility (q/k must be (B, H, S, D), i.e. unsqueeze_dim=1). The rotation is computed in
-    the dtype HF's code computes it in (torch's promotion of q's and cos's dtypes). The
-    transformers suite patches models with its own wrapper of transformers 5's signature."""
+    keyword, as transformers 5 dropped `position_ids`): returns (q_embed, k_embed) in q's
+    dtype. cos/sin as HF passes them: (B, S, D) rows already gathered per position, in which
+    case `position_ids` is ignored (as transformers 4.38 and later ignore it), or (S', D)
+    tables, whose rows `position_ids` picks (as earlier versions index them); `unsqueeze_dim`
+    is accepted for signature compatibility (q/k must be (B, H, S, D), i.e. unsqueeze_dim=1).
+    The rotation's arithmetic is in the dtype HF's code computes it in (torch's promotion of
+    q's and cos's dtypes). The transformers suite patches models with its own wrapper of
+    transformers 5's signature."""
     if unsqueeze_dim != 1:
         raise ValueError("apply_rotary_pos_emb: only unsqueeze_dim=1 ((B, H, S, D) q/k) is supported")
-    return apply_rope(q, k, cos, sin, position_ids=position_ids,
+    validate.tensor("apply_rotary_pos_emb", "q", q)
+    validate.tensor("apply_rotary_pos_emb", "cos", cos, like=q)
+    return apply_rope(q, k, cos, sin, position_ids=position_ids if cos.dim() == 2 else None,
                       compute_dtype=hf_compute_dtype(q, cos))
 
 

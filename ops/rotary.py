@@ -120,6 +120,9 @@ def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
         raise ValueError(f"{op}: q heads ({Hq}) must be a multiple of k heads ({Hk})")
     if cos.shape != sin.shape:
         raise ValueError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
+    if (cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
+        raise ValueError(f"{op}: cos and sin must not require grad: gradients flow to q and k "
+                         "only (detach them; HF's rotary tables are buffers)")
     if cos.dim() == 4 and cos.shape[1] == 1:      # (B, 1, S, R): HF unsqueezed form
         cos, sin = cos[:, 0], sin[:, 0]
     if cos.dim() == 2:

@@ -32,10 +32,15 @@ def row_stride(t):
     shape = t.shape
     if last == 2:
         return strides[1] if shape[0] == 1 or strides[0] == shape[1] * strides[1] else 0
-    for i in range(last - 1):
-        if shape[i] != 1 and strides[i] != shape[i + 1] * strides[i + 1]:
+    # each leading dim of size > 1 steps over the rows of the dims after it (a size-1 dim's
+    # stride is arbitrary, so the rows it holds are counted, not its stride)
+    row = strides[last - 1]
+    step = row
+    for i in range(last - 2, -1, -1):
+        step *= shape[i + 1]
+        if shape[i] != 1 and strides[i] != step:
             return 0
-    return strides[last - 1]
+    return row
 
 
 def host_rows(t, N):

@@ -238,6 +238,8 @@ def _launch_rows(launch, N, inputs, outputs, act):
     loops are written out (a generator costs a microsecond per call)."""
     es = outputs[0].element_size()
     M = outputs[0].numel() // N
+    if outputs[0].dim() == 1:       # as_rows makes rows of 2-D and wider arrays only
+        outputs = tuple(o.view(1, N) for o in outputs)
     stride = N
     bits = N * es
     arrays = []

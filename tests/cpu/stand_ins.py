@@ -28,3 +28,12 @@ def stand_in_gpu(monkeypatch, store_dir, gpu_name):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(precompile, "enabled", lambda: False)
+
+
+def kernel_rows(a):
+    """An array as the kernels' `as_rows` (ops/rows.py) views it: (M, N) rows spaced by its
+    second-last stride, whatever its leading dims. A 1-D array has no such view."""
+    assert a.dim() >= 2, f"a {a.dim()}-D array reached a kernel that views its arrays as rows"
+    N = a.shape[-1]
+    M = a.numel() // N if N else 0
+    return a.as_strided((M, N), (a.stride(-2), a.stride(-1)))

@@ -1,6 +1,8 @@
 """Every op's launch keys hold every size its grids depend on: each op runs, ct.launch stubbed
 and every grid rechecked (tests/conftest.py), at two sizes that share a tuning key; the grids
 differ, so a launch key that left out a size would fail here."""
+import math
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from tiletune.ops import rms_norm_rope as RR
 from tiletune.ops import rope as RP
 from tiletune.ops.rows import row_stride
 from tiletune.ops import swiglu as SW
-from tests.cpu.stand_ins import resolve_misses_to_default
+from tests.cpu.stand_ins import kernel_rows, resolve_misses_to_default
 
 BF16 = torch.bfloat16
 
@@ -163,6 +165,50 @@ def test_rows_that_do_not_merge_go_as_views_or_copies(defaults):
     assert row_stride(swapped) == 0 and row_stride(last) == 0
     assert row_stride(torch.randn(2, 3, 4, 2 * 1024)[..., :1024]) == 2 * 1024
     assert row_stride(torch.randn(5, 1, 1024)) == 1024
+
+
+def _layouts():
+    """Tensors of 2-5 dims with size-1 dims, slices, permutations and expanded dims."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        nd = int(torch.randint(2, 6, (1,), generator=g))
+        full = [int(torch.randint(1, 4, (1,), generator=g)) for _ in range(nd)]
+        t = torch.arange(math.prod(full), dtype=torch.float32).reshape(full)
+        t = t.permute(*torch.randperm(nd, generator=g).tolist())
+        index = tuple(slice(0, int(torch.randint(1, n + 1, (1,), generator=g))) for n in t.shape)
+        t = t[index]
+        if torch.rand(1, generator=g) < 0.2:
+            t = t.unsqueeze(int(torch.randint(0, nd, (1,), generator=g)))
+        yield t
+
+
+def test_row_stride_finds_rows_only_where_they_merge():
+    """Where row_stride finds rows, the kernels' (M, N) view of them (rows spaced by the
+    second-last stride) reads the tensor's elements in order; the cases the loop once missed
+    (a size-1 dim between two dims whose strides do not chain) find none."""
+    found = 0
+    for t in _layouts():
+        if row_stride(t):
+            found += 1
+            assert torch.equal(kernel_rows(t), t.reshape(-1, t.shape[-1])), (t.shape, t.stride())
+    assert found > 100
+    cache = torch.randn(2, 1, 7, 16)
+    assert row_stride(cache[:, :, :3]) == 0
+    assert row_stride(torch.randn(3, 2, 1, 16).permute(1, 2, 0, 3)) == 0
+    assert row_stride(cache) == 16 and row_stride(cache[:1, :, :3]) == 16
+
+
+def test_rms_norm_of_rows_that_do_not_merge_across_a_size_one_dim(defaults):
+    """(B, 1, S, N) sliced from a longer buffer reaches both kernels as (M, N) rows."""
+    x, w = torch.randn(2, 1, 7, 64, dtype=BF16)[:, :, :3], torch.ones(64, dtype=BF16)
+    _, rstd = R._forward(x, w, 1e-6)
+    R._backward(torch.randn_like(x), x, w, rstd)
+    fwd = [args for _, kernel, args in defaults if kernel == "rms_norm_fwd kernel"]
+    assert fwd and all(torch.equal(a[0], x.reshape(6, 64)) for a in fwd)
+    for _, _, args in defaults:
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() > 2:
+                assert row_stride(a) and torch.equal(kernel_rows(a), a.reshape(-1, a.shape[-1]))
 
 
 def test_rms_norm_rows_past_int32_go_in_row_chunks_of_any_shape(defaults, monkeypatch):

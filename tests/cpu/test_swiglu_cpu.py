@@ -13,7 +13,7 @@ from tiletune import autotune, device
 from tiletune.autotune import MAX_CONFIGS
 from tiletune.ops import swiglu as S
 from tiletune.space import row_chunks
-from tests.cpu.stand_ins import resolve_misses_to_default
+from tests.cpu.stand_ins import kernel_rows, resolve_misses_to_default
 
 BF16 = torch.bfloat16
 ARCHS = ("sm_90", "sm_100", "sm_120", "sm_80")
@@ -173,8 +173,7 @@ def emulated(launches, monkeypatch):
     monkeypatch.setitem(device._SM_COUNT, -1, 132)      # a CPU tensor's device index
     calls = []
 
-    def rows(a):          # (..., N) as the kernels view it
-        return a.reshape(-1, a.shape[-1])
+    rows = kernel_rows
 
     def launch(stream, grid, kernel, args):
         calls.append((kernel, args))
@@ -241,6 +240,26 @@ def test_merged_rows_reach_the_kernels_without_a_view(emulated, shape):
     (_, fwd), (_, bwd) = emulated
     assert fwd[0] is g and fwd[1] is u and fwd[2] is y
     assert all(a.dim() == 3 for a in bwd[:5]) and bwd[1] is g and bwd[2] is u
+
+
+@pytest.mark.parametrize("shape", [(64,), (300,), (2, 1, 3, 16)], ids=str)
+def test_one_dim_and_unmerged_inputs(emulated, shape):
+    """A 1-D gate (one row) and a (B, 1, S, N) slice of a longer buffer, whose rows do not
+    merge across the size-1 dim: each array reaches the kernels as rows it can view, and the
+    results are right, forward and backward."""
+    full = [s + 4 if i == len(shape) - 2 else s for i, s in enumerate(shape)]
+    index = tuple(slice(0, s) for s in shape)
+    g = torch.randn(full)[index].requires_grad_()
+    u = torch.randn(full)[index].requires_grad_()
+    y = S._glu(g, u, S.SILU)
+    assert y.shape == g.shape
+    torch.testing.assert_close(y.double(), _reference(g, u, S.SILU).detach())
+    dy = torch.randn_like(y)
+    dg, du = torch.autograd.grad(y, (g, u), dy)
+    g64, u64 = g.detach().double().requires_grad_(), u.detach().double().requires_grad_()
+    rg, ru = torch.autograd.grad(_reference(g64, u64, S.SILU), (g64, u64), dy.double())
+    torch.testing.assert_close(dg.double(), rg)
+    torch.testing.assert_close(du.double(), ru)
 
 
 def test_chunk_halves_are_read_in_place(emulated):

@@ -1,0 +1,72 @@
+"""RoPE's host side on CPU tensors, ct.launch stubbed (nothing is computed): what reaches the
+kernels, and what autograd is told."""
+import pytest
+import torch
+
+from tiletune import autotune, device, validate
+from tiletune.ops import rms_norm_rope as RR
+from tiletune.ops import rope as RP
+from tests.cpu.stand_ins import resolve_misses_to_default
+
+
+@pytest.fixture
+def host_only(launches, monkeypatch):
+    resolve_misses_to_default(monkeypatch, lambda tuner, dev: f"{tuner.name} kernel")
+    monkeypatch.setitem(device._SM_COUNT, -1, 132)      # a CPU tensor's device index
+    monkeypatch.setattr(validate, "tensor", lambda op, name, t, **kw: t)
+    autotune.clear_cache()
+    yield launches
+    autotune.clear_cache()
+
+
+def _qk(B=2, S=5, D=8):
+    return torch.randn(B, 4, S, D), torch.randn(B, 2, S, D)
+
+
+def test_hf_form_reads_position_ids_only_for_tables(host_only, monkeypatch):
+    """transformers 4.38 and later pass cos/sin already gathered per position ((B, S, D)) and
+    no longer read position_ids; earlier versions passed (S', D) tables indexed by them."""
+    seen = []
+    monkeypatch.setattr(RP, "apply_rope", lambda q, k, cos, sin, **kw: seen.append(kw))
+    q, k = _qk()
+    pos = torch.tensor([[0, 1, 2, 0, 1]] * 2)
+    RP.apply_rotary_pos_emb(q, k, torch.randn(2, 5, 8), torch.randn(2, 5, 8), pos)
+    RP.apply_rotary_pos_emb(q, k, torch.randn(9, 8), torch.randn(9, 8), pos)
+    assert seen[0]["position_ids"] is None and seen[1]["position_ids"] is pos
+    assert seen[0]["compute_dtype"] == torch.float32
+
+
+def test_hf_form_names_a_non_tensor_argument():
+    with pytest.raises(TypeError, match="apply_rotary_pos_emb: q"):
+        RP.apply_rotary_pos_emb(None, None, torch.randn(5, 8), torch.randn(5, 8))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad mode"])
+def test_in_place_rotation_bumps_the_version_counters(host_only, grad):
+    """The kernel writes q and k behind torch's back: their version counters move, so a graph
+    that saved them refuses its backward instead of reading the rotated values."""
+    q, k = _qk()
+    cos, sin = torch.randn(5, 8), torch.randn(5, 8)
+    w = torch.randn(8, requires_grad=True)
+    z = (q * w).sum()                      # saves q
+    with torch.set_grad_enabled(grad):
+        RP.apply_rope(q, k, cos, sin, inplace=True)
+    assert [kernel for _, kernel, _ in host_only] == ["rope_inplace kernel"]
+    assert q._version > 0 and k._version > 0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
+
+
+def test_cos_and_sin_that_require_grad_are_refused(host_only):
+    """The backward gives q and k their gradients only: a learned cos/sin table would get
+    none, silently, so it is refused in grad mode (and accepted under no_grad)."""
+    q, k = _qk()
+    cos, sin = torch.randn(5, 8, requires_grad=True), torch.randn(5, 8)
+    w = torch.ones(8)
+    for call in (lambda: RP.apply_rope(q, k, cos, sin),
+                 lambda: RP.apply_rope(q, k, sin, cos),
+                 lambda: RR.rms_norm_rope(q, k, w, w, cos, sin)):
+        with pytest.raises(ValueError, match="cos and sin must not require grad"):
+            call()
+        with torch.no_grad():
+            call()
