@@ -166,6 +166,14 @@ def _compiler_gave_no_verdict(error, message):
         error == "CompilerExecutionError" and message.startswith("Return code -"))
 
 
+def _of_the_moment(failures):
+    """Every failure of a search says nothing about its config: the GPU's memory was full
+    (the search's buffers), a compile timed out or was killed, or the config ran when probed
+    alone. Such a key is searched again at its next call instead of failing for the process."""
+    return all(f["error"] in ("OutOfMemoryError", "NoError")
+               or _compiler_gave_no_verdict(f["error"], f["message"]) for f in failures)
+
+
 @dataclasses.dataclass
 class Search:
     """What a miss needs to search one key; built only on a miss.
@@ -294,6 +302,7 @@ class Autotuner:
         self.searches = 0        # number of exhaustive searches run (tests, stats)
         self._capture_cache = {}  # key -> (cfg, kernel) used while a CUDA graph is captured
         self._failed = {}        # key -> TuningFailedError: raised again without a new search
+                                 # (unless no failure was its config's: `_of_the_moment`)
         self._hinted = {}        # (bare kernel, hints, device) -> the one object built with them
         self._unproven = {}      # key -> store key of a stored winner not yet launched
         self._warned_capture = False
@@ -626,8 +635,10 @@ class Autotuner:
                                   conclude, stored=mine, fresh=not use_store)
         entry = outcome.entry
         if "failed" in entry:
-            error = self._failed[key] = TuningFailedError(
-                self.name, key, [tuple(f) for f in entry["failed"]])
+            failures = [tuple(f) for f in entry["failed"]]
+            error = TuningFailedError(self.name, key, failures)
+            if not _of_the_moment([{"error": f[1], "message": f[2]} for f in failures]):
+                self._failed[key] = error
             raise error
         decided = self._find(cfgs, entry.get("config"))
         if decided is None:
@@ -757,9 +768,10 @@ class Autotuner:
         ranking, the final round of the close finishers on this GPU, the record. Raises
         TuningFailedError when nothing was timed. Ties go to the earlier config."""
         if not timings:
-            error = self._failed[key] = TuningFailedError(
-                self.name, key, [(config_dict(cfgs[f["i"]]), f["error"], f["message"])
-                                 for f in failures])
+            error = TuningFailedError(self.name, key, [(config_dict(cfgs[f["i"]]), f["error"],
+                                                        f["message"]) for f in failures])
+            if not _of_the_moment(failures):
+                self._failed[key] = error
             raise error
         ranked = sorted((SimpleNamespace(config=cfgs[t["i"]], mean_us=t["mean_us"], t=t)
                          for t in sorted(timings, key=lambda t: t["i"])),

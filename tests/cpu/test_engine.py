@@ -893,6 +893,33 @@ def test_a_key_whose_every_config_fails_is_not_searched_again(env, monkeypatch):
     assert env.fake.calls == 2
 
 
+@pytest.mark.parametrize("verdict", [("OutOfMemoryError", "CUDA out of memory"),
+                                     ("CompilerTimeoutError", "over 60 s"),
+                                     ("CompilerExecutionError", "Return code -9"),
+                                     ("NoError", "ran when probed alone")],
+                         ids=["oom", "compile timeout", "compiler killed", "ran alone"])
+def test_a_key_whose_every_failure_says_nothing_of_its_config_is_searched_again(
+        env, monkeypatch, verdict):
+    """Out of memory (the search's buffers on a full GPU), a compile that timed out or was
+    killed, a config that ran when probed alone: the call raises, and the next one searches
+    again instead of raising the same error for the rest of the process."""
+    env.fake.fail = {1, 2, 4}
+    t = env.make()
+    monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: verdict)
+    with pytest.raises(TuningFailedError, match=verdict[0]):
+        resolve(t, ("k",))
+    env.fake.fail = set()
+    resolve(t, ("k",))
+    assert env.fake.calls == 2 and ("k",) in t.records
+    env.fake.fail = {1, 2, 4}       # one failure of the config's own: that key stays failed
+    monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: (
+        ("RuntimeError", "boom") if cfg.occupancy == 1 else verdict))
+    for _ in range(2):
+        with pytest.raises(TuningFailedError):
+            resolve(t, ("other",))
+    assert env.fake.calls == 3
+
+
 def test_searches_on_different_gpus_run_at_once(env):
     env.fake.delay = 0.4
     t = env.make()
