@@ -1443,8 +1443,11 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, recipe):
         y = _linear_forward(x2, weight, bias, recipe)
-        ctx.save_for_backward(x2, weight)
+        # each operand only for the other's gradient: a frozen weight keeps no activation
+        need_x, need_w = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(x2 if need_w else None, weight if need_x else None)
         ctx.recipe, ctx.bias_dtype = recipe, None if bias is None else bias.dtype
+        ctx.x_dtype, ctx.w_dtype = x2.dtype, weight.dtype
         return y
 
     @staticmethod
@@ -1456,10 +1459,10 @@ class _FP8Linear(torch.autograd.Function):
         groups, wgrad_groups = RECIPES[ctx.recipe]
         dx = dw = db = None
         if need_x:
-            dx = _fp8_product(dy, weight.t(), groups, x2.dtype)
+            dx = _fp8_product(dy, weight.t(), groups, ctx.x_dtype)
         if need_w:
             dw = _fp8_product(_zero_rows_to(dy, 16).t(), _zero_rows_to(x2, 16).t(),
-                              wgrad_groups, weight.dtype)
+                              wgrad_groups, ctx.w_dtype)
         if need_b:
             db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return dx, dw, db, None

@@ -234,13 +234,13 @@ def _backward(needs, dy, x, w_gate, w_up, gate, up, act):
     dx = dw_gate = dw_up = None
     if needs[0]:
         M, N = dgate.shape
-        dx = x.new_empty(*x.shape)                        # contiguous: viewed as (M, K)
+        dx = dy.new_empty(*dy.shape[:-1], w_gate.shape[1])   # contiguous: viewed as (M, K)
         if dx.numel():
             if N == 0:
                 dx.zero_()
             else:
                 launch_dx(dgate[None], w_gate[None], dup[None], w_up[None],
-                          dx.view(M, x.shape[-1])[None])
+                          dx.view(M, w_gate.shape[1])[None])
     if needs[1] or needs[2]:
         x2 = _rows(x)
         if needs[1]:
@@ -261,9 +261,11 @@ def _contiguous_like(t):
 
 
 def _save(args, results):
-    """The backward keeps x, both weights and the pre-activations, and the activation."""
+    """The backward keeps both weights, the pre-activations and the activation, and x where a
+    weight needs a gradient (only theirs read it: frozen weights keep no input)."""
     x, w_gate, w_up, act, _ = args
-    return (x, w_gate, w_up, results[1], results[2]), (act,)
+    keep_x = w_gate.requires_grad or w_up.requires_grad
+    return (x if keep_x else None, w_gate, w_up, results[1], results[2]), (act,)
 
 
 _op = TrainableOp(
@@ -273,10 +275,10 @@ _op = TrainableOp(
     forward_fake=_forward_fake,
     save=_save,
     backward=_backward,
-    backward_schema="(bool[] needs, Tensor dy, Tensor x, Tensor w_gate, Tensor w_up, "
+    backward_schema="(bool[] needs, Tensor dy, Tensor? x, Tensor w_gate, Tensor w_up, "
                     "Tensor gate, Tensor up, int act) -> (Tensor?, Tensor?, Tensor?)",
     backward_fake=lambda needs, dy, x, w_gate, w_up, gate, up, act: (
-        _contiguous_like(x) if needs[0] else None,
+        dy.new_empty((*dy.shape[:-1], w_gate.shape[1])) if needs[0] else None,
         _contiguous_like(w_gate) if needs[1] else None,
         _contiguous_like(w_up) if needs[2] else None))
 

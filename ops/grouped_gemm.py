@@ -477,19 +477,21 @@ def _kgrouped(a, b, offs):
 # out[g] = a[:, rows_g] @ b[rows_g]: da[:, rows_g] = (b[rows_g] @ dout[g]^T)^T and
 # db[rows_g] = a[:, rows_g]^T @ dout[g], both M-grouped. offs gets no gradient.
 
-def _w_like(w, e, k, n):
+def _w_like(like, w_col, e, k, n):
     """An (e, k, n) tensor in w's layout: row-major, or the transposed view of (e, n, k)."""
-    if layout(w) == "col":
-        return w.new_empty((e, n, k)).transpose(-2, -1)
-    return w.new_empty((e, k, n))
+    if w_col:
+        return like.new_empty((e, n, k)).transpose(-2, -1)
+    return like.new_empty((e, k, n))
 
 
-def _backward(needs, dy, x, w, offs):
+def _backward(needs, dy, x, w, offs, w_col):
+    """x is kept only where w needs a gradient, w only where x does (frozen experts keep no
+    activations); w_col: w's layout, which the weight gradient comes back in."""
     dy = dy.contiguous()               # autograd may hand in expanded (stride-0) gradients
     dx = _mgrouped(dy, w.transpose(-2, -1), offs) if needs[0] else None
     dw = None
     if needs[1]:
-        dw = (_kgrouped(dy.t(), x, offs).transpose(-2, -1) if layout(w) == "col"
+        dw = (_kgrouped(dy.t(), x, offs).transpose(-2, -1) if w_col
               else _kgrouped(x.t(), dy, offs))
     return dx, dw
 
@@ -501,23 +503,36 @@ def _k_backward(needs, dout, a, b, offs):
     return da, db
 
 
-_BWD_SCHEMA = "(bool[] needs, Tensor dy, Tensor a, Tensor b, Tensor offs) -> (Tensor?, Tensor?)"
+def _save_for_the_other(args, results):
+    """Each operand only where the other one needs a gradient (its gradient reads it)."""
+    a, b, offs = args
+    return (a if b.requires_grad else None, b if a.requires_grad else None, offs), ()
+
+
+def _save_for_the_other_and_layout(args, results):
+    return _save_for_the_other(args, results)[0], (layout(args[1]) == "col",)
+
+
 _grouped_op = TrainableOp(
     "tiletune::grouped_mm", forward=_mgrouped,
     forward_schema="(Tensor x, Tensor w, Tensor offs) -> Tensor",
     forward_fake=lambda x, w, offs: x.new_empty((x.shape[0], w.shape[2])),
-    backward=_backward, backward_schema=_BWD_SCHEMA,
-    backward_fake=lambda needs, dy, x, w, offs: (
-        x.new_empty(x.shape) if needs[0] else None,
-        _w_like(w, *w.shape) if needs[1] else None))
+    save=_save_for_the_other_and_layout, backward=_backward,
+    backward_schema="(bool[] needs, Tensor dy, Tensor? x, Tensor? w, Tensor offs, bool w_col) "
+                    "-> (Tensor?, Tensor?)",
+    backward_fake=lambda needs, dy, x, w, offs, w_col: (
+        dy.new_empty((dy.shape[0], w.shape[1])) if needs[0] else None,
+        _w_like(dy, w_col, offs.shape[0], x.shape[1], dy.shape[1]) if needs[1] else None))
 _k_grouped_op = TrainableOp(
     "tiletune::grouped_mm_k", forward=_kgrouped,
     forward_schema="(Tensor a, Tensor b, Tensor offs) -> Tensor",
     forward_fake=lambda a, b, offs: a.new_empty((offs.shape[0], a.shape[0], b.shape[1])),
-    backward=_k_backward, backward_schema=_BWD_SCHEMA,
+    save=_save_for_the_other, backward=_k_backward,
+    backward_schema="(bool[] needs, Tensor dy, Tensor? a, Tensor? b, Tensor offs) "
+                    "-> (Tensor?, Tensor?)",
     backward_fake=lambda needs, dout, a, b, offs: (
-        a.new_empty((a.shape[1], a.shape[0])).t() if needs[0] else None,
-        b.new_empty(b.shape) if needs[1] else None))
+        dout.new_empty((b.shape[0], dout.shape[1])).t() if needs[0] else None,
+        dout.new_empty((a.shape[1], dout.shape[2])) if needs[1] else None))
 
 
 # ---------------------------------------------------------------------------------------------

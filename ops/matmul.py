@@ -370,15 +370,21 @@ def _mm_shape(a, b):
     return a.new_empty((*a.shape[:-1], b.shape[-1]))
 
 
+def _save_for_the_other(args, results):
+    """Each operand only where the other one needs a gradient (its gradient reads it)."""
+    a, b = args
+    return (a if b.requires_grad else None, b if a.requires_grad else None), ()
+
+
 _matmul_op = TrainableOp(
     "tiletune::matmul", forward=plain_matmul,
     forward_schema="(Tensor a, Tensor b) -> Tensor", forward_fake=_mm_shape,
-    save=lambda args, results: ((args[0], args[1]), ()),
+    save=_save_for_the_other,
     backward=_backward,
-    backward_schema="(bool[] needs, Tensor dc, Tensor a, Tensor b) -> (Tensor?, Tensor?)",
+    backward_schema="(bool[] needs, Tensor dc, Tensor? a, Tensor? b) -> (Tensor?, Tensor?)",
     backward_fake=lambda needs, dc, a, b: (
-        torch.empty_like(a, memory_format=torch.contiguous_format) if needs[0] else None,
-        torch.empty_like(b, memory_format=torch.contiguous_format) if needs[1] else None))
+        dc.new_empty((*dc.shape[:-1], b.shape[-2])) if needs[0] else None,
+        dc.new_empty((*a.shape[:-2], a.shape[-1], dc.shape[-1])) if needs[1] else None))
 
 
 def _check_out(a, b, out):

@@ -273,14 +273,15 @@ def _unpermute_rows(ys, inverse, w):
 
 
 def _unpermute_rows_bwd(needs, dout, ys, inverse, w):
-    """(dys, None, dw): dys like ys, dw in w's dtype (None where not needed)."""
+    """(dys, None, dw): dys (slots, H) contiguous, dw in w's dtype (None where not needed). ys
+    is kept only where w needs a gradient (only dw reads it): otherwise dys stands in for it."""
     dout = dout.contiguous()
-    dys = torch.empty_like(ys, memory_format=torch.contiguous_format)
+    dys = dout.new_empty((inverse.numel(), dout.shape[1]))
     dw = torch.empty_like(w, memory_format=torch.contiguous_format) if needs[2] else None
     if dw is not None and dout.shape[1] == 0:
         dw.zero_()
     if dout.numel():
-        launch_unpermute_bwd(dout, inverse, w, ys, dys, dw)
+        launch_unpermute_bwd(dout, inverse, w, dys if ys is None else ys, dys, dw)
     return (dys if needs[0] else None), None, dw
 
 
@@ -297,11 +298,12 @@ _unpermute_op = TrainableOp(
     "tiletune::moe_unpermute", forward=_unpermute_rows,
     forward_schema="(Tensor ys, Tensor inverse, Tensor w) -> Tensor",
     forward_fake=lambda ys, inverse, w: ys.new_empty((inverse.shape[0], ys.shape[1])),
+    save=lambda args, results: ((args[0] if args[2].requires_grad else None, *args[1:]), ()),
     backward=_unpermute_rows_bwd,
-    backward_schema="(bool[] needs, Tensor dout, Tensor ys, Tensor inverse, Tensor w) "
+    backward_schema="(bool[] needs, Tensor dout, Tensor? ys, Tensor inverse, Tensor w) "
                     "-> (Tensor?, Tensor?, Tensor?)",
     backward_fake=lambda needs, dout, ys, inverse, w: (
-        torch.empty_like(ys, memory_format=torch.contiguous_format) if needs[0] else None, None,
+        dout.new_empty((inverse.numel(), dout.shape[1])) if needs[0] else None, None,
         torch.empty_like(w, memory_format=torch.contiguous_format) if needs[2] else None))
 
 

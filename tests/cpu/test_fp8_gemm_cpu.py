@@ -810,6 +810,12 @@ def test_fp8_linear_computes_only_the_gradients_asked_for(reference_fp8):
     (dw,) = torch.autograd.grad(F8._FP8Linear.apply(x, w, None, "rowwise"), (w,),
                                 torch.ones(32, 16, dtype=BF16))
     assert dw.shape == w.shape and len(reference_fp8) == 4        # forward 2 + wgrad 2
+    # each operand is kept only for the other one's gradient (a frozen weight keeps no x)
+    for x_grad in (False, True):
+        y = F8._FP8Linear.apply(x.clone().requires_grad_(x_grad), w.detach().requires_grad_(
+            not x_grad), None, "rowwise")
+        saved_x, saved_w = y.grad_fn.saved_tensors
+        assert (saved_x is None) is x_grad and (saved_w is None) is (not x_grad)
 
 
 X, W = torch.zeros(8, 64, dtype=BF16), torch.zeros(32, 64, dtype=BF16)

@@ -288,6 +288,32 @@ def test_gradients_of_the_2d_3d_product(kernels, w_t):
     assert torch.allclose(gx_only, ex)
 
 
+@pytest.mark.parametrize("w_t", [False, True], ids=["w", "w^T"])
+def test_an_operand_is_kept_only_for_the_other_ones_gradient(kernels, w_t):
+    """Frozen experts keep no activations for the backward (x is read only by dW), a frozen x
+    keeps no weight (w is read only by dX); each gradient is still right, in w's layout."""
+    offs = offsets(3, 3, 9, 12)
+    x0 = torch.randn(12, 5, dtype=torch.float64)
+    w0 = (torch.randn(4, 7, 5, dtype=torch.float64).transpose(-2, -1) if w_t
+          else torch.randn(4, 5, 7, dtype=torch.float64))
+    dy = torch.randn(12, 7, dtype=torch.float64)
+    for x_grad, w_grad in ((True, False), (False, True)):
+        x, w = x0.clone().requires_grad_(x_grad), w0.clone().requires_grad_(w_grad)
+        y = GG._grouped_op(x, w, offs)
+        saved_x, saved_w, _ = y.grad_fn.saved_tensors
+        assert (saved_x is None) is x_grad and (saved_w is None) is w_grad
+        leaf = x if x_grad else w
+        (g,) = torch.autograd.grad(y, leaf, dy)
+        (e,) = torch.autograd.grad(loop(x, w, offs), leaf, dy)
+        assert torch.allclose(g, e) and g.stride() == leaf.stride()
+    a, b = x0.clone().requires_grad_(), torch.randn(12, 3, dtype=torch.float64)
+    out = GG._k_grouped_op(a.t(), b, offs)
+    assert out.grad_fn.saved_tensors[0] is None
+    d = torch.randn(out.shape, dtype=torch.float64)
+    assert torch.allclose(torch.autograd.grad(out, a, d)[0],
+                          torch.autograd.grad(k_loop(a.t(), b, offs), a, d)[0])
+
+
 def test_gradients_of_the_2d_2d_product(kernels):
     torch.manual_seed(0)
     offs = offsets(2, 2, 6)

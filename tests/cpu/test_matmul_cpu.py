@@ -129,6 +129,8 @@ def test_backward_computes_only_the_gradients_needed(monkeypatch):
     b = torch.randn(7, 3)
     c = MM._matmul_op(a, b)
     assert torch.allclose(c, a @ b)
+    saved_a, saved_b = c.grad_fn.saved_tensors      # a is read only by dB: not kept
+    assert saved_a is None and saved_b.data_ptr() == b.data_ptr()
     dc = torch.randn(5, 3)
     products.clear()
     (da,) = torch.autograd.grad(c, (a,), dc)
