@@ -280,15 +280,18 @@ _NO_RSTD = StandIns(lambda like, m: like.new_empty(m, dtype=torch.float32))
 
 
 def launch_bwd(dy, x, w, rstd, dx, dw, M, N):
-    """dx (as x) and dw (N,) written in place (dw in its own dtype)."""
+    """dx (as x) and dw (N,) written in place (dw in its own dtype; None: the per-CTA partials
+    are left unsummed, for a weight that needs no gradient)."""
     dev = x.get_device()
     key = (N, M, x.dtype, dy.dtype, w.dtype, dev)
     if next_pow2(N) <= MAX_ROW_TILE:
-        sum_rows(_bwd.launch(key, dev, dy, x, w, rstd, dx, M, N), dw)
-        return
-    coef = x.new_empty(M, dtype=torch.float32)
-    _bwd_coef.launch(key, dev, dy, x, w, rstd, coef, M, N)
-    sum_rows(_bwd_cols.launch(key, dev, dy, x, w, rstd, coef, dx, M, N), dw)
+        partial = _bwd.launch(key, dev, dy, x, w, rstd, dx, M, N)
+    else:
+        coef = x.new_empty(M, dtype=torch.float32)
+        _bwd_coef.launch(key, dev, dy, x, w, rstd, coef, M, N)
+        partial = _bwd_cols.launch(key, dev, dy, x, w, rstd, coef, dx, M, N)
+    if dw is not None:
+        sum_rows(partial, dw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,28 +348,29 @@ def _forward(x, weight, eps, keep_rstd=True):
     return y, rstd
 
 
-def _backward(dy, x, weight, rstd):
-    """(dx, dw): dx like x, dw like weight."""
+def _backward(dy, x, weight, rstd, need_w=True):
+    """(dx, dw): dx like x, dw like weight (None where not need_w: a frozen weight)."""
     N = x.shape[-1]
     M = x.numel() // N
     x2, stride = host_rows(x, N)
     dy2, dy_stride = host_rows(dy, N)
     dx = x.new_empty(*x.shape)
     if not M:
-        return dx, torch.zeros_like(weight)
+        return dx, torch.zeros_like(weight) if need_w else None
     w = weight if weight.stride()[0] == 1 else weight.contiguous()
     stride = max(stride, dy_stride, N)
     if (M - 1) * stride + N <= _MAX_SPAN:
-        dw = torch.empty_like(w)
+        dw = torch.empty_like(w) if need_w else None
         launch_bwd(dy2, x2, w, rstd, dx if x2 is x else dx.view(M, N), dw, M, N)
         return dx, dw
     x2, dy2, dx2 = x2.reshape(M, N), dy2.reshape(M, N), dx.view(M, N)
     dw32 = torch.zeros(N, device=x.device, dtype=torch.float32)   # f32 sum over row chunks
-    part = torch.empty(N, device=x.device, dtype=torch.float32)
+    part = torch.empty(N, device=x.device, dtype=torch.float32) if need_w else None
     for s, e in row_chunks(M, N, stride, _MAX_SPAN):
         launch_bwd(dy2[s:e], x2[s:e], w, rstd[s:e], dx2[s:e], part, e - s, N)
-        dw32 += part
-    return dx, dw32.to(weight.dtype)
+        if need_w:
+            dw32 += part
+    return dx, dw32.to(weight.dtype) if need_w else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,11 +384,12 @@ _rms_norm = TrainableOp(
         torch.empty_like(x, memory_format=torch.contiguous_format),
         x.new_empty(x.numel() // x.shape[-1] if x.shape[-1] else 0, dtype=torch.float32)),
     save=lambda args, results: ((args[0], args[1], results[1]), ()),
-    backward=lambda needs, dy, x, weight, rstd: _backward(dy, x, weight, rstd),
+    backward=lambda needs, dy, x, weight, rstd: _backward(dy, x, weight, rstd, needs[1]),
     backward_schema="(bool[] needs, Tensor dy, Tensor x, Tensor weight, Tensor rstd) "
-                    "-> (Tensor, Tensor)",
+                    "-> (Tensor, Tensor?)",
     backward_fake=lambda needs, dy, x, weight, rstd: (
-        torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)))
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        torch.empty_like(weight) if needs[1] else None))
 
 
 def rms_norm(x, weight, eps=1e-6):

@@ -254,20 +254,26 @@ def _forward(q, k, wq, wk, cos, sin, pos, rot, eps):
     return q_out, k_out, rstd_q, rstd_k
 
 
-def _backward(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, rot):
-    """(dq_in, dk_in, dwq, dwk): input gradients like q and k, weight gradients like wq, wk."""
+def _backward(dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, rot, need_wq=True,
+              need_wk=True):
+    """(dq_in, dk_in, dwq, dwk): input gradients like q and k, weight gradients like wq, wk
+    (None for a weight that needs none: its partials are left unsummed)."""
     B, Hq, S, D = q.shape
     dq_in, dk_in = torch.empty_like(q), torch.empty_like(k)
-    dwq, dwk = torch.empty_like(wq), torch.empty_like(wk)
+    dwq = torch.empty_like(wq) if need_wq else None
+    dwk = torch.empty_like(wk) if need_wk else None
     if B * S == 0:
-        return dq_in, dk_in, dwq.zero_(), dwk.zero_()
+        return (dq_in, dk_in, dwq if dwq is None else dwq.zero_(),
+                dwk if dwk is None else dwk.zero_())
     dev = q.get_device()
     key = (Hq, k.shape[1], D, rot, B * S, q.dtype, dq.dtype, wq.dtype, cos.dtype,
            pos is not None, dev)
     partial = _bwd.launch(key, dev, dq, dk, q, k, wq, wk, cos, sin, pos, rstd_q, rstd_k, dq_in,
                           dk_in, rot)
-    sum_rows(partial[0], dwq)
-    sum_rows(partial[1], dwk)
+    if need_wq:
+        sum_rows(partial[0], dwq)
+    if need_wk:
+        sum_rows(partial[1], dwk)
     return dq_in, dk_in, dwq, dwk
 
 
@@ -285,12 +291,13 @@ _rms_norm_rope = TrainableOp(
                    "Tensor sin, Tensor? pos, int rot, float eps) -> (Tensor, Tensor, Tensor, Tensor)",
     forward_fake=_forward_fake,
     save=lambda args, results: ((*args[:7], results[2], results[3]), (args[7],)),
-    backward=lambda needs, *grads_and_saved: _backward(*grads_and_saved),
+    backward=lambda needs, *grads_and_saved: _backward(*grads_and_saved, needs[2], needs[3]),
     backward_schema="(bool[] needs, Tensor dq, Tensor dk, Tensor q, Tensor k, Tensor q_weight, "
                     "Tensor k_weight, Tensor cos, Tensor sin, Tensor? pos, Tensor rstd_q, "
-                    "Tensor rstd_k, int rot) -> (Tensor, Tensor, Tensor, Tensor)",
+                    "Tensor rstd_k, int rot) -> (Tensor, Tensor, Tensor?, Tensor?)",
     backward_fake=lambda needs, dq, dk, q, k, wq, wk, *rest: (
-        torch.empty_like(q), torch.empty_like(k), torch.empty_like(wq), torch.empty_like(wk)),
+        torch.empty_like(q), torch.empty_like(k), torch.empty_like(wq) if needs[2] else None,
+        torch.empty_like(wk) if needs[3] else None),
     outputs=2)
 
 

@@ -38,6 +38,30 @@ def _rms_norm(n):
                  torch.empty(n), 1e-6, n, 256)
 
 
+@pytest.mark.parametrize("n", [1024, 40000], ids=["one tile", "wide rows"])
+def test_a_frozen_norm_weight_gets_no_gradient_and_no_column_sum(defaults, n):
+    """LoRA-style training freezes the norm weights: the backward leaves the per-CTA weight
+    partials unsummed (one launch less) and gives the weight no gradient."""
+    x, w = torch.randn(4, n, dtype=BF16), torch.ones(n, dtype=BF16)
+    _, rstd = R._forward(x, w, 1e-6)
+    for need_w in (True, False):
+        defaults.clear()
+        dx, dw = R._backward(torch.randn_like(x), x, w, rstd, need_w)
+        sums = [kernel for _, kernel, _ in defaults if kernel == "column_sum kernel"]
+        assert (dw is not None) is need_w and len(sums) == need_w and dx.shape == x.shape
+    q, k = torch.randn(1, 4, 5, 64, dtype=BF16), torch.randn(1, 2, 5, 64, dtype=BF16)
+    cos = torch.randn(1, 5, 64, dtype=BF16)
+    wn = torch.ones(64, dtype=BF16)
+    *_, rq, rk = RR._forward(q, k, wn, wn, cos, cos, None, 64, 1e-6)
+    for need_wq, need_wk in ((True, True), (False, True), (False, False)):
+        defaults.clear()
+        *_, dwq, dwk = RR._backward(q, k, q, k, wn, wn, cos, cos, None, rq, rk, 64, need_wq,
+                                    need_wk)
+        sums = [kernel for _, kernel, _ in defaults if kernel == "column_sum kernel"]
+        assert ((dwq is not None), (dwk is not None)) == (need_wq, need_wk)
+        assert len(sums) == need_wq + need_wk
+
+
 def _rms_norm_wide_backward(n):
     """Its row-coefficient launch (the column launches' grids take scratch: computed per call)."""
     x, w = torch.randn(n, 40000, dtype=BF16), torch.ones(40000, dtype=BF16)
