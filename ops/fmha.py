@@ -25,6 +25,8 @@
 # No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
 import functools
 import math
+import numbers
+import operator
 from types import SimpleNamespace
 
 import cuda.tile as ct
@@ -873,8 +875,13 @@ def _key(q, k, causal, offset, dev, packed):
 
 def _check_grid(B, hq):
     if B * hq > MAX_GRID_Y:
-        raise ValueError(f"fmha: batch x query heads = {B * hq} is more than the kernels' grid "
-                         f"takes ({MAX_GRID_Y}); split the batch into calls of fewer sequences")
+        _grid_error("fmha", "batch", B, hq)
+
+
+def _grid_error(op, batch, B, hq):
+    raise ValueError(f"{op}: {batch} x query heads = {B} x {hq} = {B * hq} is more than the "
+                     f"kernels' grid takes ({MAX_GRID_Y}); split the batch into calls of fewer "
+                     "sequences")
 
 
 def _flat(t):
@@ -1085,9 +1092,11 @@ def _check(op, q, k, v, scale, names=("q", "k", "v")):
                          f"({hkv})")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"{op}: head_dim {d} is not supported (1 to {MAX_HEAD_DIM})")
+    if B * hq > MAX_GRID_Y:
+        _grid_error(op, "batch", B, hq)
     if scale is None:
         return 1.0 / math.sqrt(d)
-    if isinstance(scale, bool) or not isinstance(scale, (float, int)):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{op}: scale must be a float, got {type(scale).__name__}")
     if not 0.0 < scale < float("inf"):
         raise ValueError(f"{op}: scale must be a finite number > 0, got {scale}")
@@ -1233,7 +1242,8 @@ def fmha(q, k, v, *, causal=False, scale=None, seqused_k=None):
     (B, S, H, D).transpose(1, 2) views HF produces; a unit-stride last dim is fastest).
     D: any head_dim from 1 to 256; D that is not a power of two (>= 16) is zero-padded to one
     inside the kernel (D 80 computes as 128); D > 256 raises ValueError. Sq and Sk are arbitrary
-    up to 2,097,120 tokens (MAX_SEQ; Sq != Sk allowed). causal=True masks key j for query i
+    up to 2,097,120 tokens (MAX_SEQ; Sq != Sk allowed); B x Hq at most 65535 (ValueError:
+    split the batch). causal=True masks key j for query i
     unless j <= i + Sk - Sq (diagonal aligned bottom-right, as FlashAttention 2); rows that see
     no key (Sq > Sk) return 0, and Sk = 0 returns zeros. scale defaults to 1/sqrt(D) and must
     be > 0. Softmax statistics are float32 (exp2); the output has q's dtype and, where q is
@@ -1247,8 +1257,8 @@ def fmha(q, k, v, *, causal=False, scale=None, seqused_k=None):
     the search decides between that and the plain forward. seqused_k: an int32 (B,) tensor of
     cache lengths on q's device: batch b attends to keys [0, seqused_k[b]) of its k/v (values
     are clamped to [0, Sk]; what the cache holds past them is never read), causal aligned
-    bottom-right on that length. Inference only (ValueError when q or k requires grad), at
-    decode sizes (ValueError otherwise).
+    bottom-right on that length. Inference only (ValueError when q, k or v requires grad with
+    grad mode on), at decode sizes (ValueError otherwise).
     """
     scale = _check("fmha", q, k, v, scale)
     causal = bool(causal)
@@ -1267,7 +1277,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     (`causal_upper_left` / `causal_lower_right`) made for q's Sq and k's Sk; other masks, a
     CausalBias of other sizes and dropout_p > 0 raise ValueError. Key/value heads may differ
     from query heads only with enable_gqa=True. `scale` must be a finite number > 0 (torch
-    also takes 0 and negative values; ValueError here).
+    also takes 0 and negative values; ValueError here). Limits as `fmha` (B x Hq at most
+    65535).
     """
     op = "scaled_dot_product_attention"
     if dropout_p:
@@ -1300,10 +1311,13 @@ def _check_offsets(op, name, cu, like, batch=None):
 
 
 def _check_max(op, name, n):
-    if isinstance(n, bool) or not isinstance(n, int):
+    """n as an int (any integer type: Python's, numpy's, a SymInt)."""
+    if isinstance(n, bool) or not hasattr(type(n), "__index__"):
         raise TypeError(f"{op}: {name} must be an int, got {type(n).__name__}")
-    if n < 0:
-        raise ValueError(f"{op}: {name} must be >= 0, got {n}")
+    n = operator.index(n)
+    if not 0 <= n <= MAX_SEQ:
+        raise ValueError(f"{op}: {name} must be in [0, {MAX_SEQ}] (the kernels' grid), got {n}")
+    return n
 
 
 def fmha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -1315,7 +1329,7 @@ def fmha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     (Hq a multiple of Hkv: GQA/MQA). cu_seqlens_q / cu_seqlens_k: int32 (B + 1,) on q's device,
     non-decreasing from 0 to Tq (Tk), sequence b owning rows [cu[b], cu[b+1]) (empty sequences
     allowed). max_seqlen_q / max_seqlen_k: ints at least every sequence's length (at most
-    MAX_SEQ, 2,097,120). The offsets are read on the device only (a call is CUDA-graph
+    MAX_SEQ, 2,097,120); B x Hq at most 65535 (ValueError: split the batch). The offsets are read on the device only (a call is CUDA-graph
     capturable), so, as in FlashAttention-2, these rules are not checked: offsets that leave
     rows outside every sequence, or a max_seqlen below a sequence's length, give unspecified
     values in those rows and in that sequence's gradients (every key's included). Each sequence
@@ -1335,7 +1349,9 @@ def fmha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    scale)
     _check_offsets(op, "cu_seqlens_q", cu_seqlens_q, q)
     _check_offsets(op, "cu_seqlens_k", cu_seqlens_k, q, cu_seqlens_q.shape[0] - 1)
-    _check_max(op, "max_seqlen_q", max_seqlen_q)
-    _check_max(op, "max_seqlen_k", max_seqlen_k)
+    max_seqlen_q = _check_max(op, "max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _check_max(op, "max_seqlen_k", max_seqlen_k)
+    if (cu_seqlens_q.shape[0] - 1) * q.shape[1] > MAX_GRID_Y:
+        _grid_error(op, "sequences", cu_seqlens_q.shape[0] - 1, q.shape[1])
     return _fmha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                         bool(causal), scale)

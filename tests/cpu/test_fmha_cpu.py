@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 import cuda.tile as ct
 import pytest
+import numpy as np
 import torch
 
 import tiletune
-from tiletune import device
+from tiletune import device, validate
 from tiletune.autotune import MAX_CONFIGS, default_hints
 from tiletune.cases import fmha as FC
 from tiletune.ops import fmha as FM
@@ -351,9 +352,33 @@ def test_more_heads_than_the_grid_takes_are_refused_by_name():
                    lambda: FM.launch_fwd(q[:1], q, q, q, q, True, 0, 0.25, (2048 * 32, 4, 4)),
                    lambda: FM.launch_decode(q[:, :, :1], kv, kv, None, q[:, :, :1], q[..., 0],
                                             False, 0, 0.25)):
-        with pytest.raises(ValueError, match=r"fmha: batch x query heads = \d+ is more than"):
+        with pytest.raises(ValueError,
+                           match=r"fmha: batch x query heads = \d+ x 32 = \d+ is more than"):
             launch()
     assert FM._key(q[:, :31], q, True, 0, 0, None)[0] == 63488        # fine
+
+
+def test_the_public_functions_name_themselves_and_their_arguments_at_the_grid_limits(
+        monkeypatch):
+    monkeypatch.setattr(validate, "tensor", lambda op, name, t, **kw: t)
+    q = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16).expand(2048, 32, 4, 16)
+    for op, call in (("fmha", lambda: FM.fmha(q, q, q)),
+                     ("scaled_dot_product_attention",
+                      lambda: FM.scaled_dot_product_attention(q, q, q))):
+        with pytest.raises(ValueError, match=rf"^{op}: batch x query heads = 2048 x 32 = 65536"):
+            call()
+    packed = torch.zeros(1, 1, 16, dtype=torch.bfloat16).expand(64, 32, 16)
+    cu = torch.zeros(2049, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^fmha_varlen: sequences x query heads = 2048 x 32"):
+        FM.fmha_varlen(packed, packed, packed, cu, cu, 1, 1)
+    for name, n, error in (("max_seqlen_q", FM.MAX_SEQ + 1, ValueError),
+                           ("max_seqlen_k", -1, ValueError), ("max_seqlen_q", 2.0, TypeError),
+                           ("max_seqlen_k", True, TypeError)):
+        kw = {"max_seqlen_q": 1, "max_seqlen_k": 1, name: n}
+        with pytest.raises(error, match=rf"^fmha_varlen: {name} must be"):
+            FM.fmha_varlen(packed, packed, packed, cu[:2], cu[:2], **kw)
+    assert FM._check_max("x", "n", np.int64(7)) == 7 and FM._check("x", q[:1], q[:1], q[:1],
+                                                                     np.float32(0.5)) == 0.5
 
 
 def test_longer_sequences_than_the_grid_takes_are_refused_by_name():
