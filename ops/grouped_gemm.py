@@ -594,8 +594,8 @@ def _result_shape(mode, x, w, offs):
     return (x.shape[0], x.shape[1], w.shape[2])
 
 
-def _check_out(out, shape, x):
-    validate.out("grouped_mm", out, shape, x.dtype, x.device)
+def _check_out(out, shape, x, w):
+    validate.out("grouped_mm", out, shape, x.dtype, x.device, kept={"x": x, "w": w})
 
 
 def grouped_mm(x, w, offs=None, *, out=None):
@@ -614,14 +614,15 @@ def grouped_mm(x, w, offs=None, *, out=None):
     data: offs must be non-decreasing with offs[E-1] <= T. Otherwise the kernels clamp the
     bounds into [0, T]: a wrong result, but no hang and no access outside the tensors.
     Differentiable in x and w (offs gets no gradient); the weight gradient comes back in w's
-    layout. Works under torch.compile(fullgraph=True). `out`, if given, receives a copy of the
+    layout where w is row-major or the transposed view of (E, N, K) (contiguous otherwise). Works under torch.compile(fullgraph=True). `out`, if given, receives a copy of the
     result (gradients flow through it as through `out.copy_(result)`): exactly the result's
-    shape, dtype and device, and writable (not a leaf that requires grad, no stride-0 dims).
+    shape, dtype and device, and writable (not a leaf that requires grad nor a view of one, no
+    stride-0 dims, and no memory of x or w where one of them requires grad).
     x, w and the result of the grouped forms hold up to 2^31 - 1 elements each (ValueError
     beyond)."""
     mode = _check(x, w, offs)
     if out is not None:
-        _check_out(out, _result_shape(mode, x, w, offs), x)
+        _check_out(out, _result_shape(mode, x, w, offs), x, w)
     if mode == "3d3d":
         c = matmul(x, w)
     elif mode == "2d3d":

@@ -389,7 +389,8 @@ _matmul_op = TrainableOp(
 
 def _check_out(a, b, out):
     """`out` must be exactly the result's shape, a's dtype and device (no broadcasting)."""
-    validate.out("matmul", out, (*a.shape[:-1], b.shape[-1]), a.dtype, a.device)
+    validate.out("matmul", out, (*a.shape[:-1], b.shape[-1]), a.dtype, a.device,
+                 kept={"a": a, "b": b})
 
 
 def matmul(a, b, *, out=None):
@@ -397,8 +398,9 @@ def matmul(a, b, *, out=None):
     alike), float32 accumulation, output in the input dtype. Either operand may be a transposed
     (column-major) view: no copies. Any M, N, K. `out`, if given, receives a copy of the result
     (gradients flow through it as through `out.copy_(result)`): it must have the result's shape,
-    a's dtype and device, and be writable (not a leaf that requires grad, no stride-0 dims);
-    else ValueError / TypeError. Differentiable in a and b; works under
+    a's dtype and device, and be writable (not a leaf that requires grad nor a view of one, no
+    stride-0 dims, and no memory of a or b where one of them requires grad); else ValueError /
+    TypeError. Differentiable in a and b; works under
     torch.compile(fullgraph=True)."""
     _check(a, b)
     if out is not None:

@@ -444,8 +444,9 @@ def moe_permute(x, topk_ids, num_experts):
     Nothing is read on the host (no synchronization, CUDA-graph capturable). Ids cannot be
     checked without reading them: a slot whose id is outside [0, E) belongs to no expert; its
     row lands after offs[E-1] (rows grouped_mm leaves as zeros, so it adds nothing through
-    moe_unpermute, as transformers treats expert-parallel sentinels); nothing is ever accessed
-    out of bounds. Differentiable in x (dx[t] = sum_j dx_sorted[inverse[t, j]], summed in
+    moe_unpermute, as transformers treats expert-parallel sentinels; torch._grouped_mm leaves
+    those rows unspecified, so with it zero them, or the slot's weight, before moe_unpermute);
+    nothing is ever accessed out of bounds. Differentiable in x (dx[t] = sum_j dx_sorted[inverse[t, j]], summed in
     float32, deterministic). Works under torch.compile(fullgraph=True). At most 2^31 - 1
     elements in x_sorted."""
     _check_permute(x, topk_ids, num_experts)

@@ -75,10 +75,12 @@ def eps(op, value):
     return float(value)
 
 
-def out(op, t, shape, dtype, device, dtype_of="the inputs'", inputs=None):
+def out(op, t, shape, dtype, device, dtype_of="the inputs'", inputs=None, kept=None):
     """An `out=` tensor: exactly `shape`, `dtype` and `device`, and writable. An op that copies
-    its result into `out` (inputs None) refuses, under grad mode, a leaf that requires grad, as
-    torch's copy_ does; an op whose kernel writes `out` directly while reading `inputs`
+    its result into `out` (inputs None) refuses, under grad mode, a leaf that requires grad or
+    a view of one, as torch's copy_ does, and, where an input in `kept` ({name: tensor}, what
+    its backward may keep) requires grad, memory shared with them (the copy would change what
+    the backward reads); an op whose kernel writes `out` directly while reading `inputs`
     ({name: tensor}) refuses any `out` that requires grad (autograd would not see the write)
     and memory shared with the inputs. Neither takes elements that share memory (an expanded,
     stride-0 dim would be written twice). The memory checks read addresses, which torch.compile
@@ -93,8 +95,11 @@ def out(op, t, shape, dtype, device, dtype_of="the inputs'", inputs=None):
         raise TypeError(f"{op}: out dtype {t.dtype} differs from {dtype_of} {dtype}")
     if t.device != device:
         raise ValueError(f"{op}: out is on {t.device} but the inputs are on {device}")
-    if torch.is_grad_enabled() and t.requires_grad and (inputs is not None or t.is_leaf):
-        what = "a tensor" if inputs is not None else "a leaf tensor"
+    grad = torch.is_grad_enabled()
+    if grad and t.requires_grad and (inputs is not None or t.is_leaf or (
+            t._is_view() and t._base.is_leaf)):
+        what = ("a tensor" if inputs is not None else "a leaf tensor" if t.is_leaf
+                else "a view of a leaf tensor")
         raise ValueError(f"{op}: out is {what} that requires grad, which cannot be written in "
                          "place")
     if torch.compiler.is_compiling():
@@ -102,9 +107,12 @@ def out(op, t, shape, dtype, device, dtype_of="the inputs'", inputs=None):
     if self_overlaps(t):
         raise ValueError(f"{op}: out {tuple(t.shape)} with strides {t.stride()} has elements "
                          "that share memory (an expanded, stride-0 dim?)")
+    if kept and grad and any(other.requires_grad for other in kept.values()):
+        inputs = kept
     for name, other in (inputs or {}).items():
         if overlaps(t, other):
-            raise ValueError(f"{op}: out overlaps {name} in memory")
+            raise ValueError(f"{op}: out overlaps {name} in memory" + (
+                ", which the backward reads" if inputs is kept else ""))
     return t
 
 # ---------------------------------------------------------------------------------------------

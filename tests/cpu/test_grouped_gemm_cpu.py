@@ -158,9 +158,9 @@ def test_out_is_checked_before_any_work():
     x, w, offs = t(8, 4), t(2, 4, 6), offsets(4, 8)
     with pytest.raises(ValueError, match=r"grouped_mm: out has shape \(8, 5\) but the result is "
                                          r"\(8, 6\)"):
-        GG._check_out(t(8, 5), GG._result_shape("2d3d", x, w, offs), x)
+        GG._check_out(t(8, 5), GG._result_shape("2d3d", x, w, offs), x, w)
     with pytest.raises(TypeError, match="grouped_mm: out dtype"):
-        GG._check_out(t(8, 6, dtype=torch.float16), (8, 6), x)
+        GG._check_out(t(8, 6, dtype=torch.float16), (8, 6), x, w)
     assert GG._result_shape("2d2d", t(4, 8), t(8, 6), offsets(2, 8, 8)) == (3, 4, 6)
     assert GG._result_shape("3d3d", t(2, 8, 4), t(2, 4, 6), None) == (2, 8, 6)
 

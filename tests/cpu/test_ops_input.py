@@ -12,6 +12,7 @@ from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from tiletune import validate
 from tiletune.ops import fmha as FA
+from tiletune.ops import grouped_gemm as GG
 from tiletune.ops import matmul as MM
 from tiletune.ops import rms_norm as RN
 from tiletune.space import row_chunks
@@ -177,6 +178,21 @@ def test_out_must_be_writable():
     with pytest.raises(ValueError, match=r"op: out overlaps x in memory"):
         validate.out("op", x[:, :2], (10, 2), torch.float32, x.device, inputs={"x": x[:, 1:]})
     validate.out("op", x[:, :2], (10, 2), torch.float32, x.device, inputs={"x": x[:, 2:]})
+    # torch's copy_ refuses a view of such a leaf too (after the GEMM had run)
+    big = torch.empty(4, 7, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match=r"matmul: out is a view of a leaf tensor that requires"):
+        MM._check_out(a, b, big[:3])
+    # out sharing memory with an input the backward reads, while autograd records
+    sq = torch.zeros(5, 5, dtype=torch.bfloat16)
+    h = sq.clone().requires_grad_() * 1
+    with pytest.raises(ValueError, match=r"matmul: out overlaps a in memory, which the backward"):
+        MM._check_out(h, sq, h)
+    with torch.no_grad():
+        MM._check_out(h, sq, h)
+    MM._check_out(sq, sq, sq)          # nothing requires grad: out may be an input
+    xg, wg = torch.zeros(6, 5, dtype=torch.bfloat16), torch.zeros(2, 5, 5, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"grouped_mm: out overlaps x in memory, which the"):
+        GG._check_out(xg, (6, 5), xg, wg.requires_grad_())
 
 
 def splits(*args, **kw):
