@@ -58,6 +58,7 @@ def _configure_logging():
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
         log.addHandler(handler)
+        log.propagate = False      # (a root handler of the application would print it twice)
         log.setLevel(logging.INFO)
 
 
@@ -237,6 +238,11 @@ _registry = {}
 
 class Autotuner:
     """Tune-once/cache/launch for one kernel family.
+
+    A launch key (the first argument of `launch`) ends with the device index that `launch`
+    gets: the store and the ranks of a job read that last element as 0, so that a winner found
+    on one GPU serves every GPU of the model (`job_key`). A key that does not end with it (an
+    int flag last, say) would have that element read as 0 on a device of that index.
 
     name:    unique op name (store file name, logs).
     kernel:  a bare `ct.kernel`, or a function cfg -> bare kernel when configs pick variants.

@@ -188,17 +188,24 @@ class _AlreadySetUp(Exception):
     """Another process created the table while this one waited for the lock."""
 
 
+def _refuse_foreign(conn):
+    """DatabaseError for a database that neither is a tiletune store nor is empty (read only:
+    run before anything changes the file)."""
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    if version != SCHEMA and (
+            version != 0 or conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]):
+        raise sqlite3.DatabaseError(f"not a tiletune store (user_version {version})")
+    return version
+
+
 def _setup(conn, folder):
     """Create the table (importing old JSON files) in a new database; refuse a foreign one."""
     if conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA:
         return
     try:
         with _transaction(conn):
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version == SCHEMA:
+            if _refuse_foreign(conn) == SCHEMA:
                 raise _AlreadySetUp
-            if version != 0 or conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
-                raise sqlite3.DatabaseError(f"not a tiletune store (user_version {version})")
             conn.execute(f"CREATE TABLE {TABLE} (op TEXT NOT NULL, key TEXT NOT NULL, "
                          "entry TEXT NOT NULL, saved REAL NOT NULL, PRIMARY KEY (op, key))")
             imported = _import_json(conn, folder)
@@ -236,6 +243,7 @@ def _open(path):
     try:
         conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+            _refuse_foreign(conn)       # (switching to WAL would change a foreign file)
             _to_wal(conn)
         conn.execute("PRAGMA synchronous = NORMAL")
         _setup(conn, folder)

@@ -319,6 +319,8 @@ def test_a_foreign_sqlite_database_is_not_written(folder):
     assert len(warned) == 1 and "not a tiletune store" in warned[0]
     with sqlite3.connect(folder / store.DB_NAME) as conn:
         assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master")] == ["notes"]
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"   # not switched
+    assert sorted(p.name for p in folder.iterdir()) == [store.DB_NAME]
 
 
 def test_an_entry_that_is_not_json_is_not_saved(folder):
