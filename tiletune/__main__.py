@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import re
+import sqlite3
 import sys
 
 import tiletune
@@ -124,8 +125,13 @@ def _prune(d, older_than_days, other_gpus=False):
     cuda_tile, tileiras = _installed_versions()
     if tileiras is None:
         print("tileiras version unknown here (no compiler found): it is not checked")
-    removed = store.prune(cuda_tile, tileiras,
-                          None if older_than_days is None else older_than_days * 86400.0, gpus)
+    try:
+        removed = store.prune(cuda_tile, tileiras,
+                              None if older_than_days is None else older_than_days * 86400.0,
+                              gpus, strict=True)
+    except (OSError, sqlite3.Error) as e:
+        print(f"cannot prune {d}: {type(e).__name__}: {e}; nothing pruned")
+        return 1
     for op, n in removed.items():
         print(f"  {op}: removed {n} entr{'y' if n == 1 else 'ies'}")
     total = sum(removed.values())
@@ -159,7 +165,11 @@ def cmd_cache(args):
         elif args.action == "prune":
             return _prune(d, args.older_than, args.other_gpus)
         else:
-            n = store.clear()
+            try:
+                n = store.clear(strict=True)
+            except (OSError, sqlite3.Error) as e:
+                print(f"cannot clear {d}: {type(e).__name__}: {e}; nothing removed")
+                return 1
             print(f"removed {n} entr{'y' if n == 1 else 'ies'} from {d}")
         return 0
     if d is None:

@@ -398,8 +398,10 @@ def entries(op=None):
     return out
 
 
-def clear(op=None):
-    """Delete the store's entries (all ops, or one). Returns the number of entries removed."""
+def clear(op=None, strict=False):
+    """Delete the store's entries (all ops, or one). Returns the number of entries removed.
+    A database that cannot be used: one warning and 0, or with `strict` its error raised (the
+    CLI's `cache clear` reports it)."""
     path = db_path()
     if not _usable(path):
         return 0
@@ -408,6 +410,8 @@ def clear(op=None):
         with _db(path) as conn:
             return conn.execute(sql, args).rowcount
     except (OSError, sqlite3.Error) as e:
+        if strict:
+            raise
         _trouble(path, e)
         return 0
 
@@ -420,11 +424,12 @@ def _part(key, prefix):
     return None
 
 
-def prune(cuda_tile=None, tileiras=None, older_than_s=None, gpus=None):
+def prune(cuda_tile=None, tileiras=None, older_than_s=None, gpus=None, strict=False):
     """Delete the entries whose key names another cuda-tile or tileiras version than the given
     ones (a None version is not checked; a key without that part is kept), if older_than_s is
     given those saved more than that many seconds ago, and if gpus (GPU names) is given those
-    whose key names a GPU model not in it. Returns {op: entries removed}."""
+    whose key names a GPU model not in it. Returns {op: entries removed}. A database that
+    cannot be used: as `clear`."""
     path = db_path()
     if not _usable(path):
         return {}
@@ -442,6 +447,8 @@ def prune(cuda_tile=None, tileiras=None, older_than_s=None, gpus=None):
                     stale.append((op, key))
             conn.executemany(f"DELETE FROM {TABLE} WHERE op = ? AND key = ?", stale)
     except (OSError, sqlite3.Error) as e:
+        if strict:
+            raise
         _trouble(path, e)
         return {}
     out = {}

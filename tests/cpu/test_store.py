@@ -207,6 +207,26 @@ def test_prune_without_a_known_compiler_version_keeps_every_tileiras_version(fol
     assert list(store.entries()[OP]) == [skey(1, ct=ct.__version__)]
 
 
+def test_clear_and_prune_that_cannot_write_the_store_say_so_and_fail(folder, monkeypatch,
+                                                                      capsys):
+    """A store another process holds locked past the busy timeout: `cache clear` and `cache
+    prune` report it and exit 1 instead of printing that 0 entries were removed."""
+    store.save(OP, skey(1, ct="0.9.0"), {"config": {}})
+    monkeypatch.setattr(store, "BUSY_TIMEOUT_S", 0.05)
+    store._conns.clear()
+    holder = sqlite3.connect(folder / store.DB_NAME, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        for action in ("clear", "prune"):
+            assert main(["cache", action]) == 1
+            assert f"cannot {action}" in capsys.readouterr().out
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert list(store.entries()[OP]) == [skey(1, ct="0.9.0")]
+    assert main(["cache", "clear"]) == 0 and store.entries() == {}
+
+
 def test_prune_other_gpus_keeps_the_models_this_machine_has(folder, monkeypatch, capsys):
     """--other-gpus deletes the rows keyed by GPU models no visible device has (a key without
     the store key's parts is kept); where no GPU is visible it refuses and deletes nothing."""
