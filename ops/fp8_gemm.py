@@ -1041,6 +1041,8 @@ def _check(a, b, scale_a, scale_b, out_dtype, fast_accum):
     if not isinstance(fast_accum, bool):
         raise TypeError(f"fp8_mm: fast_accum must be a bool, got {type(fast_accum).__name__}")
     scaling = _scaling(M, N, K, scale_a, scale_b)
+    if torch.is_grad_enabled():
+        _refuse_grad("fp8_mm", tensors)
     # the dtypes are checked above; where all four are on one CUDA device, four integer reads
     # say so (eagerly: the traced call and any mismatch take the checks that name the argument)
     dev = -1 if torch.compiler.is_compiling() else a.get_device()
@@ -1050,6 +1052,17 @@ def _check(a, b, scale_a, scale_b, out_dtype, fast_accum):
         for name, t in tensors:
             validate.tensor("fp8_mm", name, t, device=device, dtypes=_ANY_OPERAND)
     return scaling
+
+
+def _refuse_grad(op, tensors):
+    """Under grad mode, an input that requires grad: ValueError. The op has no gradient (as
+    torch._scaled_mm and a cast to FP8 have none to give): its output would silently cut the
+    graph."""
+    for name, t in tensors:
+        if t.requires_grad:
+            raise ValueError(f"{op}: {name} requires grad, but {op} is not differentiable; "
+                             "detach it or call under torch.no_grad() (fp8_linear trains "
+                             "with FP8 GEMMs)")
 
 
 def _check_arch(op, name, t):
@@ -1160,7 +1173,8 @@ def fp8_mm(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, fast_accum=False
 
     `out`, if given, receives the result: exactly (M, N), out_dtype, on a's device, not
     overlapping an input, not requiring grad. Needs compute capability 9.0 or newer (ValueError
-    below). Not differentiable, as torch._scaled_mm is not. Works under
+    below). Not differentiable, as torch._scaled_mm is not: an input that requires grad, under
+    grad mode, is a ValueError (its output would cut the graph). Works under
     torch.compile(fullgraph=True).
     """
     scaling = _check(a, b, scale_a, scale_b, out_dtype, fast_accum)
@@ -1236,6 +1250,8 @@ def _check_quantize(x, granularity, dtype, op="quantize_fp8"):
     if dtype not in FP8_DTYPES:
         raise TypeError(f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
     validate.tensor(op, "x", x, dtypes=IN_DTYPES)
+    if torch.is_grad_enabled():
+        _refuse_grad(op, (("x", x),))
 
 
 def _quantize_raw(x, granularity, dtype):
@@ -1324,7 +1340,8 @@ def quantize_fp8(x, granularity="tensor", dtype=torch.float8_e4m3fn):
                       blocks; for b pass b = w_fp8.t(), scale_b = scales.t().
     dtype: float8_e4m3fn (max 448) or float8_e5m2 (max 57344). For x and x^T together (a
     tensor two GEMMs read in different majors): quantize_fp8_pair. Needs compute capability
-    9.0 or newer. Works under torch.compile(fullgraph=True)."""
+    9.0 or newer. Not differentiable: an x that requires grad, under grad mode, is a ValueError.
+    Works under torch.compile(fullgraph=True)."""
     _check_quantize(x, granularity, dtype)
     if torch.compiler.is_compiling():
         q, s = _quantize_op(x, granularity, dtype)

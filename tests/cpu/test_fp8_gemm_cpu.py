@@ -289,6 +289,27 @@ def test_archs_below_sm90_are_refused_before_any_work(monkeypatch):
     F8._check_arch("fp8_mm", "a", A)
 
 
+def test_inputs_that_require_grad_are_refused_under_grad_mode(monkeypatch):
+    """The FP8 GEMM and the quantizers have no gradient: an input that requires grad would
+    silently cut the graph, so it is refused by name (under no_grad it is fine)."""
+    from tiletune import validate
+    monkeypatch.setattr(validate, "tensor", lambda op, name, t, **kw: t)
+    a, b = t(64, 128), t(128, 32)
+    scale = torch.ones((), requires_grad=True)
+    with pytest.raises(ValueError, match="^fp8_mm: scale_b requires grad, but fp8_mm is not "
+                                         "differentiable"):
+        fp8_mm(a, b, torch.ones(()), scale)
+    x = torch.randn(64, 128, dtype=BF16, requires_grad=True)
+    for op, call in (("quantize_fp8", lambda: quantize_fp8(x, "row")),
+                     ("quantize_fp8_pair", lambda: F8.quantize_fp8_pair(x))):
+        with pytest.raises(ValueError, match=f"^{op}: x requires grad, but {op} is not"):
+            call()
+    monkeypatch.setattr(F8, "_check_arch", lambda *a: None)
+    monkeypatch.setattr(F8, "_fp8_mm", lambda *a: "ran")
+    with torch.no_grad():
+        assert fp8_mm(a, b, torch.ones(()), scale) == "ran"
+
+
 def test_out_is_checked():
     a, b = t(64, 128), t(128, 32)
     inputs = {"a": a, "b": b}
