@@ -962,8 +962,9 @@ def launch_decode(q, k, v, used, o, lse, causal, offset, scale):
 def launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale, packed=None,
                cu_q=None, cu_k=None):
     """dq, dk, dv and delta (B*Hq, Sq) float32 written in place (a packed batch as in
-    launch_fwd). The dQ kernel runs (and on a miss is tuned) first: it writes delta, which
-    the dK/dV kernel reads."""
+    launch_fwd); dk and dv None: keys and values that need no gradient, no dK/dV launch. The
+    dQ kernel runs (and on a miss is tuned) first: it writes delta, which the dK/dV kernel
+    reads."""
     dev = q.get_device()
     if packed is None:
         cu_q = cu_k = _unread(q, dev)
@@ -971,8 +972,9 @@ def launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale, pa
     lse2, qk_scale, td = _flat(lse), scale * LOG2E, head_tile(q.shape[3])
     _dq.launch(key, dev, q, k, v, o, do, lse2, delta, dq, cu_q, cu_k, qk_scale, scale, offset, td,
                causal, packed)
-    _dkdv.launch(key, dev, q, k, v, do, lse2, delta, dk, dv, cu_q, cu_k, qk_scale, scale, offset,
-                 td, causal, packed)
+    if dk is not None:
+        _dkdv.launch(key, dev, q, k, v, do, lse2, delta, dk, dv, cu_q, cu_k, qk_scale, scale,
+                     offset, td, causal, packed)
 
 
 
@@ -1133,12 +1135,25 @@ def _forward(q, k, v, causal, offset, scale, used=None, keep_lse=True):
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, causal, offset, scale):
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _kv_grads(k, v, needs):
+    """dk and dv, or None for both where neither needs a gradient (frozen keys and values:
+    the dK/dV kernel, most of the backward's work, is not launched)."""
+    if needs[1] or needs[2]:
+        return torch.empty_like(k), torch.empty_like(v)
+    return None, None
+
+
+def _zeros(*grads):
+    return tuple(g if g is None else g.zero_() for g in grads)
+
+
+def _backward(do, q, k, v, o, lse, causal, offset, scale, needs=(True, True, True)):
+    dq = torch.empty_like(q)
+    dk, dv = _kv_grads(k, v, needs)
     if 0 in do.stride() and do.numel():  # expanded gradients (e.g. of .sum()): one real copy
         do = do.contiguous()
     if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return _zeros(dq, dk, dv)
     B, hq, sq, _ = q.shape
     delta = _rows(B * hq, sq, like=q)
     launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale)
@@ -1166,17 +1181,19 @@ def _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     return o, lse
 
 
-def _varlen_backward(do, q, k, v, cu_q, cu_k, o, lse, max_q, max_k, causal, scale):
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _varlen_backward(do, q, k, v, cu_q, cu_k, o, lse, max_q, max_k, causal, scale,
+                     needs=(True, True, True)):
+    dq = torch.empty_like(q)
+    dk, dv = _kv_grads(k, v, needs)
     if 0 in do.stride() and do.numel():
         do = do.contiguous()
     batch = cu_q.shape[0] - 1
     if q.numel() == 0 or k.numel() == 0 or batch == 0 or max_q == 0 or max_k == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return _zeros(dq, dk, dv)
     delta = _rows(q.shape[1], q.shape[0], like=q)
     launch_bwd(_packed(do), _packed(q), _packed(k), _packed(v), _packed(o), lse, _packed(dq),
-               _packed(dk), _packed(dv), delta, causal, 0, scale, (batch, max_q, max_k), cu_q,
-               cu_k)
+               None if dk is None else _packed(dk), None if dv is None else _packed(dv), delta,
+               causal, 0, scale, (batch, max_q, max_k), cu_q, cu_k)
     return dq, dk, dv
 
 
@@ -1192,12 +1209,12 @@ _fmha = TrainableOp(
         torch.empty_like(q), _rows(*q.shape[:3], like=q)),
     save=lambda args, results: ((*args[:3], *results), args[3:6]),
     backward=lambda needs, do, q, k, v, o, lse, causal, offset, scale: _backward(
-        do, q, k, v, o, lse, causal, offset, scale),
+        do, q, k, v, o, lse, causal, offset, scale, needs),
     backward_schema="(bool[] needs, Tensor grad, Tensor q, Tensor k, Tensor v, Tensor o, "
                     "Tensor lse, bool causal, SymInt offset, float scale) "
-                    "-> (Tensor, Tensor, Tensor)",
+                    "-> (Tensor, Tensor?, Tensor?)",
     backward_fake=lambda needs, do, q, k, v, o, lse, causal, offset, scale: (
-        torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)),
+        torch.empty_like(q), *_kv_grads(k, v, needs)),
     inference=lambda q, k, v, causal, offset, scale, used=None: _forward(
         q, k, v, causal, offset, scale, used, keep_lse=False)[0])
 
@@ -1226,12 +1243,12 @@ _fmha_varlen = TrainableOp(
     forward_fake=lambda q, k, v, cu_q, cu_k, max_q, max_k, causal, scale: (
         torch.empty_like(q), _rows(1, q.shape[1], q.shape[0], like=q)),
     save=lambda args, results: ((*args[:5], *results), args[5:]),
-    backward=lambda needs, do, *saved: _varlen_backward(do, *saved),
+    backward=lambda needs, do, *saved: _varlen_backward(do, *saved, needs),
     backward_schema="(bool[] needs, Tensor grad, Tensor q, Tensor k, Tensor v, Tensor cu_q, "
                     "Tensor cu_k, Tensor o, Tensor lse, SymInt max_q, SymInt max_k, "
-                    "bool causal, float scale) -> (Tensor, Tensor, Tensor)",
+                    "bool causal, float scale) -> (Tensor, Tensor?, Tensor?)",
     backward_fake=lambda needs, do, q, k, v, *rest: (
-        torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
+        torch.empty_like(q), *_kv_grads(k, v, needs)))
 
 
 def fmha(q, k, v, *, causal=False, scale=None, seqused_k=None):

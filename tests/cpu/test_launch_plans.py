@@ -62,6 +62,25 @@ def test_a_frozen_norm_weight_gets_no_gradient_and_no_column_sum(defaults, n):
         assert len(sums) == need_wq + need_wk
 
 
+def test_frozen_keys_and_values_launch_no_dkdv_kernel(defaults):
+    """Cross-attention to a frozen encoder, frozen K/V: the backward launches the dQ kernel
+    only (it writes delta, which dK/dV would read) and gives k and v no gradient."""
+    q, kv = torch.randn(1, 4, 8, 64, dtype=BF16), torch.randn(1, 2, 8, 64, dtype=BF16)
+    o, lse = torch.empty_like(q), torch.empty(1, 4, 8)
+    for needs in ((True, True, True), (True, False, False), (False, False, True)):
+        defaults.clear()
+        dq, dk, dv = FM._backward(q, q, kv, kv, o, lse, True, 0, 0.125, needs)
+        kernels = [kernel for _, kernel, _ in defaults]
+        assert kernels[0] == "fmha_bwd_dq kernel" and dq.shape == q.shape
+        assert (len(kernels) == 2) is (dk is not None) is (needs[1] or needs[2])
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    packed = torch.randn(8, 4, 64, dtype=BF16)
+    defaults.clear()
+    _, dk, dv = FM._varlen_backward(packed, packed, packed[:, :2], packed[:, :2], cu, cu, packed,
+                                    torch.empty(1, 4, 8), 5, 5, True, 0.125, (True, False, False))
+    assert dk is None and dv is None and len(defaults) == 1
+
+
 def _rms_norm_wide_backward(n):
     """Its row-coefficient launch (the column launches' grids take scratch: computed per call)."""
     x, w = torch.randn(n, 40000, dtype=BF16), torch.ones(40000, dtype=BF16)
