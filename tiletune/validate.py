@@ -1,6 +1,8 @@
 """Input checks shared by the op wrappers: clear TypeError/ValueError naming the function and the
 argument; and what a tensor written in place must satisfy (no leaf that requires grad, no
 overlapping memory)."""
+import numbers
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -68,7 +70,7 @@ _INF = float("inf")
 def eps(op, value):
     if value.__class__ is float and 0.0 <= value < _INF:     # the common case, first
         return value
-    if isinstance(value, bool) or not isinstance(value, (float, int)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):    # (numpy's too)
         raise TypeError(f"{op}: eps must be a float, got {type(value).__name__}")
     if not value >= 0.0 or value == _INF:
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {value}")

@@ -6,6 +6,7 @@ int32-safe row chunks and its refusal of rows wider than 2^31 - 1 elements."""
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
@@ -292,7 +293,9 @@ def test_rms_norm_refuses_an_empty_hidden_dim_and_rope_a_rotary_dim_that_is_no_i
     q, k = torch.zeros(1, 4, 8, 16), torch.zeros(1, 2, 8, 16)
     cos = sin = torch.zeros(8, 16)
     assert prepare("apply_rope", q, k, cos, sin, None, 8)[3] == 8
-    for bad in ("8", 8.0, True):
+    assert prepare("apply_rope", q, k, cos, sin, None, np.int64(8))[3] == 8      # numpy's too
+    assert validate.eps("rms_norm", np.float32(0.5)) == 0.5
+    for bad in ("8", 8.0, True, torch.tensor(8)):
         with pytest.raises(TypeError, match="apply_rope: rotary_dim must be an int or None"):
             prepare("apply_rope", q, k, cos, sin, None, bad)
 
