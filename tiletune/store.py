@@ -495,7 +495,9 @@ def shipped_source():
         return SHIPPED_DIR
     if env.flag_off(value):
         return None
-    return os.path.expanduser(value.strip())
+    # a relative path resolved at its first use, as the store's folder (os.chdir moves neither)
+    return _folders.setdefault(("shipped", value),
+                               os.path.abspath(os.path.expanduser(value.strip())))
 
 
 def _any_device(key):

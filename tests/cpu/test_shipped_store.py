@@ -116,6 +116,16 @@ def test_unset_or_on_reads_the_package_folder(monkeypatch, value):
     assert store.SHIPPED_DIR == os.path.join(os.path.dirname(store.__file__), "shipped")
 
 
+def test_a_relative_shipped_path_is_one_path_whatever_the_cwd(shipped, monkeypatch, tmp_path):
+    ship(shipped, [(OP, skey(), entry())])
+    monkeypatch.chdir(shipped.parent)
+    monkeypatch.setattr(store, "_folders", {})
+    monkeypatch.setenv("TILETUNE_SHIPPED", shipped.name)
+    assert store.shipped_source() == str(shipped)
+    monkeypatch.chdir(tmp_path)
+    assert store.shipped_source() == str(shipped) and store.load(OP, skey()) is not None
+
+
 def test_the_package_folder_holds_only_well_formed_shipped_files(monkeypatch):
     monkeypatch.delenv("TILETUNE_SHIPPED", raising=False)
     paths = [p for p, _, _ in store._shipped_files(store.SHIPPED_DIR)]
