@@ -10,7 +10,7 @@ from tiletune.cases import fmha as FC
 from tiletune.ops import fmha as FM
 from tiletune.ops.fmha import fmha, scaled_dot_product_attention
 
-from .conftest import each_config, poison_allocator, tuned_or_disabled
+from .conftest import disable_autotune, each_config, poison_allocator, tuned_or_disabled
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}     # relative Frobenius error
 
@@ -119,6 +119,27 @@ def test_forward_backward(fresh, monkeypatch, case, disable):
     else:
         assert all(t.searches == 1 for t in DENSE)         # the TUNED cases: Sq > 16
         assert all(r.source == "search" for t in DENSE for r in t.records.values())
+
+
+def test_frozen_keys_and_values_get_no_gradient_and_q_the_right_one(fresh, monkeypatch):
+    """Only q requires grad (cross-attention to a frozen encoder): no dK/dV launch, dq against
+    float64; only k and v: all three kernels."""
+    disable_autotune(monkeypatch)
+    q, k, v = make(2, 8, 2, 300, 517, 64, torch.bfloat16)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference(q64, k64, v64, True, 517 - 300, 0.125)
+    qg = q.detach().requires_grad_()
+    poison_allocator(torch)
+    o = fmha(qg, k, v, causal=True)
+    do = torch.randn_like(o)
+    (dq,) = torch.autograd.grad(o, qg, do)
+    (eq,) = torch.autograd.grad(ref, q64, do.double(), retain_graph=True)
+    assert rel(dq, eq) < TOL[torch.bfloat16]
+    assert FM._dq.records and not FM._dkdv.records       # (DISABLE_AUTOTUNE records each key)
+    kg, vg = k.detach().requires_grad_(), v.detach().requires_grad_()
+    dk, dv = torch.autograd.grad(fmha(q, kg, vg, causal=True), (kg, vg), do)
+    ek, ev = torch.autograd.grad(ref, (k64, v64), do.double())
+    assert rel(dk, ek) < TOL[torch.bfloat16] and rel(dv, ev) < TOL[torch.bfloat16]
 
 
 @pytest.mark.slow

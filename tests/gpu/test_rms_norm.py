@@ -330,12 +330,14 @@ def test_non_contiguous_input(fresh):
 def test_batched_rows_in_other_layouts(fresh):
     """(B, S, N) views, forward and backward against float64: rows of a wider tensor (the
     kernels view it as rows), the batch and sequence dims swapped (copied as rows), one position
-    of a longer sequence (an (M, N) view)."""
+    of a longer sequence (an (M, N) view), a (B, 1, S, N) slice of a longer cache."""
     w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
     wide = torch.randn(2, 48, 4160, device="cuda", dtype=torch.bfloat16)[..., :4096]
     swapped = torch.randn(48, 2, 4096, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
     last = torch.randn(6, 33, 4096, device="cuda", dtype=torch.bfloat16)[:, -1:]
-    for x in (wide, swapped, last):
+    # (B, 1, S, N) of a longer buffer: rows that do not merge across the size-1 dim
+    cache = torch.randn(3, 1, 40, 4096, device="cuda", dtype=torch.bfloat16)[:, :, :17]
+    for x in (wide, swapped, last, cache):
         poison_allocator(torch)
         xr, wr = x.detach().requires_grad_(), w.detach().clone().requires_grad_()
         y = rms_norm(xr, wr)
@@ -347,6 +349,22 @@ def test_batched_rows_in_other_layouts(fresh):
         ref.backward(dy.double())
         assert rel(xr.grad, ref_x.grad) < 2 * TOL[torch.bfloat16]
         assert rel(wr.grad, ref_w.grad) < 2 * TOL[torch.bfloat16]
+
+
+def test_frozen_weight_gets_no_gradient_and_x_the_right_one(fresh):
+    """LoRA-style: the weight needs no gradient (no column-sum launch); dx against float64, in
+    one tile and in wide rows."""
+    for shape in ((37, 4096), (5, 20000)):
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        w = torch.rand(shape[-1], device="cuda", dtype=torch.bfloat16) + 0.5
+        poison_allocator(torch)
+        y = rms_norm(x, w)
+        dy = torch.randn_like(y)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        x64 = x.detach().double().requires_grad_()
+        (ex,) = torch.autograd.grad(reference(x64, w.double(), 1e-6), x64, dy.double())
+        assert rel(dx, ex) < 2 * TOL[torch.bfloat16]
+    assert not partials._column_sum.records
 
 
 def test_merged_rows_reach_the_kernels_without_a_view(fresh, monkeypatch):

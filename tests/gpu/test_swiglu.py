@@ -186,6 +186,18 @@ def test_other_layouts(fresh, monkeypatch):
     check("swiglu", [g, u], split=lambda a, b: (a, b.expand(33, 4096)))
 
 
+@pytest.mark.parametrize("tuned", [False, True], ids=["default", "tuned"])
+def test_one_dim_and_rows_that_do_not_merge(fresh, monkeypatch, tuned):
+    """A 1-D gate and up (one row; the outputs are 1-D too), and (B, 1, S, N) slices of a longer
+    buffer, whose rows do not merge across the size-1 dim."""
+    if not tuned:
+        disable_autotune(monkeypatch)
+    for n in (64, 4097):
+        check("swiglu", make((n,), BF16))
+    g, u = make((3, 1, 9, 1001), BF16)
+    check("swiglu", [g, u], split=lambda a, b: (a[:, :, :5], b[:, :, :5]))
+
+
 @pytest.mark.parametrize("shape", [(0, 4096), (3, 0), (2, 0, 64)], ids=str)
 def test_empty_input(fresh, shape):
     g = torch.randn(shape, device="cuda", requires_grad=True)
