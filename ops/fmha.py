@@ -287,8 +287,11 @@ def fmha_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, cu_q, cu_k, qk_scale, sca
                        CAUSAL: ct.Constant[bool], PACKED: ct.Constant[bool]):
     """delta (B*Hq, Sq) = rowsum(dO * O) and dq = scale * dS k for one query tile.
     cdiv(Sq, TM) tiles x B*Hq heads, each head's last tile (under a causal mask the heaviest)
-    first. Rows past Sq and keys past Sk need no mask: their q/dO (resp. k/v) tiles are
-    zero-padded, so they add exactly 0 (LSE2/delta pad with 0: finite P)."""
+    first. Rows past Sq need no mask: their q/dO tiles are zero-padded, so they add exactly 0
+    (LSE2/delta pad with 0: finite P). Keys past Sk are masked in P: their zero scores give
+    P = 2^-LSE2, which overflows q's dtype in dS (then inf x their zero k rows = NaN) for a
+    row whose every score is far below zero. Under CAUSAL the diagonal's mask does it where
+    each row's last visible key is below Sk (bottom-right: every row)."""
     m, b, h, hk, bh, q0, q1 = _query_block(q, k, cu_q, True, PACKED)
     if PACKED:
         if m * TM >= q1 - q0:
@@ -314,9 +317,11 @@ def fmha_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, cu_q, cu_k, qk_scale, sca
         vt = _tile(v, b, hk, n, TN, TD)
         s = ct.mma(qt, ct.transpose(kt), ct.zeros((TM, TN), ct.float32))
         p = ct.exp2(s * qk_scale - lse2, flush_to_zero=True)          # [TM, TN]
-        if CAUSAL:
-            if n >= n_mask:
+        if n >= n_mask:
+            if CAUSAL:
                 p = ct.where(n * TN + cols <= last_key, p, 0.0)
+            else:
+                p = ct.where(n * TN + cols < sk, p, 0.0)
         dp = ct.mma(dot, ct.transpose(vt), ct.zeros((TM, TN), ct.float32))
         ds = p * (dp - dl)
         acc = ct.mma(ds.astype(q.dtype), kt, acc)

@@ -311,6 +311,7 @@ class Autotuner:
                                  # (unless no failure was its config's: `_of_the_moment`)
         self._hinted = {}        # (bare kernel, hints, device) -> the one object built with them
         self._unproven = {}      # key -> store key of a stored winner not yet launched
+        self._again = set()      # keys a job decided as failed for the moment: next round
         self._warned_capture = False
         self.launch = self._fast_path()
         _registry[name] = self
@@ -637,13 +638,19 @@ class Autotuner:
         mine = None
         if cfg is not None:       # this rank's stored winner: published as the decision
             mine = _as_json(dict(stored, config=config_dict(cfg)))
+        again = key in self._again
+        self._again.discard(key)
         outcome = agreement.agree(self.agreement_name(key, dev, cfgs), len(cfgs), measure,
-                                  conclude, stored=mine, fresh=not use_store)
+                                  conclude, stored=mine, fresh=again or not use_store)
         entry = outcome.entry
         if "failed" in entry:
             failures = [tuple(f) for f in entry["failed"]]
             error = TuningFailedError(self.name, key, failures)
-            if not _of_the_moment([{"error": f[1], "message": f[2]} for f in failures]):
+            if _of_the_moment([{"error": f[1], "message": f[2]} for f in failures]):
+                # the decision stands for this round: every rank that read it opens the key's
+                # next round at its next call (each counts its own rounds, so they meet there)
+                self._again.add(key)
+            else:
                 self._failed[key] = error
             raise error
         decided = self._find(cfgs, entry.get("config"))
@@ -923,6 +930,7 @@ class Autotuner:
     def clear(self):
         self.searches = 0
         self._failed.clear()
+        self._again.clear()
         self._unproven.clear()
         self.cache.clear()
         self._plans.clear()

@@ -342,6 +342,42 @@ def test_a_key_first_met_in_capture_becomes_the_jobs_decision(engine, monkeypatc
         distributed.clear_process_group()
 
 
+def test_a_job_decision_failed_for_the_moment_opens_the_keys_next_round(engine, monkeypatch):
+    """Every config failed out of memory (no verdict on any of them): the job's decision for
+    the key is that failure, and each rank that read it searches the key's next round at its
+    next call, as a single process searches again, instead of raising it for the job's life.
+    A failure of the configs' own stays decided."""
+    x, t = torch.zeros(4), engine.tuner
+    real_search = cuda.tile.tune.exhaustive_search
+
+    def out_of_memory(stream, grid, kernel, args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    distributed.set_process_group(store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for error, again in ((out_of_memory, True), (None, False)):
+            key = (16 if again else 32, 0)
+            if error is None:
+                monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: ("TileTypeError", "bad"))
+            else:
+                monkeypatch.setattr(ct, "launch", error)
+            monkeypatch.setattr(cuda.tile.tune, "exhaustive_search",
+                                lambda *a, **k: (_ for _ in ()).throw(ValueError("No valid config")))
+            with pytest.raises(autotune.TuningFailedError):
+                t.launch(key, 0, x, key[0])
+            monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args: None)
+            monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", real_search)
+            searched = len(engine.searched)
+            if again:
+                t.launch(key, 0, x, key[0])
+                assert len(engine.searched) == searched + 1 and key in t.cache
+            else:
+                with pytest.raises(autotune.TuningFailedError):
+                    t.launch(key, 0, x, key[0])
+                assert len(engine.searched) == searched
+    finally:
+        distributed.clear_process_group()
+
+
 def test_an_adopted_decision_that_fails_to_launch_is_searched_again_in_the_next_round(
         engine, monkeypatch, caplog):
     """A decision this rank adopted without timing it (another rank's stored winner, say one
