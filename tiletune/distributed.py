@@ -53,6 +53,7 @@ persistent store), so rank 3 on cuda:3 meets the key rank 0 meets on cuda:0; in 
 keep their device, so a process that drives several GPUs never launches one device's kernel on
 another.
 """
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -315,17 +316,40 @@ class Agreement:
         keys = [f"{ns}/c{c}" for c in range(chunks)]
         if self._set_once(ns + "/fin", str(self.rank)) == str(self.rank):
             out.role = "finisher"
-            found = self._await_all(ns, keys, out, "the timings of configs another rank took")
-            if isinstance(found, dict):
-                return self._adopt(found, out, "finisher")
-            return self._finish(ns, chunk, keys, measure, conclude, out)
+            with self._giving_up_on_error(ns):
+                found = self._await_all(ns, keys, out, "the timings of configs another rank took")
+                if isinstance(found, dict):
+                    return self._adopt(found, out, "finisher")
+                return self._finish(ns, chunk, keys, measure, conclude, out)
         out.role = "helper" if out.timed else "waiter"
-        found = self._wait(lambda: self._decided(ns), out, time.monotonic() + self.timeout)
-        if found is not None:
-            return self._adopt(found, out, out.role)
-        self._timed_out("the decision of the finishing rank")
-        out.took_over = True
+        if self._await_decision(ns, out) is not None:
+            return out
         return self._finish(ns, chunk, keys, measure, conclude, out)
+
+    @contextlib.contextmanager
+    def _giving_up_on_error(self, ns):
+        """The finishing rank's work: where it raises, the rank says so before the error
+        propagates, so that a waiting rank concludes at once instead of after its timeout."""
+        try:
+            yield
+        except BaseException:
+            self.store.set(ns + "/gave_up", str(self.rank))
+            raise
+
+    def _await_decision(self, ns, out):
+        """Wait for the finishing rank's decision: adopt it (returns out), or, where that rank
+        raised or the timeout passed (`_timed_out`), return None for this rank to conclude."""
+        found = self._wait(lambda: self._decided(ns) or self._get(ns + "/gave_up"), out,
+                           time.monotonic() + self.timeout)
+        if isinstance(found, dict):
+            return self._adopt(found, out, out.role)
+        if found is None:
+            self._timed_out("the decision of the finishing rank")
+        else:
+            log.warning("tiletune: rank %s, which was concluding a key, raised; rank %s "
+                        "concludes it", found, self.rank)
+        out.took_over = True
+        return None
 
     def _await_all(self, ns, keys, out, what):
         """Wait until every store key in `keys` is set (True) or the key is decided (the
@@ -379,22 +403,21 @@ class Agreement:
             raise error
         if self._set_once(ns + "/fin", str(self.rank)) != str(self.rank):
             out.role = "helper"
-            found = self._wait(lambda: self._decided(ns), out, time.monotonic() + self.timeout)
-            if found is not None:
-                return self._adopt(found, out, "helper")
-            self._timed_out("the decision of the finishing rank")
-            out.took_over = True
+            if self._await_decision(ns, out) is not None:
+                return out
             return self._conclude(ns, *_mean_of([(timings, failures)]), conclude, out)
         out.role = "finisher"
-        members = self.store.add(ns + "/members", 0)    # those that started before this point
-        keys = [f"{ns}/m{m}" for m in range(1, members + 1)]
-        found = self._await_all(ns, keys, out, "the timings of ranks that started on this key")
-        if isinstance(found, dict):
-            return self._adopt(found, out, "finisher")
-        parts = [part for part in (json.loads(text) for text in map(self._get, keys)
-                                   if text is not None) if part != ABANDONED]
-        return self._conclude(ns, *_mean_of([(p["timings"], p["failures"]) for p in parts]),
-                              conclude, out)
+        with self._giving_up_on_error(ns):
+            members = self.store.add(ns + "/members", 0)    # those that started before this
+            keys = [f"{ns}/m{m}" for m in range(1, members + 1)]
+            found = self._await_all(ns, keys, out, "the timings of ranks that started on this "
+                                    "key")
+            if isinstance(found, dict):
+                return self._adopt(found, out, "finisher")
+            parts = [part for part in (json.loads(text) for text in map(self._get, keys)
+                                       if text is not None) if part != ABANDONED]
+            return self._conclude(ns, *_mean_of([(p["timings"], p["failures"]) for p in parts]),
+                                  conclude, out)
 
 
 def _mean_of(parts):

@@ -154,6 +154,31 @@ def test_a_rank_waiting_for_a_stopped_finisher_takes_over():
     assert log == [] and out.entry["config"] == {"i": 3}     # rank 0's timings, none retimed
 
 
+@pytest.mark.parametrize("mode", ["share", "replicate"])
+@pytest.mark.parametrize("policy", ["local", "raise"])
+def test_a_finisher_that_raises_hands_the_key_over_at_once(mode, policy):
+    """The rank concluding a key raises (out of memory in its final round, say): it says so
+    before the error propagates, and the waiting ranks conclude at once (well inside their
+    timeout, whatever on_timeout says, since no rank stopped)."""
+    job, log, raised, lock = ranks(3, timeout=5.0, on_timeout=policy, mode=mode), [], [], \
+        threading.Lock()
+
+    def first_raises(timings, failures):     # the first rank to conclude runs out of memory
+        with lock:
+            if not raised:
+                raised.append(True)
+                raise MemoryError("out of memory in the final round")
+        return conclude(timings, failures)
+    t0 = time.monotonic()
+    outs = together([lambda r=r: job[r].agree("k", 3, fake_measure(r, log, delay=0.1 * r),
+                                              first_raises) for r in range(3)])
+    assert time.monotonic() - t0 < 3.0
+    errors = [o for o in outs if isinstance(o, BaseException)]
+    done = [o for o in outs if not isinstance(o, BaseException)]
+    assert len(errors) == 1 and isinstance(errors[0], MemoryError) and len(done) == 2
+    assert done[0].entry == done[1].entry and any(o.took_over for o in done)
+
+
 def test_a_finisher_times_a_chunk_whose_rank_stopped_or_raises_if_told():
     for policy in ("local", "raise"):
         job = ranks(2, timeout=0.3, on_timeout=policy)
