@@ -25,6 +25,7 @@ The tiletune subclasses only override `forward`; `isinstance` against the HF cla
 Patching twice is harmless; flags add (a second call with a flag off does not undo the first).
 """
 import importlib
+import inspect
 import logging
 import weakref
 from typing import NamedTuple
@@ -340,6 +341,24 @@ def _fusable_qk_norm(attn):
     return q_norm.weight, k_norm.weight, q_norm.variance_epsilon
 
 
+_UPDATE_TAKES_KWARGS = {}
+
+
+def _update_takes_kwargs(cache):
+    """Whether the cache's `update` takes the attention's kwargs as `kwargs=` (transformers'
+    newer caches, the continuous-batching paged cache requiring them), per cache class."""
+    cls = type(cache)
+    takes = _UPDATE_TAKES_KWARGS.get(cls)
+    if takes is None:
+        try:
+            params = inspect.signature(cls.update).parameters.values()
+        except (TypeError, ValueError):
+            params = ()
+        takes = _UPDATE_TAKES_KWARGS[cls] = any(
+            p.name == "kwargs" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    return takes
+
+
 class _AttentionForward:
     """HF's decoder attention (projections, RoPE, cache update, the configured attention
     function, output projection) with tiletune RoPE, fused with the per-head QK-norm where the
@@ -369,7 +388,10 @@ class _AttentionForward:
 
         cache = past_key_values if cache is None else cache    # `cache`: its newer name
         if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
+            if _update_takes_kwargs(cache):      # (transformers 5.25's call; 5.17's has none)
+                key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+            else:
+                key, value = cache.update(key, value, self.layer_idx)
 
         modeling = self._hf_module
         attention_interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(

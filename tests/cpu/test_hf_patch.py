@@ -360,6 +360,32 @@ def test_generation_with_cache_matches_hf(ops):
     assert ops["attention"] == 2 * 4
 
 
+def test_continuous_batching_generation_matches_hf(ops):
+    """transformers' continuous batching (`generate_batch`, what `transformers serve` runs)
+    passes its paged cache, whose `update` takes the attention's kwargs: a patched model
+    generates what the unpatched one does (and a cache of the older `update` signature is
+    called without them)."""
+    model = build("llama").eval()
+    reference = copy.deepcopy(model)
+    hf.apply_tiletune(model, attention=False)
+    if not hasattr(model, "generate_batch"):
+        pytest.skip("this transformers has no continuous batching")
+    from transformers import GenerationConfig
+    gc = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    prompts = [[1, 2, 3], [4, 5]]
+    got = model.generate_batch(prompts, generation_config=gc, warmup=False)
+    tokens = [o.generated_tokens for o in got.values()]
+    expect = [reference.generate(torch.tensor([p]), max_new_tokens=3, do_sample=False,
+                                 eos_token_id=-1, pad_token_id=0)[0, len(p):].tolist()
+              for p in prompts]
+    assert tokens == expect
+
+    class OldCache:
+        def update(self, key, value, layer_idx, cache_kwargs=None):
+            return key, value
+    assert not hf._update_takes_kwargs(OldCache())
+
+
 def test_model_generate_steps_at_the_given_cache_lengths(ops, monkeypatch):
     """`tune --generate`'s runner: the prompt with a KV cache, then one-token steps whose
     attention sees exactly the asked cache lengths (the cache filled with random entries in
