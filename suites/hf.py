@@ -331,9 +331,15 @@ class _ExpertsForward:
 
 def _fusable_qk_norm(attn):
     """(q_weight, k_weight, eps) when attn's q_norm and k_norm are tiletune RMSNorms with one
-    eps (then norm + RoPE run as one kernel), else None."""
+    eps and nothing that must see their calls (hooks of their own or global ones, a forward
+    set on the instance: the fused kernel reads their weights without calling them), then
+    norm + RoPE run as one kernel; else None."""
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     if not (isinstance(q_norm, _RMSNormForward) and isinstance(k_norm, _RMSNormForward)):
+        return None
+    if _global_forward_hooks or _global_forward_pre_hooks or any(
+            n._forward_hooks or n._forward_pre_hooks or "forward" in n.__dict__
+            for n in (q_norm, k_norm)):
         return None
     if q_norm.variance_epsilon != k_norm.variance_epsilon or \
             q_norm.weight.dtype != k_norm.weight.dtype:

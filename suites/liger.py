@@ -108,8 +108,9 @@ def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rot
     kernel reads (B, H, S, D) whatever its value); other values are refused.
     cos/sin: (S, R), (1, S, R), (B, S, R), or 4-D with a singleton at unsqueeze_dim or dim 1.
     The rotary width is rotary_dim, else cos's width (at most D). cos/sin may hold only the
-    first half of each row (width rotary_dim / 2, as GPT-OSS builds them). position_ids is
-    ignored."""
+    first half of each row (width rotary_dim / 2, as GPT-OSS builds them); without rotary_dim,
+    a width of D / 2 reads that way (the whole head rotates, as Liger's kernel reads it: pass
+    rotary_dim for a partial rotation of D / 2). position_ids is ignored."""
     op = "liger_rotary_pos_emb"
     if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in (1, 2):
         raise ValueError(f"{op}: unsqueeze_dim must be 1 ((B, H, S, D) q/k) or 2 ((B, S, H, D)), "
@@ -120,13 +121,13 @@ def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rot
             raise ValueError(f"{op}: 4-D cos/sin need a singleton dim at unsqueeze_dim="
                              f"{unsqueeze_dim} or 1, got {tuple(cos.shape)}")
         cos, sin = cos.squeeze(dim), sin.squeeze(dim)
-    head_dim = q.shape[-1]
-    if rotary_dim is None:
-        rotary_dim = min(cos.shape[-1], head_dim)
-    elif cos.shape[-1] < rotary_dim:
-        if cos.shape[-1] < rotary_dim // 2:
-            raise ValueError(f"{op}: cos/sin have {cos.shape[-1]} columns, fewer than "
-                             f"rotary_dim / 2 = {rotary_dim // 2}")
+    head_dim, width = q.shape[-1], cos.shape[-1]
+    if rotary_dim is None:      # Liger's kernel rotates the whole head from cos's first D/2
+        rotary_dim = head_dim if 2 * width == head_dim else min(width, head_dim)
+    if width < rotary_dim:
+        if 2 * width != rotary_dim:
+            raise ValueError(f"{op}: cos/sin have {width} columns, fewer than rotary_dim "
+                             f"({rotary_dim}) and not rotary_dim / 2 (the first halves)")
         half = rotary_dim // 2          # first halves only: the second half repeats them
         cos = torch.cat((cos[..., :half], cos[..., :half]), -1)
         sin = torch.cat((sin[..., :half], sin[..., :half]), -1)

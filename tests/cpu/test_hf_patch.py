@@ -323,6 +323,21 @@ def test_qwen3_unfused_when_only_rope(ops):
     assert ops["rope"] == 2 and ops["rms_norm_rope"] == 0 and ops["rms_norm"] == 0
 
 
+def test_qwen3_qk_norm_with_a_hook_runs_unfused(ops):
+    """A forward hook on a q_norm sees its call: that layer's norms run as modules (tiletune
+    RMSNorm, then RoPE), the others fused; the step equals HF's with the same hook."""
+    model = build("qwen3")
+    reference = copy.deepcopy(model)
+    hf.apply_tiletune(model)
+    calls = []
+    for m in (model, reference):
+        m.model.layers[0].self_attn.q_norm.register_forward_hook(
+            lambda mod, args, out: calls.append(1) or out * 0.5)
+    assert_same_training_step(model, reference, torch.randint(0, 128, (2, 12)))
+    layers = model.config.num_hidden_layers
+    assert calls and ops["rms_norm_rope"] == layers - 1 and ops["rope"] == 1
+
+
 @pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu"])
 def test_geglu_mlp(ops, act):
     model = build("llama", hidden_act=act)

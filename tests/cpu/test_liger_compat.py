@@ -149,6 +149,14 @@ def test_rope_rotary_dim_and_half_width_cos(refs):
     torch.testing.assert_close(qo, rope_reference(q, cos_full, sin_full, R))
     with pytest.raises(ValueError, match="rotary_dim / 2"):
         liger.liger_rotary_pos_emb(q, k, cos_half[..., :2], sin_half[..., :2], rotary_dim=R)
+    with pytest.raises(ValueError, match="rotary_dim / 2"):       # neither R nor R / 2 wide
+        liger.liger_rotary_pos_emb(q, k, cos_full[..., :6], sin_full[..., :6], rotary_dim=R)
+    # without rotary_dim, half-width tables of the whole head (GPT-OSS's, as Liger reads them)
+    freqs = torch.randn(S, D // 2)
+    qo, _ = liger.liger_rotary_pos_emb(q, k, freqs.cos()[None], freqs.sin()[None])
+    full = torch.cat((freqs.cos(),) * 2, -1)[None], torch.cat((freqs.sin(),) * 2, -1)[None]
+    torch.testing.assert_close(qo, rope_reference(q, *full, D))
+    assert refs["rotary_dim"] == D
     with pytest.raises(ValueError, match="unsqueeze_dim=2"):
         liger.liger_rotary_pos_emb(q, k, torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16),
                                    unsqueeze_dim=2)
