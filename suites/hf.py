@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn.modules.module import (_global_forward_hooks,
                                       _global_forward_pre_hooks)
 
-from tiletune.ops.fmha import fmha_varlen, scaled_dot_product_attention
+from tiletune.ops.fmha import MAX_GRID_Y, fmha_varlen, scaled_dot_product_attention
 from tiletune.ops.gated_mlp import swiglu_linear
 from tiletune.ops.moe import MAX_ELEMS, moe_experts
 from tiletune.ops.rms_norm import rms_norm
@@ -134,13 +134,14 @@ class AttentionRoute(NamedTuple):
 
 
 def attention_route(*, q_length, kv_length, head_dim, dtype, on_cuda, has_mask, is_causal,
-                    dropout, has_position_bias=False):
+                    dropout, has_position_bias=False, rows=0):
     """Which attention serves one call: tiletune's FMHA where it computes exactly what
     transformers' SDPA attention computes, else SDPA itself. A pure function of the call's
     shapes and flags (no device work). The kernel serves: no attention mask (plain causal or,
     at q_length 1 or is_causal False, full attention), dropout 0, bf16/fp16 CUDA tensors,
-    head_dim <= 256, no position bias. Anything else (a padding / sliding-window / packed-sequence
-    mask, attention dropout in training, float32, CPU) goes to SDPA."""
+    head_dim <= 256, no position bias, `rows` (batch, or packed sequences, x query heads) within
+    the kernels' grid (MAX_GRID_Y). Anything else (a padding / sliding-window / packed-sequence
+    mask, attention dropout in training, float32, CPU, a larger batch) goes to SDPA."""
     if has_mask:
         reason = "an attention mask (padding, sliding window or packed sequences)"
     elif dropout:
@@ -153,6 +154,8 @@ def attention_route(*, q_length, kv_length, head_dim, dtype, on_cuda, has_mask, 
         reason = f"dtype {dtype} (the kernel takes bfloat16/float16)"
     elif head_dim > 256:
         reason = f"head_dim {head_dim} > 256"
+    elif rows > MAX_GRID_Y:
+        reason = f"batch x query heads {rows} > {MAX_GRID_Y} (the kernels' grid)"
     else:
         causal = bool(is_causal) and q_length > 1
         keys = q_length if causal and kv_length > q_length else kv_length
@@ -198,7 +201,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         q_length=query.shape[2], kv_length=key.shape[2], head_dim=query.shape[3],
         dtype=query.dtype, on_cuda=query.is_cuda,
         has_mask=attention_mask is not None and packed is None, is_causal=is_causal,
-        dropout=dropout, has_position_bias=kwargs.get("position_bias") is not None)
+        dropout=dropout, has_position_bias=kwargs.get("position_bias") is not None,
+        rows=(query.shape[0] if packed is None else packed[0].shape[0] - 1) * query.shape[1])
     if not route.use_kernel:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         _log_once(f"tiletune attention: {route.reason}: using transformers' SDPA attention "

@@ -606,10 +606,12 @@ def test_attention_route():
     assert route(q_length=100, kv_length=4096) == (True, True, 100, "")    # empty static cache
     for kw, reason in ((dict(has_mask=True), "attention mask"), (dict(dropout=0.1), "dropout"),
                        (dict(on_cuda=False), "CUDA"), (dict(dtype=torch.float32), "float32"),
-                       (dict(head_dim=288), "head_dim"), (dict(has_position_bias=True), "bias")):
+                       (dict(head_dim=288), "head_dim"), (dict(has_position_bias=True), "bias"),
+                       (dict(rows=4097 * 16), "grid")):
         r = route(**kw)
         assert not r.use_kernel and reason in r.reason, (kw, r)
     assert not route(has_mask=True, on_cuda=False).use_kernel
+    assert route(rows=65535).use_kernel                      # the kernels' grid holds it
 
 
 def test_packed_batch_runs_fmha_varlen(monkeypatch):
