@@ -656,8 +656,10 @@ def apply_tiletune(model_or_class=None, *, rms_norm=True, rope=True, attention=T
     default to it. Patching again is harmless; `revert` undoes it.
     """
     op = "apply_tiletune"
-    flags = dict(rms_norm=bool(rms_norm), rope=bool(rope), attention=bool(attention),
-                 mlp=bool(mlp), experts=bool(experts))
+    flags = dict(rms_norm=rms_norm, rope=rope, attention=attention, mlp=mlp, experts=experts)
+    for name, value in flags.items():      # ("eager" for attention would read as True)
+        if not isinstance(value, bool):
+            raise TypeError(f"{op}: {name} must be True or False, got {value!r}")
     if attention:
         register_attention()
     if model_or_class is None:
@@ -725,8 +727,17 @@ def _revert_instance(model):
             module.__class__ = original
     attention = _patched_models.pop(model, None)
     top = _top_pretrained(model)
-    if attention is not None and top is not None:
+    if top is None:
+        return
+    if attention is not None:
         top.set_attn_implementation(attention)
+    elif top.config._attn_implementation == ATTENTION_NAME:
+        # no record of what it had (built from a patched class, copied, unpickled):
+        # transformers' default
+        try:
+            top.set_attn_implementation("sdpa")
+        except (ValueError, ImportError):
+            top.set_attn_implementation("eager")
 
 
 def revert(model_or_class=None):

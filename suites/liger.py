@@ -240,8 +240,9 @@ def _liger_entry_point(family):
             if value:
                 raise ValueError(f"{op}: {name}=True is not supported (tiletune has no "
                                  "cross-entropy kernel)")
-        hf._apply_to_family(op, family, model, rms_norm=rms_norm, rope=rope, attention=False,
-                            mlp=swiglu, experts=swiglu)
+        # (Liger reads its flags as truthy values)
+        hf._apply_to_family(op, family, model, rms_norm=bool(rms_norm), rope=bool(rope),
+                            attention=False, mlp=bool(swiglu), experts=bool(swiglu))
 
     experts = " and experts" if family == "qwen3_moe" else ""
     return hf.named(apply, op, f"Liger's `{op}` on tiletune: RMSNorm, RoPE and the SwiGLU MLP"

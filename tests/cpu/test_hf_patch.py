@@ -468,6 +468,7 @@ def test_class_patch_and_revert(family, how):
     assert not any(type(m).__name__.startswith("Tiletune") for m in fresh.modules())
     hf.revert(model)                       # a model built while patched: back to HF classes
     assert not any(type(m).__name__.startswith("Tiletune") for m in model.modules())
+    assert model.config._attn_implementation == "sdpa"           # and transformers' default
 
 
 def test_class_patch_without_target_covers_every_family():
@@ -546,6 +547,8 @@ def test_bad_target_type_and_keywords():
         hf.apply_tiletune(42)
     with pytest.raises(TypeError):
         hf.apply_tiletune(build("llama"), False)               # flags are keyword-only
+    with pytest.raises(TypeError, match="apply_tiletune: attention must be True or False"):
+        hf.apply_tiletune(build("llama"), attention="eager")
 
 
 def test_family_entry_points():
