@@ -237,8 +237,8 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     rotary width (`rotary_dim`, default cos's last dim; even, <= D): the first R dims of each head
     rotate, the rest pass through. Row s of cos/sin serves position s, or position_ids[b, s] when
     `position_ids` (B, S) / (1, S) / (S,) is given (range checked on the host: one sync;
-    not under CUDA graph capture or torch.compile, where an id past cos/sin's rows reads
-    zeros for them, so those positions' rotated dims come out zero).
+    not under CUDA graph capture or torch.compile, where ids in [0, rows of cos/sin) are the
+    caller's contract: an id outside gives unspecified values in its position's rotated dims).
     inplace=False returns new (q_embed, k_embed) laid out like q and k; inplace=True writes q and
     k in place (marked dirty for autograd) and returns them; in place, q and k must not share
     memory (k is q, overlapping views) nor have overlapping elements (a stride-0 expanded dim),
@@ -249,9 +249,10 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     results are copied back.
     compute_dtype: the rotation's arithmetic, forward and backward. torch.float32 (default):
     q, k, cos and sin widened, one rounding to q's dtype at the store. q.dtype: cos/sin rounded
-    to q's dtype and the products and sums rounded in it, as HF's eager code, Liger and TileGym
-    compute with 16-bit q and cos (within one ulp of q's dtype from the float32 result; faster
-    where the float32 widening is what a kernel waits on). Any other dtype: ValueError.
+    to q's dtype and the arithmetic in it, as HF's eager code, Liger and TileGym compute with
+    16-bit q and cos (a product, then a fused multiply-add, where HF's eager code rounds each
+    product: within one ulp of q's dtype of it and of the float32 result; faster where the
+    float32 widening is what a kernel waits on). Any other dtype: ValueError.
     """
     cos, sin, pos, rot = prepare("apply_rope", q, k, cos, sin, position_ids, rotary_dim)
     f32 = compute_dtype == torch.float32

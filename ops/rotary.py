@@ -118,8 +118,8 @@ def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
     if k.dtype != q.dtype:
         raise TypeError(f"{op}: k dtype {k.dtype} differs from q dtype {q.dtype}")
     Hk = k.shape[1]
-    if Hk == 0 or Hq % Hk:
-        raise ValueError(f"{op}: q heads ({Hq}) must be a multiple of k heads ({Hk})")
+    if Hq == 0 or Hk == 0 or Hq % Hk:
+        raise ValueError(f"{op}: q heads ({Hq}) must be a positive multiple of k heads ({Hk})")
     if cos.shape != sin.shape:
         raise ValueError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
     if (cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():

@@ -70,3 +70,11 @@ def test_cos_and_sin_that_require_grad_are_refused(host_only):
             call()
         with torch.no_grad():
             call()
+
+
+def test_q_without_heads_is_refused(host_only):
+    """A q of zero heads would launch tiles wholly outside q (k still has rows to rotate)."""
+    q, k = torch.zeros(2, 0, 5, 8), torch.zeros(2, 2, 5, 8)
+    cos = torch.zeros(5, 8)
+    with pytest.raises(ValueError, match=r"apply_rope: q heads \(0\) must be a positive"):
+        RP.apply_rope(q, k, cos, cos)
