@@ -1048,7 +1048,7 @@ def _decode_run(cfg, kernel, stream, dev, q, k, v, used, o, lse, qk_scale, offse
         return
     tiles = combine_tiles(cfg.splits, q.shape[2], td)
     combine_grid = (persistent_ctas(q.shape[0] * q.shape[1], dev, COMBINE_OCCUPANCY),
-                    td // tiles[2])
+                    cdiv(q.shape[3], tiles[2]))      # (no column tile wholly past D)
     combine_args = (args[6], args[7], o, lse, args[10], args[11], *tiles)
     ct.launch(stream, grid, kernel, args)
     ct.launch(stream, combine_grid, COMBINE, combine_args)

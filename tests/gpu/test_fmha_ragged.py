@@ -96,6 +96,7 @@ DECODE_CASES = [  # B, Hq, Hkv, Sq, Sk, D, causal, dtype
     (2, 4, 4, 16, 4097, 128, True, torch.bfloat16),
     (1, 8, 2, 16, 5, 64, True, torch.float16),            # Sk < Sq: rows 0..10 see no key
     (1, 8, 8, 5, 77, 80, True, torch.bfloat16),           # D 80 (zero-padded to 128)
+    (1, 32, 8, 8, 8192, 96, False, torch.bfloat16),       # D 96, long cache: split, combine
 ]
 DECODE_TUNED = {(2, 32, 8, 1, 4097, 128, True, torch.bfloat16),
                 (2, 4, 4, 16, 4097, 128, True, torch.bfloat16)}
