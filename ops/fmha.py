@@ -1070,6 +1070,9 @@ TUNERS = (_fwd, _dq, _dkdv, _decode)
 # ---------------------------------------------------------------------------------------------
 # Host side: validation, outputs, empty inputs.
 
+_F32_TINY, _F32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+
+
 def _check(op, q, k, v, scale, names=("q", "k", "v")):
     """names: what the caller calls q, k and v (SDPA: query, key, value). (Every call runs
     this: each attribute is read once, the messages built on a miss only.)"""
@@ -1105,8 +1108,9 @@ def _check(op, q, k, v, scale, names=("q", "k", "v")):
         return 1.0 / math.sqrt(d)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{op}: scale must be a float, got {type(scale).__name__}")
-    if not 0.0 < scale < float("inf"):
-        raise ValueError(f"{op}: scale must be a finite number > 0, got {scale}")
+    if not _F32_TINY < scale * LOG2E < _F32_MAX:    # the kernels take it in float32
+        raise ValueError(f"{op}: scale must be a finite number > 0 (in float32's normal range), "
+                         f"got {scale}")
     return float(scale)
 
 
