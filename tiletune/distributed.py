@@ -110,7 +110,7 @@ def set_process_group(group=None, *, timeout=DEFAULT_TIMEOUT_SEC, on_timeout="lo
             rank = dist.get_rank(group)
         if world_size is None:
             world_size = dist.get_world_size(group)
-        if store is None:
+        if store is None and 0 <= rank < world_size:     # (a non-member is refused below)
             store = _group_store(group)
     if not 0 <= rank < world_size:
         raise ValueError(f"this process (rank {rank}) is not a member of the group "
@@ -291,7 +291,7 @@ class Agreement:
 
         def chunk(c):
             return [i for i in range(n) if i % chunks == c]
-        step = 1
+        step, took = 1, False
         while True:
             found = self._decided(ns)
             if found is not None:
@@ -303,6 +303,7 @@ class Agreement:
             # The chunks nobody has taken yet are compiled with this one: a rank that turns
             # out to be alone on the key would otherwise compile them in a second batch.
             ahead = [i for c in range(top, chunks) for i in chunk(c)]
+            took = True
             timings, failures, error = self._time([i for c in taken for i in chunk(c)],
                                                   measure, out, ahead)
             for c in taken:
@@ -314,7 +315,10 @@ class Agreement:
                 raise error
             step = chunks               # after a first chunk, take all that are left
         keys = [f"{ns}/c{c}" for c in range(chunks)]
-        if self._set_once(ns + "/fin", str(self.rank)) == str(self.rank):
+        # only a rank that timed a chunk concludes (one that came after every chunk was taken
+        # would build the search and compile the finalists from nothing); the last rank to take
+        # a chunk always gets here
+        if took and self._set_once(ns + "/fin", str(self.rank)) == str(self.rank):
             out.role = "finisher"
             with self._giving_up_on_error(ns):
                 found = self._await_all(ns, keys, out, "the timings of configs another rank took")

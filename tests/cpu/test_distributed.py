@@ -179,6 +179,34 @@ def test_a_finisher_that_raises_hands_the_key_over_at_once(mode, policy):
     assert done[0].entry == done[1].entry and any(o.took_over for o in done)
 
 
+def test_a_process_outside_the_group_is_told_so(monkeypatch):
+    """dist.new_group([0]) seen from rank 1: rank and world size -1; the error says the process
+    is no member, before any lookup of the group's store."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: -1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: -1)
+    monkeypatch.setattr(distributed, "_group_store", lambda group: pytest.fail("looked up"))
+    with pytest.raises(ValueError, match="is not a member of the group"):
+        distributed.set_process_group(group=object())
+
+
+def test_a_rank_that_timed_no_chunk_does_not_conclude():
+    """Rank 0 took every chunk and published their timings; rank 1 arrives before rank 0
+    claims the final round: rank 1 timed nothing, so it waits for rank 0's decision (here,
+    rank 0 never comes: it takes over after its timeout) instead of concluding from nothing."""
+    job = ranks(2, timeout=0.3)
+    ns = job[0]._namespace("late", False)
+    job[0].store.add(ns + "/next", 2)
+    for c in range(2):
+        job[0].store.set(f"{ns}/c{c}", json.dumps({"timings": [
+            {"i": i, "mean_us": 20.0 - i, "error_us": 0.1, "samples": 5, "rank": 0}
+            for i in range(c, 4, 2)], "failures": []}))
+    log = []
+    out = job[1].agree("late", 4, fake_measure(1, log), conclude)
+    assert out.role == "waiter" and out.took_over and out.wait_s >= 0.3
+    assert log == [] and out.entry["config"] == {"i": 3}
+
+
 def test_a_finisher_times_a_chunk_whose_rank_stopped_or_raises_if_told():
     for policy in ("local", "raise"):
         job = ranks(2, timeout=0.3, on_timeout=policy)
