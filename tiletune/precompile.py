@@ -69,10 +69,17 @@ _HANDED_KEPT = 4          # cubins a kernel object holds for signatures it has n
 
 def jobs():
     """How many compile processes: TILETUNE_COMPILE_JOBS (below 0 counts as 0), by default the
-    CPU count, at most 16. A value that is not an integer (e.g. auto) warns once and is the
-    default."""
+    number of CPUs this process may run on (its affinity: taskset, a container's cpuset), at
+    most 16. A value that is not an integer (e.g. auto) warns once and is the default."""
     from tiletune import env
-    return max(env.integer("TILETUNE_COMPILE_JOBS", min(os.cpu_count() or 1, 16)), 0)
+    return max(env.integer("TILETUNE_COMPILE_JOBS", min(_usable_cpus(), 16)), 0)
+
+
+def _usable_cpus():
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):       # (no sched_getaffinity off Linux)
+        return os.cpu_count() or 1
 
 
 def enabled():

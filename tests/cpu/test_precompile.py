@@ -36,6 +36,13 @@ def test_enabled_follows_jobs_and_disk_cache(monkeypatch):
     monkeypatch.setenv("TILETUNE_COMPILE_JOBS", "4")
     monkeypatch.setenv("CUDA_TILE_CACHE_DIR", "off")
     assert not precompile.enabled()
+    # the default: the CPUs this process may run on (taskset, cpusets), at most 16
+    monkeypatch.delenv("TILETUNE_COMPILE_JOBS")
+    monkeypatch.setattr(precompile.os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert precompile.jobs() == 1
+    monkeypatch.setattr(precompile.os, "sched_getaffinity", lambda pid: set(range(64)),
+                        raising=False)
+    assert precompile.jobs() == 16
 
 
 def test_a_worker_compiles_only_the_code_the_caller_imported(monkeypatch, tmp_path):
