@@ -563,7 +563,8 @@ def _tune_parser(sub):
                         "is written gzip-compressed, as the package's files are)")
     t.add_argument("--all", action="store_true",
                    help="with --export: every store row of this GPU and the installed "
-                        "cuda-tile / tileiras, not only this run's")
+                        "cuda-tile / tileiras, not only this run's (in a job: rank 0's store, "
+                        "which on node-local stores holds only its node's rows)")
     return t
 
 
