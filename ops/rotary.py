@@ -102,6 +102,14 @@ def ctas(cfg, positions, dev):
 # ---------------------------------------------------------------------------------------------
 # Host side: checks and normalization. `op` names the public function in every error.
 
+def _as_3d(t):
+    """(S', R), (1, S', R), (B, S', R) and HF's unsqueezed (B, 1, S', R) as (B', S', R) views;
+    other shapes as they are (refused by the caller)."""
+    if t.dim() == 4 and t.shape[1] == 1:
+        return t[:, 0]
+    return t[None] if t.dim() == 2 else t
+
+
 def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
     """Validate; return (cos, sin, pos, rot): cos/sin as (B, S', rot) views (stride-0 batch when
     shared), pos as (B, S) int32 or None, rot the rotary width."""
@@ -120,15 +128,14 @@ def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
     Hk = k.shape[1]
     if Hq == 0 or Hk == 0 or Hq % Hk:
         raise ValueError(f"{op}: q heads ({Hq}) must be a positive multiple of k heads ({Hk})")
-    if cos.shape != sin.shape:
-        raise ValueError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
     if (cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
         raise ValueError(f"{op}: cos and sin must not require grad: gradients flow to q and k "
                          "only (detach them; HF's rotary tables are buffers)")
-    if cos.dim() == 4 and cos.shape[1] == 1:      # (B, 1, S, R): HF unsqueezed form
-        cos, sin = cos[:, 0], sin[:, 0]
-    if cos.dim() == 2:
-        cos, sin = cos[None], sin[None]
+    if cos.shape != sin.shape:      # each in any of the documented forms: compared as (B', S', R)
+        cos, sin = _as_3d(cos), _as_3d(sin)
+        if cos.shape != sin.shape:
+            raise ValueError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
+    cos, sin = _as_3d(cos), _as_3d(sin)
     if cos.dim() != 3 or cos.shape[0] not in (1, B):
         raise ValueError(f"{op}: cos/sin must be (S, R), (1, S, R) or ({B}, S, R), got "
                          f"{tuple(cos.shape)}")

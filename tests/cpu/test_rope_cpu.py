@@ -78,3 +78,13 @@ def test_q_without_heads_is_refused(host_only):
     cos = torch.zeros(5, 8)
     with pytest.raises(ValueError, match=r"apply_rope: q heads \(0\) must be a positive"):
         RP.apply_rope(q, k, cos, cos)
+
+
+def test_cos_and_sin_may_take_different_documented_forms(host_only):
+    from tiletune.ops.rotary import prepare
+    q, k = _qk()
+    cos, sin = torch.randn(5, 8), torch.randn(1, 5, 8)
+    c, s_, _, rot = prepare("apply_rope", q, k, cos, sin, None, None)
+    assert c.shape == s_.shape == (2, 5, 8) and rot == 8
+    with pytest.raises(ValueError, match=r"apply_rope: cos \(1, 5, 8\) and sin \(1, 4, 8\)"):
+        prepare("apply_rope", q, k, cos, sin[:, :4], None, None)
