@@ -282,7 +282,7 @@ def _entry_lines(key, e, verbose):
                     lines.append(f"       malformed failure skipped: {_dumps(f)[:80]}")
                     continue
                 message = f.get("message")
-                first = message.splitlines()[:1] if isinstance(message, str) else []
+                first = (message.splitlines() or [""])[0] if isinstance(message, str) else ""
                 lines.append(f"       FAILED {_dumps(f.get('config'))}: {f.get('error', '?')}: "
                              f"{first}")
         return lines
