@@ -47,6 +47,20 @@ _NOT_THE_CONFIG = (ValueError, TypeError, torch.OutOfMemoryError,
                    ct.TileCompilerTimeoutError)
 
 
+# What a launch reports after an earlier kernel faulted (launches are asynchronous, so a fault
+# of the config itself shows at a later synchronization, never at its own first launch): the
+# context is lost, and the launched config is not to blame.
+_STICKY_FAULTS = ("ILLEGAL_ADDRESS", "illegal memory access", "LAUNCH_FAILED",
+                  "unspecified launch failure", "MISALIGNED_ADDRESS", "misaligned address",
+                  "ILLEGAL_INSTRUCTION", "illegal instruction", "HARDWARE_STACK_ERROR",
+                  "device-side assert", "ECC_UNCORRECTABLE", "uncorrectable ECC")
+
+
+def _earlier_fault(error):
+    text = str(error)
+    return any(s in text for s in _STICKY_FAULTS)
+
+
 def _configure_logging():
     """TILETUNE_LOG=1: every tuning at INFO on a handler of the `tiletune` logger only;
     TILETUNE_LOG=0: silent, even the one line a long search prints. The user's root logger is
@@ -428,6 +442,8 @@ class Autotuner:
         except _NOT_THE_CONFIG:
             raise                            # still unproven: a later launch decides
         except Exception as e:
+            if _earlier_fault(e):
+                raise                        # an earlier kernel's fault: the context is lost
             # Every thread whose first launch of the entry fails lands here; the first one
             # drops it, the others launch whatever is cached or resolved after.
             with _search_lock(dev):

@@ -730,11 +730,13 @@ def test_threads_meeting_a_stored_winner_that_fails_to_launch_all_recover(env, m
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"),
                                    ct.TileCompilerTimeoutError("compile timed out", "", "13.4"),
-                                   ValueError("bad input")],
-                         ids=["oom", "compile timeout", "value error"])
+                                   ValueError("bad input"),
+                                   RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory "
+                                                "access was encountered")],
+                         ids=["oom", "compile timeout", "value error", "earlier fault"])
 def test_a_stored_winner_meeting_a_transient_error_stays_stored(env, monkeypatch, error):
     """An error of the first launch that says nothing about the stored config (out of memory,
-    a compile timeout on a loaded host, bad inputs) goes to the caller: the store entry stays,
+    a compile timeout on a loaded host, bad inputs, an earlier kernel's fault) goes to the caller: the store entry stays,
     nothing is searched, and the next launch still checks the stored winner."""
     x = torch.zeros(4)
     t = _declared(env, monkeypatch, "transient", grid=lambda c, dev, x, n: (1,),
