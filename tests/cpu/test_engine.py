@@ -736,8 +736,9 @@ def test_threads_meeting_a_stored_winner_that_fails_to_launch_all_recover(env, m
                          ids=["oom", "compile timeout", "value error", "earlier fault"])
 def test_a_stored_winner_meeting_a_transient_error_stays_stored(env, monkeypatch, error):
     """An error of the first launch that says nothing about the stored config (out of memory,
-    a compile timeout on a loaded host, bad inputs, an earlier kernel's fault) goes to the caller: the store entry stays,
-    nothing is searched, and the next launch still checks the stored winner."""
+    a compile timeout on a loaded host, bad inputs, an earlier kernel's fault) goes to the
+    caller: the store entry stays, nothing is searched, and the next launch still checks the
+    stored winner."""
     x = torch.zeros(4)
     t = _declared(env, monkeypatch, "transient", grid=lambda c, dev, x, n: (1,),
                   args=lambda c, x, n: (x, c.occupancy))
