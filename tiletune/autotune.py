@@ -822,7 +822,8 @@ class Autotuner:
         if len(finalists) > 1:
             stream = torch.cuda.current_stream(dev)
             try:
-                with torch.cuda.device(dev):
+                # (a kernel only the final round runs, such as split-K's sum, compiles here)
+                with ct.compiler_timeout(COMPILE_TIMEOUT_SEC), torch.cuda.device(dev):
                     final = self._final_round(finalists, search, stream, best_us, dev, regime)
             except Exception as e:     # e.g. no memory left for the L2 flush: keep the anchor
                 log.info("%s %s: final round skipped: %s: %s", self.name, key,
