@@ -137,16 +137,23 @@ def test_a_stored_winner_published_mid_search_is_the_decision():
     assert searching.entry == stored and searching.how == "store" and not searching.decided_here
 
 
-def test_a_rank_waiting_for_a_stopped_finisher_takes_over():
-    """Rank 0 took every chunk, published their timings and claimed the final round, then
-    stopped: rank 1 waits `timeout`, then decides from the published timings."""
-    job = ranks(2, timeout=0.3)
-    ns = job[0]._namespace("d", False)
+def rank_0_timed_every_chunk(job, name):
+    """What rank 0 of a 2-rank job leaves in the store after taking both chunks of a 4-config
+    key and publishing their timings (config i at 20 - i us); returns the key's namespace."""
+    ns = job[0]._namespace(name, False)
     job[0].store.add(ns + "/next", 2)
     for c in range(2):
         job[0].store.set(f"{ns}/c{c}", json.dumps({"timings": [
             {"i": i, "mean_us": 20.0 - i, "error_us": 0.1, "samples": 5, "rank": 0}
             for i in range(c, 4, 2)], "failures": []}))
+    return ns
+
+
+def test_a_rank_waiting_for_a_stopped_finisher_takes_over():
+    """Rank 0 took every chunk, published their timings and claimed the final round, then
+    stopped: rank 1 waits `timeout`, then decides from the published timings."""
+    job = ranks(2, timeout=0.3)
+    ns = rank_0_timed_every_chunk(job, "d")
     job[0].store.compare_set(ns + "/fin", "", "0")
     log = []
     out = job[1].agree("d", 4, fake_measure(1, log), conclude)
@@ -195,12 +202,7 @@ def test_a_rank_that_timed_no_chunk_does_not_conclude():
     claims the final round: rank 1 timed nothing, so it waits for rank 0's decision (here,
     rank 0 never comes: it takes over after its timeout) instead of concluding from nothing."""
     job = ranks(2, timeout=0.3)
-    ns = job[0]._namespace("late", False)
-    job[0].store.add(ns + "/next", 2)
-    for c in range(2):
-        job[0].store.set(f"{ns}/c{c}", json.dumps({"timings": [
-            {"i": i, "mean_us": 20.0 - i, "error_us": 0.1, "samples": 5, "rank": 0}
-            for i in range(c, 4, 2)], "failures": []}))
+    rank_0_timed_every_chunk(job, "late")
     log = []
     out = job[1].agree("late", 4, fake_measure(1, log), conclude)
     assert out.role == "waiter" and out.took_over and out.wait_s >= 0.3
