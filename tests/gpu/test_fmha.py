@@ -121,7 +121,7 @@ def test_forward_backward(fresh, monkeypatch, case, disable):
         assert all(r.source == "search" for t in DENSE for r in t.records.values())
 
 
-@pytest.mark.parametrize("dt,score", [(torch.float16, -20.0), (torch.bfloat16, -95.0)], ids=str)
+@pytest.mark.parametrize("dt,score", [(torch.float16, -20.0), (torch.bfloat16, -120.0)], ids=str)
 def test_rows_of_far_negative_scores_give_finite_gradients(fresh, monkeypatch, dt, score):
     """Every score of every row far below zero (LSE < -11 nats overflows fp16's dS, < -88 bf16's
     for a key past Sk) with Sk not a multiple of the key tile, not causal: dq is finite and
@@ -129,9 +129,11 @@ def test_rows_of_far_negative_scores_give_finite_gradients(fresh, monkeypatch, d
     disable_autotune(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(3)
     d = 64
-    c = math.sqrt(-score / math.sqrt(d))           # q.k / sqrt(d) = score for q = -c, k = c
+    # q.k / sqrt(d) about `score` for q = -c, k = c (keys spread by N(0, 1) per element, so
+    # each row's softmax is not flat and its LSE stays far below zero)
+    c = math.sqrt(-score / math.sqrt(d))
     q = (-c + 0.01 * torch.randn(2, 4, 64, d, device="cuda", generator=g)).to(dt)
-    k = (c + 0.01 * torch.randn(2, 4, 100, d, device="cuda", generator=g)).to(dt)
+    k = (c + torch.randn(2, 4, 100, d, device="cuda", generator=g)).to(dt)
     v = torch.randn(2, 4, 100, d, device="cuda", generator=g).to(dt)
     o, (dq, dk, dv) = check(q, k, v, False)
     assert torch.isfinite(dq).all() and torch.isfinite(dk).all()
