@@ -4,7 +4,8 @@ Ops live in `tiletune.ops` (e.g. `from tiletune.ops.rms_norm import rms_norm`); 
 tunes them is public, for your own cuTile kernels too:
 
     from tiletune import Autotuner
-    tuner = Autotuner("my_op", my_kernel, my_configs, default=SimpleNamespace(occupancy=2),
+    tuner = Autotuner("my_op", my_kernel, my_configs,
+                      default=SimpleNamespace(tile=64, occupancy=2),
                       space=lambda x, y: dict(n=x.shape[1]),
                       grid=lambda cfg, dev, x, y: (cdiv(x.shape[0], cfg.tile),),
                       args=lambda cfg, x, y: (x, y, cfg.tile))

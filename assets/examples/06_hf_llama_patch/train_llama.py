@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import tiletune
 from tiletune.suites.hf import apply_tiletune_to_llama
 
-p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
 p.add_argument("--unpatched", action="store_true", help="transformers' own kernels (SDPA)")
 p.add_argument("--hidden", type=int, default=2048)
 p.add_argument("--layers", type=int, default=16)
