@@ -422,7 +422,9 @@ def test_compile_jobs_is_the_default_for_a_value_that_is_not_an_integer(folder, 
         monkeypatch.delenv("TILETUNE_COMPILE_JOBS", raising=False)
     else:
         monkeypatch.setenv("TILETUNE_COMPILE_JOBS", value)
-    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)          # (where no affinity is known)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus or 0)),
+                        raising=False)
     result, warned = recorded(precompile.jobs)
     assert result == want and len(warned) == (value in ("auto", "junk"))
 
