@@ -161,13 +161,21 @@ def _tilegym():
 
 
 def _loop(x, w, counts):
-    """The cuBLAS loop: one torch.mm per non-empty group, concatenated."""
-    parts, s = [], 0
+    """The cuBLAS loop: one torch.mm per non-empty group into its rows of one output (no copy
+    after), or under autograd (whose mm takes no `out=`) concatenated."""
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        parts, s = [], 0
+        for g, c in enumerate(counts):
+            if c:
+                parts.append(torch.mm(x[s:s + c], w[g]))
+            s += c
+        return torch.cat(parts)
+    out, s = x.new_empty(x.shape[0], w.shape[2]), 0
     for g, c in enumerate(counts):
         if c:
-            parts.append(torch.mm(x[s:s + c], w[g]))
+            torch.mm(x[s:s + c], w[g], out=out[s:s + c])
         s += c
-    return torch.cat(parts)
+    return out
 
 
 def bench_cases(full=False):

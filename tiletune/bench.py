@@ -9,8 +9,9 @@ row does not favour one of them.
 
 A row may also time each candidate replayed from a CUDA graph (`BenchCase.graph`, or `--graph`
 for every row). A replay costs the kernels' time alone, which is what a caller that replays
-graphs sees (a serving loop's decode). The eager time includes the host's wherever a call spends
-longer on the host than its kernels run.
+graphs sees (a serving loop's decode). The eager time includes the host's only where a call's
+host work outlasts the L2 flush queued before it (a 256 MiB write) plus its kernels: the host
+prepares the call while the flush runs. A call's host cost alone is `--host`'s table.
 
 With `sustained` (`--sustained`) each candidate's turn is a 100 ms block, the first half untimed,
 so that every kernel is timed at the clock its own load settles at (the power limit, for heavy
