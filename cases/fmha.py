@@ -261,7 +261,9 @@ def bench_cases(full=False):
     return cases + _decode_cases(full) + _varlen_cases(full)
 
 
-# Decode rows (Sq = 1, bf16 D128, KV in HF's layout): bytes count K and V once. Peers: SDPA's
+# Decode rows (Sq = 1, bf16 D128, KV as (B, S, H, D) storage seen as (B, H, S, D), the layout of
+# HF's projections; transformers' KV cache hands decode contiguous (B, H, S, D) tensors, which
+# share the key): bytes count K and V once. Peers: SDPA's
 # backends (GQA through enable_gqa) and TileGym's split-KV decode where installed. Every
 # candidate is also timed replayed from a CUDA graph, as a serving loop runs decode: at the
 # small rows an eager call's host time passes its kernels'. A kv_cache

@@ -41,6 +41,19 @@ def clock(monkeypatch):
     return c
 
 
+def test_a_row_whose_setup_ran_ours_first_reports_that_calls_time(clock):
+    """A training-step row steps every model in its setup (for their memory), ours first, so
+    its searches run there: the row's tuning time is that first step's, not that of the call
+    run_case makes after it (its keys already tuned)."""
+    def setup(case):
+        case.ours = lambda: clock.run("tuned", 20.0)
+        case.extra["first_call_s"] = 7.5
+
+    case = bench.BenchCase("op", "step", "step", None, {}, setup=setup)
+    row = bench.run_case(case)
+    assert row["first_call_s"] == 7.5 and row["tuned_us"] == pytest.approx(20.0)
+
+
 def test_run_case_times_every_candidate_in_turns(clock):
     def ours():       # the fixed default is slower than the tuned config
         fixed = os.environ.get("DISABLE_AUTOTUNE") == "1"
