@@ -1355,14 +1355,15 @@ def fmha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     (Hq a multiple of Hkv: GQA/MQA). cu_seqlens_q / cu_seqlens_k: int32 (B + 1,) on q's device,
     non-decreasing from 0 to Tq (Tk), sequence b owning rows [cu[b], cu[b+1]) (empty sequences
     allowed). max_seqlen_q / max_seqlen_k: ints at least every sequence's length (at most
-    MAX_SEQ, 2,097,120); B x Hq at most 65535 (ValueError: split the batch). The offsets are read on the device only (a call is CUDA-graph
-    capturable), so, as in FlashAttention-2, these rules are not checked: offsets that leave
-    rows outside every sequence, or a max_seqlen below a sequence's length, give unspecified
-    values in those rows and in that sequence's gradients (every key's included). Each sequence
-    attends only to its own keys; causal=True aligns the diagonal bottom-right per sequence
-    (query i sees key j iff j <= i + Lk - Lq); rows that see no key return 0. dtypes, D, scale
-    and numerics as `fmha`. Returns o (Tq, Hq, D) laid out like q; differentiable in q, k, v.
-    Tuned per (B x heads, max lengths bucketed to powers of two, D, causal, dtype).
+    MAX_SEQ, 2,097,120); B x Hq at most 65535 (ValueError: split the batch). The offsets are
+    read on the device only (a call is CUDA-graph capturable), so, as in FlashAttention-2, these
+    rules are not checked: offsets that leave rows outside every sequence, or a max_seqlen below
+    a sequence's length, give unspecified values in those rows and in that sequence's gradients
+    (every key's included). Each sequence attends only to its own keys; causal=True aligns the
+    diagonal bottom-right per sequence (query i sees key j iff j <= i + Lk - Lq); rows that see
+    no key return 0. dtypes, D, scale and numerics as `fmha`. Returns o (Tq, Hq, D) laid out
+    like q; differentiable in q, k, v. Tuned per (B x heads, max lengths bucketed to powers of
+    two, D, causal, dtype).
     """
     op = "fmha_varlen"
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -1500,9 +1500,10 @@ def fp8_linear(x, weight, bias=None, *, recipe="rowwise"):
 
     Precision: each product carries e4m3's 3 mantissa bits on both operands; against the same
     linear in float64, DeepGEMM's measure 1 - 2 sum(xy) / sum(x^2 + y^2) of y, dx and dweight
-    stays below 2e-3 on the GPU tests' inputs (their numbers: references/reliability.md). The bias
-    is added to the product after its rounding to x's dtype (one rounding more than F.linear,
-    which adds it before); its gradient is summed in float32. Needs compute capability 9.0 or newer."""
+    stays below 2e-3 on the GPU tests' inputs (their numbers: references/reliability.md). The
+    bias is added to the product after its rounding to x's dtype (one rounding more than
+    F.linear, which adds it before); its gradient is summed in float32. Needs compute capability
+    9.0 or newer."""
     _check_linear(x, weight, bias, recipe)
     K, N = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, K)

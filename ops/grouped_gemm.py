@@ -614,10 +614,11 @@ def grouped_mm(x, w, offs=None, *, out=None):
     data: offs must be non-decreasing with offs[E-1] <= T. Otherwise the kernels clamp the
     bounds into [0, T]: a wrong result, but no hang and no access outside the tensors.
     Differentiable in x and w (offs gets no gradient); the weight gradient comes back in w's
-    layout where w is row-major or the transposed view of (E, N, K) (contiguous otherwise). Works under torch.compile(fullgraph=True). `out`, if given, receives a copy of the
-    result (gradients flow through it as through `out.copy_(result)`): exactly the result's
-    shape, dtype and device, and writable (not a leaf that requires grad nor a view of one, no
-    stride-0 dims, and no memory of x or w where one of them requires grad).
+    layout where w is row-major or the transposed view of (E, N, K) (contiguous otherwise).
+    Works under torch.compile(fullgraph=True). `out`, if given, receives a copy of the result
+    (gradients flow through it as through `out.copy_(result)`): exactly the result's shape,
+    dtype and device, and writable (not a leaf that requires grad nor a view of one, no stride-0
+    dims, and no memory of x or w where one of them requires grad).
     x, w and the result of the grouped forms hold up to 2^31 - 1 elements each (ValueError
     beyond)."""
     mode = _check(x, w, offs)

@@ -446,9 +446,9 @@ def moe_permute(x, topk_ids, num_experts):
     row lands after offs[E-1] (rows grouped_mm leaves as zeros, so it adds nothing through
     moe_unpermute, as transformers treats expert-parallel sentinels; torch._grouped_mm leaves
     those rows unspecified, so with it zero them, or the slot's weight, before moe_unpermute);
-    nothing is ever accessed out of bounds. Differentiable in x (dx[t] = sum_j dx_sorted[inverse[t, j]], summed in
-    float32, deterministic). Works under torch.compile(fullgraph=True). At most 2^31 - 1
-    elements in x_sorted."""
+    nothing is ever accessed out of bounds. Differentiable in x (dx[t] = sum_j
+    dx_sorted[inverse[t, j]], summed in float32, deterministic). Works under
+    torch.compile(fullgraph=True). At most 2^31 - 1 elements in x_sorted."""
     _check_permute(x, topk_ids, num_experts)
     return _permute(x, topk_ids, num_experts)
 

@@ -415,8 +415,9 @@ def test_a_job_decision_failed_for_the_moment_opens_the_keys_next_round(engine, 
                 monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: ("TileTypeError", "bad"))
             else:
                 monkeypatch.setattr(ct, "launch", error)
-            monkeypatch.setattr(cuda.tile.tune, "exhaustive_search",
-                                lambda *a, **k: (_ for _ in ()).throw(ValueError("No valid config")))
+            def nothing_timed(*a, **k):
+                raise ValueError("No valid config")
+            monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", nothing_timed)
             with pytest.raises(autotune.TuningFailedError):
                 t.launch(key, 0, x, key[0])
             monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args: None)
