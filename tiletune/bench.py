@@ -238,7 +238,10 @@ def run_case(case, skip_peers=(), seen_peers=None, sustained=False):
         if isinstance(us[label], Exception):
             row[f"{label}_error"] = _error(us[label])
         else:
+            # the ceiling's time for our work: its callable's time x the scale (both kept)
             row[f"{label}_us"] = us[label] * case.ceiling_scale
+            if case.ceiling_scale != 1.0:
+                row[f"{label}_scale"] = case.ceiling_scale
             row[f"frac_{label}"] = row[f"{label}_us"] / row["tuned_us"]
     if case.graph:                    # tuned, fixed and the baselines (not the ceiling)
         _time_graphs(row, candidates, timing)

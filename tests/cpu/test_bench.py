@@ -73,6 +73,7 @@ def test_run_case_times_every_candidate_in_turns(clock):
     assert row["vs_peer"] == pytest.approx(25.0 / 20.0)
     assert row["broken_error"] == "RuntimeError: no kernel"
     assert row["copy_us"] == pytest.approx(20.0) and row["frac_copy"] == pytest.approx(1.0)
+    assert row["copy_scale"] == 2.0                 # the copy itself ran 10 us
     assert row["tuned_TFLOPs"] == pytest.approx(2e6 / 20.0 / 1e6)
     assert os.environ.get("DISABLE_AUTOTUNE") != "1"           # put back after the fixed runs
     # after warm-up, the candidates take turns in blocks of 10 runs, 5 rounds, every other
