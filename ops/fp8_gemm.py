@@ -33,6 +33,7 @@ from tiletune.device import bind_context, major, persistent_ctas
 from tiletune.ops.gemm_tiles import layout, output_tile, tile_count, tile_grid
 from tiletune.ops.matmul import SUM_TILE, launch_splitk_sum, split_of, splitk_rows
 from tiletune.space import cdiv, f32_row, next_pow2, product, table
+from tiletune.torch_op import no_second_order
 
 ZERO = ct.PaddingMode.ZERO
 # Scale math rounds to nearest even, as torch's float32 division does: RoundingMode.FULL is
@@ -1468,9 +1469,12 @@ class _FP8Linear(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable   # FP8 kernels: no double backward
     def backward(ctx, dy):
         bind_context()          # (autograd's thread for the device: tiletune/device.py)
+        if torch.is_grad_enabled():     # create_graph=True: FP8 kernels have no double backward
+            with torch.no_grad():
+                grads = _FP8Linear.backward(ctx, dy)
+            return no_second_order("fp8_linear", grads, (dy, *ctx.saved_tensors))
         x2, weight = ctx.saved_tensors
         need_x, need_w, need_b, _ = ctx.needs_input_grad
         groups, wgrad_groups = RECIPES[ctx.recipe]

@@ -242,7 +242,7 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     inplace=False returns new (q_embed, k_embed) laid out like q and k; inplace=True writes q and
     k in place (marked dirty for autograd) and returns them; in place, q and k must not share
     memory (k is q, overlapping views) nor have overlapping elements (a stride-0 expanded dim),
-    and neither may be a leaf that requires grad: ValueError. (Disjoint views of one buffer, such
+    and neither may be a leaf that requires grad, nor a view of one: ValueError. (Disjoint views of one buffer, such
     as the q and k columns of a fused qkv projection, are fine.) Differentiable in q and k. Works
     under torch.compile(fullgraph=True). In place under torch.compile, and on views that need a
     gradient (autograd's rule for in-place writes to views), the out-of-place op runs and its

@@ -112,6 +112,36 @@ def _pad(grads, n):
     return grads + (None,) * (n - len(grads))
 
 
+def no_second_order(op, gradients, inputs):
+    """A backward's `gradients` (a tuple, None for those not computed), computed outside
+    autograd under create_graph=True, joined to every tensor of `inputs` (its incoming
+    gradients and saved tensors) that requires grad through a node whose backward raises: a
+    second differentiation fails instead of silently missing its second-order term (torch's
+    once_differentiable looks at the incoming gradients only)."""
+    deps = [t for t in inputs if isinstance(t, _Tensor) and t.requires_grad]
+    present = [g for g in gradients if g is not None]
+    if not deps or not present:
+        return gradients
+    joined = iter(_NoSecondOrder.apply(op, len(present), *present, *deps))
+    return tuple(None if g is None else next(joined) for g in gradients)
+
+
+class _NoSecondOrder(torch.autograd.Function):
+    """(op, n, *gradients, *what they depend on) -> the n gradients, joined to all of it: its
+    backward, reached by any second differentiation of them, raises."""
+
+    @staticmethod
+    def forward(ctx, op, n, *tensors):
+        ctx.op = op
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"tiletune {ctx.op}: its backward runs kernels that have no backward "
+                           "themselves (no double backward): a gradient of its gradient is not "
+                           "supported (as torch's once_differentiable functions)")
+
+
 def _autograd_function(name, forward, save, backward, outputs):
     _bind_context = _device.bind_context       # (autograd's thread for the device: see there)
 
@@ -120,8 +150,12 @@ def _autograd_function(name, forward, save, backward, outputs):
                           *ctx.constants)
         return _pad(result, len(ctx.needs_input_grad))     # (one entry per input)
 
-    # kernels: no double backward
-    run_backward_once = torch.autograd.function.once_differentiable(run_backward)
+    op = name.split("::")[-1]
+
+    def run_backward_once(ctx, *grads):
+        with torch.no_grad():
+            result = run_backward(ctx, *grads)
+        return no_second_order(op, result, (*grads, *ctx.saved_tensors))
 
     class Function(torch.autograd.Function):
         @staticmethod

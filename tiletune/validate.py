@@ -189,16 +189,16 @@ def overlaps(a, b):
 
 def inplace(op, tensors):
     """Refuse an in-place write to `tensors` ({name: tensor}, in argument order) that torch or
-    a kernel cannot do: a leaf that requires grad (under grad mode, per tensor, as torch
-    refuses); a tensor whose elements overlap (an expanded, stride-0 dim), which the kernel
+    a kernel cannot do: a leaf that requires grad, or a view of one (under grad mode, per
+    tensor, as torch refuses); a tensor whose elements overlap (an expanded, stride-0 dim), which the kernel
     would write twice; two tensors sharing memory (the same tensor, overlapping views), which
     would race. ValueError naming `op` and the argument."""
     items = list(tensors.items())
     if torch.is_grad_enabled():
         for name, t in items:
-            if t.is_leaf and t.requires_grad:
-                raise ValueError(f"{op}: inplace=True on {name}, a leaf tensor that requires "
-                                 "grad")
+            if t.requires_grad and (t.is_leaf or (t._is_view() and t._base.is_leaf)):
+                what = "a leaf tensor" if t.is_leaf else "a view of a leaf tensor"
+                raise ValueError(f"{op}: inplace=True on {name}, {what} that requires grad")
     spans = [_span(t) for _, t in items]
     for (name, t), span in zip(items, spans):
         if _self_overlaps(span):

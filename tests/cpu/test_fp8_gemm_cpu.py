@@ -839,6 +839,19 @@ def test_fp8_linear_computes_only_the_gradients_asked_for(reference_fp8):
         assert (saved_x is None) is x_grad and (saved_w is None) is (not x_grad)
 
 
+def test_fp8_linear_second_differentiation_raises(reference_fp8):
+    """A gradient penalty through fp8_linear: the first-order gradients come back, and a
+    second differentiation (here toward the weight, which only the saved tensors tie dx to)
+    raises instead of missing its second-order term."""
+    x = torch.randn(32, 64, dtype=BF16, requires_grad=True)
+    w = torch.randn(16, 64, dtype=BF16, requires_grad=True)
+    (dx,) = torch.autograd.grad(F8._FP8Linear.apply(x, w, None, "rowwise").float().sum(), x,
+                                create_graph=True)
+    assert dx.requires_grad
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(dx.float().pow(2).sum(), w)
+
+
 X, W = torch.zeros(8, 64, dtype=BF16), torch.zeros(32, 64, dtype=BF16)
 BAD_LINEAR = [
     (([1.0], W), {}, TypeError, "x must be a torch.Tensor"),

@@ -138,6 +138,10 @@ def test_inplace_leaf_rule_is_per_tensor():
         validate.inplace("apply_rope", {"q": plain, "k": torch.zeros(B, H, S, D, requires_grad=True)})
     with torch.no_grad():
         validate.inplace("apply_rope", {"q": leaf, "k": plain})
+    # views of such a leaf (a parameter's halves): torch refuses writing them in place too
+    param = torch.zeros(B, 2 * H, S, D, requires_grad=True)
+    with pytest.raises(ValueError, match=r"apply_rope: inplace=True on q, a view of a leaf"):
+        validate.inplace("apply_rope", {"q": param[:, :H], "k": param[:, H:]})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,30 @@ def test_double_backward_raises_instead_of_dropping_second_order_terms():
         (y + g.pow(2).sum()).backward()          # a gradient penalty
 
 
+_square = TrainableOp(       # a backward that reads a saved input, as the kernels' do
+    "tiletune_test::square", forward=lambda x: x * x,
+    forward_schema="(Tensor x) -> Tensor", forward_fake=lambda x: torch.empty_like(x),
+    backward=lambda needs, dy, x: (2 * x * dy,),
+    backward_schema="(bool[] needs, Tensor dy, Tensor x) -> Tensor[]",
+    backward_fake=lambda needs, dy, x: [torch.empty_like(x)])
+
+
+@pytest.mark.parametrize("how", ["backward", "grad"])
+def test_double_backward_through_saved_inputs_raises_too(how):
+    """The gradient depends on a saved input (x) while the incoming gradient needs none (a loss
+    linear in the output, such as .sum()): the penalty's second-order term would be lost, so
+    its backward raises, also through autograd.grad(..., inputs), which only walks the graph
+    that reaches its inputs."""
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    y = _square(x).sum()
+    (g,) = torch.autograd.grad(y, x, create_graph=True)
+    torch.testing.assert_close(g.detach(), 2 * x.detach())
+    assert g.requires_grad
+    penalty = y + g.pow(2).sum()
+    with pytest.raises(RuntimeError, match="no double backward"):
+        penalty.backward() if how == "backward" else torch.autograd.grad(penalty, x)
+
+
 _halved = TrainableOp(
     "tiletune_test::halved", forward=lambda x: (x / 2, x.sum()),
     forward_schema="(Tensor x) -> (Tensor, Tensor)",
