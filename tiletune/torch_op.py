@@ -9,6 +9,8 @@ from . import device as _device
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
 _is_grad_enabled = torch.is_grad_enabled
+_transforms_active = torch._C._are_functorch_transforms_active
+_forward_ad = torch.autograd.forward_ad
 
 
 class TrainableOp:
@@ -33,6 +35,7 @@ class TrainableOp:
     def __init__(self, name, *, forward, forward_schema, forward_fake, backward,
                  backward_schema, backward_fake, save=None, outputs=1, inference=None):
         save = save or _save_inputs
+        self.name = name
         self.forward, self.backward, self.outputs, self._save = forward, backward, outputs, save
         self._eager = inference or forward     # an eager call that needs no gradient
         self._fwd_op = torch.library.custom_op(f"{name}_fwd", forward, mutates_args=(),
@@ -60,6 +63,11 @@ class TrainableOp:
                         a = args[i]
                         if isinstance(a, _Tensor) and a.requires_grad:
                             return self._apply(*args)
+            if _forward_ad._current_level >= 0 or _transforms_active():
+                # dual tensors (forward-mode AD) or vmap / jvp / grad wrappers: the kernels
+                # would read the plain values and drop the tangents
+                raise TypeError(f"{self.name}: forward-mode AD and torch.func transforms (vmap, "
+                                "jvp, jacfwd, ...) are not supported (no jvp, no batching rule)")
             results = self._eager(*args)
         if isinstance(results, torch.Tensor):
             return results

@@ -172,3 +172,19 @@ def test_compiled_fullgraph_gradients_equal_eager():
     g2 = torch.autograd.grad(torch.compile(lambda x: _axpy(x, 2.0).sum(), fullgraph=True,
                                            backend="aot_eager")(x), x)[0]
     torch.testing.assert_close(g2, torch.full_like(x, 2.0))
+
+
+def test_forward_mode_and_transforms_are_refused_by_name():
+    """Dual tensors (forward-mode AD) and torch.func transforms carry tangents or batch dims the
+    kernels never see: a call without a gradient to take refuses them instead of dropping them."""
+    import torch.autograd.forward_ad as fwAD
+    x = torch.randn(5, dtype=torch.float64)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.ones_like(x))
+        with pytest.raises(TypeError, match="tiletune_test::square: forward-mode AD"):
+            _square(dual)
+    with pytest.raises(TypeError, match="torch.func transforms"):
+        torch.func.vmap(_square)(torch.randn(3, 5, dtype=torch.float64))
+    with pytest.raises(TypeError, match="torch.func transforms"):
+        torch.func.jvp(_square, (x,), (torch.ones_like(x),))
+    assert torch.equal(_square(x), x * x)           # outside them: the plain call
