@@ -89,6 +89,8 @@ def unwritable(path):
     folder = os.path.dirname(path)
     while folder and not os.path.exists(folder):       # to be made: its first existing parent
         folder = os.path.dirname(folder) if os.path.dirname(folder) != folder else ""
+    if os.path.isdir(path):
+        return "a folder, not a file"
     if os.path.exists(path):
         return "" if os.access(path, os.W_OK) else "not writable"
     if folder and not os.path.isdir(folder):

@@ -444,6 +444,7 @@ def test_tune_checks_that_the_store_and_the_export_can_be_written_first(monkeypa
     from tiletune.env import unwritable
     assert unwritable(str(tmp_path / "new" / "deeper" / "store.sqlite3")) == ""
     assert "is not a folder" in unwritable(str(blocker / "store.sqlite3"))
+    assert unwritable(str(tmp_path)) == "a folder, not a file"      # bench --json somedir
 
 
 @pytest.mark.parametrize("argv, message", [
