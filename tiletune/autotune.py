@@ -136,8 +136,16 @@ class TuningFailedError(RuntimeError):
 
 
 def disabled():
-    """True when DISABLE_AUTOTUNE=1: misses take the op's first (default) config, no search."""
-    return env.flag_on(os.environ.get("DISABLE_AUTOTUNE"))
+    """True when DISABLE_AUTOTUNE=1: misses take the op's first (default) config, no search.
+    A value that is neither on nor off (2, y) warns once and is off."""
+    value = os.environ.get("DISABLE_AUTOTUNE")
+    if env.flag_on(value):
+        return True
+    if value is not None and not env.flag_off(value):
+        env.warn_once(("DISABLE_AUTOTUNE", value),
+                      f"tiletune: DISABLE_AUTOTUNE={value!r} is neither on (1, on, yes, true) nor "
+                      "off (0, off, no, false, or blank): autotuning stays on")
+    return False
 
 
 def bucket(n):

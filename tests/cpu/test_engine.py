@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from types import SimpleNamespace
 
 import cuda.tile as ct
@@ -756,6 +757,20 @@ def test_a_stored_winner_meeting_a_transient_error_stays_stored(env, monkeypatch
     assert env.fake.calls == 1 and len(store.entries(t.name)[t.name]) == 1
     t.launch(("k",), "cpu", x, 32)                   # the stored winner launches
     assert env.fake.calls == 1 and env.launches[-1] == (x, 2)
+
+
+@pytest.mark.parametrize("value, off", [("1", False), ("yes", False), ("0", True), ("", True),
+                                       ("2", True), ("y", True)])
+def test_disable_autotune_values(monkeypatch, value, off):
+    """On: 1, on, yes, true, enable(d); off: 0, off, no, false, disable(d), blank; anything
+    else warns once and leaves autotuning on."""
+    monkeypatch.setenv("DISABLE_AUTOTUNE", value)
+    monkeypatch.setattr(autotune.env, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert autotune.disabled() is not off
+        autotune.disabled()
+    assert len(caught) == (value in ("2", "y"))
 
 
 def test_disable_autotune_wins_over_a_key_whose_every_config_failed(env, monkeypatch):
