@@ -315,10 +315,11 @@ class Agreement:
                 raise error
             step = chunks               # after a first chunk, take all that are left
         keys = [f"{ns}/c{c}" for c in range(chunks)]
-        # only a rank that timed a chunk concludes (one that came after every chunk was taken
-        # would build the search and compile the finalists from nothing); the last rank to take
-        # a chunk always gets here
-        if took and self._set_once(ns + "/fin", str(self.rank)) == str(self.rank):
+        # a rank that timed no chunk concludes only once every chunk is published (abandoned,
+        # say, by ranks that raised): while one is being timed, its rank, which gets here
+        # next, concludes with the finalists it has compiled
+        if (took or self.store.check(keys)) and \
+                self._set_once(ns + "/fin", str(self.rank)) == str(self.rank):
             out.role = "finisher"
             with self._giving_up_on_error(ns):
                 found = self._await_all(ns, keys, out, "the timings of configs another rank took")

@@ -197,16 +197,25 @@ def test_a_process_outside_the_group_is_told_so(monkeypatch):
         distributed.set_process_group(group=object())
 
 
-def test_a_rank_that_timed_no_chunk_does_not_conclude():
-    """Rank 0 took every chunk and published their timings; rank 1 arrives before rank 0
-    claims the final round: rank 1 timed nothing, so it waits for rank 0's decision (here,
-    rank 0 never comes: it takes over after its timeout) instead of concluding from nothing."""
+def test_a_rank_that_timed_no_chunk_concludes_only_once_every_chunk_is_published():
+    """Rank 0 took both chunks and is timing them; rank 1 arrives: it timed nothing, so it
+    waits for rank 0's decision instead of concluding (here rank 0 never comes: rank 1 takes
+    over after its timeout). Where every chunk is published, abandoned by a rank that raised,
+    a late rank concludes at once."""
     job = ranks(2, timeout=0.3)
-    rank_0_timed_every_chunk(job, "late")
+    ns = job[0]._namespace("late", False)
+    job[0].store.add(ns + "/next", 2)
     log = []
     out = job[1].agree("late", 4, fake_measure(1, log), conclude)
     assert out.role == "waiter" and out.took_over and out.wait_s >= 0.3
-    assert log == [] and out.entry["config"] == {"i": 3}
+    assert sorted(i for _, i in log) == [0, 1, 2, 3]
+    ns = job[0]._namespace("abandoned", False)
+    job[0].store.add(ns + "/next", 2)
+    for c in range(2):
+        job[0].store.set(f"{ns}/c{c}", json.dumps(distributed.ABANDONED))
+    log = []
+    out = job[1].agree("abandoned", 4, fake_measure(1, log), conclude)
+    assert out.role == "finisher" and out.wait_s < 0.3 and sorted(i for _, i in log) == [0, 1, 2, 3]
 
 
 def test_a_finisher_times_a_chunk_whose_rank_stopped_or_raises_if_told():
