@@ -190,11 +190,12 @@ def _compiler_gave_no_verdict(error, message):
 
 
 def _of_the_moment(failures):
-    """Every failure of a search says nothing about its config: the GPU's memory was full
-    (the search's buffers), a compile timed out or was killed, or the config ran when probed
-    alone. Such a key is searched again at its next call instead of failing for the process."""
-    return all(f["error"] in ("OutOfMemoryError", "NoError")
-               or _compiler_gave_no_verdict(f["error"], f["message"]) for f in failures)
+    """Every failure of a search ((error type name, message) pairs) says nothing about its
+    config: the GPU's memory was full (the search's buffers), a compile timed out or was
+    killed, or the config ran when probed alone. Such a key is searched again at its next call
+    instead of failing for the process."""
+    return all(error in ("OutOfMemoryError", "NoError")
+               or _compiler_gave_no_verdict(error, message) for error, message in failures)
 
 
 @dataclasses.dataclass
@@ -670,7 +671,7 @@ class Autotuner:
         if "failed" in entry:
             failures = [tuple(f) for f in entry["failed"]]
             error = TuningFailedError(self.name, key, failures)
-            if _of_the_moment([{"error": f[1], "message": f[2]} for f in failures]):
+            if _of_the_moment((kind, message) for _, kind, message in failures):
                 # the decision stands for this round: every rank that read it opens the key's
                 # next round at its next call (each counts its own rounds, so they meet there)
                 self._again.add(key)
@@ -807,7 +808,7 @@ class Autotuner:
         if not timings:
             error = TuningFailedError(self.name, key, [(config_dict(cfgs[f["i"]]), f["error"],
                                                         f["message"]) for f in failures])
-            if not _of_the_moment(failures):
+            if not _of_the_moment((f["error"], f["message"]) for f in failures):
                 self._failed[key] = error
             raise error
         ranked = sorted((SimpleNamespace(config=cfgs[t["i"]], mean_us=t["mean_us"], t=t)

@@ -77,6 +77,14 @@ def eps(op, value):
     return float(value)
 
 
+def _leaf_or_view_of_one(t):
+    """What torch refuses to write in place when it requires grad: "a leaf tensor", "a view of
+    a leaf tensor", or "" for anything else."""
+    if t.is_leaf:
+        return "a leaf tensor"
+    return "a view of a leaf tensor" if t._is_view() and t._base.is_leaf else ""
+
+
 def out(op, t, shape, dtype, device, dtype_of="the inputs'", inputs=None, kept=None):
     """An `out=` tensor: exactly `shape`, `dtype` and `device`, and writable. An op that copies
     its result into `out` (inputs None) refuses, under grad mode, a leaf that requires grad or
@@ -98,12 +106,11 @@ def out(op, t, shape, dtype, device, dtype_of="the inputs'", inputs=None, kept=N
     if t.device != device:
         raise ValueError(f"{op}: out is on {t.device} but the inputs are on {device}")
     grad = torch.is_grad_enabled()
-    if grad and t.requires_grad and (inputs is not None or t.is_leaf or (
-            t._is_view() and t._base.is_leaf)):
-        what = ("a tensor" if inputs is not None else "a leaf tensor" if t.is_leaf
-                else "a view of a leaf tensor")
-        raise ValueError(f"{op}: out is {what} that requires grad, which cannot be written in "
-                         "place")
+    if grad and t.requires_grad:
+        what = "a tensor" if inputs is not None else _leaf_or_view_of_one(t)
+        if what:
+            raise ValueError(f"{op}: out is {what} that requires grad, which cannot be written "
+                             "in place")
     if torch.compiler.is_compiling():
         return t
     if self_overlaps(t):
@@ -190,14 +197,14 @@ def overlaps(a, b):
 def inplace(op, tensors):
     """Refuse an in-place write to `tensors` ({name: tensor}, in argument order) that torch or
     a kernel cannot do: a leaf that requires grad, or a view of one (under grad mode, per
-    tensor, as torch refuses); a tensor whose elements overlap (an expanded, stride-0 dim), which the kernel
-    would write twice; two tensors sharing memory (the same tensor, overlapping views), which
-    would race. ValueError naming `op` and the argument."""
+    tensor, as torch refuses); a tensor whose elements overlap (an expanded, stride-0 dim),
+    which the kernel would write twice; two tensors sharing memory (the same tensor,
+    overlapping views), which would race. ValueError naming `op` and the argument."""
     items = list(tensors.items())
     if torch.is_grad_enabled():
         for name, t in items:
-            if t.requires_grad and (t.is_leaf or (t._is_view() and t._base.is_leaf)):
-                what = "a leaf tensor" if t.is_leaf else "a view of a leaf tensor"
+            what = t.requires_grad and _leaf_or_view_of_one(t)
+            if what:
                 raise ValueError(f"{op}: inplace=True on {name}, {what} that requires grad")
     spans = [_span(t) for _, t in items]
     for (name, t), span in zip(items, spans):
