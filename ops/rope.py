@@ -285,8 +285,9 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     transformers 5's signature."""
     if unsqueeze_dim != 1:
         raise ValueError("apply_rotary_pos_emb: only unsqueeze_dim=1 ((B, H, S, D) q/k) is supported")
-    validate.tensor("apply_rotary_pos_emb", "q", q)
-    validate.tensor("apply_rotary_pos_emb", "cos", cos, like=q)
+    for name, t in (("q", q), ("cos", cos)):     # (apply_rope checks the rest)
+        if not isinstance(t, torch.Tensor):
+            validate.is_tensor("apply_rotary_pos_emb", name, t)
     return apply_rope(q, k, cos, sin, position_ids=position_ids if cos.dim() == 2 else None,
                       compute_dtype=hf_compute_dtype(q, cos))
 
