@@ -44,11 +44,12 @@ def hf_array(dt, B, H, S, d, packed=False):
     return jit_array(dt, (B, H, S, d), (S * H * d, d, H * d, 1))
 
 
-def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, packed=False):
+def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, packed=False, offset=None):
     """The signature the JIT specializes `kind`'s kernel on for inputs in HF's layout (outputs
     laid out like their inputs, LSE2/delta (B*Hq, Sq) float32 rows padded to 16 bytes), constants
     in place. packed: a packed batch of B sequences, sq and sk tokens in all, contiguous
-    (T, H, D) tensors seen as (1, H, T, D); the unread offsets of a dense launch are (2,)."""
+    (T, H, D) tensors seen as (1, H, T, D); the unread offsets of a dense launch are (2,).
+    offset: the causal diagonal's (None: bottom-right, as `fmha` aligns it)."""
     q, kv = hf_array(dt, B, hq, sq, d, packed), hf_array(dt, B, hkv, sk, d, packed)
     rows = stat_rows(hq if packed else B * hq, sq)
     cu = jit_array(torch.int32, (B + 1,) if packed else (2,))
@@ -56,7 +57,9 @@ def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, packed=False):
     if kind == "fwd":
         return [q, kv, kv, q, rows, cu, cu, F32, I32] + tail + [packed]
     if kind == "dq":
-        return [q, kv, kv, q, q, rows, rows, q, cu, cu, F32, F32, I32] + tail + [packed]
+        offset = sk - sq if offset is None else offset
+        return ([q, kv, kv, q, q, rows, rows, q, cu, cu, F32, F32, I32] + tail
+                + [packed, causal and not packed and offset + sq > sk])
     return [q, kv, kv, q, rows, rows, kv, kv, cu, cu, F32, F32, I32] + tail + [packed]
 
 
@@ -84,8 +87,8 @@ def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
     return kernel, combine
 
 
-def _params(kind, cfg, *shape, packed=False):
-    return aot_params(kind, cfg.tm, cfg.tn, *shape, packed=packed)
+def _params(kind, cfg, *shape, packed=False, offset=None):
+    return aot_params(kind, cfg.tm, cfg.tn, *shape, packed=packed, offset=offset)
 
 
 def compile_cases():
@@ -118,6 +121,10 @@ def compile_cases():
             cfg = next(GENS[kind]("sm_90", FM.head_tile(d), bucket(sq), bucket(sk)))
             yield CompileCase("fmha", TUNERS[kind].build(cfg), _params(kind, cfg, *shape),
                               f"fmha {kind} {label} default {vars(cfg)}")
+    shape = (f16, 2, 8, 2, 4097, 1000, 64, True)       # SDPA's top-left diagonal, Sq > Sk
+    cfg = next(GENS["dq"]("sm_90", 64, bucket(4097), bucket(1000), causal=True))
+    yield CompileCase("fmha", FM._dq.build(cfg), _params("dq", cfg, *shape, offset=0),
+                      f"fmha dq top-left Sq4097 Sk1000 D64 fp16 default {vars(cfg)}")
     for label, shape in [("non-causal", (bf, 4, 32, 32, 4096, 4096, 128, False)),
                          ("D64 fp16 causal", (f16, 8, 16, 16, 2048, 2048, 64, True)),
                          ("ragged Sq4097 Sk1000", (bf, 2, 8, 2, 4097, 1000, 128, True)),

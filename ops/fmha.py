@@ -284,14 +284,16 @@ def fmha_fwd_pair_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.C
 @ct.kernel
 def fmha_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, cu_q, cu_k, qk_scale, scale, offset,
                        TM: ct.Constant[int], TN: ct.Constant[int], TD: ct.Constant[int],
-                       CAUSAL: ct.Constant[bool], PACKED: ct.Constant[bool]):
+                       CAUSAL: ct.Constant[bool], PACKED: ct.Constant[bool],
+                       SEES_PAST_SK: ct.Constant[bool]):
     """delta (B*Hq, Sq) = rowsum(dO * O) and dq = scale * dS k for one query tile.
     cdiv(Sq, TM) tiles x B*Hq heads, each head's last tile (under a causal mask the heaviest)
     first. Rows past Sq need no mask: their q/dO tiles are zero-padded, so they add exactly 0
     (LSE2/delta pad with 0: finite P). Keys past Sk are masked in P: their zero scores give
     P = 2^-LSE2, which overflows q's dtype in dS (then inf x their zero k rows = NaN) for a
-    row whose every score is far below zero. Under CAUSAL the diagonal's mask does it where
-    each row's last visible key is below Sk (bottom-right: every row)."""
+    row whose every score is far below zero. Under CAUSAL the diagonal's mask does it for the
+    rows whose last visible key is below Sk; SEES_PAST_SK: some row's is not (top-left causal
+    with Sq > Sk), so the tail is masked too."""
     m, b, h, hk, bh, q0, q1 = _query_block(q, k, cu_q, True, PACKED)
     if PACKED:
         if m * TM >= q1 - q0:
@@ -319,7 +321,10 @@ def fmha_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, cu_q, cu_k, qk_scale, sca
         p = ct.exp2(s * qk_scale - lse2, flush_to_zero=True)          # [TM, TN]
         if n >= n_mask:
             if CAUSAL:
-                p = ct.where(n * TN + cols <= last_key, p, 0.0)
+                visible = n * TN + cols <= last_key
+                if SEES_PAST_SK:
+                    visible = visible & (n * TN + cols < sk)
+                p = ct.where(visible, p, 0.0)
             else:
                 p = ct.where(n * TN + cols < sk, p, 0.0)
         dp = ct.mma(dot, ct.transpose(vt), ct.zeros((TM, TN), ct.float32))
@@ -827,7 +832,13 @@ def _fwd_args(c, q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, td, causal, pack
 def _dq_args(c, q, k, v, o, do, lse, delta, dq, cu_q, cu_k, qk_scale, scale, offset, td, causal,
              packed):
     return (q, k, v, o, do, lse, delta, dq, cu_q, cu_k, qk_scale, scale, offset, c.tm, c.tn, td,
-            causal, packed is not None)
+            causal, packed is not None, _sees_past_sk(causal, offset, q, k, packed))
+
+
+def _sees_past_sk(causal, offset, q, k, packed):
+    """Whether some query row's last visible key is at or past Sk (a dense causal batch whose
+    diagonal ends past the keys: SDPA's top-left with Sq > Sk); packed batches are bottom-right."""
+    return causal and packed is None and offset + q.shape[2] > k.shape[2]
 
 
 def _dkdv_args(c, q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, scale, offset, td,

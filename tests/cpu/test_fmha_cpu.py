@@ -61,7 +61,7 @@ def test_aot_covers_every_sm90_and_sm100_config_at_d128():
             for cfg in gen(arch, 128, causal=True):
                 assert any(f"fmha {kind} " in lb and str(vars(cfg)) in lb for lb in labels), \
                     (kind, arch, vars(cfg))
-    assert len(labels) <= 86, "keep the CI's FMHA compiles near 170 (two archs)"
+    assert len(labels) <= 87, "keep the CI's FMHA compiles near 170 (two archs)"
 
 
 def test_causal_forward_runs_heaviest_tiles_first_with_one_space():
@@ -209,6 +209,30 @@ def test_host_launches(stubbed_launch):
     assert same(g["dq"], dq) and same(h["dk"], dk) and same(h["dv"], dv)
     assert g["lse"].data_ptr() == f["lse"].data_ptr() == h["lse"].data_ptr()
     assert g["delta"].shape == (8, 100) and g["delta"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("sq,sk,offset,past", [
+    (100, 300, 200, False),         # bottom-right (fmha): every row's last key is below Sk
+    (300, 100, -200, False),        # bottom-right, Sq > Sk
+    (100, 300, 0, False),           # top-left, Sq < Sk
+    (300, 100, 0, True),            # top-left (SDPA), Sq > Sk: rows 100.. see every key
+    (100, 100, 1, True),            # a diagonal one key past bottom-right
+])
+def test_dq_masks_keys_past_sk_where_a_causal_row_sees_past_them(stubbed_launch, sq, sk,
+                                                                 offset, past):
+    """The dQ kernel's SEES_PAST_SK: where some row's last visible key is at or past Sk, the
+    causal mask alone would keep the zero-padded keys of the last tile (their P overflows dS
+    for a row of far-negative scores), so the tail mask joins it; elsewhere the build is the
+    causal one without it."""
+    q, k, v = _qkv(sq=sq, sk=sk, d=64)
+    qg = q.detach().requires_grad_()
+    torch.autograd.grad(FM._fmha(qg, k, v, True, offset, 0.125), qg, torch.randn_like(q))
+    (dq,) = [a for n, _, a in stubbed_launch if n == "fmha_bwd_dq_kernel"]
+    assert dq["SEES_PAST_SK"] is past and dq["CAUSAL"] is True
+    stubbed_launch.clear()
+    torch.autograd.grad(FM._fmha(qg, k, v, False, 0, 0.125), qg, torch.randn_like(q))
+    (dq,) = [a for n, _, a in stubbed_launch if n == "fmha_bwd_dq_kernel"]
+    assert dq["SEES_PAST_SK"] is False
 
 
 def test_row_statistics_have_16_byte_rows(stubbed_launch):

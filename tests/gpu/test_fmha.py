@@ -124,8 +124,9 @@ def test_forward_backward(fresh, monkeypatch, case, disable):
 @pytest.mark.parametrize("dt,score", [(torch.float16, -20.0), (torch.bfloat16, -120.0)], ids=str)
 def test_rows_of_far_negative_scores_give_finite_gradients(fresh, monkeypatch, dt, score):
     """Every score of every row far below zero (LSE < -11 nats overflows fp16's dS, < -88 bf16's
-    for a key past Sk) with Sk not a multiple of the key tile, not causal: dq is finite and
-    matches float64 (keys past Sk are masked in the dQ kernel's P)."""
+    for a key past Sk) with Sk not a multiple of the key tile, not causal and top-left causal
+    with Sq > Sk: dq is finite and matches float64 (keys past Sk are masked in the dQ
+    kernel's P)."""
     disable_autotune(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(3)
     d = 64
@@ -136,6 +137,13 @@ def test_rows_of_far_negative_scores_give_finite_gradients(fresh, monkeypatch, d
     k = (c + torch.randn(2, 4, 100, d, device="cuda", generator=g)).to(dt)
     v = torch.randn(2, 4, 100, d, device="cuda", generator=g).to(dt)
     o, (dq, dk, dv) = check(q, k, v, False)
+    assert torch.isfinite(dq).all() and torch.isfinite(dk).all()
+    # SDPA's top-left causal diagonal with Sq > Sk: rows from Sk on see every key, so their
+    # last visible key passes Sk and the causal mask alone would keep the keys past it
+    q = torch.cat([q, q[:, :, :36]], dim=2)[:, :, :100]       # Sq 100 > Sk 77
+    k, v = k[:, :, :77], v[:, :, :77]
+    o, (dq, dk, dv) = check(q, k, v, True, offset=0, fn=lambda a, b, c:
+                            scaled_dot_product_attention(a, b, c, is_causal=True))
     assert torch.isfinite(dq).all() and torch.isfinite(dk).all()
 
 
