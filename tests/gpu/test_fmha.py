@@ -50,9 +50,10 @@ def reference(q, k, v, causal, offset, scale):
     return (p / torch.where(l > 0, l, torch.ones_like(l))) @ v
 
 
-def check(q, k, v, causal, offset=None, scale=None, fn=None, **kw):
+def check(q, k, v, causal, offset=None, scale=None, fn=None, grad_tol=None, **kw):
     """Forward and dq/dk/dv of fn (default fmha) against the reference; outputs are allocated
-    from an allocator filled with NaN, so anything left unwritten fails."""
+    from an allocator filled with NaN, so anything left unwritten fails. grad_tol: the
+    gradients' relative error bound (default TOL of the dtype)."""
     dt = q.dtype
     offset = (k.shape[2] - q.shape[2] if causal else 0) if offset is None else offset
     sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -68,10 +69,10 @@ def check(q, k, v, causal, offset=None, scale=None, fn=None, **kw):
         o_inference = (fn or (lambda a, b, c: fmha(a, b, c, causal=causal, scale=scale, **kw)))(
             q, k, v)
     assert torch.equal(o_inference, o)
-    return o, check_grads(o, ref, (qg, kg, vg), (q64, k64, v64))
+    return o, check_grads(o, ref, (qg, kg, vg), (q64, k64, v64), grad_tol)
 
 
-def check_grads(o, ref, inputs, inputs64):
+def check_grads(o, ref, inputs, inputs64, tol=None):
     """Gradients of o (into poisoned memory) against those of its float64 reference `ref`, for
     the same random dO; returns ours."""
     do = torch.randn_like(o)
@@ -80,7 +81,7 @@ def check_grads(o, ref, inputs, inputs64):
     expect = torch.autograd.grad(ref, inputs64, do.double())
     for name, got, exp in zip("qkv", grads, expect):
         assert got.shape == exp.shape, name
-        assert rel(got, exp) < TOL[o.dtype], f"d{name}"
+        assert rel(got, exp) < (tol or TOL[o.dtype]), f"d{name}"
     return grads
 
 
@@ -136,13 +137,17 @@ def test_rows_of_far_negative_scores_give_finite_gradients(fresh, monkeypatch, d
     q = (-c + 0.01 * torch.randn(2, 4, 64, d, device="cuda", generator=g)).to(dt)
     k = (c + torch.randn(2, 4, 100, d, device="cuda", generator=g)).to(dt)
     v = torch.randn(2, 4, 100, d, device="cuda", generator=g).to(dt)
-    o, (dq, dk, dv) = check(q, k, v, False)
+    # dq = sum_j dS_j k_j, where sum_j dS_j = 0: the keys' common part c (3.9 at bf16's scores)
+    # cancels, and the rounding of dS and of O (in delta) to the input dtype comes back about
+    # c times larger relative to dq (bf16: 0.013 on an H200)
+    tol = 3e-2 if dt == torch.bfloat16 else None
+    o, (dq, dk, dv) = check(q, k, v, False, grad_tol=tol)
     assert torch.isfinite(dq).all() and torch.isfinite(dk).all()
     # SDPA's top-left causal diagonal with Sq > Sk: rows from Sk on see every key, so their
     # last visible key passes Sk and the causal mask alone would keep the keys past it
     q = torch.cat([q, q[:, :, :36]], dim=2)[:, :, :100]       # Sq 100 > Sk 77
     k, v = k[:, :, :77], v[:, :, :77]
-    o, (dq, dk, dv) = check(q, k, v, True, offset=0, fn=lambda a, b, c:
+    o, (dq, dk, dv) = check(q, k, v, True, offset=0, grad_tol=tol, fn=lambda a, b, c:
                             scaled_dot_product_attention(a, b, c, is_causal=True))
     assert torch.isfinite(dq).all() and torch.isfinite(dk).all()
 
@@ -326,7 +331,7 @@ def test_aot_signature_matches_jit():
         cu = FM._unread(q, q.get_device())
         args = {"fwd": (q, k, v, o, lse, cu, cu, 0.1, 0, 64, 64, td, True, False),
                 "dq": (q, k, v, o, do, lse, delta, dq, cu, cu, 0.1, 0.1, 0, 64, 64, td, True,
-                       False),
+                       False, False),
                 "dkdv": (q, k, v, do, lse, delta, dk, dv, cu, cu, 0.1, 0.1, 0, 64, 64, td, True,
                          False)}
         kernels = {"fwd": FM.fmha_fwd_kernel, "dq": FM.fmha_bwd_dq_kernel,
