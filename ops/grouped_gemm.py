@@ -612,7 +612,10 @@ def grouped_mm(x, w, offs=None, *, out=None):
 
     offs is never read on the host (CUDA-graph capturable), so it is not checked against the
     data: offs must be non-decreasing with offs[E-1] <= T. Otherwise the kernels clamp the
-    bounds into [0, T]: a wrong result, but no hang and no access outside the tensors.
+    bounds into [0, T]: a wrong result, but no hang and no access outside the tensors (the
+    forward and dX kernels then split the rows by the running maximum of offs, the K-grouped
+    kernel, which the 2-D x 2-D form and the weight gradient run, starts each group at its
+    clamped offs[g-1], so a row can count in two groups there).
     Differentiable in x and w (offs gets no gradient); the weight gradient comes back in w's
     layout where w is row-major or the transposed view of (E, N, K) (contiguous otherwise).
     Works under torch.compile(fullgraph=True). `out`, if given, receives a copy of the result

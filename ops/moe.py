@@ -265,18 +265,21 @@ def _permute_rows_bwd(needs, dxs, inverse):
     return dx, None
 
 
-def _unpermute_rows(ys, inverse, w):
+def _unpermute_rows(ys, inverse, w, complete):
     out = ys.new_empty((inverse.shape[0], ys.shape[1]))
     if out.numel():
         launch_unpermute(ys, inverse, w, out)
     return out
 
 
-def _unpermute_rows_bwd(needs, dout, ys, inverse, w):
+def _unpermute_rows_bwd(needs, dout, ys, inverse, w, complete):
     """(dys, None, dw): dys (slots, H) contiguous, dw in w's dtype (None where not needed). ys
-    is kept only where w needs a gradient (only dw reads it): otherwise dys stands in for it."""
+    is kept only where w needs a gradient (only dw reads it): otherwise dys stands in for it.
+    complete: inverse names every slot (moe_permute's), so the scatter writes every row of dys;
+    otherwise dys starts at zero (a slot no entry names, such as a dropped one, contributed
+    nothing)."""
     dout = dout.contiguous()
-    dys = dout.new_empty((inverse.numel(), dout.shape[1]))
+    dys = (dout.new_empty if complete else dout.new_zeros)((inverse.numel(), dout.shape[1]))
     dw = torch.empty_like(w, memory_format=torch.contiguous_format) if needs[2] else None
     if dw is not None and dout.shape[1] == 0:
         dw.zero_()
@@ -296,13 +299,14 @@ _permute_op = TrainableOp(
         dxs.new_empty((inverse.shape[0], dxs.shape[1])), None))
 _unpermute_op = TrainableOp(
     "tiletune::moe_unpermute", forward=_unpermute_rows,
-    forward_schema="(Tensor ys, Tensor inverse, Tensor w) -> Tensor",
-    forward_fake=lambda ys, inverse, w: ys.new_empty((inverse.shape[0], ys.shape[1])),
-    save=lambda args, results: ((args[0] if args[2].requires_grad else None, *args[1:]), ()),
+    forward_schema="(Tensor ys, Tensor inverse, Tensor w, bool complete) -> Tensor",
+    forward_fake=lambda ys, inverse, w, complete: ys.new_empty((inverse.shape[0], ys.shape[1])),
+    save=lambda args, results: ((args[0] if args[2].requires_grad else None, *args[1:3]),
+                                (args[3],)),
     backward=_unpermute_rows_bwd,
-    backward_schema="(bool[] needs, Tensor dout, Tensor? ys, Tensor inverse, Tensor w) "
-                    "-> (Tensor?, Tensor?, Tensor?)",
-    backward_fake=lambda needs, dout, ys, inverse, w: (
+    backward_schema="(bool[] needs, Tensor dout, Tensor? ys, Tensor inverse, Tensor w, "
+                    "bool complete) -> (Tensor?, Tensor?, Tensor?)",
+    backward_fake=lambda needs, dout, ys, inverse, w, complete: (
         dout.new_empty((inverse.numel(), dout.shape[1])) if needs[0] else None, None,
         torch.empty_like(w, memory_format=torch.contiguous_format) if needs[2] else None))
 
@@ -424,7 +428,7 @@ def _experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     x_sorted, offs, inverse = _permute(hidden_states, top_k_index, gate_up_proj.shape[0])
     gate, up = grouped_mm(x_sorted, gate_up_proj.transpose(1, 2), offs).chunk(2, -1)
     y_sorted = grouped_mm(swiglu(gate, up), down_proj.transpose(1, 2), offs)
-    return _unpermute_op(y_sorted, inverse, top_k_weights)
+    return _unpermute_op(y_sorted, inverse, top_k_weights, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,14 +466,14 @@ def moe_unpermute(y_sorted, inverse, topk_weights):
     float32 or y_sorted's dtype (transformers' routers return the model dtype: Qwen3-MoE's
     softmax runs in float32 and is cast back to the router logits' dtype).
     inverse must be a permutation of 0..T*k-1, as moe_permute returns (it is not read on the
-    host): an entry outside 0..T*k-1 reads zeros and writes nothing, never out of bounds; rows
-    no entry names are left unwritten in the gradient of y_sorted.
+    host): an entry outside 0..T*k-1 (such as -1 for a dropped slot) reads zeros and writes
+    nothing, never out of bounds; rows no entry names get a zero gradient.
     Differentiable in y_sorted (dy_sorted[inverse[t, j]] = topk_weights[t, j] * dout[t], a
     scatter, no atomics) and topk_weights (dot(dout[t], y_sorted[inverse[t, j]]) in float32,
     cast to its dtype). Works under torch.compile(fullgraph=True). At most 2^31 - 1 elements in
     y_sorted."""
     _check_unpermute(y_sorted, inverse, topk_weights)
-    return _unpermute_op(y_sorted, inverse, topk_weights)
+    return _unpermute_op(y_sorted, inverse, topk_weights, False)
 
 
 def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj):

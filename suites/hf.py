@@ -176,6 +176,31 @@ def packed_lengths(kwargs, batch):
     return cu_q, cu_k, int(max_q), int(max_k)
 
 
+# Score terms that transformers passes to its attention functions and that neither our kernel nor
+# SDPA computes: refused rather than dropped.
+_UNSERVED_TERMS = (("s_aux", "attention sinks"), ("sinks", "attention sinks"),
+                   ("softcap", "logit softcapping"))
+
+
+def _packed_mask_is_plain(module, kwargs, longest):
+    """Whether a packed batch's mask is the plain block-diagonal causal one, so fmha_varlen on
+    its lengths computes it: no sliding window shorter than the longest sequence. A family that
+    passes `sliding_window` says it in the call; for one that does not, the module's window
+    (Qwen2-MoE sets it on sliding layers), and where the module has none, a window or chunked
+    attention in its config (PhiMoE, Llama 4) leaves the decision to the mask."""
+    if "sliding_window" in kwargs:
+        window = kwargs["sliding_window"]
+    else:
+        window = getattr(module, "sliding_window", None)
+        if window is None:
+            config = getattr(module, "config", None)
+            if getattr(config, "attention_chunk_size", None) is not None:
+                return False
+            if getattr(config, "use_sliding_window", True):
+                window = getattr(config, "sliding_window", None)
+    return window is None or longest <= window
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       is_causal=None, **kwargs):
     """transformers attention function "tiletune": tiletune FMHA (GQA served directly, no
@@ -187,16 +212,17 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     with its sequence lengths (`packed_lengths`) runs `fmha_varlen` on them; the mask
     transformers built for it (the same block-diagonal pattern) is not needed, unless a
     sliding window is shorter than the longest sequence (then the mask goes to SDPA).
-    Attention sinks (`s_aux`, GPT-OSS) raise ValueError. Returns ((B, S, H, D), None)."""
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("tiletune attention: attention sinks (s_aux) are not supported (the "
-                         "kernel and SDPA have no sink term); use attn_implementation='eager' "
-                         "for this model")
+    Attention sinks (`s_aux` of GPT-OSS, `sinks`) and logit softcapping (`softcap`, Gemma 2)
+    raise ValueError. Returns ((B, S, H, D), None)."""
+    for name, what in _UNSERVED_TERMS:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"tiletune attention: {what} ({name}) is not supported (the kernel "
+                             "and SDPA have no such term); use attn_implementation='eager' for "
+                             "this model")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     packed = packed_lengths(kwargs, query.shape[0])
-    window = kwargs.get("sliding_window")
-    if packed is not None and window is not None and packed[3] > window:
-        packed = None            # the window reaches inside a sequence: the mask decides
+    if packed is not None and not _packed_mask_is_plain(module, kwargs, packed[3]):
+        packed = None            # local attention reaches inside a sequence: the mask decides
     route = attention_route(
         q_length=query.shape[2], kv_length=key.shape[2], head_dim=query.shape[3],
         dtype=query.dtype, on_cuda=query.is_cuda,
@@ -319,6 +345,11 @@ class _ExpertsForward:
             _log_once(f"tiletune experts: hidden_act {act!r} has no tiletune kernel: using "
                       "transformers' experts")
             return super().forward(hidden_states, top_k_index, top_k_weights)
+        if not _is_hf_activation(getattr(self, "act_fn", None), act):
+            _log_once(f"tiletune experts: act_fn is a {type(getattr(self, 'act_fn', None)).__name__}"
+                      f", not the module transformers builds for hidden_act {act!r}: using "
+                      "transformers' experts")
+            return super().forward(hidden_states, top_k_index, top_k_weights)
         if not experts_supported(hidden_states.dtype,
                                  (self.gate_up_proj.dtype, self.down_proj.dtype)):
             _log_once(f"tiletune experts: {hidden_states.dtype} hidden states with "
@@ -385,6 +416,7 @@ class _AttentionForward:
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         cos, sin = position_embeddings
+        _check_full_width("attention", cos, self.head_dim)
         fused = _fusable_qk_norm(self)
         if fused is not None:
             q_weight, k_weight, eps = fused
@@ -418,11 +450,25 @@ class _AttentionForward:
         return self.o_proj(attn_output), attn_weights
 
 
+def _check_full_width(op, cos, head_dim):
+    """transformers' rotate-half code multiplies the whole head by cos, so the tables of the
+    families patched here are head_dim wide; a narrower or wider table (a partial rotary factor
+    with a scaled rope type, which transformers' own code fails on) is refused, not rotated in
+    part."""
+    if cos.shape[-1] != head_dim:
+        raise ValueError(f"tiletune {op}: cos/sin have {cos.shape[-1]} columns, not head_dim "
+                         f"{head_dim}: transformers' rotate-half RoPE rotates the whole head "
+                         "(a partial rotary factor is not supported for this family)")
+
+
 def hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, rotary_dim=None):
     """transformers' `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)` on tiletune RoPE:
     unsqueeze_dim=1 takes (B, H, S, D) q/k, unsqueeze_dim=2 (B, S, H, D); cos/sin (B, S, D).
-    rotary_dim as `apply_rope`'s. The rotation is computed in the dtype transformers' code
+    rotary_dim as `apply_rope`'s; without it, cos/sin must be D wide (transformers' code
+    multiplies the whole head). The rotation is computed in the dtype transformers' code
     computes it in (torch's promotion of q's and cos's dtypes: bf16 for a bf16 model's tables)."""
+    if rotary_dim is None:
+        _check_full_width("apply_rotary_pos_emb", cos, q.shape[-1])
     math = hf_compute_dtype(q, cos)
     if unsqueeze_dim == 1:
         return apply_rope(q, k, cos, sin, rotary_dim=rotary_dim, compute_dtype=math)

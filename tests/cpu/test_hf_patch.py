@@ -315,6 +315,45 @@ def test_mlp_keeps_hooks_and_a_replaced_activation(ops, caplog, monkeypatch):
     assert sum("act_fn is a GELU" in r.getMessage() for r in caplog.records) == 1
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_partial_rotary_tables_are_refused_as_transformers_fails_on_them(ops, family):
+    """A scaled rope type with partial_rotary_factor 0.5 gives head_dim / 2 wide tables, which
+    transformers' rotate-half code of these families cannot apply (it raises): the patched
+    model raises a ValueError naming the width, instead of rotating half of each head."""
+    rope = dict(rope_type="linear", factor=2.0, rope_theta=10000.0, partial_rotary_factor=0.5)
+    model = build(family, rope_parameters=rope)
+    ids = torch.randint(0, 128, (1, 8))
+    with pytest.raises(RuntimeError):
+        model(ids)
+    hf.apply_tiletune(model)
+    with pytest.raises(ValueError, match=r"tiletune attention: cos/sin have 8 columns, not "
+                                         r"head_dim 16"):
+        model(ids)
+    q = torch.randn(1, 4, 8, 16)
+    cos = torch.randn(1, 8, 8)
+    with pytest.raises(ValueError, match=r"tiletune apply_rotary_pos_emb: cos/sin have 8"):
+        hf.hf_apply_rotary_pos_emb(q, q, cos, cos)
+    assert ops["rope"] == ops["rms_norm_rope"] == 0
+
+
+def test_experts_with_a_replaced_activation_keep_hf_experts(ops, caplog, monkeypatch):
+    """An experts module whose act_fn is not the one transformers builds for hidden_act runs
+    transformers' experts, with one warning (the kernels compute SiLU)."""
+    monkeypatch.setattr(hf, "_logged", set())
+    model = build("qwen3_moe").to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    hf.apply_tiletune(model, rms_norm=False, rope=False, attention=False, mlp=False)
+    for m in (model, reference):
+        next(e for e in m.modules() if type(e).__name__.endswith("Experts")).act_fn = \
+            torch.nn.GELU()
+    ids = torch.randint(0, 128, (2, 12))
+    with caplog.at_level(logging.WARNING, logger="tiletune"):
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=0, rtol=0)
+    assert ops["moe"] == 0
+    assert sum("tiletune experts: act_fn is a GELU" in r.getMessage()
+               for r in caplog.records) == 1
+
+
 def test_qwen3_unfused_when_only_rope(ops):
     model = build("qwen3")
     reference = copy.deepcopy(model)
@@ -677,12 +716,51 @@ def test_packed_batch_with_a_shorter_sliding_window_takes_the_mask(monkeypatch):
     assert ran == [1]
 
 
-def test_attention_sinks_are_refused():
+@pytest.mark.parametrize("term,value,what", [
+    ("s_aux", torch.zeros(4), "attention sinks"),           # GPT-OSS
+    ("sinks", torch.zeros(4), "attention sinks"),
+    ("softcap", 50.0, "logit softcapping"),                 # Gemma 2
+])
+def test_score_terms_the_kernels_lack_are_refused(term, value, what):
+    """Terms transformers passes that neither the kernel nor SDPA computes raise instead of
+    being dropped (Gemma 2's softcap changed its logits by 4e-3 when dropped); None passes."""
     q = torch.randn(1, 4, 8, 16, dtype=torch.bfloat16)
     k = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"tiletune attention: attention sinks \(s_aux\)"):
-        hf.attention_forward(SimpleNamespace(is_causal=True), q, k, k, None,
-                             s_aux=torch.zeros(4))
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=2, training=False)
+    with pytest.raises(ValueError, match=rf"tiletune attention: {what} \({term}\)"):
+        hf.attention_forward(module, q, k, k, None, **{term: value})
+    out, _ = hf.attention_forward(module, q, k, k, None, scaling=0.25, **{term: None})
+    assert out.shape == (1, 8, 4, 16)
+
+
+@pytest.mark.parametrize("module,plain", [
+    (SimpleNamespace(), True),                                    # Llama: no local attention
+    (SimpleNamespace(sliding_window=3), False),                   # Qwen2-MoE's sliding layers
+    (SimpleNamespace(sliding_window=None, config=SimpleNamespace(sliding_window=4)), False),
+    (SimpleNamespace(config=SimpleNamespace(sliding_window=4, use_sliding_window=False)), True),
+    (SimpleNamespace(config=SimpleNamespace(sliding_window=64)), True),    # PhiMoE, long window
+    (SimpleNamespace(config=SimpleNamespace(attention_chunk_size=8192)), False),   # Llama 4
+])
+def test_packed_batch_of_a_family_that_passes_no_window_keeps_its_mask(monkeypatch, module,
+                                                                         plain):
+    """Families that put their sliding window or chunked attention in the mask alone (no
+    `sliding_window` kwarg: Qwen2-MoE, PhiMoE, Llama 4): a packed batch runs fmha_varlen only
+    where no window reaches inside its longest sequence (6 tokens), else the mask goes to SDPA
+    (plain causal varlen attention gave logits 0.19-0.57 off)."""
+    monkeypatch.setattr(hf, "_logged", set())
+    ran = []
+    monkeypatch.setattr(hf, "fmha_varlen", lambda q, *a, **kw: ran.append(1) or torch.zeros_like(q))
+    route_on_cpu = hf.attention_route
+    monkeypatch.setattr(hf, "attention_route", lambda **kw: route_on_cpu(**{**kw, "on_cuda": True}))
+    for name, v in dict(is_causal=True, num_key_value_groups=2, training=False).items():
+        setattr(module, name, v)
+    q = torch.randn(1, 4, 10, 16, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 10, 16, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4, 10])
+    lengths = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6, max_length_k=6)
+    mask = torch.ones(1, 1, 10, 10, dtype=torch.bool).tril()
+    hf.attention_forward(module, q, k, k, mask, scaling=0.25, **lengths)
+    assert ran == ([1] if plain else [])
 
 
 def test_tiletune_mask():

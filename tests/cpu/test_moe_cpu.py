@@ -250,15 +250,22 @@ def ref_permute(x, idx, out):
 
 
 def ref_gather(src, idx, w, out):
-    v = src.double()[_rows(idx)].view(*idx.shape, -1)
+    """As the kernels: an index outside src's rows reads zeros."""
+    rows = _rows(idx)
+    inside = (rows >= 0) & (rows < src.shape[0])
+    v = torch.where(inside[:, None], src.double()[rows.clamp(0, src.shape[0] - 1)], 0.0)
+    v = v.view(*idx.shape, -1)
     if w is not None:
         v = v * w.double()[..., None]
     out.copy_(v.sum(1))
 
 
 def ref_unpermute_bwd(dout, idx, w, ys, dys, dw):
-    dys[_rows(idx)] = (w.double()[..., None] * dout.double()[:, None]).reshape(
-        -1, dout.shape[1]).to(dys.dtype)
+    """As the kernel: a scatter to the rows idx names; an index outside them writes nothing."""
+    rows = _rows(idx)
+    inside = (rows >= 0) & (rows < dys.shape[0])
+    dys[rows[inside]] = (w.double()[..., None] * dout.double()[:, None]).reshape(
+        -1, dout.shape[1])[inside].to(dys.dtype)
     if dw is not None:
         dw.copy_((dout.double()[:, None] * ys.double()[_rows(idx)].view(*idx.shape, -1)).sum(-1))
 
@@ -306,7 +313,7 @@ def test_forward_values(kernels):
     x_sorted, offs, inverse = M._permute(x, topk_ids, 6)
     ex_sorted, ex_out = reference(x, topk_ids, w, 6)
     assert torch.equal(x_sorted, ex_sorted)
-    out = M._unpermute_op(x_sorted, inverse, w)
+    out = M._unpermute_op(x_sorted, inverse, w, True)
     assert torch.allclose(out, ex_out)
     assert kernels == ["permute", "unpermute"]
 
@@ -317,7 +324,7 @@ def test_gradients_against_torch_autograd(kernels):
     w.requires_grad_()
     x_sorted, offs, inverse = M._permute(x, topk_ids, 6)
     y = x_sorted * torch.linspace(0.5, 2.0, x.shape[1], dtype=torch.float64)  # "experts"
-    out = M._unpermute_op(y, inverse, w)
+    out = M._unpermute_op(y, inverse, w, True)
     dout = torch.randn_like(out)
     gx, gw = torch.autograd.grad(out, (x, w), dout)
     ex_sorted, _ = reference(x, topk_ids, w, 6)
@@ -338,14 +345,35 @@ def test_only_what_needs_a_gradient_is_computed(kernels):
     ys = xs.clone().requires_grad_()
     kernels.clear()
     dout = torch.ones(37, 20, dtype=x.dtype)
-    out = M._unpermute_op(ys, inverse, w)
+    out = M._unpermute_op(ys, inverse, w, True)
     assert out.grad_fn.saved_tensors[0] is None     # ys: read only by the weights' gradient
     (gy,) = torch.autograd.grad(out, (ys,), dout)
     assert kernels == ["unpermute", ("unpermute_bwd", False)]     # no dot products
     assert torch.allclose(gy, w.reshape(-1)[expected_order(topk_ids, 6)][:, None].expand(-1, 20))
     wg = w.clone().requires_grad_()
-    (gw,) = torch.autograd.grad(M._unpermute_op(xs, inverse, wg).sum(), (wg,))
+    (gw,) = torch.autograd.grad(M._unpermute_op(xs, inverse, wg, True).sum(), (wg,))
     assert torch.allclose(gw, x.sum(1, keepdim=True).expand(-1, 3))
+
+
+def test_slots_that_no_entry_names_get_a_zero_gradient(kernels, monkeypatch):
+    """moe_unpermute with a caller's inverse that drops slots (-1, as capacity-limited routers
+    mark them): the forward skips them and their rows of dy_sorted are zero, not unwritten
+    memory; moe_experts' own inverse (a permutation) needs no zeroing."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    ys = torch.randn(6, 4, requires_grad=True)
+    inverse = torch.tensor([[0, -1], [2, 3], [-1, 5]], dtype=torch.int32)   # slots 1 and 4 dropped
+    w = torch.rand(3, 2)
+    new_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty",
+                        lambda self, *size, **kw: new_empty(self, *size, **kw).fill_(float("nan")))
+    out = M.moe_unpermute(ys, inverse, w)
+    (gy,) = torch.autograd.grad(out, ys, torch.ones_like(out))
+    assert torch.equal(gy[[1, 4]], torch.zeros(2, 4))
+    expect = torch.zeros(6, 4)
+    for t, j in [(0, 0), (1, 0), (1, 1), (2, 1)]:
+        expect[inverse[t, j]] = w[t, j]
+    assert torch.equal(gy, expect)
 
 
 def test_torch_compile_fullgraph_matches_eager(kernels):
@@ -355,7 +383,7 @@ def test_torch_compile_fullgraph_matches_eager(kernels):
 
     def f(x, topk_ids, w):
         x_sorted, offs, inverse = M._permute(x, topk_ids, 6)
-        return M._unpermute_op(x_sorted * 2.0, inverse, w), offs
+        return M._unpermute_op(x_sorted * 2.0, inverse, w, True), offs
 
     xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
     out_e, offs_e = f(xe, topk_ids, we)
@@ -377,12 +405,13 @@ def test_fake_implementations_give_the_real_shapes_and_dtypes():
         assert xs.shape == (21, 20) and xs.dtype == torch.bfloat16
         dx, none = M._permute_op._bwd_op([True, False], xs, inverse)
         assert dx.shape == (7, 20) and dx.dtype == torch.bfloat16 and none is None
-        out = M._unpermute_op._fwd_op(xs, inverse, w)
+        out = M._unpermute_op._fwd_op(xs, inverse, w, True)
         assert out.shape == (7, 20) and out.dtype == torch.bfloat16
-        dys, none, dw = M._unpermute_op._bwd_op([True, False, True], out, xs, inverse, w)
+        dys, none, dw = M._unpermute_op._bwd_op([True, False, True, False], out, xs, inverse, w,
+                                                  True)
         assert dys.shape == (21, 20) and dys.dtype == torch.bfloat16 and none is None
         assert dw.shape == (7, 3) and dw.dtype == torch.float32
-        dys, _, dw = M._unpermute_op._bwd_op([True, False, False], out, xs, inverse, w)
+        dys, _, dw = M._unpermute_op._bwd_op([True, False, False, False], out, xs, inverse, w, True)
         assert dw is None
 
 
@@ -463,4 +492,4 @@ def test_the_bench_reference_computes_what_the_ops_compute(kernels):
     out, offs = CASES.torch_permute_unpermute(x, topk_ids, w, 6)
     x_sorted, our_offs, inverse = M._permute(x, topk_ids, 6)
     assert torch.equal(offs, our_offs.long())
-    assert torch.allclose(out, M._unpermute_op(x_sorted, inverse, w))
+    assert torch.allclose(out, M._unpermute_op(x_sorted, inverse, w, True))
