@@ -345,10 +345,10 @@ class _ExpertsForward:
             _log_once(f"tiletune experts: hidden_act {act!r} has no tiletune kernel: using "
                       "transformers' experts")
             return super().forward(hidden_states, top_k_index, top_k_weights)
-        if not _is_hf_activation(getattr(self, "act_fn", None), act):
-            _log_once(f"tiletune experts: act_fn is a {type(getattr(self, 'act_fn', None)).__name__}"
-                      f", not the module transformers builds for hidden_act {act!r}: using "
-                      "transformers' experts")
+        act_fn = getattr(self, "act_fn", None)
+        if not _is_hf_activation(act_fn, act):
+            _log_once(f"tiletune experts: act_fn is a {type(act_fn).__name__}, not the module "
+                      f"transformers builds for hidden_act {act!r}: using transformers' experts")
             return super().forward(hidden_states, top_k_index, top_k_weights)
         if not experts_supported(hidden_states.dtype,
                                  (self.gate_up_proj.dtype, self.down_proj.dtype)):
