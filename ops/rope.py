@@ -242,11 +242,11 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     inplace=False returns new (q_embed, k_embed) laid out like q and k; inplace=True writes q and
     k in place (marked dirty for autograd) and returns them; in place, q and k must not share
     memory (k is q, overlapping views) nor have overlapping elements (a stride-0 expanded dim),
-    and neither may be a leaf that requires grad, nor a view of one: ValueError. (Disjoint views of one buffer, such
-    as the q and k columns of a fused qkv projection, are fine.) Differentiable in q and k. Works
-    under torch.compile(fullgraph=True). In place under torch.compile, and on views that need a
-    gradient (autograd's rule for in-place writes to views), the out-of-place op runs and its
-    results are copied back.
+    and neither may be a leaf that requires grad, nor a view of one: ValueError. (Disjoint views
+    of one buffer, such as the q and k columns of a fused qkv projection, are fine.)
+    Differentiable in q and k. Works under torch.compile(fullgraph=True). In place under
+    torch.compile, and on views that need a gradient (autograd's rule for in-place writes to
+    views), the out-of-place op runs and its results are copied back.
     compute_dtype: the rotation's arithmetic, forward and backward. torch.float32 (default):
     q, k, cos and sin widened, one rounding to q's dtype at the store. q.dtype: cos/sin rounded
     to q's dtype and the arithmetic in it, as HF's eager code, Liger and TileGym compute with
