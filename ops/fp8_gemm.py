@@ -33,7 +33,7 @@ from tiletune.device import bind_context, major, persistent_ctas
 from tiletune.ops.gemm_tiles import layout, output_tile, tile_count, tile_grid
 from tiletune.ops.matmul import SUM_TILE, launch_splitk_sum, split_of, splitk_rows
 from tiletune.space import cdiv, f32_row, next_pow2, product, table
-from tiletune.torch_op import no_second_order
+from tiletune.torch_op import no_second_order, refuse_transforms
 
 ZERO = ct.PaddingMode.ZERO
 # Scale math rounds to nearest even, as torch's float32 division does: RoundingMode.FULL is
@@ -1044,9 +1044,12 @@ def _check(a, b, scale_a, scale_b, out_dtype, fast_accum):
     scaling = _scaling(M, N, K, scale_a, scale_b)
     if torch.is_grad_enabled():
         _refuse_grad("fp8_mm", tensors)
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        refuse_transforms("fp8_mm")
     # the dtypes are checked above; where all four are on one CUDA device, four integer reads
     # say so (eagerly: the traced call and any mismatch take the checks that name the argument)
-    dev = -1 if torch.compiler.is_compiling() else a.get_device()
+    dev = -1 if compiling else a.get_device()
     if dev < 0 or not a.is_cuda or b.get_device() != dev or scale_a.get_device() != dev or \
             scale_b.get_device() != dev:
         device = a.device
@@ -1253,6 +1256,8 @@ def _check_quantize(x, granularity, dtype, op="quantize_fp8"):
     validate.tensor(op, "x", x, dtypes=IN_DTYPES)
     if torch.is_grad_enabled():
         _refuse_grad(op, (("x", x),))
+    if not torch.compiler.is_compiling():
+        refuse_transforms(op)
 
 
 def _quantize_raw(x, granularity, dtype):
@@ -1509,6 +1514,8 @@ def fp8_linear(x, weight, bias=None, *, recipe="rowwise"):
     F.linear, which adds it before); its gradient is summed in float32. Needs compute capability
     9.0 or newer."""
     _check_linear(x, weight, bias, recipe)
+    if not torch.compiler.is_compiling():
+        refuse_transforms("fp8_linear")     # dual x or weight: the tangent would be dropped
     K, N = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, K)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad

@@ -47,7 +47,7 @@ class TrainableOp:
         self._bwd_op.register_fake(backward_fake)
         self._fwd_op.register_autograd(self._compiled_backward, setup_context=self._setup)
         self._function = _autograd_function(name, forward, save, backward, outputs)
-        self._apply = _fast_apply(self._function)
+        self._apply = _fast_apply(self._function, name)
         self._tensor_args = _tensor_positions(forward_schema)
 
     def __call__(self, *args):
@@ -63,11 +63,7 @@ class TrainableOp:
                         a = args[i]
                         if isinstance(a, _Tensor) and a.requires_grad:
                             return self._apply(*args)
-            if _forward_ad._current_level >= 0 or _transforms_active():
-                # dual tensors (forward-mode AD) or vmap / jvp / grad wrappers: the kernels
-                # would read the plain values and drop the tangents
-                raise TypeError(f"{self.name}: forward-mode AD and torch.func transforms (vmap, "
-                                "jvp, jacfwd, ...) are not supported (no jvp, no batching rule)")
+            refuse_transforms(self.name)
             results = self._eager(*args)
         if isinstance(results, torch.Tensor):
             return results
@@ -84,18 +80,29 @@ class TrainableOp:
         return _pad(result, len(ctx.needs_input_grad))
 
 
-def _fast_apply(function):
+def refuse_transforms(op):
+    """TypeError naming op under forward-mode AD (inside a dual level) or a torch.func transform
+    (vmap, grad, jvp, ...): the kernels read the plain values, so tangents and batch dims would
+    be dropped."""
+    if _forward_ad._current_level >= 0 or _transforms_active():
+        raise TypeError(f"{op}: forward-mode AD and torch.func transforms (vmap, grad, jvp, "
+                        "jacfwd, ...) are not supported (no jvp, no batching rule)")
+
+
+def _fast_apply(function, name):
     """`function.apply` without the Python layer of `torch.autograd.Function.apply` (a closure,
     a super object and a generator per call: 1.7 of RMSNorm's 12.4 us forward with a gradient
-    on a 2-core CPU host, launch stubbed), where no functorch transform is active; under one
-    (vmap, grad, ...) torch's own route."""
+    on a 2-core CPU host, launch stubbed). Under a functorch transform, where torch's route
+    would fail inside the Function without naming the op (it has no setup_context, vmap or
+    jvp): a TypeError naming it. (Dual inputs that require grad meet torch's own refusal of a
+    Function without jvp.)"""
     apply_in_c = super(torch.autograd.Function, function).apply
     transforms_active = torch._C._are_functorch_transforms_active
     unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
     def apply(*args):
         if transforms_active():
-            return function.apply(*args)
+            refuse_transforms(name)
         # as torch does: a tensor left over from an exited transform is unwrapped
         return apply_in_c(*[unwrap_if_dead(a) if isinstance(a, _Tensor) else a for a in args])
     return apply

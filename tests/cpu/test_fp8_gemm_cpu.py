@@ -765,6 +765,35 @@ def test_bench_rows():
 
 
 # ---------------------------------------------------------------------------------------------
+def test_forward_mode_ad_and_torch_func_transforms_are_refused_by_name(monkeypatch):
+    """A dual tensor does not require grad, so the grad-mode refusal above would let it through
+    and the kernels would drop its tangent (torch._scaled_mm raises there too): refused by name,
+    as are vmap and grad."""
+    import torch.autograd.forward_ad as fwAD
+    from tiletune import validate
+    monkeypatch.setattr(validate, "tensor", lambda op, name, t, **kw: t)
+    monkeypatch.setattr(F8, "_check_arch", lambda *a: None)
+    monkeypatch.setattr(F8, "_fp8_mm", lambda *a: pytest.fail("the GEMM ran"))
+    monkeypatch.setattr(F8, "_linear_forward", lambda *a: pytest.fail("the linear ran"))
+    a, b = t(64, 128), t(128, 32)
+    x, w = torch.randn(64, 128, dtype=BF16), torch.randn(32, 128, dtype=BF16)
+    message = "forward-mode AD and torch.func transforms"
+    with fwAD.dual_level():
+        scale = fwAD.make_dual(torch.ones(()), torch.ones(()))
+        with pytest.raises(TypeError, match=f"^fp8_mm: {message}"):
+            fp8_mm(a, b, scale, torch.ones(()))
+        dual_x = fwAD.make_dual(x, torch.ones_like(x))
+        for op, call in (("quantize_fp8", lambda: quantize_fp8(dual_x, "row")),
+                         ("quantize_fp8_pair", lambda: F8.quantize_fp8_pair(dual_x)),
+                         ("fp8_linear", lambda: F8.fp8_linear(dual_x, w))):
+            with pytest.raises(TypeError, match=f"^{op}: {message}"):
+                call()
+    with pytest.raises(TypeError, match=f"^fp8_linear: {message}"):
+        torch.func.grad(lambda x: F8.fp8_linear(x, w).float().sum())(x)
+    with pytest.raises(TypeError, match=f"^quantize_fp8: {message}"):
+        torch.func.vmap(lambda x: quantize_fp8(x, "row")[0])(x[None])
+
+
 # fp8_linear: checks, and its autograd on CPU with the quantizer and the GEMM replaced by their
 # torch references (what each GEMM quantizes, along which dim, in which groups).
 

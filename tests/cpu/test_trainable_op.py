@@ -113,12 +113,16 @@ def test_only_the_schemas_tensor_arguments_are_asked_for_a_gradient():
     assert not gy.requires_grad          # no create_graph: a plain tensor, no error node
 
 
-def test_functorch_transforms_take_torchs_route():
-    """The call skips `Function.apply`'s Python layer only where no functorch transform is
-    active: under one, torch's route, which refuses a Function without setup_context."""
+def test_functorch_transforms_are_refused_by_name_where_a_gradient_is_taken():
+    """Under torch.func.grad the input requires grad, so the call takes the autograd route;
+    there, too, a TypeError naming the op (torch's route would fail inside the Function,
+    which has no setup_context, without naming it)."""
     x = torch.randn(5, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="setup_context"):
+    with pytest.raises(TypeError, match=r"^tiletune_test::scale3: forward-mode AD and "
+                                        r"torch.func transforms"):
         torch.func.grad(lambda x: _scale3(x).sum())(x)
+    with pytest.raises(TypeError, match=r"^tiletune_test::scale3: .*torch.func transforms"):
+        torch.func.vmap(lambda x: _scale3(x))(x.reshape(1, 5).requires_grad_())
 
 
 def test_a_dead_functorch_wrapper_is_unwrapped_as_torch_does():
