@@ -1178,8 +1178,8 @@ def fp8_mm(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, fast_accum=False
     `out`, if given, receives the result: exactly (M, N), out_dtype, on a's device, not
     overlapping an input, not requiring grad. Needs compute capability 9.0 or newer (ValueError
     below). Not differentiable, as torch._scaled_mm is not: an input that requires grad, under
-    grad mode, is a ValueError (its output would cut the graph). Works under
-    torch.compile(fullgraph=True).
+    grad mode, is a ValueError (its output would cut the graph); dual tensors (forward-mode AD)
+    and torch.func transforms are a TypeError. Works under torch.compile(fullgraph=True).
     """
     scaling = _check(a, b, scale_a, scale_b, out_dtype, fast_accum)
     M, N = a.shape[0], b.shape[1]
@@ -1346,8 +1346,9 @@ def quantize_fp8(x, granularity="tensor", dtype=torch.float8_e4m3fn):
                       blocks; for b pass b = w_fp8.t(), scale_b = scales.t().
     dtype: float8_e4m3fn (max 448) or float8_e5m2 (max 57344). For x and x^T together (a
     tensor two GEMMs read in different majors): quantize_fp8_pair. Needs compute capability
-    9.0 or newer. Not differentiable: an x that requires grad, under grad mode, is a ValueError.
-    Works under torch.compile(fullgraph=True)."""
+    9.0 or newer. Not differentiable: an x that requires grad, under grad mode, is a ValueError;
+    a dual x (forward-mode AD) and torch.func transforms are a TypeError. Works under
+    torch.compile(fullgraph=True)."""
     _check_quantize(x, granularity, dtype)
     if torch.compiler.is_compiling():
         q, s = _quantize_op(x, granularity, dtype)
@@ -1512,7 +1513,8 @@ def fp8_linear(x, weight, bias=None, *, recipe="rowwise"):
     stays below 2e-3 on the GPU tests' inputs (their numbers: references/reliability.md). The
     bias is added to the product after its rounding to x's dtype (one rounding more than
     F.linear, which adds it before); its gradient is summed in float32. Needs compute capability
-    9.0 or newer."""
+    9.0 or newer. Reverse mode only: dual tensors (forward-mode AD) and torch.func transforms
+    are a TypeError."""
     _check_linear(x, weight, bias, recipe)
     if not torch.compiler.is_compiling():
         refuse_transforms("fp8_linear")     # dual x or weight: the tangent would be dropped
