@@ -342,7 +342,9 @@ def _forward(x, weight, eps, keep_rstd=True):
             launch_fwd(x2, w, y if x2 is x else y.view(M, N), rstd, eps, M, N)
         else:
             x2, y2 = x2.reshape(M, N), y.view(M, N)
-            for s, e in row_chunks(M, N, stride, _MAX_SPAN):
+            # (the span of y, whose rows are N apart, bounds the chunks where x's rows are
+            # closer: an expanded x has a row stride of 0)
+            for s, e in row_chunks(M, N, max(stride, N), _MAX_SPAN):
                 launch_fwd(x2[s:e], w, y2[s:e], None if rstd is None else rstd[s:e], eps,
                            e - s, N)
     return y, rstd

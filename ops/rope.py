@@ -204,6 +204,7 @@ def _forward(q, k, cos, sin, pos, rot, f32, inplace):
         # saved q or k refuses its backward (the autograd Function's mark_dirty does it too).
         if not q.is_inference():
             _increment_version(q)
+        if not k.is_inference():
             _increment_version(k)
     return q, k
 
@@ -235,7 +236,8 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     the transposed views HF produces); float32/float16/bfloat16 (q and k alike).
     cos, sin: (S', R), (1, S', R), (B, S', R) or (B, 1, S', R), any of the three dtypes; R is the
     rotary width (`rotary_dim`, default cos's last dim; even, <= D): the first R dims of each head
-    rotate, the rest pass through. Row s of cos/sin serves position s, or position_ids[b, s] when
+    rotate, the rest pass through. Wider cos/sin: their first R columns serve (so a table built
+    for a wider rotation does not rotate the first R dims correctly: build it R wide). Row s of cos/sin serves position s, or position_ids[b, s] when
     `position_ids` (B, S) / (1, S) / (S,) is given (range checked on the host: one sync;
     not under CUDA graph capture or torch.compile, where ids in [0, rows of cos/sin) are the
     caller's contract: an id outside gives unspecified values in its position's rotated dims).
@@ -277,9 +279,11 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     """HF-compatible functional form (transformers 4.x argument order: pass `unsqueeze_dim` by
     keyword, as transformers 5 dropped `position_ids`): returns (q_embed, k_embed) in q's
     dtype. cos/sin as HF passes them: (B, S, D) rows already gathered per position, in which
-    case `position_ids` is ignored (as transformers 4.38 and later ignore it), or (S', D)
-    tables, whose rows `position_ids` picks (as earlier versions index them); `unsqueeze_dim`
-    is accepted for signature compatibility (q/k must be (B, H, S, D), i.e. unsqueeze_dim=1).
+    case `position_ids` is ignored (as transformers 4.38 and later ignore it), or (S', D) and
+    (1, 1, S', D) tables, whose rows `position_ids` picks (as earlier versions index them); a
+    position_ids that is not a tensor (an unsqueeze_dim passed in its place) is a TypeError;
+    `unsqueeze_dim` is accepted for signature compatibility (q/k must be (B, H, S, D), i.e.
+    unsqueeze_dim=1).
     The rotation's arithmetic is in the dtype HF's code computes it in (torch's promotion of
     q's and cos's dtypes). The transformers suite patches models with its own wrapper of
     transformers 5's signature."""
@@ -288,7 +292,12 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     for name, t in (("q", q), ("cos", cos)):     # (apply_rope checks the rest)
         if not isinstance(t, torch.Tensor):
             validate.is_tensor("apply_rotary_pos_emb", name, t)
-    return apply_rope(q, k, cos, sin, position_ids=position_ids if cos.dim() == 2 else None,
+    if position_ids is not None and not isinstance(position_ids, torch.Tensor):
+        raise TypeError("apply_rotary_pos_emb: position_ids must be a tensor or None, got "
+                        f"{type(position_ids).__name__} (pass unsqueeze_dim by keyword)")
+    # tables: (S', D), or (1, 1, S', D) as transformers 4.31-4.35 pass them
+    table = cos.dim() == 2 or (cos.dim() == 4 and cos.shape[0] == 1 and cos.shape[1] == 1)
+    return apply_rope(q, k, cos, sin, position_ids=position_ids if table else None,
                       compute_dtype=hf_compute_dtype(q, cos))
 
 

@@ -254,6 +254,19 @@ def test_rms_norm_of_rows_that_do_not_merge_across_a_size_one_dim(defaults):
                 assert row_stride(a) and torch.equal(kernel_rows(a), a.reshape(-1, a.shape[-1]))
 
 
+def test_rms_norm_of_expanded_rows_chunks_by_the_outputs_span(defaults, monkeypatch):
+    """An expanded x (row stride 0) spans one row, but y's rows are N apart: the forward's
+    chunks are bounded by y's span (they were sized from x's stride 0, one launch for all)."""
+    monkeypatch.setattr(R, "_MAX_SPAN", 40 * 64)
+    x, w = torch.randn(1, 64, dtype=BF16).expand(90, 64), torch.ones(64, dtype=BF16)
+    R._forward(x, w, 1e-6)
+    fwd = [args for _, _, args in defaults if len(args) == 8]
+    assert len(fwd) > 1 and sum(a[0].shape[0] for a in fwd) == 90
+    for args in fwd:
+        y = args[2]
+        assert (y.shape[0] - 1) * y.stride(0) + 64 <= 40 * 64
+
+
 def test_rms_norm_rows_past_int32_go_in_row_chunks_of_any_shape(defaults, monkeypatch):
     """(B, S, N) tensors reaching past the int32 bound (here made small) go as row chunks of
     (M, N) views, forward and backward, each within the bound."""

@@ -32,8 +32,20 @@ def test_hf_form_reads_position_ids_only_for_tables(host_only, monkeypatch):
     pos = torch.tensor([[0, 1, 2, 0, 1]] * 2)
     RP.apply_rotary_pos_emb(q, k, torch.randn(2, 5, 8), torch.randn(2, 5, 8), pos)
     RP.apply_rotary_pos_emb(q, k, torch.randn(9, 8), torch.randn(9, 8), pos)
+    RP.apply_rotary_pos_emb(q, k, torch.randn(1, 1, 9, 8), torch.randn(1, 1, 9, 8), pos)  # 4.31
+    RP.apply_rotary_pos_emb(q, k, torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8), pos)
     assert seen[0]["position_ids"] is None and seen[1]["position_ids"] is pos
+    assert seen[2]["position_ids"] is pos and seen[3]["position_ids"] is None
     assert seen[0]["compute_dtype"] == torch.float32
+
+
+def test_hf_form_refuses_an_unsqueeze_dim_in_place_of_position_ids():
+    """transformers 5's order (q, k, cos, sin, unsqueeze_dim) put into the 4.x signature binds
+    the int to position_ids: refused (it was dropped, and (B, S, H, D) read as (B, H, S, D))."""
+    q, k = _qk()
+    with pytest.raises(TypeError, match=r"^apply_rotary_pos_emb: position_ids must be a tensor "
+                                        r"or None, got int \(pass unsqueeze_dim by keyword\)"):
+        RP.apply_rotary_pos_emb(q, k, torch.randn(2, 5, 8), torch.randn(2, 5, 8), 2)
 
 
 def test_hf_form_names_a_non_tensor_argument():
@@ -55,6 +67,16 @@ def test_in_place_rotation_bumps_the_version_counters(host_only, grad):
     assert q._version > 0 and k._version > 0
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         z.backward()
+
+
+def test_in_place_rotation_bumps_k_when_q_is_an_inference_tensor(host_only):
+    """Each counter on its own: an inference-mode q (which has none) does not leave a normal k's
+    version unmoved."""
+    with torch.inference_mode():
+        q, _ = _qk()
+    _, k = _qk()
+    RP.apply_rope(q, k, torch.randn(5, 8), torch.randn(5, 8), inplace=True)
+    assert k._version > 0
 
 
 def test_cos_and_sin_that_require_grad_are_refused(host_only):
