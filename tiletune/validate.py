@@ -92,7 +92,8 @@ def out(op, t, shape, dtype, device, dtype_of="the inputs'", inputs=None, kept=N
     its backward may keep) requires grad, memory shared with them (the copy would change what
     the backward reads); an op whose kernel writes `out` directly while reading `inputs`
     ({name: tensor}) refuses any `out` that requires grad (autograd would not see the write)
-    and memory shared with the inputs. Neither takes elements that share memory (an expanded,
+    and memory shared with the inputs, and an inference tensor outside inference mode (as
+    torch refuses to write one). Neither takes elements that share memory (an expanded,
     stride-0 dim would be written twice). The memory checks read addresses, which torch.compile
     does not trace: they run eagerly (a compiled op writes a fresh tensor, then copies it).
     TypeError / ValueError naming `op`."""
@@ -113,6 +114,10 @@ def out(op, t, shape, dtype, device, dtype_of="the inputs'", inputs=None, kept=N
                              "in place")
     if torch.compiler.is_compiling():
         return t
+    if inputs is not None and t.is_inference() and not torch.is_inference_mode_enabled():
+        # (a copy into out meets torch's own refusal; a kernel's write would not)
+        raise ValueError(f"{op}: out is an inference tensor, which cannot be written in place "
+                         "outside inference mode")
     if self_overlaps(t):
         raise ValueError(f"{op}: out {tuple(t.shape)} with strides {t.stride()} has elements "
                          "that share memory (an expanded, stride-0 dim?)")

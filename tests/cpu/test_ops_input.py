@@ -313,3 +313,18 @@ def test_out_checks_trace_under_torch_compile():
         return out.copy_(x * 2)
     x, out = torch.randn(4, 4), torch.empty(4, 4)
     assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(x, out), x * 2)
+
+
+def test_an_inference_tensor_out_is_refused_where_a_kernel_writes_it():
+    """torch refuses an in-place write to an inference tensor outside inference mode; a kernel
+    writing `out` directly (fp8_mm) would not be stopped by it, so the check does it. Inside
+    inference mode, and for ops that copy into out (torch's copy_ refuses for them), it passes."""
+    x = torch.randn(4, 4)
+    with torch.inference_mode():
+        out = torch.empty(4, 4)
+    with pytest.raises(ValueError, match="^op: out is an inference tensor, which cannot be "
+                                         "written in place outside inference mode"):
+        validate.out("op", out, (4, 4), torch.float32, x.device, inputs={"x": x})
+    validate.out("op", out, (4, 4), torch.float32, x.device)
+    with torch.inference_mode():
+        validate.out("op", out, (4, 4), torch.float32, x.device, inputs={"x": x})
