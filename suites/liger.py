@@ -12,9 +12,12 @@ does).
 
 Differences, each raising ValueError naming the argument where a value asks for something
 tiletune does not compute:
-- RMSNorm: offset must be 0 (no Gemma-style `1 + weight`) and casting_mode "llama" (or 0);
-  statistics are float32 and the weight product is rounded once to the input dtype (Liger's
-  "llama" rounds the normalized input first: results differ by at most that one rounding).
+- RMSNorm: casting_mode "gemma" (or 1) or "llama" (or 0), not "none"; every mode computes
+  Liger's "gemma" casting: float32 statistics and product, one rounding to the input dtype
+  (Liger's "llama" rounds the normalized input before the weight product: results differ by
+  at most that one rounding). offset (Gemma's `offset + weight`) is added to the weight in
+  float32; the module reads offset and casting_mode on every call, so setting them after
+  construction (as Liger's model patches do) takes effect.
   in_place and row_mode are accepted and have no effect: tiletune's backward never writes into
   the incoming gradient, so both in_place settings give the same results.
 - RoPE: position_ids is accepted and ignored (cos/sin are already per position, as in Liger).
@@ -23,6 +26,8 @@ tiletune does not compute:
   True raises.
 """
 import inspect
+import math
+import numbers
 
 import torch
 from torch import nn
@@ -31,17 +36,18 @@ from tiletune.ops.rms_norm import rms_norm
 from tiletune.ops.swiglu import geglu, swiglu
 from tiletune.suites import hf
 
-# Liger's casting modes by name and number; tiletune computes the "llama" one.
-_LLAMA_CASTING = ("llama", 0)
+# Liger's casting modes by name and number that tiletune serves (its kernel computes "gemma":
+# float32 throughout, one rounding; "llama" within one rounding of it).
+_CASTING = ("llama", 0, "gemma", 1)
 
 
 def _check_rms_norm_options(op, offset, casting_mode):
-    if offset != 0:
-        raise ValueError(f"{op}: offset={offset} is not supported (only 0.0: tiletune's RMSNorm "
-                         "multiplies by the weight itself, not 1 + weight)")
-    if isinstance(casting_mode, bool) or casting_mode not in _LLAMA_CASTING:
-        raise ValueError(f"{op}: casting_mode={casting_mode!r} is not supported (only 'llama': "
-                         "float32 statistics, output in the input's dtype)")
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Real) or \
+            not math.isfinite(offset):
+        raise ValueError(f"{op}: offset={offset!r} must be a finite number")
+    if isinstance(casting_mode, bool) or casting_mode not in _CASTING:
+        raise ValueError(f"{op}: casting_mode={casting_mode!r} is not supported ('llama' or "
+                         "'gemma': float32 statistics and product, output in the input's dtype)")
 
 
 _swiglu = swiglu          # module-level names: the CPU tests replace them with torch stand-ins
@@ -51,9 +57,11 @@ def _geglu_tanh(gate, up):
     return geglu(gate, up, approximate="tanh")
 
 
-def _rms_norm(X, W, eps):
+def _rms_norm(X, W, eps, offset=0.0):
     if W is None:           # elementwise_affine=False: a unit weight
         W = torch.ones(X.shape[-1], device=X.device, dtype=X.dtype)
+    if offset:              # Gemma's (offset + weight), in float32 as Liger computes it
+        W = W.float() + offset
     return rms_norm(X, W, eps)
 
 
@@ -61,7 +69,7 @@ def liger_rms_norm(X, W, eps, offset=0.0, casting_mode="llama", in_place=True):
     """RMSNorm of X over its last dim times W (None: no weight). See the module docstring for
     the options tiletune supports."""
     _check_rms_norm_options("liger_rms_norm", offset, casting_mode)
-    return _rms_norm(X, W, eps)
+    return _rms_norm(X, W, eps, offset)
 
 
 class LigerRMSNormFunction:
@@ -71,7 +79,7 @@ class LigerRMSNormFunction:
     @staticmethod
     def apply(X, W, eps, offset=0.0, casting_mode="llama", in_place=True, row_mode=None):
         _check_rms_norm_options("LigerRMSNormFunction", offset, casting_mode)
-        return _rms_norm(X, W, eps)
+        return _rms_norm(X, W, eps, offset)
 
 
 class LigerRMSNorm(nn.Module):
@@ -95,22 +103,27 @@ class LigerRMSNorm(nn.Module):
             offset, casting_mode, in_place, row_mode)
 
     def forward(self, hidden_states):
-        return _rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        offset = self.offset
+        if offset or self.casting_mode not in _CASTING:     # (may be set after construction)
+            _check_rms_norm_options("LigerRMSNorm", offset, self.casting_mode)
+        return _rms_norm(hidden_states, self.weight, self.variance_epsilon, offset)
 
     def extra_repr(self):
         shape = None if self.weight is None else tuple(self.weight.shape)
-        return f"weight_shape={shape}, eps={self.variance_epsilon}"
+        return (f"weight_shape={shape}, eps={self.variance_epsilon}, offset={self.offset}, "
+                f"in_place={self.in_place}, row_mode={self.row_mode}")
 
 
 def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rotary_dim=None):
     """RoPE of q (B, Hq, S, D) and k (B, Hkv, S, D), "rotate half" convention; returns new
     (q, k). unsqueeze_dim=2 takes q and k as (B, S, H, D), as transformers means it (Liger's
     kernel reads (B, H, S, D) whatever its value); other values are refused.
-    cos/sin: (S, R), (1, S, R), (B, S, R), or 4-D with a singleton at unsqueeze_dim or dim 1.
-    The rotary width is rotary_dim, else cos's width (at most D). cos/sin may hold only the
-    first half of each row (width rotary_dim / 2, as GPT-OSS builds them); without rotary_dim,
-    a width of D / 2 reads that way (the whole head rotates, as Liger's kernel reads it: pass
-    rotary_dim for a partial rotation of D / 2). position_ids is ignored."""
+    cos/sin: (S, W), (1, S, W), (B, S, W), or 4-D with a singleton at unsqueeze_dim or dim 1.
+    As Liger-Kernel 0.8.5 reads them: the rotary width R is rotary_dim (even, at most D), else
+    min(W, D); the first R dims of each head rotate, with the first R / 2 columns of cos/sin
+    as the angles of both halves (W at least R / 2: GPT-OSS's half-width tables pass
+    rotary_dim = D). A table exactly R wide is used as it is, which is the same reading for
+    the duplicated `cat(freqs, freqs)` tables transformers builds. position_ids is ignored."""
     op = "liger_rotary_pos_emb"
     if isinstance(unsqueeze_dim, bool) or unsqueeze_dim not in (1, 2):
         raise ValueError(f"{op}: unsqueeze_dim must be 1 ((B, H, S, D) q/k) or 2 ((B, S, H, D)), "
@@ -122,13 +135,19 @@ def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rot
                              f"{unsqueeze_dim} or 1, got {tuple(cos.shape)}")
         cos, sin = cos.squeeze(dim), sin.squeeze(dim)
     head_dim, width = q.shape[-1], cos.shape[-1]
-    if rotary_dim is None:      # Liger's kernel rotates the whole head from cos's first D/2
-        rotary_dim = head_dim if 2 * width == head_dim else min(width, head_dim)
-    if width < rotary_dim:
-        if 2 * width != rotary_dim:
-            raise ValueError(f"{op}: cos/sin have {width} columns, fewer than rotary_dim "
-                             f"({rotary_dim}) and not rotary_dim / 2 (the first halves)")
-        half = rotary_dim // 2          # first halves only: the second half repeats them
+    if rotary_dim is None:
+        rotary_dim = min(width, head_dim)
+    elif isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+        raise TypeError(f"{op}: rotary_dim must be an int or None, got "
+                        f"{type(rotary_dim).__name__}")
+    elif rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"{op}: rotary_dim must be even and in (0, head_dim={head_dim}], got "
+                         f"{rotary_dim}")
+    half = rotary_dim // 2
+    if width < half:
+        raise ValueError(f"{op}: cos/sin need at least rotary_dim / 2 = {half} columns, got "
+                         f"{width}")
+    if width != rotary_dim:     # Liger reads the first R / 2 columns as both halves' angles
         cos = torch.cat((cos[..., :half], cos[..., :half]), -1)
         sin = torch.cat((sin[..., :half], sin[..., :half]), -1)
     return hf.hf_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim, rotary_dim=rotary_dim)

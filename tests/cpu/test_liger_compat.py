@@ -90,7 +90,7 @@ def rope_reference(x, cos, sin, rot):
 
 def test_rms_norm_options():
     x, w = torch.randn(3, 8), torch.ones(8)
-    for kw, name in ((dict(offset=1.0), "offset"), (dict(casting_mode="gemma"), "casting_mode"),
+    for kw, name in ((dict(offset=float("nan")), "offset"), (dict(offset="1"), "offset"),
                      (dict(casting_mode="none"), "casting_mode"), (dict(casting_mode=-1),
                                                                     "casting_mode")):
         with pytest.raises(ValueError, match=f"liger_rms_norm: {name}="):
@@ -119,6 +119,30 @@ def test_rms_norm_values(refs):
     assert zeros.to(torch.float64).weight.dtype == torch.float64
 
 
+def test_rms_norm_gemma_offset_and_casting(refs):
+    """Gemma's (offset + weight) in float32 and casting_mode "gemma", by argument and, on the
+    module, set after construction (as Liger's model patches set them): read on every call."""
+    x, w = torch.randn(2, 3, 8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.bfloat16)
+    x32 = x.float()
+    gemma = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())
+             ).to(torch.bfloat16)
+    for mode in ("gemma", 1):
+        assert torch.equal(liger.liger_rms_norm(x, w, 1e-6, offset=1.0, casting_mode=mode),
+                           gemma)
+        assert torch.equal(liger.LigerRMSNormFunction.apply(x, w, 1e-6, 1.0, mode), gemma)
+    norm = liger.LigerRMSNorm(8, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    norm.offset, norm.casting_mode = 1.0, "gemma"
+    assert torch.equal(norm(x), gemma) and "offset=1.0" in repr(norm)
+    norm.casting_mode = "none"
+    with pytest.raises(ValueError, match="LigerRMSNorm: casting_mode='none'"):
+        norm(x)
+    wg = w.clone().requires_grad_()
+    (gw,) = torch.autograd.grad(liger.liger_rms_norm(x, wg, 1e-6, offset=1.0).float().sum(), wg)
+    assert gw.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("cos_shape", ["(S, D)", "(1, S, D)", "(B, S, D)", "(B, 1, S, D)"])
 def test_rope_cos_layouts(refs, cos_shape):
     B, S, D = 2, 5, 8
@@ -137,6 +161,8 @@ def test_rope_cos_layouts(refs, cos_shape):
 
 
 def test_rope_rotary_dim_and_half_width_cos(refs):
+    """Liger-Kernel 0.8.5's reading: R = rotary_dim, else min(cos width, D); the first R / 2
+    columns of cos/sin are both halves' angles (a table R wide is used as it is)."""
     B, S, D, R = 1, 4, 16, 8
     q, k = torch.randn(B, 2, S, D), torch.randn(B, 1, S, D)
     freqs = torch.randn(S, R // 2)
@@ -147,16 +173,21 @@ def test_rope_rotary_dim_and_half_width_cos(refs):
     torch.testing.assert_close(refs["cos"], cos_full)
     qo, _ = liger.liger_rope(q, k, cos_full, sin_full, rotary_dim=R)
     torch.testing.assert_close(qo, rope_reference(q, cos_full, sin_full, R))
-    with pytest.raises(ValueError, match="rotary_dim / 2"):
+    # wider than R (here 6 columns for R 8, and a whole-head table): the first R / 2 columns
+    for wide in (torch.cat((cos_half, torch.randn(1, S, 2)), -1),
+                 torch.cat((cos_half, torch.randn(1, S, D - R // 2)), -1)):
+        qo, _ = liger.liger_rotary_pos_emb(q, k, wide, wide.clone(), rotary_dim=R)
+        torch.testing.assert_close(qo, rope_reference(q, cos_full, cos_full, R))
+    with pytest.raises(ValueError, match="at least rotary_dim / 2 = 4 columns, got 2"):
         liger.liger_rotary_pos_emb(q, k, cos_half[..., :2], sin_half[..., :2], rotary_dim=R)
-    with pytest.raises(ValueError, match="rotary_dim / 2"):       # neither R nor R / 2 wide
-        liger.liger_rotary_pos_emb(q, k, cos_full[..., :6], sin_full[..., :6], rotary_dim=R)
-    # without rotary_dim, half-width tables of the whole head (GPT-OSS's, as Liger reads them)
-    freqs = torch.randn(S, D // 2)
-    qo, _ = liger.liger_rotary_pos_emb(q, k, freqs.cos()[None], freqs.sin()[None])
-    full = torch.cat((freqs.cos(),) * 2, -1)[None], torch.cat((freqs.sin(),) * 2, -1)[None]
-    torch.testing.assert_close(qo, rope_reference(q, *full, D))
-    assert refs["rotary_dim"] == D
+    for bad, error in ((7, ValueError), (18, ValueError), (8.0, TypeError)):
+        with pytest.raises(error, match="liger_rotary_pos_emb: rotary_dim must be"):
+            liger.liger_rotary_pos_emb(q, k, cos_full, sin_full, rotary_dim=bad)
+    # without rotary_dim, a table D / 2 wide (partial_rotary_factor 0.5) rotates D / 2 dims
+    # from its duplicated halves, as transformers and Liger do
+    qo, _ = liger.liger_rotary_pos_emb(q, k, cos_full, sin_full)
+    torch.testing.assert_close(qo, rope_reference(q, cos_full, sin_full, R))
+    assert refs["rotary_dim"] == R
     with pytest.raises(ValueError, match="unsqueeze_dim=2"):
         liger.liger_rotary_pos_emb(q, k, torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16),
                                    unsqueeze_dim=2)
