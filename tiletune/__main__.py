@@ -409,7 +409,7 @@ def _tune_job(args, path, rank, world):
               f"store: {path}", flush=True)
         for spec in args.specs:
             print(f"  {spec.describe()}", flush=True)
-    report, failed = pretune.Report(), None
+    report, failed, unsaved = pretune.Report(), None, store.unsaved()
     try:
         report = pretune.run(args.specs, seqs, batches, pretune.DTYPES[args.dtype],
                              not args.no_backward, out=lambda line: print(tag + line, flush=True),
@@ -423,7 +423,7 @@ def _tune_job(args, path, rank, world):
     # every rank takes part in the gather, a failed one too: no rank waits for one that left
     mine = {"failed": failed, "search": report.count("search"), "search_s": report.search_s(),
             "store": report.count("store"), "shipped": report.count(store.SHIPPED),
-            "wall_s": report.wall_s,
+            "wall_s": report.wall_s, "unsaved": store.unsaved() - unsaved,
             "rows": pretune.used_rows() if args.export and not args.all else []}
     parts = pretune.gather(mine, world)
     if failed:
@@ -438,6 +438,12 @@ def _tune_job(args, path, rank, world):
           f"search{ranks} ({sum(p['store'] for p in parts)} already in the store, "
           f"{sum(p['shipped'] for p in parts)} shipped); "
           f"{max(p['wall_s'] for p in parts):.1f}s in all; store: {path}")
+    lost = sum(p["unsaved"] for p in parts)
+    if lost:
+        print(f"tiletune tune: {lost} winner{'' if lost == 1 else 's'} could not be saved to the "
+              f"store at {path} (the warning above says why); nothing was exported",
+              file=sys.stderr, flush=True)
+        return 1
     if args.export:
         cuda_tile, tileiras = _installed_versions()
         if args.all:

@@ -34,6 +34,7 @@ TILETUNE_SHIPPED=off turns them off; TILETUNE_SHIPPED=<folder or shipped file> r
 instead of the package's (to try an exported file before shipping it).
 """
 import contextlib
+import errno
 import gzip
 import json
 import os
@@ -41,6 +42,7 @@ import re
 import sqlite3
 import threading
 import time
+import urllib.parse
 import warnings
 import zlib
 
@@ -67,7 +69,15 @@ def cache_dir():
     disable, or blank; case-insensitive). Unset: ~/.cache/tiletune."""
     d = os.environ.get("TILETUNE_CACHE_DIR")
     if d is None:
-        return os.path.join(os.path.expanduser("~"), ".cache", "tiletune")
+        home = os.path.expanduser("~")
+        if home == "~":     # no HOME and no passwd entry (a container run as an unknown uid)
+            folder = _folders.setdefault(("home", home), os.path.abspath(
+                os.path.join(home, ".cache", "tiletune")))
+            env.warn_once(("tiletune.store.home", folder),
+                          f"tiletune: no home folder (HOME is unset): the store is at {folder}; "
+                          "set TILETUNE_CACHE_DIR to choose its folder")
+            return folder
+        return os.path.join(home, ".cache", "tiletune")
     if env.flag_off(d):
         return None
     # "~" expanded; a relative folder resolved against the working directory of its first
@@ -233,6 +243,55 @@ def _to_wal(conn):
 
 
 def _open(path):
+    """(pid, file identity, connection) of the database at `path`, created where missing. A
+    database that exists but cannot be written (a read-only folder or file: WAL needs its
+    -shm and -wal files beside it) is opened read-only, with one warning: its winners are read,
+    new ones are not saved."""
+    try:
+        return _open_writable(path)
+    except (OSError, sqlite3.OperationalError) as e:
+        if not os.path.isfile(path) or not _is_read_only_error(e):
+            raise
+        return _open_read_only(path, e)
+
+
+_read_only = set()      # stores opened read-only (their save failures were warned about)
+
+
+def _is_read_only_error(e):
+    if isinstance(e, OSError):
+        return isinstance(e, PermissionError) or e.errno == errno.EROFS
+    text = str(e).lower()
+    return "readonly" in text or "read-only" in text or "unable to open" in text
+
+
+def _open_read_only(path, why):
+    """A read-only connection; `immutable` where even reading a WAL database needs files the
+    folder cannot take (nothing can write it there either)."""
+    uri = "file:" + urllib.parse.quote(os.path.abspath(path))
+    for flags in ("?mode=ro", "?mode=ro&immutable=1"):
+        conn = sqlite3.connect(uri + flags, uri=True, timeout=BUSY_TIMEOUT_S,
+                               isolation_level=None, check_same_thread=False)
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            break
+        except sqlite3.OperationalError:
+            conn.close()
+            if "immutable" in flags:
+                raise
+    if version != SCHEMA:
+        conn.close()
+        raise sqlite3.DatabaseError(f"{path} is not a tiletune store (schema {version}, "
+                                    f"expected {SCHEMA})")
+    _read_only.add(path)
+    env.warn_once(("tiletune.store.read_only", path),
+                  f"tiletune: the store at {path} cannot be written ({type(why).__name__}: "
+                  f"{str(why)[:120]}): its winners are read, new ones are not saved there")
+    st = os.stat(path)
+    return (os.getpid(), (st.st_dev, st.st_ino), conn)
+
+
+def _open_writable(path):
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     _warn_if_shared(folder)
@@ -332,8 +391,18 @@ def load_own(op, key):
         return None
 
 
+_unsaved = 0      # saves that met an I/O or database error in this process
+
+
+def unsaved():
+    """How many saves met an I/O or database error in this process (warned once per store)."""
+    return _unsaved
+
+
 def save(op, key, entry):
-    """Add or replace one entry; never raises for I/O or database problems."""
+    """Add or replace one entry; never raises for I/O or database problems (counted:
+    `unsaved`)."""
+    global _unsaved
     path = db_path()
     if path is None:
         return
@@ -347,7 +416,9 @@ def save(op, key, entry):
             conn.execute(f"INSERT OR REPLACE INTO {TABLE} (op, key, entry, saved) "
                          "VALUES (?, ?, ?, ?)", (op, key, text, time.time()))
     except (OSError, sqlite3.Error) as e:
-        _trouble(path, e)
+        _unsaved += 1
+        if path not in _read_only or not _is_read_only_error(e):     # (that one said so)
+            _trouble(path, e)
         return
     _used[(op, key)] = "search"
 
@@ -521,7 +592,12 @@ def _shipped_files(source):
         try:
             paths = [os.path.join(source, n) for n in sorted(os.listdir(source))
                      if n.endswith(SHIPPED_SUFFIXES) and not n.startswith(".")]
-        except OSError:
+        except OSError as e:
+            if source != SHIPPED_DIR:   # a TILETUNE_SHIPPED value that names nothing readable
+                env.warn_once(("tiletune.shipped.source", source),
+                              f"tiletune: TILETUNE_SHIPPED names {source}, which is not a "
+                              f"readable folder or file ({type(e).__name__}): no shipped "
+                              "winners are read (on, off, or a folder or shipped file)")
             return []
     out = []
     for p in paths:

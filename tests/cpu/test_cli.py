@@ -134,6 +134,7 @@ def test_help_says_why_the_registry_cannot_load(monkeypatch, capsys):
 def test_cache_show_empty_and_off(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "store"))
     monkeypatch.setenv("TILETUNE_SHIPPED", str(tmp_path / "shipped"))
+    (tmp_path / "shipped").mkdir()
     assert main(["cache", "show"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         f"store at {tmp_path / 'store'} is empty",
@@ -487,3 +488,39 @@ def test_tune_help_lists_the_presets(capsys):
         assert "  " + spec.describe() in out
     code, out, _ = _exit(["--help"], capsys)
     assert "{bench,compile,cache,tune}" in out
+
+
+def test_tune_exits_1_when_winners_could_not_be_saved(monkeypatch, tmp_path, capsys):
+    """A store that passed the writability check but fails its saves (a corrupt or foreign
+    file, a lock held elsewhere): tune says how many winners were lost and exits 1, instead
+    of 0 with nothing saved or exported."""
+    import contextlib
+    import sqlite3
+
+    from tiletune import device, pretune, store
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "store"))
+    monkeypatch.setattr(pretune, "start_job", lambda: (0, 1))
+    monkeypatch.setattr(pretune, "end_job", lambda world: None)
+    monkeypatch.setattr(device, "gpu_name", lambda dev: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(device, "arch", lambda *a: "sm_90")
+
+    @contextlib.contextmanager
+    def broken(path):
+        raise sqlite3.OperationalError("database disk image is malformed")
+        yield
+
+    def run(*args, **kwargs):
+        monkeypatch.setattr(store, "_db", broken)
+        for i in range(2):
+            store.save("op", f"key {i}", {"cfg": i})
+        return pretune.Report()
+    monkeypatch.setattr(pretune, "run", run)
+    out = tmp_path / "out.json"
+    with pytest.warns(UserWarning, match="cannot use the cache database"):
+        assert main(["tune", "--preset", "llama3-8b", "--seq", "1024",
+                     "--export", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "tiletune tune: 2 winners could not be saved to the store at" in err
+    assert "nothing was exported" in err and not out.exists()

@@ -116,6 +116,17 @@ def test_unset_or_on_reads_the_package_folder(monkeypatch, value):
     assert store.SHIPPED_DIR == os.path.join(os.path.dirname(store.__file__), "shipped")
 
 
+@pytest.mark.parametrize("value", ["maybe", "/no/such/folder"])
+def test_a_shipped_value_that_names_nothing_readable_says_so(monkeypatch, tmp_path, value):
+    """Neither on, off nor a readable folder or file (a typo): no shipped winners, with a
+    warning that says why, instead of silently none."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(store, "_folders", {})
+    monkeypatch.setenv("TILETUNE_SHIPPED", value)
+    with pytest.warns(UserWarning, match="TILETUNE_SHIPPED names .*not a readable folder or file"):
+        assert store.shipped(OP, skey()) is None
+
+
 def test_a_relative_shipped_path_is_one_path_whatever_the_cwd(shipped, monkeypatch, tmp_path):
     ship(shipped, [(OP, skey(), entry())])
     monkeypatch.chdir(shipped.parent)

@@ -375,6 +375,22 @@ def test_a_relative_or_home_folder_is_one_folder_whatever_the_cwd(monkeypatch, t
     assert store.load(OP, "k") == {"config": {"tile": 64}}
 
 
+def test_without_a_home_folder_the_default_store_stays_put_and_says_where(monkeypatch,
+                                                                          tmp_path):
+    """No HOME and no passwd entry: "~" does not expand, and the default folder was the relative
+    "~/.cache/tiletune", which moved with os.chdir. Now it is resolved once, with a warning."""
+    monkeypatch.setattr(store, "_folders", {})
+    monkeypatch.delenv("TILETUNE_CACHE_DIR", raising=False)
+    monkeypatch.setattr(os.path, "expanduser", lambda p: p)
+    monkeypatch.chdir(tmp_path)
+    expected = str(tmp_path / "~" / ".cache" / "tiletune")
+    with pytest.warns(UserWarning, match="no home folder .* set TILETUNE_CACHE_DIR"):
+        assert store.cache_dir() == expected
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert store.cache_dir() == expected
+
+
 def test_a_removed_database_is_recreated(folder):
     store.save(OP, "k", {"config": {"tile": 64}})
     for name in os.listdir(folder):
@@ -533,3 +549,58 @@ def test_tileiras_version_comes_from_the_compiler_without_the_pip_package(monkey
         for cached in (autotune.tileiras_version, _compile._find_compiler_bin):
             cached.cache_clear()
     assert re.fullmatch(r"\d+\.\d+\.\d+", found) and found == real("nvidia-cuda-tileiras")
+
+
+_READ_ONLY_PROBE = """
+import sys, warnings
+sys.path.insert(0, sys.argv[1])
+warnings.simplefilter("always")
+from tiletune import store
+print(store.load("op", "k"))
+store.save("op", "k2", {"config": {"t": 2}})
+print(store.unsaved(), store.load("op", "k"), store.load("op", "k2"))
+"""
+
+
+def test_a_store_that_cannot_be_written_is_still_read():
+    """A tuned store in a folder this user cannot write (a team's, a read-only image layer):
+    WAL cannot create its -shm and -wal files there, so the store is opened read-only: its
+    winners are used, a new one is counted as unsaved, one warning says so. (It was ignored:
+    every key searched again.) Run by another user where this one is root."""
+    import pathlib
+    import shutil
+    import tempfile
+    tmp_path = pathlib.Path(tempfile.mkdtemp())     # (pytest's folders are closed to others)
+    try:
+        _check_read_only_store(tmp_path)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _check_read_only_store(tmp_path):
+    folder = tmp_path / "team"
+    env_vars = dict(os.environ, TILETUNE_CACHE_DIR=str(folder))
+    saved = subprocess.run([sys.executable, "-c", "from tiletune import store; "
+                            "store.save('op', 'k', {'config': {'t': 1}}); store.close()"],
+                           env=env_vars, cwd=os.path.dirname(os.path.dirname(store.__file__)))
+    assert saved.returncode == 0
+    os.chmod(folder / store.DB_NAME, 0o444)
+    os.chmod(folder, 0o555)
+    os.chmod(tmp_path, 0o755)
+    command = [sys.executable, "-c", _READ_ONLY_PROBE,
+               os.path.dirname(os.path.dirname(store.__file__))]
+    if os.geteuid() == 0:          # root writes anywhere: the probe runs as nobody
+        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] + command
+        tried = subprocess.run(command[:4] + [sys.executable, "-c", "import tiletune"],
+                               env=env_vars, capture_output=True)
+        if tried.returncode:
+            pytest.skip("no user but root can run this python here")
+    try:
+        run = subprocess.run(command, env=env_vars, capture_output=True, text=True, timeout=120)
+    finally:
+        os.chmod(folder, 0o755)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["{'config': {'t': 1}}", "1 {'config': {'t': 1}} None"]
+    assert run.stderr.count("UserWarning") == 1
+    assert "cannot be written" in run.stderr and "its winners are read, new ones are not " \
+        "saved there" in run.stderr
