@@ -302,6 +302,8 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
 
 
 def hf_compute_dtype(q, cos):
-    """The dtype HF's rotate_half code (and Liger's kernel) computes the rotation in: torch's
-    promotion of q's and cos's dtypes (bf16 for a bf16 model's tables, float32 if either is)."""
+    """The dtype HF's rotate_half code computes the rotation in: torch's promotion of q's and
+    cos's dtypes (bf16 for a bf16 model's tables, float32 if either is). Liger's kernel agrees
+    where q and cos share a dtype; with float32 q and 16-bit tables it computes in the tables'
+    dtype, less exactly than this."""
     return torch.promote_types(q.dtype, cos.dtype)

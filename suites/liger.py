@@ -20,7 +20,12 @@ tiletune does not compute:
   construction (as Liger's model patches do) takes effect.
   in_place and row_mode are accepted and have no effect: tiletune's backward never writes into
   the incoming gradient, so both in_place settings give the same results.
-- RoPE: position_ids is accepted and ignored (cos/sin are already per position, as in Liger).
+- RoPE: position_ids is accepted and ignored (cos/sin are already per position, as in Liger);
+  unsqueeze_dim=2 takes q and k as (B, S, H, D), as transformers means it (Liger reads
+  (B, H, S, D) whatever its value); the arithmetic is in torch's promotion of q's and cos's
+  dtypes, as HF's code (Liger: cos's dtype where the two differ).
+- `_apply_liger_kernel_to_instance` on a model type without tiletune kernels warns and leaves
+  the model as it is (Liger logs and returns).
 - The patch functions have no cross-entropy kernels: cross_entropy and
   fused_linear_cross_entropy default to False here (Liger: fused_linear_cross_entropy=True) and
   True raises.
@@ -28,6 +33,7 @@ tiletune does not compute:
 import inspect
 import math
 import numbers
+import warnings
 
 import torch
 from torch import nn
@@ -284,12 +290,15 @@ MODEL_TYPE_TO_APPLY_LIGER_FN = {
 
 def _apply_liger_kernel_to_instance(model, **kwargs):
     """Patch `model` in place by its config's model_type; keywords its family's function does not
-    take are dropped (as Liger does). Another model type raises ValueError."""
+    take are dropped (as Liger does). Another model type is left as it is, with a warning (Liger
+    logs and returns there, and trainers call this on whatever model they hold)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
     if apply is None:
-        raise ValueError(f"_apply_liger_kernel_to_instance: model type {model_type!r} is not "
-                         f"supported ({', '.join(MODEL_TYPE_TO_APPLY_LIGER_FN)})")
+        warnings.warn(f"_apply_liger_kernel_to_instance: model type {model_type!r} has no "
+                      f"tiletune kernels ({', '.join(MODEL_TYPE_TO_APPLY_LIGER_FN)}); the model "
+                      "is left unpatched", stacklevel=2)
+        return
     accepted = inspect.signature(apply).parameters
     apply(model=model, **{k: v for k, v in kwargs.items() if k in accepted})
 
