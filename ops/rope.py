@@ -237,10 +237,11 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     cos, sin: (S', R), (1, S', R), (B, S', R) or (B, 1, S', R), any of the three dtypes; R is the
     rotary width (`rotary_dim`, default cos's last dim; even, <= D): the first R dims of each head
     rotate, the rest pass through. Wider cos/sin: their first R columns serve (so a table built
-    for a wider rotation does not rotate the first R dims correctly: build it R wide). Row s of cos/sin serves position s, or position_ids[b, s] when
-    `position_ids` (B, S) / (1, S) / (S,) is given (range checked on the host: one sync;
-    not under CUDA graph capture or torch.compile, where ids in [0, rows of cos/sin) are the
-    caller's contract: an id outside gives unspecified values in its position's rotated dims).
+    for a wider rotation does not rotate the first R dims correctly: build it R wide). Row s of
+    cos/sin serves position s, or position_ids[b, s] when `position_ids` (B, S) / (1, S) / (S,)
+    is given (range checked on the host: one sync; not under CUDA graph capture or
+    torch.compile, where ids in [0, rows of cos/sin) are the caller's contract: an id outside
+    gives unspecified values in its position's rotated dims).
     inplace=False returns new (q_embed, k_embed) laid out like q and k; inplace=True writes q and
     k in place (marked dirty for autograd) and returns them; in place, q and k must not share
     memory (k is q, overlapping views) nor have overlapping elements (a stride-0 expanded dim),
