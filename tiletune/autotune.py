@@ -1106,19 +1106,26 @@ def _as_json(value):
 @functools.lru_cache(maxsize=None)
 def tileiras_version():
     """The version of the tileiras cuTile compiles with, as store keys name it ("13.4.92"): the
-    pip package's, else what the compiler binary cuTile finds (a CUDA toolkit's) reports, else
-    "unknown". Asked once per process, on the first miss."""
+    pip package's where cuTile's binary is that package's, else what the binary cuTile finds (a
+    CUDA toolkit's: cuTile takes it when the pip compiler packages are missing or their versions
+    disagree) reports, else "unknown". Asked once per process, on the first miss."""
     try:
-        return importlib.metadata.version("nvidia-cuda-tileiras")
+        from cuda.tile._compile import _find_compiler_bin
+        binary = os.path.realpath(_find_compiler_bin().path)
+    except Exception:
+        return "unknown"
+    try:
+        package = importlib.metadata.distribution("nvidia-cuda-tileiras")
+        if any(os.path.realpath(package.locate_file(f)) == binary
+               for f in package.files or () if f.name == os.path.basename(binary)):
+            return package.version
     except importlib.metadata.PackageNotFoundError:
         pass
     try:
         import re
         import subprocess
-
-        from cuda.tile._compile import _find_compiler_bin
-        out = subprocess.run([_find_compiler_bin().path, "--version"], capture_output=True,
-                             text=True, timeout=30).stdout
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
         found = re.search(r"\bV(\d+\.\d+\.\d+)", out)
         return found.group(1) if found else "unknown"
     except Exception:

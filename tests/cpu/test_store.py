@@ -531,14 +531,18 @@ def test_tileiras_version_comes_from_the_compiler_without_the_pip_package(monkey
     from cuda.tile import _compile
 
     from tiletune import autotune
-    real = importlib.metadata.version
+    real, real_distribution = importlib.metadata.version, importlib.metadata.distribution
     binary = _compile._find_compiler_bin().path          # the pip package's, here
+    expected = real("nvidia-cuda-tileiras")
 
-    def no_pip_tileiras(name):
-        if name == "nvidia-cuda-tileiras":
-            raise importlib.metadata.PackageNotFoundError(name)
-        return real(name)
-    monkeypatch.setattr(importlib.metadata, "version", no_pip_tileiras)
+    def no_pip_tileiras(lookup):
+        def find(name):
+            if name == "nvidia-cuda-tileiras":
+                raise importlib.metadata.PackageNotFoundError(name)
+            return lookup(name)
+        return find
+    monkeypatch.setattr(importlib.metadata, "version", no_pip_tileiras(real))
+    monkeypatch.setattr(importlib.metadata, "distribution", no_pip_tileiras(real_distribution))
     monkeypatch.setenv("PATH", os.path.dirname(binary) + os.pathsep + os.environ["PATH"])
     for cached in (autotune.tileiras_version, _compile._find_compiler_bin):
         cached.cache_clear()
@@ -548,7 +552,29 @@ def test_tileiras_version_comes_from_the_compiler_without_the_pip_package(monkey
     finally:
         for cached in (autotune.tileiras_version, _compile._find_compiler_bin):
             cached.cache_clear()
-    assert re.fullmatch(r"\d+\.\d+\.\d+", found) and found == real("nvidia-cuda-tileiras")
+    assert re.fullmatch(r"\d+\.\d+\.\d+", found) and found == expected
+
+
+def test_tileiras_version_is_the_binarys_where_cutile_does_not_take_the_pip_package(
+        monkeypatch, tmp_path):
+    """cuTile compiles with a CUDA toolkit's tileiras where the pip compiler packages are
+    incomplete or disagree, even with nvidia-cuda-tileiras installed: the key then names that
+    binary's version, not the pip package's (whose rows were tuned with another compiler)."""
+    import types
+
+    from cuda.tile import _compile
+
+    from tiletune import autotune
+    fake = tmp_path / "tileiras"
+    fake.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.9, V13.9.7'\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(_compile, "_find_compiler_bin", lambda: types.SimpleNamespace(
+        path=str(fake)))
+    autotune.tileiras_version.cache_clear()
+    try:
+        assert autotune.tileiras_version() == "13.9.7"
+    finally:
+        autotune.tileiras_version.cache_clear()
 
 
 _READ_ONLY_PROBE = """
