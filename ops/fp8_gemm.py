@@ -1044,12 +1044,10 @@ def _check(a, b, scale_a, scale_b, out_dtype, fast_accum):
     scaling = _scaling(M, N, K, scale_a, scale_b)
     if torch.is_grad_enabled():
         _refuse_grad("fp8_mm", tensors)
-    compiling = torch.compiler.is_compiling()
-    if not compiling:
-        refuse_transforms("fp8_mm")
+    refuse_transforms("fp8_mm")
     # the dtypes are checked above; where all four are on one CUDA device, four integer reads
     # say so (eagerly: the traced call and any mismatch take the checks that name the argument)
-    dev = -1 if compiling else a.get_device()
+    dev = -1 if torch.compiler.is_compiling() else a.get_device()
     if dev < 0 or not a.is_cuda or b.get_device() != dev or scale_a.get_device() != dev or \
             scale_b.get_device() != dev:
         device = a.device
@@ -1256,8 +1254,7 @@ def _check_quantize(x, granularity, dtype, op="quantize_fp8"):
     validate.tensor(op, "x", x, dtypes=IN_DTYPES)
     if torch.is_grad_enabled():
         _refuse_grad(op, (("x", x),))
-    if not torch.compiler.is_compiling():
-        refuse_transforms(op)
+    refuse_transforms(op)
 
 
 def _quantize_raw(x, granularity, dtype):
@@ -1516,8 +1513,7 @@ def fp8_linear(x, weight, bias=None, *, recipe="rowwise"):
     9.0 or newer. Reverse mode only: dual tensors (forward-mode AD) and torch.func transforms
     are a TypeError."""
     _check_linear(x, weight, bias, recipe)
-    if not torch.compiler.is_compiling():
-        refuse_transforms("fp8_linear")     # dual x or weight: the tangent would be dropped
+    refuse_transforms("fp8_linear")     # dual x or weight: the tangent would be dropped
     K, N = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, K)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad

@@ -275,9 +275,9 @@ def _open_read_only(path, why):
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             break
-        except sqlite3.OperationalError:
+        except BaseException as e:
             conn.close()
-            if "immutable" in flags:
+            if "immutable" in flags or not isinstance(e, sqlite3.OperationalError):
                 raise
     if version != SCHEMA:
         conn.close()

@@ -84,8 +84,8 @@ class TrainableOp:
 def refuse_transforms(op):
     """TypeError naming op under forward-mode AD (inside a dual level) or a torch.func transform
     (vmap, grad, jvp, ...): the kernels read the plain values, so tangents and batch dims would
-    be dropped."""
-    if _forward_ad._current_level >= 0 or _transforms_active():
+    be dropped. Nothing while torch.compile traces (its custom ops take that path)."""
+    if not _is_compiling() and (_forward_ad._current_level >= 0 or _transforms_active()):
         raise TypeError(f"{op}: forward-mode AD and torch.func transforms (vmap, grad, jvp, "
                         "jacfwd, ...) are not supported (no jvp, no batching rule)")
 
