@@ -48,10 +48,24 @@ log = logging.getLogger("tiletune")
 ATTENTION_NAME = "tiletune"
 
 
+def _hf_rms_norm(x, weight, eps):
+    """rms_norm with the output dtype of transformers' RMSNorms (`weight * normed.to(x.dtype)`):
+    torch's promotion of x's and the weight's dtypes, so float32 weights on bfloat16 inputs
+    (a float32 model under autocast) give float32 as there. The kernel writes x's dtype; the
+    wider dtype is a cast of it (one more rounding than transformers' product at most)."""
+    y = rms_norm(x, weight, eps)
+    if weight.dtype is not x.dtype:        # (dtypes are singletons: the hot path's one check)
+        wider = torch.promote_types(x.dtype, weight.dtype)
+        if wider is not x.dtype:
+            return y.to(wider)
+    return y
+
+
 class RMSNorm(nn.Module):
     """Like transformers' LlamaRMSNorm: `weight` (ones at init) and `variance_epsilon`.
 
-    The output has the input's dtype (statistics in float32)."""
+    Statistics in float32; the output dtype is transformers' (torch's promotion of the input's
+    and the weight's dtypes)."""
 
     def __init__(self, hidden_size, eps=1e-6, device=None, dtype=None):
         super().__init__()
@@ -59,7 +73,7 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states):
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        return _hf_rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
     def extra_repr(self):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
@@ -264,7 +278,7 @@ def register_attention():
 
 class _RMSNormForward:
     def forward(self, hidden_states):
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        return _hf_rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
 class _GatedMLPForward:
@@ -364,11 +378,12 @@ class _ExpertsForward:
                             self.down_proj)
 
 
-def _fusable_qk_norm(attn):
+def _fusable_qk_norm(attn, dtype):
     """(q_weight, k_weight, eps) when attn's q_norm and k_norm are tiletune RMSNorms with one
-    eps and nothing that must see their calls (hooks of their own or global ones, a forward
-    set on the instance: the fused kernel reads their weights without calling them), then
-    norm + RoPE run as one kernel; else None."""
+    eps, weights that keep q's `dtype` (wider ones make transformers' q and k wider, which the
+    fused kernel does not write) and nothing that must see their calls (hooks of their own or
+    global ones, a forward set on the instance: the fused kernel reads their weights without
+    calling them), then norm + RoPE run as one kernel; else None."""
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     if not (isinstance(q_norm, _RMSNormForward) and isinstance(k_norm, _RMSNormForward)):
         return None
@@ -377,7 +392,8 @@ def _fusable_qk_norm(attn):
             for n in (q_norm, k_norm)):
         return None
     if q_norm.variance_epsilon != k_norm.variance_epsilon or \
-            q_norm.weight.dtype != k_norm.weight.dtype:
+            q_norm.weight.dtype != k_norm.weight.dtype or \
+            torch.promote_types(dtype, q_norm.weight.dtype) != dtype:
         return None
     return q_norm.weight, k_norm.weight, q_norm.variance_epsilon
 
@@ -417,7 +433,7 @@ class _AttentionForward:
 
         cos, sin = position_embeddings
         _check_full_width("attention", cos, self.head_dim)
-        fused = _fusable_qk_norm(self)
+        fused = _fusable_qk_norm(self, query.dtype)
         if fused is not None:
             q_weight, k_weight, eps = fused
             query, key = rms_norm_rope(query.transpose(1, 2), key.transpose(1, 2), q_weight,

@@ -72,8 +72,10 @@ def unpatched():
 # Torch references standing in for the kernels (each call counted).
 
 def ref_rms_norm(x, w, eps):
+    """transformers' values, in x's dtype as the kernel writes them (whatever w's dtype)."""
     x32 = x.float()
-    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (w * normed).to(x.dtype)
 
 
 def rotate_half(x):
@@ -375,6 +377,49 @@ def test_qwen3_qk_norm_with_a_hook_runs_unfused(ops):
     assert_same_training_step(model, reference, torch.randint(0, 128, (2, 12)))
     layers = model.config.num_hidden_layers
     assert calls and ops["rms_norm_rope"] == layers - 1 and ops["rope"] == 1
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [
+    (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
+    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)])
+def test_patched_rms_norm_returns_transformers_dtype(ops, x_dtype, w_dtype):
+    """transformers' RMSNorm returns `weight * normed.to(x.dtype)`: the promotion of the two
+    dtypes (float32 for bf16 x and float32 weights); the patched one and tiletune's RMSNorm
+    class return the same dtype and values within the rounding of x's dtype."""
+    model = build("qwen3")
+    reference = copy.deepcopy(model)
+    hf.apply_tiletune(model)
+    norm, ref_norm = model.model.norm.to(w_dtype), reference.model.norm.to(w_dtype)
+    own = hf.RMSNorm(64, eps=ref_norm.variance_epsilon, dtype=w_dtype)
+    own.weight.data.copy_(ref_norm.weight)
+    x = torch.randn(3, 5, 64).to(x_dtype)
+    expected = ref_norm(x)
+    for module in (norm, own):
+        y = module(x)
+        assert y.dtype == expected.dtype == torch.promote_types(x_dtype, w_dtype)
+        rounding = 2.0 ** -7 if torch.bfloat16 in (x_dtype, w_dtype) else 2.0 ** -10
+        torch.testing.assert_close(y.float(), expected.float(), atol=4 * rounding,
+                                   rtol=2 * rounding)
+    assert ops["rms_norm"] == 2
+
+
+def test_qwen3_under_autocast_keeps_transformers_dtypes(ops):
+    """A float32 Qwen3 under bf16 autocast: its q_norm and k_norm get the projections' bf16
+    and float32 weights, so transformers' q and k (and the cached keys) are float32. The
+    patched model runs them unfused (the fused kernel writes q's dtype) and caches float32
+    keys too; the logits agree within bf16 rounding."""
+    model = build("qwen3")
+    reference = copy.deepcopy(model)
+    hf.apply_tiletune(model)
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref = model(ids, use_cache=True), reference(ids, use_cache=True)
+    layers = model.config.num_hidden_layers
+    assert ops["rms_norm_rope"] == 0 and ops["rope"] == layers
+    keys = [layer.keys for layer in out.past_key_values.layers]
+    ref_keys = [layer.keys for layer in ref.past_key_values.layers]
+    assert [k.dtype for k in keys] == [k.dtype for k in ref_keys] == [torch.float32] * layers
+    torch.testing.assert_close(out.logits.float(), ref.logits.float(), atol=0.05, rtol=0.05)
 
 
 @pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu"])
