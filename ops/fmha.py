@@ -1125,6 +1125,17 @@ def _check(op, q, k, v, scale, names=("q", "k", "v")):
     return float(scale)
 
 
+def _check_seq(op, q, k, names=("q", "k")):
+    """A dense call's sequences within the kernels' grid (MAX_SEQ), refused by the caller's name
+    before any launch (the forward's decode kernels would take a longer cache; its backward
+    could not)."""
+    sq, sk = q.shape[2], k.shape[2]
+    if sq > MAX_SEQ or sk > MAX_SEQ:
+        name, n = (names[0], sq) if sq > MAX_SEQ else (names[1], sk)
+        raise ValueError(f"{op}: {name} has {n} tokens, more than the kernels' grid takes "
+                         f"({MAX_SEQ})")
+
+
 def check_causal_bias(op, attn_mask, sq, sk):
     """A CausalBias describes a (seq_len_q, seq_len_kv) mask: it must be q's Sq by k's Sk. The
     kernel masks by position alone, so a bias made for other sizes would silently apply another
@@ -1298,6 +1309,7 @@ def fmha(q, k, v, *, causal=False, scale=None, seqused_k=None):
     grad mode on), at decode sizes (ValueError otherwise).
     """
     scale = _check("fmha", q, k, v, scale)
+    _check_seq("fmha", q, k)
     causal = bool(causal)
     offset = k.shape[2] - q.shape[2] if causal else 0
     if seqused_k is not None:
@@ -1330,6 +1342,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             raise ValueError(f"{op}: pass either is_causal=True or a CausalBias attn_mask")
         causal, lower_right = True, attn_mask.variant == CausalVariant.LOWER_RIGHT
     scale = _check(op, query, key, value, scale, ("query", "key", "value"))
+    _check_seq(op, query, key, ("query", "key"))
     if attn_mask is not None:
         check_causal_bias(op, attn_mask, query.shape[2], key.shape[2])
     if not enable_gqa and key.shape[1] != query.shape[1]:

@@ -446,3 +446,22 @@ def test_longer_sequences_than_the_grid_takes_are_refused_by_name():
         with pytest.raises(ValueError, match=r"fmha: a sequence of 2097121 tokens is more than"):
             launch()
     assert FM._key(long[:, :, :FM.MAX_SEQ], short, False, 0, 0, None)[1] == FM.MAX_SEQ
+
+
+def test_the_public_functions_refuse_longer_sequences_by_their_names(monkeypatch):
+    """fmha and scaled_dot_product_attention refuse a sequence past MAX_SEQ before any launch,
+    naming themselves and the argument: a decode-shaped call (Sq 1) with a longer cache too,
+    which the forward's decode kernels would take and its backward could not."""
+    monkeypatch.setattr(validate, "tensor", lambda op, name, t, **kw: t)
+    long = torch.zeros(1, 1, 1, 16, dtype=torch.bfloat16).expand(1, 2, FM.MAX_SEQ + 1, 16)
+    one = long[:, :, :1]
+    for op, call, name in (
+            ("fmha", lambda: FM.fmha(one, long, long), "k"),
+            ("fmha", lambda: FM.fmha(long, one, one), "q"),
+            ("scaled_dot_product_attention",
+             lambda: FM.scaled_dot_product_attention(one, long, long), "key"),
+            ("scaled_dot_product_attention",
+             lambda: FM.scaled_dot_product_attention(long, long, long, is_causal=True),
+             "query")):
+        with pytest.raises(ValueError, match=rf"^{op}: {name} has 2097121 tokens, more than"):
+            call()
