@@ -54,8 +54,8 @@ TABLE = "tiletune_entries"
 SCHEMA = 1                          # PRAGMA user_version of a tiletune store
 BUSY_TIMEOUT_S = 10.0
 
-_lock = threading.RLock()           # guards _conns and every use of a cached connection
-_conns = {}                         # path -> (pid, (st_dev, st_ino), sqlite3.Connection)
+_lock = threading.RLock()           # guards _conns (not the connections' use: see _db)
+_conns = {}                 # (path, thread) -> (pid, (st_dev, st_ino), sqlite3.Connection)
 # (op, full key) -> "store", "shipped" or "search": where this process's loads found a winner
 # and which rows it saved (`used`; `tune --export` writes these rows).
 _used = {}
@@ -135,10 +135,23 @@ def _warn_if_shared(folder):
                       "host: on a multi-node job, set TILETUNE_CACHE_DIR to a node-local folder")
 
 
-def _trouble(path, e):
-    env.warn_once(("tiletune.store", path),
-                  f"tiletune: cannot use the cache database {path} ({type(e).__name__}: "
-                  f"{str(e)[:200]}); tuned configs are neither read from nor saved there")
+_LOCKED = {
+    "read": "tuned configs were not read from it",
+    "save": "a tuned config was not saved there (searched again in a later process)",
+    "delete": "rows were not deleted from it",
+}
+
+
+def _trouble(path, e, action):
+    """One warning per store; where another process held it locked past the busy timeout, one
+    per action ("read", "save", "delete"), saying which failed (the others may still work)."""
+    if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
+        what, consequence = ("tiletune.store.locked", path, action), _LOCKED[action]
+    else:
+        what, consequence = ("tiletune.store", path), \
+            "tuned configs are neither read from nor saved there"
+    env.warn_once(what, f"tiletune: cannot use the cache database {path} ({type(e).__name__}: "
+                        f"{str(e)[:200]}); {consequence}")
 
 
 def _import_json(conn, folder):
@@ -315,33 +328,52 @@ def _open_writable(path):
 
 @contextlib.contextmanager
 def _db(path):
-    """The cached connection to the database at `path` (opened, and created, on first use; a
-    new one after a fork or when the file was replaced or removed), used under _lock. A
-    connection that meets an error is closed and dropped."""
+    """The calling thread's cached connection to the database at `path` (opened, and created,
+    on first use; a new one after a fork or when the file was replaced or removed). One per
+    thread, used outside _lock: a save waiting out the busy timeout on a lock another process
+    holds stalls its own thread only, while the others read (WAL readers do not wait for a
+    writer). A connection that meets an error is closed and dropped."""
+    slot = (path, threading.get_ident())
     with _lock:
-        cached = _conns.get(path)
-        if cached is not None:
-            try:
-                st = os.stat(path)
-                ident = (st.st_dev, st.st_ino)
-            except OSError:
-                ident = None
-            if cached[0] != os.getpid() or cached[1] != ident:
-                _conns.pop(path)
-                if cached[0] == os.getpid():
-                    with contextlib.suppress(sqlite3.Error):
-                        cached[2].close()
-                cached = None
-        if cached is None:
-            cached = _conns[path] = _open(path)
+        cached = _conns.get(slot)
+    if cached is not None:
         try:
-            yield cached[2]
-        except BaseException:
-            if _conns.get(path) is cached:
-                _conns.pop(path)
-                with contextlib.suppress(sqlite3.Error):
-                    cached[2].close()
-            raise
+            st = os.stat(path)
+            ident = (st.st_dev, st.st_ino)
+        except OSError:
+            ident = None
+        if cached[0] != os.getpid() or cached[1] != ident:
+            _drop(slot, cached)
+            cached = None
+    if cached is None:
+        cached = _open(path)
+        with _lock:
+            _conns[slot] = cached
+    try:
+        yield cached[2]
+    except BaseException:
+        _drop(slot, cached)
+        raise
+
+
+def _drop(slot, cached):
+    """Forget a cached connection and close it (one a forked parent opened is left alone)."""
+    with _lock:
+        if _conns.get(slot) is cached:
+            _conns.pop(slot)
+    if cached[0] == os.getpid():
+        with contextlib.suppress(sqlite3.Error):
+            cached[2].close()
+
+
+def _after_fork_in_child():
+    """A child forked while another thread held _lock would wait on it forever: a new one (the
+    parent's connections are replaced on their first use, by pid)."""
+    global _lock
+    _lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def close():
@@ -378,7 +410,7 @@ def load_own(op, key):
             row = conn.execute(f"SELECT entry FROM {TABLE} WHERE op = ? AND key = ?",
                                (op, key)).fetchone()
     except (OSError, sqlite3.Error) as e:
-        _trouble(path, e)
+        _trouble(path, e, "read")
         return None
     if row is None:
         return None
@@ -418,7 +450,7 @@ def save(op, key, entry):
     except (OSError, sqlite3.Error) as e:
         _unsaved += 1
         if path not in _read_only or not _is_read_only_error(e):     # (that one said so)
-            _trouble(path, e)
+            _trouble(path, e, "save")
         return
     _used[(op, key)] = "search"
 
@@ -434,7 +466,7 @@ def delete(op, key):
         with _db(path) as conn:
             conn.execute(f"DELETE FROM {TABLE} WHERE op = ? AND key = ?", (op, key))
     except (OSError, sqlite3.Error) as e:
-        _trouble(path, e)
+        _trouble(path, e, "delete")
 
 
 def _usable(path):
@@ -458,7 +490,7 @@ def entries(op=None):
         with _db(path) as conn:
             rows = conn.execute(sql + " ORDER BY op, key", args).fetchall()
     except (OSError, sqlite3.Error) as e:
-        _trouble(path, e)
+        _trouble(path, e, "read")
         return {}
     out = {}
     for o, key, text in rows:
@@ -483,7 +515,7 @@ def clear(op=None, strict=False):
     except (OSError, sqlite3.Error) as e:
         if strict:
             raise
-        _trouble(path, e)
+        _trouble(path, e, "delete")
         return 0
 
 
@@ -520,7 +552,7 @@ def prune(cuda_tile=None, tileiras=None, older_than_s=None, gpus=None, strict=Fa
     except (OSError, sqlite3.Error) as e:
         if strict:
             raise
-        _trouble(path, e)
+        _trouble(path, e, "delete")
         return {}
     out = {}
     for op, _ in stale:

@@ -303,6 +303,76 @@ def test_a_folder_on_a_network_filesystem_warns_once_and_the_store_works(folder,
     assert recorded(store.load, OP, "k") == ({"config": {"tile": 64}}, [])
 
 
+def test_a_save_waiting_on_another_process_lock_stalls_no_other_thread(folder, monkeypatch):
+    """Another process holds the store's write lock: a save (another GPU's backward thread, say)
+    waits out the busy timeout in its own thread, while this thread's loads go on at once (WAL
+    readers do not wait for a writer); the save lands once the lock is released. A save that
+    times out warns that it was not saved, not that the store cannot be read."""
+    import threading
+    store.save(OP, "k", {"config": {"tile": 64}})
+    monkeypatch.setattr(store, "BUSY_TIMEOUT_S", 3.0)
+    store.close()
+    assert store.load(OP, "k") == {"config": {"tile": 64}}
+    holder = sqlite3.connect(folder / store.DB_NAME, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    saver = threading.Thread(target=store.save, args=(OP, "k2", {"config": {"tile": 32}}))
+    saver.start()
+    time.sleep(0.3)                       # the saver is inside its busy wait now
+    start = time.monotonic()
+    loaded = [store.load(OP, "k") for _ in range(20)]
+    took = time.monotonic() - start
+    holder.execute("ROLLBACK")
+    saver.join()
+    assert loaded == [{"config": {"tile": 64}}] * 20 and took < 1.0, took
+    assert stored(folder) == {"k": {"config": {"tile": 64}}, "k2": {"config": {"tile": 32}}}
+    monkeypatch.setattr(store, "BUSY_TIMEOUT_S", 0.05)
+    store.close()
+    store.load(OP, "k")
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        _, warned = recorded(store.save, OP, "k3", {"config": {}})
+        result, warned2 = recorded(store.load, OP, "k")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert len(warned) == 1 and "locked" in warned[0] and "was not saved there" in warned[0]
+    assert result == {"config": {"tile": 64}} and warned2 == []
+
+
+def test_a_child_forked_while_another_thread_holds_the_lock_uses_the_store(folder):
+    """fork() copies a lock some other thread holds, and no thread in the child would release
+    it: the child gets a new one and loads (within 20 s; a hang there fails the test)."""
+    import threading
+    store.save(OP, "k", {"config": {"tile": 64}})
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with store._lock:
+            held.set()
+            release.wait()
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)     # (3.12: fork of a threaded process)
+        pid = os.fork()
+    if pid == 0:                                                # the child
+        code = 1
+        try:
+            code = 0 if store.load(OP, "k") == {"config": {"tile": 64}} else 2
+        finally:
+            os._exit(code)
+    release.set()
+    holder.join()
+    deadline = time.monotonic() + 20
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
+
+
 def test_an_unwritable_database_warns_once(folder, monkeypatch):
     store.save(OP, "k", {"config": {"tile": 64}})
     monkeypatch.setattr(env, "_warned", set())
