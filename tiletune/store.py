@@ -346,9 +346,14 @@ def _db(path):
             _drop(slot, cached)
             cached = None
     if cached is None:
+        threading.current_thread()  # (a thread torch started gets a record: seen alive below)
         cached = _open(path)
         with _lock:
             _conns[slot] = cached
+            alive = {t.ident for t in threading.enumerate()}
+            dead = [(s, c) for s, c in _conns.items() if s[1] not in alive]
+        for s, c in dead:           # threads that ended keep no connection (file descriptors)
+            _drop(s, c)
     try:
         yield cached[2]
     except BaseException:

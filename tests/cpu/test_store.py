@@ -339,6 +339,21 @@ def test_a_save_waiting_on_another_process_lock_stalls_no_other_thread(folder, m
     assert result == {"config": {"tile": 64}} and warned2 == []
 
 
+def test_threads_that_ended_keep_no_connection(folder):
+    """Each thread reads through a connection of its own; those of threads that ended are
+    closed when another is opened, so short-lived threads do not pile up file descriptors."""
+    import threading
+    store.close()
+    store.save(OP, "k", {"config": {"tile": 64}})
+    got = []
+    for _ in range(30):
+        t = threading.Thread(target=lambda: got.append(store.load(OP, "k")))
+        t.start()
+        t.join()
+    assert got == [{"config": {"tile": 64}}] * 30
+    assert len(store._conns) <= 2, len(store._conns)       # this thread's and the last one's
+
+
 def test_a_child_forked_while_another_thread_holds_the_lock_uses_the_store(folder):
     """fork() copies a lock some other thread holds, and no thread in the child would release
     it: the child gets a new one and loads (within 20 s; a hang there fails the test)."""
