@@ -14,6 +14,7 @@ parallel first, see tiletune/precompile.py), then a final round that times its c
 and the default in turns (sustained blocks for long tensor-core kernels); then `replace_hints`
 once and cache.
 """
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -26,6 +27,11 @@ import time
 import warnings
 from types import SimpleNamespace
 from typing import Callable, Optional
+
+try:
+    import fcntl
+except ImportError:             # (not POSIX: searches take no cross-process lock)
+    fcntl = None
 
 import cuda.tile as ct
 import torch
@@ -122,6 +128,81 @@ def _search_lock(dev):
         with _search_locks_guard:
             lock = _search_locks.setdefault(index, threading.RLock())
     return lock
+
+
+# Processes that share a store and a GPU (serving workers on one card, two jobs of one user)
+# would time their searches on top of each other and save winners of disturbed timings: a file
+# lock per physical GPU in the store's folder takes their searches in turns, and a process
+# that waited reads the other's winner from the store instead of searching. Best effort: no
+# store, no fcntl, a folder that cannot hold the file, or a wait past GPU_LOCK_WAIT_SEC
+# searches without it.
+GPU_LOCK_WAIT_SEC = env.number("TILETUNE_GPU_LOCK_WAIT_SEC", 300.0)
+_gpu_lock_depth = {}          # lock path -> depth in this process (guarded by _search_lock)
+
+
+@contextlib.contextmanager
+def _gpu_turn(dev, what):
+    """This process's turn to search on dev's GPU: yields whether it waited for another
+    process's. Re-entrant within the thread that holds _search_lock(dev) (flock on a second
+    descriptor of one file would wait for this process itself)."""
+    folder, gpu = store.cache_dir(), _device.uuid(dev)
+    path = None if folder is None or gpu is None or fcntl is None else \
+        os.path.join(folder, f"gpu-{gpu}.lock")
+    if path is None or _gpu_lock_depth.get(path):
+        if path is not None:
+            _gpu_lock_depth[path] += 1
+        try:
+            yield False
+        finally:
+            if path is not None:
+                _gpu_lock_depth[path] -= 1
+        return
+    fd, waited = _take_gpu_lock(path, what)
+    _gpu_lock_depth[path] = 1
+    try:
+        yield waited
+    finally:
+        _gpu_lock_depth[path] = 0
+        if fd is not None:
+            os.close(fd)                # (closing releases the lock)
+
+
+def _take_gpu_lock(path, what):
+    """(a descriptor holding the lock at path, whether it waited for another process), or
+    (None, False) where it cannot be taken (searched without it)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except OSError:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)    # flock takes a read-only one too
+        except OSError:
+            return None, False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd, False
+    except BlockingIOError:
+        pass
+    except OSError:
+        os.close(fd)
+        return None, False
+    log.info("tiletune: %s: waiting for another process's search on this GPU (%s)", what, path)
+    deadline = time.monotonic() + GPU_LOCK_WAIT_SEC
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd, True
+        except BlockingIOError:
+            continue
+        except OSError:
+            break
+    os.close(fd)
+    env.warn_once(("tiletune.gpu_lock", path),
+                  f"tiletune: {what}: another process held this GPU's search lock ({path}) for "
+                  f"more than {GPU_LOCK_WAIT_SEC:.0f} s (TILETUNE_GPU_LOCK_WAIT_SEC); searching "
+                  "without it, so the two searches' timings may disturb each other")
+    return None, False
 
 
 class TuningFailedError(RuntimeError):
@@ -624,17 +705,28 @@ class Autotuner:
                 return self._tune_agreed(agreement, key, dev, cfgs, skey, cfg, stored, search,
                                          use_store)
             if cfg is not None:
-                self._unproven[key] = skey       # until its first launch succeeds
-                record = TuningRecord(self.name, key, config_dict(cfg), store.source_of(stored),
-                                      stored.get("timings") or [], stored.get("failures") or [],
-                                      stored.get("search_s") or 0.0, stored.get("best_us"),
-                                      stored.get("rates") or {}, stored.get("final") or [])
-                return self._finish(key, cfg, record, None, dev)
-            if not isinstance(search, Search):
-                search = search(cfgs)
-            cfg, record = self._search(key, dev, cfgs, search)
-            store.save(self.name, skey, _entry(record))
+                return self._stored(key, dev, cfg, skey, stored)
+            with _gpu_turn(dev, f"{self.name} {key}") as waited:
+                if waited and use_store:     # the process we waited for may have saved it
+                    stored = store.load(self.name, skey)
+                    cfg = self._find(cfgs, stored.get("config")) \
+                        if isinstance(stored, dict) else None
+                    if cfg is not None:
+                        return self._stored(key, dev, cfg, skey, stored)
+                if not isinstance(search, Search):
+                    search = search(cfgs)
+                cfg, record = self._search(key, dev, cfgs, search)
+                store.save(self.name, skey, _entry(record))
             return self._finish(key, cfg, record, search, dev)
+
+    def _stored(self, key, dev, cfg, skey, stored):
+        """Resolve key to the store's (or a shipped) winner cfg; unproven until it launches."""
+        self._unproven[key] = skey
+        record = TuningRecord(self.name, key, config_dict(cfg), store.source_of(stored),
+                              stored.get("timings") or [], stored.get("failures") or [],
+                              stored.get("search_s") or 0.0, stored.get("best_us"),
+                              stored.get("rates") or {}, stored.get("final") or [])
+        return self._finish(key, cfg, record, None, dev)
 
     def _tune_agreed(self, agreement, key, dev, cfgs, skey, cfg, stored, search, use_store):
         """A miss in a job of several ranks (tiletune/distributed.py): the ranks agree on one

@@ -65,6 +65,27 @@ def gpu_name(device):
     return _props(_index(device)).name
 
 
+@functools.lru_cache(maxsize=None)
+def _uuid_of_index(index):
+    try:
+        p = _props(index)
+    except Exception:           # (no CUDA, or a device torch cannot describe)
+        return None
+    text = str(getattr(p, "uuid", "") or "")
+    if not text:
+        bus = getattr(p, "pci_bus_id", None)
+        if bus is None:
+            return None
+        text = f"{p.name}-{getattr(p, 'pci_domain_id', 0)}-{bus}-{getattr(p, 'pci_device_id', 0)}"
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in text)
+
+
+def uuid(device):
+    """The physical GPU's UUID as a file-name-safe string (the same whichever index
+    CUDA_VISIBLE_DEVICES gives it), or None where torch cannot say."""
+    return _uuid_of_index(_index(device))
+
+
 def _raw_stream_fallback(device_index):
     return torch.cuda.current_stream(device_index).cuda_stream
 

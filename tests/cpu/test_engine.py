@@ -1,4 +1,5 @@
 """The engine's own logic, driven through its real code; a stand-in replaces only the GPU search."""
+import fcntl
 import inspect
 import json
 import logging
@@ -16,6 +17,7 @@ import cuda.tile.tune
 import pytest
 import torch
 
+import tiletune.env
 from tiletune import autotune, precompile, store, timing
 from tiletune.autotune import Autotuner, Search, TuningFailedError, Work, bucket
 
@@ -256,6 +258,69 @@ def test_eight_threads_on_a_cold_key_search_once(env):
     for th in threads:
         th.join()
     assert env.fake.calls == 1 and len(results) == 8 and len({id(r[1]) for r in results}) == 1
+
+
+def _hold_gpu_lock(env):
+    """The GPU's search lock held as another process holds it (a descriptor of its own)."""
+    env.path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(env.path / "gpu-GPU-stand-in.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def test_a_search_waits_for_another_process_on_the_gpu_and_takes_its_winner(env):
+    """Another process searching on this GPU (with this store) holds its lock: a miss waits,
+    then reads the winner that process saved instead of searching; had it saved none, the miss
+    searches once the lock is free."""
+    t = env.make()
+    cfgs = t.config_list("sm_90", dict(n=16))
+    theirs = cfgs[2]                                 # not what this process's search would pick
+    fd = _hold_gpu_lock(env)
+
+    def other_process():
+        time.sleep(0.3)
+        store.save(t.name, t.store_key(("k",), 0, cfgs), {"config": autotune.config_dict(theirs)})
+        os.close(fd)
+    threading.Thread(target=other_process).start()
+    start = time.monotonic()
+    cfg, _ = resolve(t, ("k",))
+    assert time.monotonic() - start >= 0.25 and env.fake.calls == 0
+    assert cfg.occupancy == theirs.occupancy and t.records[("k",)].source == "store"
+    fd = _hold_gpu_lock(env)
+    threading.Timer(0.3, os.close, (fd,)).start()
+    cfg, _ = resolve(t, ("k2",))
+    assert env.fake.calls == 1 and cfg.occupancy == 2
+
+
+def test_a_search_inside_a_search_on_the_gpu_does_not_wait_for_itself(env, monkeypatch):
+    """A search whose runs miss another key on the same GPU (an op timing its helper kernels)
+    holds the GPU's lock already: the inner search runs at once."""
+    outer, inner = env.make(), env.make()
+    fake, done, entered = env.fake, [], []
+
+    def search_that_misses(*a, **kw):
+        if not entered:
+            entered.append(1)
+            done.append(resolve(inner, ("inner",)))
+        return fake(*a, **kw)
+    monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", search_that_misses)
+    worker = threading.Thread(target=lambda: done.append(resolve(outer, ("outer",))))
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive() and len(done) == 2 and fake.calls == 2
+
+
+def test_a_gpu_lock_held_past_the_wait_limit_searches_anyway(env, monkeypatch):
+    monkeypatch.setattr(autotune, "GPU_LOCK_WAIT_SEC", 0.2)
+    monkeypatch.setattr(tiletune.env, "_warned", set())
+    fd = _hold_gpu_lock(env)
+    t = env.make()
+    try:
+        with pytest.warns(UserWarning, match="held this GPU's search lock"):
+            resolve(t, ("k",))
+    finally:
+        os.close(fd)
+    assert env.fake.calls == 1
 
 
 def test_miss_during_graph_capture_does_not_search(env, monkeypatch):
