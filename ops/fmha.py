@@ -1384,14 +1384,14 @@ def fmha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     non-decreasing from 0 to Tq (Tk), sequence b owning rows [cu[b], cu[b+1]) (empty sequences
     allowed). max_seqlen_q / max_seqlen_k: Python ints at least every sequence's length (at most
     MAX_SEQ, 2,097,120); B x Hq at most 65535 (ValueError: split the batch). The offsets are
-    read on the device only (a call is CUDA-graph capturable), so, as in FlashAttention-2, the
-    host checks only what the shapes show: B x max_seqlen_q below Tq (or B x max_seqlen_k below
-    Tk) raises ValueError, since the sequences could not cover every row. Not checked: a
-    max_seqlen below one sequence's length leaves that sequence's output and gradients (every
-    key's included) unspecified; rows outside every sequence (trailing padding: give it a
-    sequence of its own) get unspecified rows of o, dq, dk and dv, which a weight's gradient
-    would sum in; offsets below 0 or past Tq (Tk) make the kernels write outside o, dq, dk and
-    dv. Each sequence attends only to its own keys; causal=True aligns the
+    read on the device only (a call is CUDA-graph capturable), so, as in FlashAttention-2, they
+    are not checked against the data: a max_seqlen below one sequence's length leaves that
+    sequence's output and gradients (every key's included) unspecified; offsets below 0 or past
+    Tq (Tk) make the kernels write outside o, dq, dk and dv. Buffers longer than their sequences
+    (a preallocated cache, a padded batch of static shape) are taken as in FlashAttention-2:
+    key rows outside every sequence are never read, and query rows outside every sequence get
+    unspecified rows of o and dq (and such key rows of dk and dv), which a weight's gradient
+    would sum in: give padding that reaches a backward a sequence of its own. Each sequence attends only to its own keys; causal=True aligns the
     diagonal bottom-right per sequence (query i sees key j iff j <= i + Lk - Lq); rows that see
     no key return 0. dtypes, D, scale and numerics as `fmha`. Returns o (Tq, Hq, D) laid out
     like q; differentiable in q, k, v. Tuned per (B x heads, max lengths bucketed to powers of
@@ -1411,13 +1411,6 @@ def fmha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     max_seqlen_q = _check_max(op, "max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _check_max(op, "max_seqlen_k", max_seqlen_k)
     batch = cu_seqlens_q.shape[0] - 1
-    for name, longest, t, rows in (("max_seqlen_q", max_seqlen_q, q, "Tq"),
-                                   ("max_seqlen_k", max_seqlen_k, k, "Tk")):
-        if batch * longest < t.shape[0]:
-            raise ValueError(f"{op}: {name}={longest} x {batch} sequences is below {rows}="
-                             f"{t.shape[0]}: some sequence is longer than {name}, or rows lie "
-                             "outside every sequence (give trailing padding a sequence of its "
-                             "own)")
     if batch * q.shape[1] > MAX_GRID_Y:
         _grid_error(op, "sequences", batch, q.shape[1])
     return _fmha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
