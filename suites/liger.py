@@ -64,9 +64,9 @@ def _geglu_tanh(gate, up):
 
 
 def _rms_norm(X, W, eps, offset=0.0):
-    if W is None:           # elementwise_affine=False: a unit weight
+    if W is None:           # elementwise_affine=False: a unit weight (Liger adds no offset)
         W = torch.ones(X.shape[-1], device=X.device, dtype=X.dtype)
-    if offset:              # Gemma's (offset + weight), in float32 as Liger computes it
+    elif offset:            # Gemma's (offset + weight), in float32 as Liger computes it
         W = W.float() + offset
     return rms_norm(X, W, eps)
 

@@ -141,6 +141,11 @@ def test_rms_norm_gemma_offset_and_casting(refs):
     wg = w.clone().requires_grad_()
     (gw,) = torch.autograd.grad(liger.liger_rms_norm(x, wg, 1e-6, offset=1.0).float().sum(), wg)
     assert gw.dtype == torch.bfloat16
+    # no weight: Liger multiplies by nothing, offset or not
+    plain = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    assert torch.equal(liger.liger_rms_norm(x, None, 1e-6, offset=1.0), plain)
+    unweighted = liger.LigerRMSNorm(8, eps=1e-6, offset=1.0, elementwise_affine=False)
+    assert torch.equal(unweighted(x), plain)
 
 
 @pytest.mark.parametrize("cos_shape", ["(S, D)", "(1, S, D)", "(B, S, D)", "(B, 1, S, D)"])
