@@ -204,8 +204,15 @@ def inplace(op, tensors):
     a kernel cannot do: a leaf that requires grad, or a view of one (under grad mode, per
     tensor, as torch refuses); a tensor whose elements overlap (an expanded, stride-0 dim),
     which the kernel would write twice; two tensors sharing memory (the same tensor,
-    overlapping views), which would race. ValueError naming `op` and the argument."""
+    overlapping views), which would race; an inference tensor outside inference mode (torch
+    refuses that write too). ValueError naming `op` and the argument."""
     items = list(tensors.items())
+    if not torch.is_inference_mode_enabled():
+        for name, t in items:
+            if t.is_inference():
+                raise ValueError(f"{op}: inplace=True on {name}, an inference tensor, which "
+                                 "cannot be written in place outside inference mode (call it "
+                                 "under torch.inference_mode() or use inplace=False)")
     if torch.is_grad_enabled():
         for name, t in items:
             what = t.requires_grad and _leaf_or_view_of_one(t)

@@ -124,6 +124,20 @@ def test_inplace_check_names_the_argument():
                                     "k": qkv[:, :, 1].transpose(1, 2)})
 
 
+def test_inplace_refuses_inference_tensors_outside_inference_mode():
+    """torch refuses to write an inference tensor in place outside inference mode; so does the
+    check (the kernel would write it without torch seeing); inside inference mode it passes."""
+    with torch.inference_mode():
+        q, k = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
+        validate.inplace("apply_rope", {"q": q, "k": k})
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        k.mul_(2)                                           # what torch says
+    with pytest.raises(ValueError, match=r"^apply_rope: inplace=True on k, an inference tensor"):
+        validate.inplace("apply_rope", {"q": torch.zeros(1, 2, 4, 8), "k": k})
+    with torch.no_grad(), pytest.raises(ValueError, match=r"inplace=True on q, an inference"):
+        validate.inplace("apply_rope", {"q": q, "k": torch.zeros(1, 2, 4, 8)})
+
+
 def test_inplace_leaf_rule_is_per_tensor():
     """Refused only for a leaf that requires grad (under grad mode), as torch does; a plain
     leaf q beside a non-leaf k that requires grad is fine."""

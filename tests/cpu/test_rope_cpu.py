@@ -71,12 +71,16 @@ def test_in_place_rotation_bumps_the_version_counters(host_only, grad):
 
 def test_in_place_rotation_bumps_k_when_q_is_an_inference_tensor(host_only):
     """Each counter on its own: an inference-mode q (which has none) does not leave a normal k's
-    version unmoved."""
+    version unmoved (under inference mode, where both may be written); outside inference mode
+    the inference q is refused, as torch refuses that write."""
     with torch.inference_mode():
         q, _ = _qk()
     _, k = _qk()
-    RP.apply_rope(q, k, torch.randn(5, 8), torch.randn(5, 8), inplace=True)
+    with torch.inference_mode():
+        RP.apply_rope(q, k, torch.randn(5, 8), torch.randn(5, 8), inplace=True)
     assert k._version > 0
+    with pytest.raises(ValueError, match="apply_rope: inplace=True on q, an inference tensor"):
+        RP.apply_rope(q, k, torch.randn(5, 8), torch.randn(5, 8), inplace=True)
 
 
 def test_cos_and_sin_that_require_grad_are_refused(host_only):
