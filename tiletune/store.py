@@ -142,10 +142,21 @@ _LOCKED = {
 }
 
 
+class _ReadOnlyStore(sqlite3.OperationalError):
+    """clear or prune of a store this process reads from memory (`_open_read_only`)."""
+
+
+def _refuse_if_read_only(path):
+    if path in _read_only:
+        raise _ReadOnlyStore(f"{path} cannot be written by this user (its rows are read only)")
+
+
 def _trouble(path, e, action):
-    """One warning per store; where another process held it locked past the busy timeout, one
-    per action ("read", "save", "delete"), saying which failed (the others may still work)."""
-    if isinstance(e, sqlite3.OperationalError) and "locked" in str(e):
+    """One warning per store; where another process held it locked past the busy timeout, or
+    this user cannot write it, one per action ("read", "save", "delete"), saying which failed
+    (the others may still work)."""
+    if isinstance(e, _ReadOnlyStore) or isinstance(e, sqlite3.OperationalError) and \
+            "locked" in str(e):
         what, consequence = ("tiletune.store.locked", path, action), _LOCKED[action]
     else:
         what, consequence = ("tiletune.store", path), \
@@ -257,9 +268,14 @@ def _to_wal(conn):
 
 def _open(path):
     """(pid, file identity, connection) of the database at `path`, created where missing. A
-    database that exists but cannot be written (a read-only folder or file: WAL needs its
-    -shm and -wal files beside it) is opened read-only, with one warning: its winners are read,
-    new ones are not saved."""
+    store this process cannot write (a teammate's file, a read-only folder or image layer) is
+    read into memory once instead (`_open_read_only`), with one warning: its winners are read,
+    new ones are not saved, and nothing is written beside it."""
+    if os.path.isfile(path) and not os.access(path, os.W_OK):
+        # (before sqlite opens it: it would fall back to reading it silently, and create -wal
+        # and -shm files of this user's beside a file in a writable folder, which then lock
+        # the owner's own saves out)
+        return _open_read_only(path, PermissionError(f"{path} is not writable by this user"))
     try:
         return _open_writable(path)
     except (OSError, sqlite3.OperationalError) as e:
@@ -268,7 +284,7 @@ def _open(path):
         return _open_read_only(path, e)
 
 
-_read_only = set()      # stores opened read-only (their save failures were warned about)
+_read_only = set()      # stores read into memory (their saves are counted, not written)
 
 
 def _is_read_only_error(e):
@@ -279,29 +295,38 @@ def _is_read_only_error(e):
 
 
 def _open_read_only(path, why):
-    """A read-only connection; `immutable` where even reading a WAL database needs files the
-    folder cannot take (nothing can write it there either)."""
+    """An in-memory copy of the store (sqlite's backup of it, consistent in itself; one per
+    thread, as connections are). Read through a connection that creates no files: `mode=ro` where
+    a -wal file beside it may hold rows not yet in the file (its owner is running), else
+    `immutable` (the file holds every row). A copy that fails (the owner rewrote the file as
+    it was read) is taken again, up to 3 times."""
     uri = "file:" + urllib.parse.quote(os.path.abspath(path))
-    for flags in ("?mode=ro", "?mode=ro&immutable=1"):
-        conn = sqlite3.connect(uri + flags, uri=True, timeout=BUSY_TIMEOUT_S,
-                               isolation_level=None, check_same_thread=False)
+    tries = ["?mode=ro"] if os.path.exists(path + "-wal") else []
+    tries += ["?mode=ro&immutable=1"] * 3
+    for i, flags in enumerate(tries):
+        src = sqlite3.connect(uri + flags, uri=True, timeout=BUSY_TIMEOUT_S,
+                              isolation_level=None, check_same_thread=False)
+        memory = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
         try:
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            version = src.execute("PRAGMA user_version").fetchone()[0]
+            if version != SCHEMA:
+                raise sqlite3.DatabaseError(f"{path} is not a tiletune store (schema "
+                                            f"{version}, expected {SCHEMA})")
+            src.backup(memory)
             break
         except BaseException as e:
-            conn.close()
-            if "immutable" in flags or not isinstance(e, sqlite3.OperationalError):
+            memory.close()
+            if i == len(tries) - 1 or not isinstance(e, sqlite3.OperationalError) and \
+                    not (isinstance(e, sqlite3.DatabaseError) and "malformed" in str(e)):
                 raise
-    if version != SCHEMA:
-        conn.close()
-        raise sqlite3.DatabaseError(f"{path} is not a tiletune store (schema {version}, "
-                                    f"expected {SCHEMA})")
+        finally:
+            src.close()
     _read_only.add(path)
     env.warn_once(("tiletune.store.read_only", path),
                   f"tiletune: the store at {path} cannot be written ({type(why).__name__}: "
                   f"{str(why)[:120]}): its winners are read, new ones are not saved there")
     st = os.stat(path)
-    return (os.getpid(), (st.st_dev, st.st_ino), conn)
+    return (os.getpid(), (st.st_dev, st.st_ino), memory)
 
 
 def _open_writable(path):
@@ -448,14 +473,19 @@ def save(op, key, entry):
     except (TypeError, ValueError, RecursionError) as e:
         warnings.warn(f"tiletune: could not save a cache entry of {op}: {type(e).__name__}: {e}")
         return
+    if path in _read_only:           # (its warning said so)
+        _unsaved += 1
+        return
     try:
         with _db(path) as conn:
             conn.execute(f"INSERT OR REPLACE INTO {TABLE} (op, key, entry, saved) "
                          "VALUES (?, ?, ?, ?)", (op, key, text, time.time()))
     except (OSError, sqlite3.Error) as e:
         _unsaved += 1
-        if path not in _read_only or not _is_read_only_error(e):     # (that one said so)
-            _trouble(path, e, "save")
+        _trouble(path, e, "save")
+        return
+    if path in _read_only:          # (found read-only at this save's open)
+        _unsaved += 1
         return
     _used[(op, key)] = "search"
 
@@ -516,6 +546,7 @@ def clear(op=None, strict=False):
     sql, args = _of_op(f"DELETE FROM {TABLE}", op)
     try:
         with _db(path) as conn:
+            _refuse_if_read_only(path)
             return conn.execute(sql, args).rowcount
     except (OSError, sqlite3.Error) as e:
         if strict:
@@ -544,6 +575,7 @@ def prune(cuda_tile=None, tileiras=None, older_than_s=None, gpus=None, strict=Fa
     cutoff = None if older_than_s is None else time.time() - older_than_s
     try:
         with _db(path) as conn, _transaction(conn):
+            _refuse_if_read_only(path)
             stale = []
             for op, key, saved in conn.execute(f"SELECT op, key, saved FROM {TABLE}"):
                 ct_v, ti_v = _part(key, "cuda-tile "), _part(key, "tileiras ")

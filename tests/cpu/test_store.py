@@ -662,6 +662,28 @@ def test_tileiras_version_is_the_binarys_where_cutile_does_not_take_the_pip_pack
         autotune.tileiras_version.cache_clear()
 
 
+def test_a_store_read_into_memory_is_not_disturbed_by_its_owners_writes(folder, monkeypatch):
+    """A store this user cannot write is copied into memory at its first use: the owner's later
+    rewrites (rows replaced, checkpointed) change nothing this process reads (an `immutable`
+    connection kept open read other keys' rows then), and no file is created beside it."""
+    write_store(folder, {f"k{i}": {"config": {"t": i}} for i in range(200)})
+    store.close()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if os.fspath(p).endswith(
+        store.DB_NAME) and mode == os.W_OK else real_access(p, mode, **kw))
+    assert recorded(store.load, OP, "k7")[0] == {"config": {"t": 7}}
+    owner = sqlite3.connect(folder / store.DB_NAME, isolation_level=None)
+    owner.execute(f"DELETE FROM {store.TABLE}")
+    owner.executemany(f"INSERT INTO {store.TABLE} VALUES (?, ?, ?, 0)",
+                      [(OP, f"k{i}", json.dumps({"config": {"t": -i}})) for i in range(400)])
+    owner.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    owner.close()
+    assert [store.load(OP, f"k{i}") for i in range(200)] == [{"config": {"t": i}} for i in
+                                                              range(200)]
+    assert store.load(OP, "k300") is None and store.save(OP, "k300", {}) is None
+    assert store.unsaved() >= 1 and stored(folder)["k300"] == {"config": {"t": -300}}
+
+
 _READ_ONLY_PROBE = """
 import sys, warnings
 sys.path.insert(0, sys.argv[1])
@@ -670,34 +692,45 @@ from tiletune import store
 print(store.load("op", "k"))
 store.save("op", "k2", {"config": {"t": 2}})
 print(store.unsaved(), store.load("op", "k"), store.load("op", "k2"))
+try:
+    store.clear(strict=True)
+    print("cleared")
+except store.sqlite3.Error as e:
+    print("clear refused")
+print(store.load("op", "k"))
 """
 
 
-def test_a_store_that_cannot_be_written_is_still_read():
-    """A tuned store in a folder this user cannot write (a team's, a read-only image layer):
-    WAL cannot create its -shm and -wal files there, so the store is opened read-only: its
-    winners are used, a new one is counted as unsaved, one warning says so. (It was ignored:
-    every key searched again.) Run by another user where this one is root."""
+@pytest.mark.parametrize("folder_mode,file_mode", [(0o555, 0o444), (0o777, 0o444),
+                                                   (0o1777, 0o644)])
+def test_a_store_that_cannot_be_written_is_still_read(folder_mode, file_mode):
+    """A tuned store this user cannot write (a team's folder or file, a read-only image layer)
+    is read into memory: its winners are used, a new one is counted as unsaved, `clear` is
+    refused, one warning says so (it was ignored: every key searched again), and nothing is
+    written beside it, also where the folder is writable (sqlite's -wal and -shm files of
+    the reader's then locked the owner's own saves out): the owner still saves. Run by another
+    user where this one is root."""
     import pathlib
     import shutil
     import tempfile
     tmp_path = pathlib.Path(tempfile.mkdtemp())     # (pytest's folders are closed to others)
     try:
-        _check_read_only_store(tmp_path)
+        _check_read_only_store(tmp_path, folder_mode, file_mode)
     finally:
         shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-def _check_read_only_store(tmp_path):
+def _check_read_only_store(tmp_path, folder_mode, file_mode):
     import shutil
     folder = tmp_path / "team"
     env_vars = dict(os.environ, TILETUNE_CACHE_DIR=str(folder))
-    saved = subprocess.run([sys.executable, "-c", "from tiletune import store; "
-                            "store.save('op', 'k', {'config': {'t': 1}}); store.close()"],
-                           env=env_vars, cwd=os.path.dirname(os.path.dirname(store.__file__)))
-    assert saved.returncode == 0
-    os.chmod(folder / store.DB_NAME, 0o444)
-    os.chmod(folder, 0o555)
+    owner_save = [sys.executable, "-c", "import sys; from tiletune import store; "
+                  "store.save('op', sys.argv[1], {'config': {'t': 1}}); store.close(); "
+                  "sys.exit(store.unsaved())"]
+    cwd = os.path.dirname(os.path.dirname(store.__file__))
+    assert subprocess.run(owner_save + ["k"], env=env_vars, cwd=cwd).returncode == 0
+    os.chmod(folder / store.DB_NAME, file_mode)
+    os.chmod(folder, folder_mode)
     os.chmod(tmp_path, 0o755)
     command = [sys.executable, "-c", _READ_ONLY_PROBE,
                os.path.dirname(os.path.dirname(store.__file__))]
@@ -711,9 +744,14 @@ def _check_read_only_store(tmp_path):
             pytest.skip("no user but root can run this python here")
     try:
         run = subprocess.run(command, env=env_vars, capture_output=True, text=True, timeout=120)
+        left = sorted(os.listdir(folder))
     finally:
         os.chmod(folder, 0o755)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines() == ["{'config': {'t': 1}}", "1 {'config': {'t': 1}} None"]
+    assert run.stdout.splitlines() == ["{'config': {'t': 1}}", "1 {'config': {'t': 1}} None",
+                                       "clear refused", "{'config': {'t': 1}}"]
     assert run.stderr.count("tiletune: ") == 1 and "cannot be written" in run.stderr
     assert "its winners are read, new ones are not saved there" in run.stderr
+    assert left == [store.DB_NAME]
+    os.chmod(folder / store.DB_NAME, 0o644)
+    assert subprocess.run(owner_save + ["k3"], env=env_vars, cwd=cwd).returncode == 0
