@@ -40,6 +40,7 @@ import json
 import os
 import re
 import sqlite3
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -70,19 +71,34 @@ def cache_dir():
     d = os.environ.get("TILETUNE_CACHE_DIR")
     if d is None:
         home = os.path.expanduser("~")
-        if home == "~":     # no HOME and no passwd entry (a container run as an unknown uid)
-            folder = _folders.setdefault(("home", home), os.path.abspath(
-                os.path.join(home, ".cache", "tiletune")))
-            env.warn_once(("tiletune.store.home", folder),
-                          f"tiletune: no home folder (HOME is unset): the store is at {folder}; "
-                          "set TILETUNE_CACHE_DIR to choose its folder")
-            return folder
+        if not os.path.isabs(home) or os.environ.get("HOME") == "":    # ("" reads as "/")
+            return _homeless_folder()
         return os.path.join(home, ".cache", "tiletune")
     if env.flag_off(d):
         return None
     # "~" expanded; a relative folder resolved against the working directory of its first
     # use, so that a later os.chdir does not move the store
     return _folders.setdefault(d, os.path.abspath(os.path.expanduser(d.strip())))
+
+
+def _homeless_folder():
+    """The default folder where "~" names no folder (no HOME and no passwd entry: a container
+    run as an unknown uid; or HOME empty): $XDG_CACHE_HOME/tiletune where that is absolute,
+    else a folder of this user's in the temporary folder (not "~" under the working folder),
+    named in one warning."""
+    folder = _folders.get("home")
+    if folder is None:
+        xdg = os.environ.get("XDG_CACHE_HOME", "")
+        if os.path.isabs(xdg):
+            folder = os.path.join(xdg, "tiletune")
+        else:
+            uid = os.getuid() if hasattr(os, "getuid") else "user"
+            folder = os.path.join(tempfile.gettempdir(), f"tiletune-{uid}")
+        folder = _folders.setdefault("home", folder)
+    env.warn_once(("tiletune.store.home", folder),
+                  f"tiletune: no home folder (HOME is unset or empty): the store is at {folder}; "
+                  "set TILETUNE_CACHE_DIR to choose its folder")
+    return folder
 
 
 def db_path():

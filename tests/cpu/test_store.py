@@ -8,6 +8,7 @@ import sqlite3
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
@@ -460,20 +461,32 @@ def test_a_relative_or_home_folder_is_one_folder_whatever_the_cwd(monkeypatch, t
     assert store.load(OP, "k") == {"config": {"tile": 64}}
 
 
-def test_without_a_home_folder_the_default_store_stays_put_and_says_where(monkeypatch,
-                                                                          tmp_path):
-    """No HOME and no passwd entry: "~" does not expand, and the default folder was the relative
-    "~/.cache/tiletune", which moved with os.chdir. Now it is resolved once, with a warning."""
+@pytest.mark.parametrize("home", [None, ""])
+def test_without_a_home_folder_the_default_store_says_where(monkeypatch, tmp_path, home):
+    """No HOME and no passwd entry ("~" does not expand), or HOME empty: the default folder was
+    "~/.cache/tiletune" under the working folder (a folder named "~"), moving with os.chdir.
+    Now it is $XDG_CACHE_HOME/tiletune where that is set, else one of this user's in the
+    temporary folder, with a warning; the same after os.chdir."""
     monkeypatch.setattr(store, "_folders", {})
+    monkeypatch.setattr(env, "_warned", set())
     monkeypatch.delenv("TILETUNE_CACHE_DIR", raising=False)
-    monkeypatch.setattr(os.path, "expanduser", lambda p: p)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    if home is None:
+        monkeypatch.setattr(os.path, "expanduser", lambda p: p)
+    else:
+        monkeypatch.setenv("HOME", home)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     monkeypatch.chdir(tmp_path)
-    expected = str(tmp_path / "~" / ".cache" / "tiletune")
+    expected = str(tmp_path / "tmp" / f"tiletune-{os.getuid()}")
     with pytest.warns(UserWarning, match="no home folder .* set TILETUNE_CACHE_DIR"):
         assert store.cache_dir() == expected
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     assert store.cache_dir() == expected
+    monkeypatch.setattr(store, "_folders", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    with pytest.warns(UserWarning, match="no home folder"):
+        assert store.cache_dir() == str(tmp_path / "xdg" / "tiletune")
 
 
 def test_a_removed_database_is_recreated(folder):
