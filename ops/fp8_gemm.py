@@ -1042,9 +1042,9 @@ def _check(a, b, scale_a, scale_b, out_dtype, fast_accum):
     if not isinstance(fast_accum, bool):
         raise TypeError(f"fp8_mm: fast_accum must be a bool, got {type(fast_accum).__name__}")
     scaling = _scaling(M, N, K, scale_a, scale_b)
+    refuse_transforms("fp8_mm")        # (first: under torch.func.grad x requires grad too)
     if torch.is_grad_enabled():
         _refuse_grad("fp8_mm", tensors)
-    refuse_transforms("fp8_mm")
     # the dtypes are checked above; where all four are on one CUDA device, four integer reads
     # say so (eagerly: the traced call and any mismatch take the checks that name the argument)
     dev = -1 if torch.compiler.is_compiling() else a.get_device()
@@ -1176,8 +1176,8 @@ def fp8_mm(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, fast_accum=False
     `out`, if given, receives the result: exactly (M, N), out_dtype, on a's device, not
     overlapping an input, not requiring grad. Needs compute capability 9.0 or newer (ValueError
     below). Not differentiable, as torch._scaled_mm is not: an input that requires grad, under
-    grad mode, is a ValueError (its output would cut the graph); dual tensors (forward-mode AD)
-    and torch.func transforms are a TypeError. Works under torch.compile(fullgraph=True).
+    grad mode, is a ValueError (its output would cut the graph); a call inside a forward-mode
+    AD dual level or a torch.func transform is a TypeError. Works under torch.compile(fullgraph=True).
     """
     scaling = _check(a, b, scale_a, scale_b, out_dtype, fast_accum)
     M, N = a.shape[0], b.shape[1]
@@ -1252,9 +1252,9 @@ def _check_quantize(x, granularity, dtype, op="quantize_fp8"):
     if dtype not in FP8_DTYPES:
         raise TypeError(f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
     validate.tensor(op, "x", x, dtypes=IN_DTYPES)
+    refuse_transforms(op)
     if torch.is_grad_enabled():
         _refuse_grad(op, (("x", x),))
-    refuse_transforms(op)
 
 
 def _quantize_raw(x, granularity, dtype):
@@ -1344,7 +1344,7 @@ def quantize_fp8(x, granularity="tensor", dtype=torch.float8_e4m3fn):
     dtype: float8_e4m3fn (max 448) or float8_e5m2 (max 57344). For x and x^T together (a
     tensor two GEMMs read in different majors): quantize_fp8_pair. Needs compute capability
     9.0 or newer. Not differentiable: an x that requires grad, under grad mode, is a ValueError;
-    a dual x (forward-mode AD) and torch.func transforms are a TypeError. Works under
+    a call inside a forward-mode AD dual level or a torch.func transform is a TypeError. Works under
     torch.compile(fullgraph=True)."""
     _check_quantize(x, granularity, dtype)
     if torch.compiler.is_compiling():
@@ -1510,8 +1510,8 @@ def fp8_linear(x, weight, bias=None, *, recipe="rowwise"):
     stays below 2e-3 on the GPU tests' inputs (their numbers: references/reliability.md). The
     bias is added to the product after its rounding to x's dtype (one rounding more than
     F.linear, which adds it before); its gradient is summed in float32. Needs compute capability
-    9.0 or newer. Reverse mode only: dual tensors (forward-mode AD) and torch.func transforms
-    are a TypeError."""
+    9.0 or newer. Reverse mode only: a call inside a forward-mode AD dual level or a torch.func
+    transform is a TypeError."""
     _check_linear(x, weight, bias, recipe)
     refuse_transforms("fp8_linear")     # dual x or weight: the tangent would be dropped
     K, N = x.shape[-1], weight.shape[0]

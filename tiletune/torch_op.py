@@ -85,7 +85,8 @@ def refuse_transforms(op):
     """TypeError naming op under forward-mode AD (inside a dual level) or a torch.func transform
     (vmap, grad, jvp, ...): the kernels read the plain values, so tangents and batch dims would
     be dropped. Nothing while torch.compile traces (its custom ops take that path)."""
-    if not _is_compiling() and (_forward_ad._current_level >= 0 or _transforms_active()):
+    # (the two plain reads first: every FP8 call passes here several times)
+    if (_forward_ad._current_level >= 0 or _transforms_active()) and not _is_compiling():
         raise TypeError(f"{op}: forward-mode AD and torch.func transforms (vmap, grad, jvp, "
                         "jacfwd, ...) are not supported (no jvp, no batching rule)")
 

@@ -792,6 +792,11 @@ def test_forward_mode_ad_and_torch_func_transforms_are_refused_by_name(monkeypat
         torch.func.grad(lambda x: F8.fp8_linear(x, w).float().sum())(x)
     with pytest.raises(TypeError, match=f"^quantize_fp8: {message}"):
         torch.func.vmap(lambda x: quantize_fp8(x, "row")[0])(x[None])
+    # under grad and jacrev the input requires grad too: the transform is what is named
+    with pytest.raises(TypeError, match=f"^quantize_fp8: {message}"):
+        torch.func.grad(lambda x: quantize_fp8(x, "row")[1].sum())(x.float())
+    with pytest.raises(TypeError, match=f"^fp8_mm: {message}"):
+        torch.func.jacrev(lambda s: fp8_mm(a, b, s, torch.ones(())).float())(torch.ones(()))
 
 
 # fp8_linear: checks, and its autograd on CPU with the quantizer and the GEMM replaced by their
