@@ -23,7 +23,11 @@ tiletune does not compute:
 - RoPE: position_ids is accepted and ignored (cos/sin are already per position, as in Liger);
   unsqueeze_dim=2 takes q and k as (B, S, H, D), as transformers means it (Liger reads
   (B, H, S, D) whatever its value); the arithmetic is in torch's promotion of q's and cos's
-  dtypes, as HF's code (Liger: cos's dtype where the two differ).
+  dtypes, as HF's code (Liger: cos's dtype where the two differ). A table exactly rotary_dim
+  wide is read as HF reads it, each half's columns its own (Liger 0.8.5 takes the first
+  rotary_dim / 2 columns for both halves: the same for the duplicated tables HF and Liger
+  build, different for a table whose halves differ); other widths are read as Liger reads
+  them.
 - `_apply_liger_kernel_to_instance` on a model type without tiletune kernels warns and leaves
   the model as it is (Liger logs and returns).
 - The patch functions have no cross-entropy kernels: cross_entropy and

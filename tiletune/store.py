@@ -684,6 +684,11 @@ def _shipped_files(source):
                               f"readable folder or file ({type(e).__name__}): no shipped "
                               "winners are read (on, off, or a folder or shipped file)")
             return []
+        if not paths and source != SHIPPED_DIR:     # (the parent of the folder meant, say)
+            env.warn_once(("tiletune.shipped.source", source),
+                          f"tiletune: TILETUNE_SHIPPED names the folder {source}, which holds "
+                          f"no shipped files ({', '.join(SHIPPED_SUFFIXES)}): no shipped "
+                          "winners are read")
     out = []
     for p in paths:
         try:

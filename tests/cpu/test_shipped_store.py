@@ -127,6 +127,16 @@ def test_a_shipped_value_that_names_nothing_readable_says_so(monkeypatch, tmp_pa
         assert store.shipped(OP, skey()) is None
 
 
+def test_a_shipped_folder_without_shipped_files_says_so(monkeypatch, tmp_path):
+    """An existing folder holding no shipped file (the parent of the one meant, say): a
+    warning, not silently none."""
+    monkeypatch.setattr(store, "_folders", {})
+    (tmp_path / "notes.txt").write_text("not a shipped file")
+    monkeypatch.setenv("TILETUNE_SHIPPED", str(tmp_path))
+    with pytest.warns(UserWarning, match="names the folder .* which holds no shipped files"):
+        assert store.shipped(OP, skey()) is None
+
+
 def test_a_relative_shipped_path_is_one_path_whatever_the_cwd(shipped, monkeypatch, tmp_path):
     ship(shipped, [(OP, skey(), entry())])
     monkeypatch.chdir(shipped.parent)
