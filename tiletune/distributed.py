@@ -55,9 +55,12 @@ another.
 """
 import contextlib
 import dataclasses
+import datetime
 import hashlib
 import json
 import logging
+import math
+import numbers
 import threading
 import time
 
@@ -68,6 +71,7 @@ MODES = ("share", "replicate")
 ON_TIMEOUT = ("local", "raise")
 ABANDONED = {"abandoned": True}     # what a rank publishes of a share it could not time
 _POLL_MIN_SEC, _POLL_MAX_SEC = 0.001, 0.02     # a wait checks the store this often
+_UNCLAIMED = "unclaimed"     # every chunk published, the finish claimed by no rank
 
 
 class DistributedTuningError(RuntimeError):
@@ -92,14 +96,24 @@ def set_process_group(group=None, *, timeout=DEFAULT_TIMEOUT_SEC, on_timeout="lo
     mode:       "share" (default): each rank times a share of the configs. "replicate": every
                 rank times every config, the finisher merges their means.
     store, rank, world_size: a c10d Store of your own (and this process's place in the job)
-                instead of the group's."""
+                instead of the group's.
+    The tuning results this process holds are forgotten (`tiletune.clear_cache()`; the
+    compiled kernels stay): keys a warm-up met before the call resolve again through the
+    group, their stored winners offered as the job's decisions, so every rank launches the
+    same config."""
     global _agreement, _epochs
+    op = "set_process_group"
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        raise ValueError(f"{op}: mode must be one of {MODES}, not {mode!r}")
     if on_timeout not in ON_TIMEOUT:
-        raise ValueError(f"on_timeout must be one of {ON_TIMEOUT}, not {on_timeout!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        raise ValueError(f"{op}: on_timeout must be one of {ON_TIMEOUT}, not {on_timeout!r}")
+    if isinstance(timeout, datetime.timedelta):     # (what init_process_group takes)
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{op}: timeout must be a number of seconds or a timedelta, not "
+                        f"{type(timeout).__name__}")
+    if not 0 < timeout < math.inf:
+        raise ValueError(f"{op}: timeout must be a positive number of seconds, not {timeout!r}")
     if store is None or rank is None or world_size is None:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
@@ -115,6 +129,8 @@ def set_process_group(group=None, *, timeout=DEFAULT_TIMEOUT_SEC, on_timeout="lo
     if not 0 <= rank < world_size:
         raise ValueError(f"this process (rank {rank}) is not a member of the group "
                          f"of {world_size} ranks")
+    from tiletune import autotune          # (autotune imports this module)
+    autotune.clear_cache()
     _epochs += 1
     _agreement = Agreement(store, rank, world_size, prefix=f"tiletune/{_epochs}",
                            timeout=float(timeout), on_timeout=on_timeout, mode=mode, group=group)
@@ -327,9 +343,10 @@ class Agreement:
                     return self._adopt(found, out, "finisher")
                 return self._finish(ns, chunk, keys, measure, conclude, out)
         out.role = "helper" if out.timed else "waiter"
-        if self._await_decision(ns, out) is not None:
+        if self._await_decision(ns, out, keys) is not None:
             return out
-        return self._finish(ns, chunk, keys, measure, conclude, out)
+        with self._giving_up_on_error(ns):
+            return self._finish(ns, chunk, keys, measure, conclude, out)
 
     @contextlib.contextmanager
     def _giving_up_on_error(self, ns):
@@ -341,11 +358,28 @@ class Agreement:
             self.store.set(ns + "/gave_up", str(self.rank))
             raise
 
-    def _await_decision(self, ns, out):
+    def _await_decision(self, ns, out, chunks=None):
         """Wait for the finishing rank's decision: adopt it (returns out), or, where that rank
-        raised or the timeout passed (`_timed_out`), return None for this rank to conclude."""
-        found = self._wait(lambda: self._decided(ns) or self._get(ns + "/gave_up"), out,
-                           time.monotonic() + self.timeout)
+        raised or the timeout passed (`_timed_out`), return None for this rank to conclude.
+        chunks (share mode): the chunks' store keys; where every chunk is published and no rank
+        claims the finish (the ranks that took them raised before they could), this rank claims
+        it and concludes (None) instead of waiting out the timeout."""
+        def unclaimed():
+            if chunks is None or self._get(ns + "/fin") is not None or \
+                    not self.store.check(chunks):
+                return None
+            return _UNCLAIMED
+        deadline = time.monotonic() + self.timeout
+        while True:
+            found = self._wait(lambda: self._decided(ns) or self._get(ns + "/gave_up") or
+                               unclaimed(), out, deadline)
+            if found is not _UNCLAIMED:
+                break
+            if self._set_once(ns + "/fin", str(self.rank)) == str(self.rank):
+                log.warning("tiletune: the ranks that timed a key's configs raised; rank %s "
+                            "concludes it", self.rank)
+                out.role, out.took_over = "finisher", True
+                return None
         if isinstance(found, dict):
             return self._adopt(found, out, out.role)
         if found is None:

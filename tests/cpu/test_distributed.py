@@ -2,6 +2,7 @@
 over one c10d HashStore; the engine with a stand-in search in one process (devices kept apart, the
 store shared by every device of a model); every op's keys carry the device; and a job of two
 processes over gloo running the engine's real miss path (tests/cpu/dist_worker.py)."""
+import datetime
 import json
 import logging
 import os
@@ -218,6 +219,40 @@ def test_a_rank_that_timed_no_chunk_concludes_only_once_every_chunk_is_published
     assert out.role == "finisher" and out.wait_s < 0.3 and sorted(i for _, i in log) == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("policy", ["local", "raise"])
+def test_a_waiter_concludes_at_once_when_the_rank_that_took_every_chunk_raises(policy):
+    """Rank 0 timed a chunk, took the rest and raised while timing them (out of memory): its
+    chunks are published abandoned and no rank claims the finish. Rank 1, which arrived
+    meanwhile and found no chunk left, claims it and concludes at once (it waited out its
+    whole timeout, then raised on on_timeout='raise' that rank 0 'seems to have stopped')."""
+    job, log, calls, second = ranks(2, timeout=5.0, on_timeout=policy), [], [], \
+        threading.Event()
+
+    def raises_in_its_second_batch(indices, ahead=()):
+        calls.append(list(indices))
+        if len(calls) == 1:
+            return fake_measure(0, log)(indices, ahead)
+        second.set()                       # rank 0 holds every chunk now
+        time.sleep(0.2)
+        raise torch.cuda.OutOfMemoryError("out of memory")
+    first = []
+
+    def rank0():
+        try:
+            job[0].agree("k", 4, raises_in_its_second_batch, conclude)
+        except torch.cuda.OutOfMemoryError as e:
+            first.append(e)
+    worker = threading.Thread(target=rank0)
+    worker.start()
+    second.wait(5)
+    t0 = time.monotonic()
+    out = job[1].agree("k", 4, fake_measure(1, log), conclude)
+    worker.join(10)
+    assert first and time.monotonic() - t0 < 2.0
+    assert out.role == "finisher" and out.took_over and out.decided_here
+    assert sorted(i for r, i in log if r == 1) == [1, 3]       # the abandoned chunk, timed here
+
+
 def test_a_finisher_times_a_chunk_whose_rank_stopped_or_raises_if_told():
     for policy in ("local", "raise"):
         job = ranks(2, timeout=0.3, on_timeout=policy)
@@ -281,7 +316,42 @@ def test_set_process_group_checks_its_arguments():
             distributed.set_process_group()
     with pytest.raises(ValueError, match="not a member"):
         distributed.set_process_group(store=dist.HashStore(), rank=2, world_size=2)
+    for bad, error in (("600", TypeError), (True, TypeError), (0, ValueError),
+                       (float("inf"), ValueError), (datetime.timedelta(0), ValueError)):
+        with pytest.raises(error, match="^set_process_group: timeout must be"):
+            distributed.set_process_group(store=dist.HashStore(), rank=0, world_size=1,
+                                          timeout=bad)
     assert distributed.get_process_group() is None
+    try:
+        job = distributed.set_process_group(store=dist.HashStore(), rank=0, world_size=1,
+                                            timeout=datetime.timedelta(minutes=10))
+        assert job.timeout == 600.0
+    finally:
+        distributed.clear_process_group()
+
+
+def test_keys_resolved_before_the_group_resolve_again_through_it(engine):
+    """A warm-up call before set_process_group resolved a key on this rank alone; the job then
+    decided it otherwise: the call after set_process_group takes the job's decision (a cache
+    hit never asks the group, so every rank must start from an empty cache)."""
+    t, x = engine.tuner, torch.zeros(4)
+    t.launch((32, 0), 0, x, 32)
+    mine = t.records[(32, 0)].config
+    store = dist.HashStore()
+    distributed.set_process_group(store=store, rank=0, world_size=2)
+    try:
+        cfgs = t.config_list("sm_90", dict(n=32))
+        other = Agreement(store, 1, 2, prefix=distributed.current().prefix)
+        # rank 1 meets the key first in the job; its timings favour config 0
+        out = other.agree(t.agreement_name((32, 0), 0, cfgs), len(cfgs), fake_measure(1, []),
+                          lambda timings, failures: {"config": autotune.config_dict(
+                              cfgs[conclude(timings, failures)["config"]["i"]])})
+        decided = out.entry["config"]
+        assert decided != mine
+        t.launch((32, 0), 0, x, 32)
+        assert t.records[(32, 0)].config == decided
+    finally:
+        distributed.clear_process_group()
 
 
 # -- the engine in one process ----------------------------------------------------------------------
