@@ -757,9 +757,18 @@ class Autotuner:
             mine = _as_json(dict(stored, config=config_dict(cfg)))
         again = key in self._again
         self._again.discard(key)
-        outcome = agreement.agree(self.agreement_name(key, dev, cfgs), len(cfgs), measure,
-                                  conclude, stored=mine, fresh=again or not use_store)
+        name = self.agreement_name(key, dev, cfgs)
+        outcome = agreement.agree(name, len(cfgs), measure, conclude, stored=mine,
+                                  fresh=again or not use_store)
         entry = outcome.entry
+        if "failed" in entry and not outcome.timed and \
+                _of_the_moment((kind, message) for _, kind, message in entry["failed"]):
+            # other ranks' failure of the moment (out of memory there), which this rank had no
+            # part in: the key's next round at once, instead of raising it here (the ranks that
+            # failed open the same round at their next call)
+            outcome = agreement.agree(name, len(cfgs), measure, conclude, stored=mine,
+                                      fresh=True)
+            entry = outcome.entry
         if "failed" in entry:
             failures = [tuple(f) for f in entry["failed"]]
             error = TuningFailedError(self.name, key, failures)

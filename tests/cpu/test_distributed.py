@@ -330,6 +330,30 @@ def test_set_process_group_checks_its_arguments():
         distributed.clear_process_group()
 
 
+def test_another_ranks_failure_of_the_moment_opens_the_next_round_at_once(engine):
+    """Rank 0 met the key alone and every config ran out of memory there: its decision is that
+    failure. Rank 1, which had no part in it, opens the key's next round in the same call and
+    searches (it raised TuningFailedError for an out-of-memory it never had); rank 0's next
+    call, in that round, adopts rank 1's decision."""
+    t, x = engine.tuner, torch.zeros(4)
+    store = dist.HashStore()
+    distributed.set_process_group(store=store, rank=1, world_size=2)
+    try:
+        cfgs = t.config_list("sm_90", dict(n=16))
+        name = t.agreement_name((16, 0), 0, cfgs)
+        rank0 = Agreement(store, 0, 2, prefix=distributed.current().prefix)
+        oom = [[autotune.config_dict(c), "OutOfMemoryError", "CUDA out of memory. Tried to "
+                "allocate 2.00 GiB"] for c in cfgs]
+        rank0.agree(name, len(cfgs), lambda i, a=(): ([], []), lambda tm, f: {"failed": oom})
+        t.launch((16, 0), 0, x, 16)
+        assert engine.searched and t.records[(16, 0)].config == {"tile": 16, "occupancy": 2}
+        again = rank0.agree(name, len(cfgs), lambda i, a=(): pytest.fail("timed"),
+                            lambda tm, f: pytest.fail("concluded"), fresh=True)
+        assert again.role == "adopted" and again.entry["config"] == {"tile": 16, "occupancy": 2}
+    finally:
+        distributed.clear_process_group()
+
+
 def test_keys_resolved_before_the_group_resolve_again_through_it(engine):
     """A warm-up call before set_process_group resolved a key on this rank alone; the job then
     decided it otherwise: the call after set_process_group takes the job's decision (a cache
