@@ -263,6 +263,27 @@ class Work:
         return out
 
 
+def _work_size(work):
+    """One number for a launch's work (its FLOPs, else its bytes), or None."""
+    return None if work is None else (work.flops or work.bytes or None)
+
+
+def _at_size(timings, size):
+    """Timings of a job's ranks, taken at each rank's real size (which a bucketed key shares),
+    scaled to `size` (the concluding rank's) in proportion to their work: ranked side by side
+    raw, the configs a smaller rank timed would look faster than they are."""
+    if not size:
+        return timings
+    out = []
+    for t in timings:
+        work = t.get("work")
+        if work and work != size:
+            t = dict(t, mean_us=t["mean_us"] * size / work,
+                     error_us=t.get("error_us", 0.0) * size / work)
+        out.append(t)
+    return out
+
+
 def _compiler_gave_no_verdict(error, message):
     """A compile that timed out, or whose compiler a signal ended ("Return code -9": killed,
     as the operating system's out-of-memory killer does), says nothing about the config."""
@@ -743,12 +764,17 @@ class Autotuner:
         def measure(indices, ahead=()):
             if not built:
                 self.searches += 1       # this rank times configs of the key
-            return self._measure(key, dev, cfgs, indices, the_search(), ahead, compiled)
+            timings, failures = self._measure(key, dev, cfgs, indices, the_search(), ahead,
+                                              compiled)
+            size = _work_size(the_search().work)
+            for t in timings if size else ():
+                t["work"] = size         # this rank's real size (the key buckets it)
+            return timings, failures
 
         def conclude(timings, failures):
             try:
-                return _entry(self._conclude(key, dev, cfgs, timings, failures, the_search(),
-                                             t0)[1])
+                return _entry(self._conclude(key, dev, cfgs, _at_size(
+                    timings, _work_size(the_search().work)), failures, the_search(), t0)[1])
             except TuningFailedError as e:
                 return {"failed": [list(f) for f in e.failures]}
 

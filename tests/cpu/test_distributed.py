@@ -354,6 +354,42 @@ def test_another_ranks_failure_of_the_moment_opens_the_next_round_at_once(engine
         distributed.clear_process_group()
 
 
+def test_ranks_of_different_sizes_under_one_bucketed_key_are_ranked_at_one_size(engine):
+    """Two ranks meet one tuning key at different real sizes (the key buckets rows): rank 1,
+    half rank 0's work, times occupancies 1 and 4 (12 and 11 us at rank 0's size), rank 0
+    times occupancy 2 (10 us). Ranked raw, rank 1's 5.5 us won; scaled by each timing's work
+    to the concluding rank's size, occupancy 2 does."""
+    t = Autotuner(f"dist_sized_{id(engine)}", _k, test_engine._space,
+                  default=SimpleNamespace(tile=8, occupancy=1), space=lambda x, n: dict(n=n),
+                  grid=lambda c, dev, x, n: (1,), args=lambda c, x, n: (x, c.tile),
+                  work=lambda x, n: autotune.Work(bytes=4.0 * n))
+    store = dist.HashStore()
+    distributed.set_process_group(store=store, rank=0, world_size=2)
+    try:
+        cfgs = t.config_list("sm_90", dict(n=32))
+        other = Agreement(store, 1, 2, prefix=distributed.current().prefix)
+        started = threading.Event()
+
+        def rank1_measure(indices, ahead=()):
+            started.set()
+            time.sleep(0.3)
+            return [{"i": i, "mean_us": 5.0 + 0.5 * abs(cfgs[i].occupancy - 2), "error_us": 0.1,
+                     "samples": 5, "work": 2.0 * 32} for i in indices], []
+        other_out = []
+        rank1 = threading.Thread(target=lambda: other_out.append(other.agree(
+            t.agreement_name((32, 0), 0, cfgs), len(cfgs), rank1_measure,
+            lambda tm, f: pytest.fail("rank 1 concluded"))))
+        rank1.start()
+        started.wait(5)                           # rank 1 holds chunk 0 (occupancies 1 and 4)
+        t.launch((32, 0), 0, torch.zeros(4), 32)
+        rank1.join(10)
+        assert engine.searched == [[2]]           # rank 0 timed chunk 1 only
+        assert t.records[(32, 0)].config == {"tile": 32, "occupancy": 2}
+        assert other_out[0].entry["config"] == {"tile": 32, "occupancy": 2}
+    finally:
+        distributed.clear_process_group()
+
+
 def test_keys_resolved_before_the_group_resolve_again_through_it(engine):
     """A warm-up call before set_process_group resolved a key on this rank alone; the job then
     decided it otherwise: the call after set_process_group takes the job's decision (a cache
