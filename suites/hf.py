@@ -233,6 +233,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             raise ValueError(f"tiletune attention: {what} ({name}) is not supported (the kernel "
                              "and SDPA have no such term); use attn_implementation='eager' for "
                              "this model")
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(query.device.type):
+        # a float32 model under autocast (q and k leave float32-weighted norms as float32): the
+        # dtype SDPA computes in there, so the kernel serves it too
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     packed = packed_lengths(kwargs, query.shape[0])
     if packed is not None and not _packed_mask_is_plain(module, kwargs, packed[3]):

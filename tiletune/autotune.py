@@ -133,43 +133,53 @@ def _search_lock(dev):
 # Processes that share a store and a GPU (serving workers on one card, two jobs of one user)
 # would time their searches on top of each other and save winners of disturbed timings: a file
 # lock per physical GPU in the store's folder takes their searches in turns, and a process
-# that waited reads the other's winner from the store instead of searching. Best effort: no
-# store, no fcntl, a folder that cannot hold the file, or a wait past GPU_LOCK_WAIT_SEC
-# searches without it.
+# reads the store again once it holds the lock (the other's winner, if it searched the same
+# key). Best effort: no store, no fcntl, a folder that cannot hold the file, or a wait past
+# GPU_LOCK_WAIT_SEC (after which this process stops taking that lock) searches without it.
+# Not taken in a job of several ranks (set_process_group): they agree through the group.
 GPU_LOCK_WAIT_SEC = env.number("TILETUNE_GPU_LOCK_WAIT_SEC", 300.0)
-_gpu_lock_depth = {}          # lock path -> depth in this process (guarded by _search_lock)
+_gpu_locks = threading.local()    # .held: this thread's {lock path: [descriptor, depth]}
+_gpu_lock_fds = set()             # every descriptor holding a GPU lock in this process
+_gpu_locks_given_up = set()       # paths held past the wait limit once: not waited for again
 
 
 @contextlib.contextmanager
 def _gpu_turn(dev, what):
-    """This process's turn to search on dev's GPU: yields whether it waited for another
-    process's. Re-entrant within the thread that holds _search_lock(dev) (flock on a second
-    descriptor of one file would wait for this process itself)."""
+    """This process's turn to search on dev's GPU. Re-entrant within a thread (flock on a
+    second descriptor of one file would wait for this process itself); another thread of this
+    process waits for it as another process would."""
     folder, gpu = store.cache_dir(), _device.uuid(dev)
-    path = None if folder is None or gpu is None or fcntl is None else \
-        os.path.join(folder, f"gpu-{gpu}.lock")
-    if path is None or _gpu_lock_depth.get(path):
-        if path is not None:
-            _gpu_lock_depth[path] += 1
-        try:
-            yield False
-        finally:
-            if path is not None:
-                _gpu_lock_depth[path] -= 1
+    if folder is None or gpu is None or fcntl is None:
+        yield
         return
-    fd, waited = _take_gpu_lock(path, what)
-    _gpu_lock_depth[path] = 1
+    path = os.path.join(folder, f"gpu-{gpu}.lock")
+    held = getattr(_gpu_locks, "held", None)
+    if held is None:
+        held = _gpu_locks.held = {}
+    if path in held:
+        held[path][1] += 1
+        try:
+            yield
+        finally:
+            held[path][1] -= 1
+        return
+    fd = None
     try:
-        yield waited
+        fd = _take_gpu_lock(path, what)
+        held[path] = [fd, 1]
+        yield
     finally:
-        _gpu_lock_depth[path] = 0
+        held.pop(path, None)
         if fd is not None:
+            _gpu_lock_fds.discard(fd)
             os.close(fd)                # (closing releases the lock)
 
 
 def _take_gpu_lock(path, what):
-    """(a descriptor holding the lock at path, whether it waited for another process), or
-    (None, False) where it cannot be taken (searched without it)."""
+    """A descriptor holding the lock at path, or None where it cannot be taken (searched
+    without it). An interrupt while waiting closes the descriptor."""
+    if path in _gpu_locks_given_up:
+        return None
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
@@ -177,32 +187,56 @@ def _take_gpu_lock(path, what):
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)    # flock takes a read-only one too
         except OSError:
-            return None, False
+            return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return fd, False
-    except BlockingIOError:
-        pass
-    except OSError:
+        if _try_flock(fd):
+            _gpu_lock_fds.add(fd)
+            return fd
+        log.warning("tiletune: %s: waiting for another process's search on this GPU (lock "
+                    "file %s; at most %.0f s, TILETUNE_GPU_LOCK_WAIT_SEC)", what, path,
+                    GPU_LOCK_WAIT_SEC)
+        deadline = time.monotonic() + GPU_LOCK_WAIT_SEC
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            if _try_flock(fd):
+                _gpu_lock_fds.add(fd)
+                return fd
+    except BaseException:
         os.close(fd)
-        return None, False
-    log.info("tiletune: %s: waiting for another process's search on this GPU (%s)", what, path)
-    deadline = time.monotonic() + GPU_LOCK_WAIT_SEC
-    while time.monotonic() < deadline:
-        time.sleep(0.02)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd, True
-        except BlockingIOError:
-            continue
-        except OSError:
-            break
+        raise
     os.close(fd)
+    _gpu_locks_given_up.add(path)
     env.warn_once(("tiletune.gpu_lock", path),
                   f"tiletune: {what}: another process held this GPU's search lock ({path}) for "
-                  f"more than {GPU_LOCK_WAIT_SEC:.0f} s (TILETUNE_GPU_LOCK_WAIT_SEC); searching "
-                  "without it, so the two searches' timings may disturb each other")
-    return None, False
+                  f"more than {GPU_LOCK_WAIT_SEC:.0f} s (TILETUNE_GPU_LOCK_WAIT_SEC); this "
+                  "process now searches without it, so searches of the two may disturb each "
+                  "other's timings")
+    return None
+
+
+def _try_flock(fd):
+    """Whether the lock was taken now (an error other than "held elsewhere" raises)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _after_fork_in_child():
+    """A child forked while some thread searched holds a copy of that search's lock descriptor,
+    which would keep the parent's GPU lock taken for as long as the child lives, and a copy of
+    the search lock no thread of the child will release: closed and replaced."""
+    global _search_locks, _search_locks_guard, _gpu_locks
+    for fd in _gpu_lock_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _gpu_lock_fds.clear()
+    _gpu_locks = threading.local()
+    _search_locks, _search_locks_guard = {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class TuningFailedError(RuntimeError):
@@ -727,8 +761,8 @@ class Autotuner:
                                          use_store)
             if cfg is not None:
                 return self._stored(key, dev, cfg, skey, stored)
-            with _gpu_turn(dev, f"{self.name} {key}") as waited:
-                if waited and use_store:     # the process we waited for may have saved it
+            with _gpu_turn(dev, f"{self.name} {key}"):
+                if use_store:         # another process may have saved it while we waited
                     stored = store.load(self.name, skey)
                     cfg = self._find(cfgs, stored.get("config")) \
                         if isinstance(stored, dict) else None

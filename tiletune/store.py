@@ -16,10 +16,12 @@ A store folder on a network filesystem (NFS, Lustre, GPFS, ...: read from /proc/
 warning: WAL keeps its index in shared memory, so every process using the database must run on
 one host; a multi-node job wants a node-local folder per node.
 
-Nothing here raises for I/O or database problems: the store is an optimization. A database that
-cannot be opened or written (read-only folder, permission denied), or a file at its path that is
-not a tiletune sqlite database (corrupt, foreign), is left as it is: loads return None and saves
-are skipped, with one warning per path.
+Nothing here raises for I/O or database problems: the store is an optimization. A tiletune store
+this user cannot write (a teammate's, a read-only image layer) is copied into memory at its first
+use and read from there; saves are counted, not written. A database that cannot be opened (a
+folder that cannot be created, permission denied), or a file at its path that is not a tiletune
+sqlite database (corrupt, foreign), is left as it is: loads return None and saves are skipped,
+with one warning per path. Each thread has its own connection.
 
 Shipped winners: package data, `tiletune/shipped/*.json.gz` (format tiletune-shipped-1: rows
 of op, full store key and entry, as `python -m tiletune tune --export` writes them; a `.gz` name
@@ -40,11 +42,13 @@ import json
 import os
 import re
 import sqlite3
+import stat
 import tempfile
 import threading
 import time
 import urllib.parse
 import warnings
+import weakref
 import zlib
 
 from tiletune import env
@@ -55,8 +59,9 @@ TABLE = "tiletune_entries"
 SCHEMA = 1                          # PRAGMA user_version of a tiletune store
 BUSY_TIMEOUT_S = 10.0
 
-_lock = threading.RLock()           # guards _conns (not the connections' use: see _db)
-_conns = {}                 # (path, thread) -> (pid, (st_dev, st_ino), sqlite3.Connection)
+_local = threading.local()          # .conns: this thread's {path: _Connection}
+_generation = 0                     # bumped by close(): every thread's connections reopen
+_live = weakref.WeakSet()           # every cached connection of this process (tests count them)
 # (op, full key) -> "store", "shipped" or "search": where this process's loads found a winner
 # and which rows it saved (`used`; `tune --export` writes these rows).
 _used = {}
@@ -94,11 +99,26 @@ def _homeless_folder():
         else:
             uid = os.getuid() if hasattr(os, "getuid") else "user"
             folder = os.path.join(tempfile.gettempdir(), f"tiletune-{uid}")
+            if not _own_folder(folder):     # another user's (or a link): one of this process's
+                folder = tempfile.mkdtemp(prefix=f"tiletune-{uid}-")
         folder = _folders.setdefault("home", folder)
     env.warn_once(("tiletune.store.home", folder),
                   f"tiletune: no home folder (HOME is unset or empty): the store is at {folder}; "
                   "set TILETUNE_CACHE_DIR to choose its folder")
     return folder
+
+
+def _own_folder(folder):
+    """Whether `folder` is missing, or a real folder of this user's that others cannot write (a
+    shared temporary folder lets anyone create it first)."""
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and (not hasattr(os, "getuid") or st.st_uid == os.getuid()) \
+        and not st.st_mode & 0o022
 
 
 def db_path():
@@ -367,69 +387,67 @@ def _open_writable(path):
     return (os.getpid(), (st.st_dev, st.st_ino), conn)
 
 
+class _Connection:
+    """A thread's cached connection to one database. Kept in the thread's `threading.local`, so
+    no other thread closes it while it is in use, and it is closed when its thread ends (the
+    thread's locals go, this with them); one a forked parent opened is never closed here."""
+    __slots__ = ("pid", "ident", "conn", "generation", "__weakref__")
+
+    def __init__(self, pid, ident, conn):
+        self.pid, self.ident, self.conn, self.generation = pid, ident, conn, _generation
+        _live.add(self)
+
+    def close(self):
+        if self.pid == os.getpid():
+            with contextlib.suppress(sqlite3.Error):
+                self.conn.close()
+
+    __del__ = close
+
+
+def _file_ident(path):
+    try:
+        st = os.stat(path)
+        return (st.st_dev, st.st_ino)
+    except OSError:
+        return None
+
+
 @contextlib.contextmanager
 def _db(path):
     """The calling thread's cached connection to the database at `path` (opened, and created,
-    on first use; a new one after a fork or when the file was replaced or removed). One per
-    thread, used outside _lock: a save waiting out the busy timeout on a lock another process
+    on first use; a new one after a fork, after `close()`, or when the file was replaced or
+    removed). One per thread: a save waiting out the busy timeout on a lock another process
     holds stalls its own thread only, while the others read (WAL readers do not wait for a
     writer). A connection that meets an error is closed and dropped."""
-    slot = (path, threading.get_ident())
-    with _lock:
-        cached = _conns.get(slot)
-    if cached is not None:
-        try:
-            st = os.stat(path)
-            ident = (st.st_dev, st.st_ino)
-        except OSError:
-            ident = None
-        if cached[0] != os.getpid() or cached[1] != ident:
-            _drop(slot, cached)
-            cached = None
+    conns = getattr(_local, "conns", None)
+    if conns is None:
+        conns = _local.conns = {}
+    cached = conns.get(path)
+    if cached is not None and (cached.pid != os.getpid() or cached.generation != _generation
+                               or cached.ident != _file_ident(path)):
+        del conns[path]
+        cached.close()
+        cached = None
     if cached is None:
-        threading.current_thread()  # (a thread torch started gets a record: seen alive below)
-        cached = _open(path)
-        with _lock:
-            _conns[slot] = cached
-            alive = {t.ident for t in threading.enumerate()}
-            dead = [(s, c) for s, c in _conns.items() if s[1] not in alive]
-        for s, c in dead:           # threads that ended keep no connection (file descriptors)
-            _drop(s, c)
+        cached = conns[path] = _Connection(*_open(path))
     try:
-        yield cached[2]
+        yield cached.conn
     except BaseException:
-        _drop(slot, cached)
+        if conns.get(path) is cached:
+            del conns[path]
+        cached.close()
         raise
 
 
-def _drop(slot, cached):
-    """Forget a cached connection and close it (one a forked parent opened is left alone)."""
-    with _lock:
-        if _conns.get(slot) is cached:
-            _conns.pop(slot)
-    if cached[0] == os.getpid():
-        with contextlib.suppress(sqlite3.Error):
-            cached[2].close()
-
-
-def _after_fork_in_child():
-    """A child forked while another thread held _lock would wait on it forever: a new one (the
-    parent's connections are replaced on their first use, by pid)."""
-    global _lock
-    _lock = threading.RLock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 def close():
-    """Close this process's cached connections (they reopen on next use)."""
-    with _lock:
-        for pid, _, conn in _conns.values():
-            if pid == os.getpid():
-                with contextlib.suppress(sqlite3.Error):
-                    conn.close()
-        _conns.clear()
+    """Close this thread's cached connections; every other thread's are closed and reopened at
+    its next use of the store (closing them here could pull one from under a running query)."""
+    global _generation
+    _generation += 1
+    for cached in getattr(_local, "conns", {}).values():
+        cached.close()
+    _local.conns = {}
 
 
 def load(op, key):

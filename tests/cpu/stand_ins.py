@@ -23,7 +23,7 @@ def stand_in_gpu(monkeypatch, store_dir, gpu_name):
     monkeypatch.delenv("DISABLE_AUTOTUNE", raising=False)
     monkeypatch.setattr(device, "arch", lambda d=None: "sm_90")
     monkeypatch.setattr(device, "gpu_name", lambda d: gpu_name)
-    monkeypatch.setattr(device, "uuid", lambda d: "GPU-stand-in")
+    monkeypatch.setattr(device, "uuid", lambda d: f"GPU-stand-in-{d}")
     monkeypatch.setattr(device, "current_stream", lambda dev: "stream")
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

@@ -369,10 +369,13 @@ def test_ranks_of_different_sizes_under_one_bucketed_key_are_ranked_at_one_size(
         cfgs = t.config_list("sm_90", dict(n=32))
         other = Agreement(store, 1, 2, prefix=distributed.current().prefix)
         started = threading.Event()
+        fin = other._namespace(t.agreement_name((32, 0), 0, cfgs), False) + "/fin"
 
         def rank1_measure(indices, ahead=()):
             started.set()
-            time.sleep(0.3)
+            deadline = time.monotonic() + 20      # until rank 0 timed its chunk and concludes
+            while not store.check([fin]) and time.monotonic() < deadline:
+                time.sleep(0.005)
             return [{"i": i, "mean_us": 5.0 + 0.5 * abs(cfgs[i].occupancy - 2), "error_us": 0.1,
                      "samples": 5, "work": 2.0 * 32} for i in indices], []
         other_out = []

@@ -263,7 +263,7 @@ def test_eight_threads_on_a_cold_key_search_once(env):
 def _hold_gpu_lock(env):
     """The GPU's search lock held as another process holds it (a descriptor of its own)."""
     env.path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(env.path / "gpu-GPU-stand-in.lock", os.O_RDWR | os.O_CREAT)
+    fd = os.open(env.path / "gpu-GPU-stand-in-0.lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return fd
 
@@ -277,14 +277,16 @@ def test_a_search_waits_for_another_process_on_the_gpu_and_takes_its_winner(env)
     theirs = cfgs[2]                                 # not what this process's search would pick
     fd = _hold_gpu_lock(env)
 
+    released = []
+
     def other_process():
         time.sleep(0.3)
         store.save(t.name, t.store_key(("k",), 0, cfgs), {"config": autotune.config_dict(theirs)})
+        released.append(time.monotonic())
         os.close(fd)
     threading.Thread(target=other_process).start()
-    start = time.monotonic()
     cfg, _ = resolve(t, ("k",))
-    assert time.monotonic() - start >= 0.25 and env.fake.calls == 0
+    assert released and time.monotonic() >= released[0] and env.fake.calls == 0
     assert cfg.occupancy == theirs.occupancy and t.records[("k",)].source == "store"
     fd = _hold_gpu_lock(env)
     threading.Timer(0.3, os.close, (fd,)).start()
@@ -321,6 +323,68 @@ def test_a_gpu_lock_held_past_the_wait_limit_searches_anyway(env, monkeypatch):
     finally:
         os.close(fd)
     assert env.fake.calls == 1
+
+
+def _fork_from_another_thread(child):
+    """fork() from a thread of its own (as a DataLoader worker starts) while the caller is
+    inside a search; the child runs child() then exits with its status. Returns the pid."""
+    pids = []
+
+    def forker():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)   # (3.12: fork of threads)
+            pid = os.fork()
+        if pid == 0:
+            code = 3
+            try:
+                code = child()
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    th = threading.Thread(target=forker)
+    th.start()
+    th.join()
+    return pids[0]
+
+
+def _wait_child(pid, limit=20.0):
+    """The child's exit code, or None where it ran past `limit` (killed)."""
+    deadline = time.monotonic() + limit
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        return None
+    return os.waitstatus_to_exitcode(done[1])
+
+
+def test_a_child_forked_during_a_search_neither_holds_the_gpu_lock_nor_waits(env, monkeypatch):
+    """A child forked during a search (another thread of the program) got copies of the
+    search's GPU lock descriptor, which kept the parent's next search waiting for its own
+    child, and of the held search lock, on which the child's first miss waited forever: the
+    child closes the one and replaces the other."""
+    monkeypatch.setattr(autotune, "GPU_LOCK_WAIT_SEC", 5.0)
+    t = env.make()
+    fake, kids, release = env.fake, [], os.pipe()
+
+    def child():
+        resolve(t, ("child key",))              # its own miss, at once
+        os.read(release[0], 1)                  # then lives on until the parent is done
+        return 0
+
+    def search_that_forks(*a, **kw):
+        if not kids:
+            kids.append(None)                   # (set before the fork: the child forks none)
+            kids[0] = _fork_from_another_thread(child)
+        return fake(*a, **kw)
+    monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", search_that_forks)
+    resolve(t, ("k1",))
+    start = time.monotonic()
+    resolve(t, ("k2",))                         # the child is alive: it holds no lock
+    took = time.monotonic() - start
+    os.write(release[1], b"x")
+    assert _wait_child(kids[0]) == 0 and took < 2.0, took
 
 
 def test_miss_during_graph_capture_does_not_search(env, monkeypatch):

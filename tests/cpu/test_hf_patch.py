@@ -403,19 +403,24 @@ def test_patched_rms_norm_returns_transformers_dtype(ops, x_dtype, w_dtype):
     assert ops["rms_norm"] == 2
 
 
-def test_qwen3_under_autocast_keeps_transformers_dtypes(ops):
+def test_qwen3_under_autocast_keeps_transformers_dtypes(ops, monkeypatch):
     """A float32 Qwen3 under bf16 autocast: its q_norm and k_norm get the projections' bf16
     and float32 weights, so transformers' q and k (and the cached keys) are float32. The
     patched model runs them unfused (the fused kernel writes q's dtype) and caches float32
-    keys too; the logits agree within bf16 rounding."""
+    keys too; its attention runs in bf16, as SDPA does under autocast (float32 q and k would
+    leave the kernel, which takes bf16/fp16); the logits agree within bf16 rounding."""
     model = build("qwen3")
     reference = copy.deepcopy(model)
     hf.apply_tiletune(model)
     ids = torch.randint(0, 128, (2, 12))
+    seen, attend = [], hf.scaled_dot_product_attention
+    monkeypatch.setattr(hf, "scaled_dot_product_attention", lambda q, k, v, **kw: seen.append(
+        (q.dtype, k.dtype, v.dtype)) or attend(q, k, v, **kw))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         out, ref = model(ids, use_cache=True), reference(ids, use_cache=True)
     layers = model.config.num_hidden_layers
     assert ops["rms_norm_rope"] == 0 and ops["rope"] == layers
+    assert seen == [(torch.bfloat16,) * 3] * layers
     keys = [layer.keys for layer in out.past_key_values.layers]
     ref_keys = [layer.keys for layer in ref.past_key_values.layers]
     assert [k.dtype for k in keys] == [k.dtype for k in ref_keys] == [torch.float32] * layers

@@ -214,7 +214,7 @@ def test_clear_and_prune_that_cannot_write_the_store_say_so_and_fail(folder, mon
     prune` report it and exit 1 instead of printing that 0 entries were removed."""
     store.save(OP, skey(1, ct="0.9.0"), {"config": {}})
     monkeypatch.setattr(store, "BUSY_TIMEOUT_S", 0.05)
-    store._conns.clear()
+    store.close()
     holder = sqlite3.connect(folder / store.DB_NAME, isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")
     try:
@@ -352,23 +352,24 @@ def test_threads_that_ended_keep_no_connection(folder):
         t.start()
         t.join()
     assert got == [{"config": {"tile": 64}}] * 30
-    assert len(store._conns) <= 2, len(store._conns)       # this thread's and the last one's
+    import gc
+    gc.collect()
+    assert len(store._live) == 1, len(store._live)          # this thread's
 
 
-def test_a_child_forked_while_another_thread_holds_the_lock_uses_the_store(folder):
-    """fork() copies a lock some other thread holds, and no thread in the child would release
-    it: the child gets a new one and loads (within 20 s; a hang there fails the test)."""
+def test_a_child_forked_while_another_thread_saves_uses_the_store(folder, monkeypatch):
+    """fork() while another thread waits inside a save (another process holds the store's write
+    lock): the child has no such thread, and nothing it needs was left held; it loads through
+    a connection of its own (within 20 s; a hang there fails the test)."""
     import threading
     store.save(OP, "k", {"config": {"tile": 64}})
-    held, release = threading.Event(), threading.Event()
-
-    def hold():
-        with store._lock:
-            held.set()
-            release.wait()
-    holder = threading.Thread(target=hold)
-    holder.start()
-    held.wait()
+    monkeypatch.setattr(store, "BUSY_TIMEOUT_S", 3.0)
+    store.close()
+    holder = sqlite3.connect(folder / store.DB_NAME, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    saver = threading.Thread(target=store.save, args=(OP, "k2", {"config": {}}))
+    saver.start()
+    time.sleep(0.2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)     # (3.12: fork of a threaded process)
         pid = os.fork()
@@ -378,15 +379,41 @@ def test_a_child_forked_while_another_thread_holds_the_lock_uses_the_store(folde
             code = 0 if store.load(OP, "k") == {"config": {"tile": 64}} else 2
         finally:
             os._exit(code)
-    release.set()
-    holder.join()
     deadline = time.monotonic() + 20
     while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     if done[0] == 0:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
+    holder.execute("ROLLBACK")
+    holder.close()
+    saver.join()
     assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_close_from_one_thread_leaves_the_others_queries_alone(folder):
+    """close() while other threads read: it closes this thread's connection, and the others
+    reopen theirs at their next use (closing theirs under a running query crashed the
+    process)."""
+    import threading
+    write_store(folder, {f"k{i}": {"config": {"t": i}} for i in range(50)})
+    stop, errors, reads = threading.Event(), [], []
+
+    def reader():
+        try:
+            while not stop.is_set():
+                reads.append(len(store.entries()[OP]))
+        except Exception as e:              # noqa: BLE001 (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for _ in range(200):
+        store.close()
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors and reads and set(reads) == {50}
 
 
 def test_an_unwritable_database_warns_once(folder, monkeypatch):
@@ -483,6 +510,13 @@ def test_without_a_home_folder_the_default_store_says_where(monkeypatch, tmp_pat
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     assert store.cache_dir() == expected
+    monkeypatch.setattr(store, "_folders", {})
+    os.makedirs(expected, exist_ok=True)
+    os.chmod(expected, 0o777)           # a folder of that name others can write: not taken
+    with pytest.warns(UserWarning, match="no home folder"):
+        other = store.cache_dir()
+    assert other != expected and os.path.basename(other).startswith(f"tiletune-{os.getuid()}-")
+    assert os.stat(other).st_mode & 0o777 == 0o700
     monkeypatch.setattr(store, "_folders", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     with pytest.warns(UserWarning, match="no home folder"):
