@@ -753,8 +753,7 @@ class Autotuner:
             if failed is not None:       # every config failed for this key: no new search
                 raise failed
             skey = self.store_key(key, dev, cfgs)
-            stored = store.load(self.name, skey) if use_store else None
-            cfg = self._find(cfgs, stored.get("config")) if isinstance(stored, dict) else None
+            stored, cfg = self._from_store(skey, cfgs) if use_store else (None, None)
             agreement = distributed.current()
             if agreement is not None:
                 return self._tune_agreed(agreement, key, dev, cfgs, skey, cfg, stored, search,
@@ -763,9 +762,7 @@ class Autotuner:
                 return self._stored(key, dev, cfg, skey, stored)
             with _gpu_turn(dev, f"{self.name} {key}"):
                 if use_store:         # another process may have saved it while we waited
-                    stored = store.load(self.name, skey)
-                    cfg = self._find(cfgs, stored.get("config")) \
-                        if isinstance(stored, dict) else None
+                    stored, cfg = self._from_store(skey, cfgs)
                     if cfg is not None:
                         return self._stored(key, dev, cfg, skey, stored)
                 if not isinstance(search, Search):
@@ -773,6 +770,12 @@ class Autotuner:
                 cfg, record = self._search(key, dev, cfgs, search)
                 store.save(self.name, skey, _entry(record))
             return self._finish(key, cfg, record, search, dev)
+
+    def _from_store(self, skey, cfgs):
+        """(the store's entry for skey, its config among cfgs): None for what is missing."""
+        stored = store.load(self.name, skey)
+        cfg = self._find(cfgs, stored.get("config")) if isinstance(stored, dict) else None
+        return stored, cfg
 
     def _stored(self, key, dev, cfg, skey, stored):
         """Resolve key to the store's (or a shipped) winner cfg; unproven until it launches."""

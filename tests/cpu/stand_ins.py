@@ -1,5 +1,9 @@
 """What CPU tests stand in for the GPU with, shared by the test modules that need it."""
 import contextlib
+import os
+import threading
+import time
+import warnings
 
 import torch
 
@@ -38,3 +42,42 @@ def kernel_rows(a):
     N = a.shape[-1]
     M = a.numel() // N if N else 0
     return a.as_strided((M, N), (a.stride(-2), a.stride(-1)))
+
+
+def fork(child, from_thread=False):
+    """fork() (from a thread of its own where from_thread: as a DataLoader worker starts while
+    the caller is busy); the child runs child() and exits with the int it returns (3 where it
+    raises). Returns the child's pid."""
+    pids = []
+
+    def forker():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)   # (3.12: fork of threads)
+            pid = os.fork()
+        if pid == 0:
+            code = 3
+            try:
+                code = child()
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    if from_thread:
+        th = threading.Thread(target=forker)
+        th.start()
+        th.join()
+    else:
+        forker()
+    return pids[0]
+
+
+def wait_child(pid, limit=20.0):
+    """The child's exit code, or None where it ran past `limit` (then killed): a hang fails the
+    test instead of the suite."""
+    deadline = time.monotonic() + limit
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        return None
+    return os.waitstatus_to_exitcode(done[1])

@@ -21,7 +21,7 @@ import tiletune.env
 from tiletune import autotune, precompile, store, timing
 from tiletune.autotune import Autotuner, Search, TuningFailedError, Work, bucket
 
-from tests.cpu.stand_ins import stand_in_gpu
+from tests.cpu.stand_ins import fork, stand_in_gpu, wait_child
 
 
 @ct.kernel
@@ -325,40 +325,6 @@ def test_a_gpu_lock_held_past_the_wait_limit_searches_anyway(env, monkeypatch):
     assert env.fake.calls == 1
 
 
-def _fork_from_another_thread(child):
-    """fork() from a thread of its own (as a DataLoader worker starts) while the caller is
-    inside a search; the child runs child() then exits with its status. Returns the pid."""
-    pids = []
-
-    def forker():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)   # (3.12: fork of threads)
-            pid = os.fork()
-        if pid == 0:
-            code = 3
-            try:
-                code = child()
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    th = threading.Thread(target=forker)
-    th.start()
-    th.join()
-    return pids[0]
-
-
-def _wait_child(pid, limit=20.0):
-    """The child's exit code, or None where it ran past `limit` (killed)."""
-    deadline = time.monotonic() + limit
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if done[0] == 0:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        return None
-    return os.waitstatus_to_exitcode(done[1])
-
-
 def test_a_child_forked_during_a_search_neither_holds_the_gpu_lock_nor_waits(env, monkeypatch):
     """A child forked during a search (another thread of the program) got copies of the
     search's GPU lock descriptor, which kept the parent's next search waiting for its own
@@ -376,7 +342,7 @@ def test_a_child_forked_during_a_search_neither_holds_the_gpu_lock_nor_waits(env
     def search_that_forks(*a, **kw):
         if not kids:
             kids.append(None)                   # (set before the fork: the child forks none)
-            kids[0] = _fork_from_another_thread(child)
+            kids[0] = fork(child, from_thread=True)
         return fake(*a, **kw)
     monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", search_that_forks)
     resolve(t, ("k1",))
@@ -384,7 +350,7 @@ def test_a_child_forked_during_a_search_neither_holds_the_gpu_lock_nor_waits(env
     resolve(t, ("k2",))                         # the child is alive: it holds no lock
     took = time.monotonic() - start
     os.write(release[1], b"x")
-    assert _wait_child(kids[0]) == 0 and took < 2.0, took
+    assert wait_child(kids[0]) == 0 and took < 2.0, took
 
 
 def test_miss_during_graph_capture_does_not_search(env, monkeypatch):

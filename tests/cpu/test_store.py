@@ -17,6 +17,8 @@ import pytest
 from tiletune import env, precompile, store
 from tiletune.__main__ import main
 
+from tests.cpu.stand_ins import fork, wait_child
+
 OP = "matmul"
 CT, TI = "1.7.0", "13.4.92"
 
@@ -370,25 +372,12 @@ def test_a_child_forked_while_another_thread_saves_uses_the_store(folder, monkey
     saver = threading.Thread(target=store.save, args=(OP, "k2", {"config": {}}))
     saver.start()
     time.sleep(0.2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)     # (3.12: fork of a threaded process)
-        pid = os.fork()
-    if pid == 0:                                                # the child
-        code = 1
-        try:
-            code = 0 if store.load(OP, "k") == {"config": {"tile": 64}} else 2
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + 20
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if done[0] == 0:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
+    pid = fork(lambda: 0 if store.load(OP, "k") == {"config": {"tile": 64}} else 2)
+    code = wait_child(pid)
     holder.execute("ROLLBACK")
     holder.close()
     saver.join()
-    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
+    assert code == 0
 
 
 def test_close_from_one_thread_leaves_the_others_queries_alone(folder):
