@@ -890,9 +890,13 @@ def model_generate(model, batch, seq, lengths):
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     weight = next(model.parameters())
     ids = torch.randint(0, config.vocab_size, (batch, seq), device=weight.device)
+    # the cache's name: `cache` in transformers' newer forwards (`past_key_values` warns there)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else \
+        "past_key_values"
     model.eval()
     with torch.no_grad():
-        cache = model(input_ids=ids, use_cache=True).past_key_values
+        out = model(input_ids=ids, use_cache=True)
+        cache = out[name] if name in out.keys() else out.past_key_values
         for length in lengths:
             missing = length - 1 - cache.get_seq_length()
             if missing > 0:
@@ -900,7 +904,7 @@ def model_generate(model, batch, seq, lengths):
                     k = torch.randn(batch, kv_heads, missing, head_dim, device=weight.device,
                                     dtype=weight.dtype)
                     cache.update(k, torch.randn_like(k), layer)
-            model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, -1:], use_cache=True, **{name: cache})
     torch.cuda.synchronize()
 
 

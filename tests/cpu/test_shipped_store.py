@@ -386,7 +386,9 @@ def test_a_shipped_winner_that_fails_to_launch_is_searched_and_saved(env, shippe
 @pytest.fixture
 def gpu(env, shipped, monkeypatch):
     """`tune` with a stand-in GPU: building the model makes a stand-in; a step resolves two keys
-    of a stand-in op per sequence length (one shared by every length)."""
+    of a stand-in op per sequence length (one shared by every length). The shipped folder holds
+    one file of no rows (an empty folder is warned about)."""
+    ship(shipped, [], name="none.json")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
