@@ -54,9 +54,9 @@ def rms_norm_fwd_rows(x, w, y, rstd, inv_n, eps,
 @ct.kernel
 def rms_norm_fwd_chunked(x, w, y, rstd, inv_n, eps,
                          TILE_M: ct.Constant[int], TILE_N: ct.Constant[int]):
-    """Rows too wide for one tile: two passes over TILE_N-wide chunks (the second hits L2).
-    One row at a time (TILE_M is 1: a parameter so both forward kernels take the same
-    arguments)."""
+    """Rows too wide for one tile: two passes over TILE_N-wide chunks, the second in reverse
+    so it starts on the chunks the first pass left most recently in L2. One row at a time
+    (TILE_M is 1: a parameter so both forward kernels take the same arguments)."""
     x = as_rows(x)
     y = as_rows(y)
     num_chunks = ct.cdiv(x.shape[1], TILE_N)
@@ -66,7 +66,8 @@ def rms_norm_fwd_chunked(x, w, y, rstd, inv_n, eps,
             xt = _chunk(x, row, c, TILE_N)
             acc = acc + xt * xt
         r = ct.rsqrt(ct.sum(acc, axis=1, keepdims=True) * inv_n + eps)  # [1, 1]
-        for c in range(num_chunks):
+        for i in range(num_chunks):
+            c = num_chunks - 1 - i
             yt = _chunk(x, row, c, TILE_N) * r * _weight(w, c, TILE_N)
             ct.store(y, (row, c), yt.astype(y.dtype))
         ct.store(rstd, (row,), ct.reshape(r, (1,)))
