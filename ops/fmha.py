@@ -147,9 +147,12 @@ def _store_rows(o, lse, b, h, bh, m, acc, m_i, l_i, TM, TD):
     ct.store(lse, (bh, m), ct.reshape(lse2, (1, TM)))
 
 
-def _span(cu, seq):
-    """[start, end) of sequence `seq` in a packed batch (cu: int32 cumulative offsets)."""
-    return ct.gather(cu, seq), ct.gather(cu, seq + 1)
+def _span(cu, seq, rows):
+    """[start, end) of sequence `seq` in a packed batch (cu: int32 cumulative offsets) of
+    `rows` rows, clamped to [0, rows] with end >= start: offsets the host cannot check (a
+    sync) then never slice outside the packed arrays (the rows stay unspecified)."""
+    start = min(max(ct.gather(cu, seq), 0), rows)
+    return start, min(max(ct.gather(cu, seq + 1), start), rows)
 
 
 def _block():
@@ -168,7 +171,7 @@ def _query_block(q, k, cu_q, HEAVY_FIRST, PACKED):
     b, h, hk = _heads(bh, q, k)
     q0, q1 = 0, q.shape[2]
     if PACKED:
-        q0, q1 = _span(cu_q, b)
+        q0, q1 = _span(cu_q, b, q.shape[2])
     return m, b, h, hk, bh, q0, q1
 
 
@@ -180,7 +183,7 @@ def _sequence_keys(cu_k, b, h, bh, k, v, sq, offset, CAUSAL, PACKED):
     row h."""
     sk = k.shape[2]
     if PACKED:
-        k0, k1 = _span(cu_k, b)
+        k0, k1 = _span(cu_k, b, k.shape[2])
         sk = k1 - k0
         if CAUSAL:
             offset = sk - sq
@@ -348,10 +351,10 @@ def fmha_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, 
     b, hk = _unflatten(bhk, hkv)
     sq = q.shape[2]
     if PACKED:
-        k0, k1 = _span(cu_k, b)
+        k0, k1 = _span(cu_k, b, k.shape[2])
         if n * TN >= k1 - k0:
             return
-        q0, q1 = _span(cu_q, b)
+        q0, q1 = _span(cu_q, b, q.shape[2])
         sq = q1 - q0
         if CAUSAL:
             offset = (k1 - k0) - sq
@@ -1379,23 +1382,24 @@ def fmha_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     """Attention over a packed batch of variable-length sequences (FlashAttention-2's varlen
     layout, what padding-free training calls).
 
-    q: (Tq, Hq, D), k and v: (Tk, Hkv, D): the tokens of every sequence, one after another
-    (Hq a multiple of Hkv: GQA/MQA). cu_seqlens_q / cu_seqlens_k: int32 (B + 1,) on q's device,
+    q: (Tq, Hq, D), k and v: (Tk, Hkv, D): the tokens of every sequence, one after another (Hq a
+    multiple of Hkv: GQA/MQA). cu_seqlens_q / cu_seqlens_k: int32 (B + 1,) on q's device,
     non-decreasing from 0 to Tq (Tk), sequence b owning rows [cu[b], cu[b+1]) (empty sequences
     allowed). max_seqlen_q / max_seqlen_k: Python ints at least every sequence's length (at most
     MAX_SEQ, 2,097,120); B x Hq at most 65535 (ValueError: split the batch). The offsets are
     read on the device only (a call is CUDA-graph capturable), so, as in FlashAttention-2, they
     are not checked against the data: a max_seqlen below one sequence's length leaves that
     sequence's output and gradients (every key's included) unspecified; offsets below 0 or past
-    Tq (Tk) make the kernels write outside o, dq, dk and dv. Buffers longer than their sequences
-    (a preallocated cache, a padded batch of static shape) are taken as in FlashAttention-2:
-    key rows outside every sequence are never read, and query rows outside every sequence get
-    unspecified rows of o and dq (and such key rows of dk and dv), which a weight's gradient
-    would sum in: give padding that reaches a backward a sequence of its own. Each sequence attends only to its own keys; causal=True aligns the
-    diagonal bottom-right per sequence (query i sees key j iff j <= i + Lk - Lq); rows that see
-    no key return 0. dtypes, D, scale and numerics as `fmha`. Returns o (Tq, Hq, D) laid out
-    like q; differentiable in q, k, v. Tuned per (B x heads, max lengths bucketed to powers of
-    two, D, causal, dtype).
+    Tq (Tk) are clamped to [0, Tq] ([0, Tk]) in the kernels, so nothing outside o, dq, dk and dv
+    is written and the rows of the sequences they bound are unspecified. Buffers longer than
+    their sequences (a preallocated cache, a padded batch of static shape) are taken as in
+    FlashAttention-2: key rows outside every sequence are never read, and query rows outside
+    every sequence get unspecified rows of o and dq (and such key rows of dk and dv), which a
+    weight's gradient would sum in: give padding that reaches a backward a sequence of its own.
+    Each sequence attends only to its own keys; causal=True aligns the diagonal bottom-right per
+    sequence (query i sees key j iff j <= i + Lk - Lq); rows that see no key return 0. dtypes,
+    D, scale and numerics as `fmha`. Returns o (Tq, Hq, D) laid out like q; differentiable in q,
+    k, v. Tuned per (B x heads, max lengths bucketed to powers of two, D, causal, dtype).
     """
     op = "fmha_varlen"
     for name, t in (("q", q), ("k", k), ("v", v)):

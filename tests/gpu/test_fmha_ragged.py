@@ -370,6 +370,70 @@ def test_varlen_loose_max_seqlen_and_scale(fresh, monkeypatch):
     check_varlen([33, 7, 90], [33, 70, 9], 6, 3, 64, torch.float16, True, scale=0.3, slack=37)
 
 
+class _RawBytes:
+    """`n` bytes of device memory at `address`, for torch.as_tensor (CUDA array interface)."""
+
+    def __init__(self, address, n):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1",
+                                         "data": (address, False), "version": 3}
+
+
+def free_bytes_after(t, n):
+    """The first `n` bytes (at most) of the free allocator block right after t's block, read
+    as uint8; fails if another block follows t (the check would then read live data)."""
+    ptr = t.untyped_storage().data_ptr()
+    for seg in torch.cuda.memory_snapshot():
+        address = seg["address"]
+        if not address <= ptr < address + seg["total_size"]:
+            continue
+        for block, following in zip(seg["blocks"], seg["blocks"][1:] + [None]):
+            if address == ptr:
+                assert following is not None and following["state"] == "inactive", \
+                    "no free block after the tensor"
+                return torch.as_tensor(_RawBytes(address + block["size"],
+                                                 min(n, following["size"])), device="cuda")
+            address += block["size"]
+    raise AssertionError("tensor not found in the allocator's snapshot")
+
+
+@pytest.mark.parametrize("cu", [[0, 200, 360], [-40, 200, 300]], ids=["past_end", "below_0"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_offsets_outside_the_batch_write_nothing_outside(fresh, monkeypatch, cu, causal):
+    """Offsets below 0 or past T (which the host does not read) clamp each sequence's span to
+    the batch: the kernels write nothing past o, dq, dk or dv, and the sequence inside the batch
+    is exact. The outputs come from a private memory pool whose one segment was filled with
+    0xFF first, so o sits at its start and dq, dk, dv follow it: the free bytes after o and
+    after dv must stay 0xFF. (The forward and backward are called on this thread, where the
+    pool serves them; autograd would run the backward on its device thread.)"""
+    disable_autotune(monkeypatch)
+    hq, hkv, d, dt, T = 16, 16, 128, torch.bfloat16, 300
+    q, k, v = packed([T], [T], hq, hkv, d, dt)
+    do = torch.randn_like(q)
+    offsets = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    scale = d ** -0.5
+    overflow = 60 * hq * d * q.element_size()           # 60 rows past the end
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        poison = torch.full(((64 << 20) // 4,), -1, dtype=torch.int32, device="cuda")
+        del poison
+        # 240: at least every span's length
+        o, lse = FM._varlen_forward(q, k, v, offsets, offsets, 240, 240, causal, scale)
+        torch.cuda.synchronize()
+        assert (free_bytes_after(o, overflow) == 255).all(), "o: written past its end"
+        dq, dk, dv = FM._varlen_backward(do, q, k, v, offsets, offsets, o, lse, 240, 240,
+                                         causal, scale)
+        torch.cuda.synchronize()
+        assert (free_bytes_after(dv, overflow) == 255).all(), "dv: written past its end"
+    # sequence 0 is rows [0, 200) either way (-40 clamps to 0): against the reference
+    q64, k64, v64 = (t[:200].double().requires_grad_() for t in (q, k, v))
+    ref = varlen_reference(q64, k64, v64, [200], [200], causal, scale)
+    assert rel(o[:200], ref) < TOL[dt]
+    expect = torch.autograd.grad(ref, (q64, k64, v64), do[:200].double())
+    for name, got, exp in zip("qkv", (dq, dk, dv), expect):
+        assert rel(got[:200], exp) < TOL[dt], f"d{name}"
+    del o, lse, dq, dk, dv, pool                 # the pool's tensors before the pool
+
+
 def test_varlen_bad_input():
     """(f)"""
     lq = [5, 7]
