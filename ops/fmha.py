@@ -1139,6 +1139,17 @@ def _check_seq(op, q, k, names=("q", "k")):
                          f"({MAX_SEQ})")
 
 
+def _refuse_nested(op, names, tensors):
+    """TypeError naming `op` and the argument where an input is a nested (jagged) tensor, whose
+    ragged size fails the shape checks' arithmetic with an error that names neither (torch's
+    SDPA takes them). Called only where a check failed: no host time on a valid call."""
+    for name, t in zip(names, tensors):
+        if isinstance(t, torch.Tensor) and t.is_nested:
+            raise TypeError(f"{op}: {name} is a nested tensor, which is not supported: pass "
+                            "dense (B, H, S, D) tensors, or the packed sequences to "
+                            "fmha_varlen") from None
+
+
 def check_causal_bias(op, attn_mask, sq, sk):
     """A CausalBias describes a (seq_len_q, seq_len_kv) mask: it must be q's Sq by k's Sk. The
     kernel masks by position alone, so a bias made for other sizes would silently apply another
@@ -1262,12 +1273,14 @@ def _check_lengths(op, seqused_k, q, k, v):
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError(f"{op}: seqused_k is for inference (no backward); call it under "
                          f"torch.no_grad() or with inputs that do not require grad")
-    if not decodes(q.shape[1] // k.shape[1], q.shape[2], head_tile(q.shape[3])):
+    group = q.shape[1] // k.shape[1]
+    if not decodes(group, q.shape[2], head_tile(q.shape[3])):
+        tg, tq = decode_rows(group, q.shape[2])
         raise ValueError(
             f"{op}: seqused_k takes decode shapes: Sq <= {DECODE_MAX_SQ}, head_dim <= 128 and "
-            f"at most {DECODE_MAX_ROWS} query rows per kv head (Sq x q heads per kv head, each "
-            f"rounded up to a power of two); got Sq={q.shape[2]}, head_dim={q.shape[3]}, "
-            f"{q.shape[1] // k.shape[1]} q heads per kv head")
+            f"at most {DECODE_MAX_ROWS} query rows per kv head (q heads per kv head x Sq, each "
+            f"rounded up to a power of two, Sq to at least 2); got Sq={q.shape[2]}, "
+            f"head_dim={q.shape[3]}, {group} q heads per kv head: {tg} x {tq} = {tg * tq} rows")
 
 
 _fmha_varlen = TrainableOp(
@@ -1311,8 +1324,12 @@ def fmha(q, k, v, *, causal=False, scale=None, seqused_k=None):
     bottom-right on that length. Inference only (ValueError when q, k or v requires grad with
     grad mode on), at decode sizes (ValueError otherwise).
     """
-    scale = _check("fmha", q, k, v, scale)
-    _check_seq("fmha", q, k)
+    try:
+        scale = _check("fmha", q, k, v, scale)
+        _check_seq("fmha", q, k)
+    except Exception:
+        _refuse_nested("fmha", ("q", "k", "v"), (q, k, v))
+        raise
     causal = bool(causal)
     offset = k.shape[2] - q.shape[2] if causal else 0
     if seqused_k is not None:
@@ -1327,10 +1344,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Same semantics as torch: `is_causal` aligns the causal diagonal top-left (query i sees keys
     j <= i) when Sq != Sk; `attn_mask` may be None or a torch.nn.attention.bias.CausalBias
     (`causal_upper_left` / `causal_lower_right`) made for q's Sq and k's Sk; other masks, a
-    CausalBias of other sizes and dropout_p > 0 raise ValueError. Key/value heads may differ
-    from query heads only with enable_gqa=True. `scale` must be a finite number > 0 (torch
-    also takes 0 and negative values; ValueError here). Limits as `fmha` (B x Hq at most
-    65535).
+    CausalBias of other sizes and dropout_p > 0 raise ValueError, nested (jagged) tensors
+    TypeError. Key/value heads may differ from query heads only with enable_gqa=True. `scale`
+    must be a finite number > 0 (torch also takes 0 and negative values; ValueError here).
+    q, k and v are taken in their own dtype, also under torch.autocast (where torch's SDPA
+    casts them to the autocast dtype): float32 or mixed dtypes raise TypeError, so cast them
+    first. Limits as `fmha` (B x Hq at most 65535).
     """
     op = "scaled_dot_product_attention"
     if dropout_p:
@@ -1344,8 +1363,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if is_causal:
             raise ValueError(f"{op}: pass either is_causal=True or a CausalBias attn_mask")
         causal, lower_right = True, attn_mask.variant == CausalVariant.LOWER_RIGHT
-    scale = _check(op, query, key, value, scale, ("query", "key", "value"))
-    _check_seq(op, query, key, ("query", "key"))
+    try:
+        scale = _check(op, query, key, value, scale, ("query", "key", "value"))
+        _check_seq(op, query, key, ("query", "key"))
+    except Exception:
+        _refuse_nested(op, ("query", "key", "value"), (query, key, value))
+        raise
     if attn_mask is not None:
         check_causal_bias(op, attn_mask, query.shape[2], key.shape[2])
     if not enable_gqa and key.shape[1] != query.shape[1]:

@@ -456,3 +456,42 @@ def test_the_public_functions_refuse_longer_sequences_by_their_names(monkeypatch
              "query")):
         with pytest.raises(ValueError, match=rf"^{op}: {name} has 2097121 tokens, more than"):
             call()
+
+
+def test_nested_tensors_are_refused_by_name(monkeypatch):
+    """Nested (jagged) tensors, which torch's SDPA takes, in either layout ((B, j, H, D) and its
+    (B, H, j, D) transpose) and as any argument: a TypeError naming the function and the
+    argument (their ragged size failed the shape checks' arithmetic with "ge: relation is
+    indeterminate" or an AttributeError, naming neither)."""
+    monkeypatch.setattr(validate, "tensor", lambda op, name, t, **kw: t)
+
+    def jagged(heads):
+        return torch.nested.nested_tensor([torch.randn(5, heads, 64), torch.randn(7, heads, 64)],
+                                          layout=torch.jagged, dtype=torch.bfloat16)
+    q, kv = jagged(4), jagged(2)
+    dense = torch.randn(2, 4, 6, 64, dtype=torch.bfloat16)
+    for layout in (lambda t: t, lambda t: t.transpose(1, 2)):
+        for which, (a, b) in (("q", (layout(q), layout(kv))), ("k", (dense, layout(kv))),
+                              ("v", (dense, dense[:, :2]))):
+            c = layout(kv) if which == "v" else b
+            with pytest.raises(TypeError, match=rf"^fmha: {which} is a nested tensor"):
+                FM.fmha(a, b, c)
+            name = {"q": "query", "k": "key", "v": "value"}[which]
+            with pytest.raises(TypeError, match=rf"^scaled_dot_product_attention: {name} is a "
+                                                r"nested tensor"):
+                FM.scaled_dot_product_attention(a, b, c, enable_gqa=True)
+
+
+def test_seqused_k_refusal_counts_the_rows_the_decode_kernel_packs(monkeypatch):
+    """At Sq 1 the decode kernel still packs two query rows per head (row-major products): 128
+    q heads per kv head are 256 rows, past the limit of 128, and the message says so (it gave
+    the rule as Sq x q heads per kv head, 1 x 128 = 128, which reads as within it)."""
+    monkeypatch.setattr(validate, "tensor", lambda op, name, t, **kw: t)
+    q = torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16).expand(1, 128, 1, 64)
+    kv = torch.zeros(1, 1, 8, 64, dtype=torch.bfloat16)
+    used = torch.tensor([8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^fmha: seqused_k takes decode shapes.*Sq to at least "
+                                         r"2\); got Sq=1, head_dim=64, 128 q heads per kv head: "
+                                         r"128 x 2 = 256 rows"):
+        FM.fmha(q, kv, kv, seqused_k=used)
+    assert not FM.decodes(128, 1, 64) and FM.decodes(64, 1, 64)
