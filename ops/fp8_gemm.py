@@ -1480,6 +1480,8 @@ class _FP8Linear(torch.autograd.Function):
             return no_second_order("fp8_linear", grads, (dy, *ctx.saved_tensors))
         x2, weight = ctx.saved_tensors
         need_x, need_w, need_b, _ = ctx.needs_input_grad
+        if 0 in dy.stride() and dy.numel():   # expanded gradients (e.g. of .sum()): one real copy
+            dy = dy.contiguous()
         groups, wgrad_groups = RECIPES[ctx.recipe]
         dx = dw = db = None
         if need_x:
@@ -1543,6 +1545,9 @@ def _check_linear(x, weight, bias, recipe):
     if K % 16 or N % 16 or K == 0:
         raise ValueError(f"{op}: K ({K}) and N ({N}) must be multiples of 16, K at least 16 "
                          "(the reduction dims of the forward and input-gradient FP8 GEMMs)")
+    for name, t in named:
+        if t.dtype not in IN_DTYPES:
+            validate.dtype(op, name, t, IN_DTYPES)
     for name, t in named:
         validate.tensor(op, name, t, like=x, dtypes=IN_DTYPES)
     _check_arch(op, "x", x)

@@ -873,6 +873,26 @@ def test_fp8_linear_computes_only_the_gradients_asked_for(reference_fp8):
         assert (saved_x is None) is x_grad and (saved_w is None) is (not x_grad)
 
 
+def test_fp8_linear_copies_an_expanded_gradient_once(reference_fp8, monkeypatch):
+    """The gradient of a .sum() arrives expanded (stride 0), which the quantizers' tiled loads
+    do not take: the backward makes it real once, for both GEMMs that read it."""
+    strides = []
+    quantize = F8.quantize_fp8
+
+    def recording(x, granularity):
+        strides.append(x.stride())
+        return quantize(x, granularity)
+    monkeypatch.setattr(F8, "quantize_fp8", recording)
+    x = torch.randn(32, 64, dtype=BF16, requires_grad=True)
+    w = torch.randn(16, 64, dtype=BF16, requires_grad=True)
+    y = F8._FP8Linear.apply(x, w, None, "rowwise")
+    dx, dw = torch.autograd.grad(y.sum(), (x, w))
+    assert len(strides) == 6 and all(0 not in s for s in strides)
+    ones = torch.ones(32, 16, dtype=torch.float64)
+    assert _measure(dx, ones @ w.double()) < 2e-3
+    assert _measure(dw, ones.t() @ x.double()) < 2e-3
+
+
 def test_fp8_linear_second_differentiation_raises(reference_fp8):
     """A gradient penalty through fp8_linear: the first-order gradients come back, and a
     second differentiation (here toward the weight, which only the saved tensors tie dx to)
@@ -899,6 +919,10 @@ BAD_LINEAR = [
     ((torch.zeros(8, 40, dtype=BF16), torch.zeros(32, 40, dtype=BF16)), {}, ValueError,
      r"K \(40\) and N \(32\) must be multiples of 16"),
     ((X, torch.zeros(24, 64, dtype=BF16)), {}, ValueError, r"K \(64\) and N \(24\)"),
+    # dtypes before the device (checkable on CPU tensors): a pre-quantized weight is named
+    ((X.double(), W), {}, TypeError, "x dtype torch.float64 is not supported"),
+    ((X, W.to(E4M3)), {}, TypeError, "weight dtype torch.float8_e4m3fn is not supported"),
+    ((X, W, torch.zeros(32, dtype=torch.int32)), {}, TypeError, "bias dtype torch.int32"),
     ((X, W), {}, ValueError, "x must be a CUDA tensor"),
 ]
 
