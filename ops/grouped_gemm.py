@@ -581,8 +581,12 @@ def _check(x, w, offs):
         for name, n in (("x", x.numel()), ("w", w.numel()),
                         ("the result", math.prod(_result_shape(mode, x, w, offs)))):
             if n > INT32_MAX:
+                # the array with a dim per group (w of 2-D x 3-D, the result of 2-D x 2-D)
+                # shrinks with fewer groups per call, the others with fewer tokens
+                per_group = name == ("w" if mode == "2d3d" else "the result")
                 raise ValueError(f"grouped_mm: {name} has {n} elements, more than the kernels "
-                                 "index (2^31 - 1); split the tokens")
+                                 "index (2^31 - 1); split the "
+                                 + ("groups" if per_group else "tokens"))
     return mode
 
 

@@ -166,11 +166,12 @@ def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
                              f"S={S}, got {tuple(position_ids.shape)}")
         if position_ids.device != q.device:
             raise ValueError(f"{op}: position_ids is on {position_ids.device}, q on {q.device}")
-        # Out-of-range rows would read outside cos/sin: checked here (one device sync), except
-        # under CUDA graph capture or torch.compile, where it is the caller's contract.
+        # Out-of-range rows would read outside cos/sin: checked here (one device sync: both
+        # bounds come back in one read), except under CUDA graph capture or torch.compile, where
+        # it is the caller's contract.
         if position_ids.numel() and not torch.compiler.is_compiling() and \
                 not torch.cuda.is_current_stream_capturing():
-            lo, hi = int(position_ids.min()), int(position_ids.max())
+            lo, hi = torch.stack(torch.aminmax(position_ids)).tolist()
             if lo < 0 or hi >= cos.shape[1]:
                 raise ValueError(f"{op}: position_ids range [{lo}, {hi}] is outside the "
                                  f"{cos.shape[1]} rows of cos/sin")

@@ -114,3 +114,29 @@ def test_cos_and_sin_may_take_different_documented_forms(host_only):
     assert c.shape == s_.shape == (2, 5, 8) and rot == 8
     with pytest.raises(ValueError, match=r"apply_rope: cos \(1, 5, 8\) and sin \(1, 4, 8\)"):
         prepare("apply_rope", q, k, cos, sin[:, :4], None, None)
+
+
+def test_position_ids_range_check_reads_the_device_once(host_only, monkeypatch):
+    """Both bounds of position_ids come back to the host in one read (one sync a call, as
+    documented; min and max read one at a time would be two), and ids outside cos/sin are
+    still refused by name."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    reads = []
+    for name in ("__int__", "__index__", "__bool__", "__float__", "item", "tolist"):
+        def counted(self, *args, real=getattr(torch.Tensor, name), name=name):
+            reads.append(name)
+            return real(self, *args)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    q, k = _qk()
+    cos, w = torch.randn(9, 8), torch.ones(8)
+    for pos in (torch.tensor([3, 1, 0, 8, 2]), torch.tensor([[0, 1, 2, 3, 4]] * 2,
+                                                            dtype=torch.int32)):
+        for call in (lambda: RP.apply_rope(q, k, cos, cos, position_ids=pos),
+                     lambda: RR.rms_norm_rope(q, k, w, w, cos, cos, position_ids=pos)):
+            reads.clear()
+            call()
+            assert len(reads) == 1, reads
+    for bad, bounds in (([-1, 0, 1, 2, 3], r"\[-1, 3\]"), ([0, 1, 9, 2, 3], r"\[0, 9\]")):
+        with pytest.raises(ValueError, match=rf"^apply_rope: position_ids range {bounds} is "
+                                             r"outside the 9 rows of cos/sin"):
+            RP.apply_rope(q, k, cos, cos, position_ids=torch.tensor(bad))
