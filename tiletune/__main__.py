@@ -70,13 +70,13 @@ def _ops(parser, names):
 
 
 def _compile(ops, archs, jobs):
-    from tiletune import aot
+    from tiletune import aot, precompile
     n = sum(len(aot.op_cases(op)) for op in ops)
     compiles = len(aot.planned_cases(ops, archs))
     if not compiles:
         print(f"nothing to compile: no compile cases in {', '.join(ops)}")
         return 0
-    procs = min(jobs or os.cpu_count() or 1, compiles)
+    procs = min(jobs or precompile.usable_cpus(), compiles)
     print(f"compiling {n} kernel configs of {', '.join(ops)} for {', '.join(archs)} "
           f"({compiles} compiles, {procs} process{'' if procs == 1 else 'es'}) ...", flush=True)
     report = aot.compile_all(ops, archs, jobs=procs)
@@ -176,6 +176,10 @@ def cmd_cache(args):
         print(f"store is off (TILETUNE_CACHE_DIR={os.environ.get('TILETUNE_CACHE_DIR', '')})")
         _show_shipped()
         return 0
+    unreadable = _unreadable(d)
+    if unreadable:
+        print(f"cannot read the store at {d}: {unreadable}", file=sys.stderr)
+        return 1
     found = {op: entries for op, entries in store.entries().items()
              if isinstance(entries, dict) and entries}
     if not found:
@@ -195,6 +199,25 @@ def cmd_cache(args):
     print()
     _show_shipped()
     return 0
+
+
+def _unreadable(d):
+    """Why the store in folder `d` cannot be read, or "": `store.entries` reads a database it
+    cannot use (not sqlite, another program's) or a `d` that is a file as an empty store, with
+    a warning, which `cache show` must not report as "empty"."""
+    if not os.path.exists(d):
+        return ""
+    if not os.path.isdir(d):
+        return "not a folder"
+    path = store.db_path()
+    if not os.path.exists(path):              # no store yet
+        return ""
+    try:
+        with store._db(path):                 # opened as entries() opens it
+            pass
+    except (OSError, sqlite3.Error) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 def _entries(n):
@@ -342,6 +365,8 @@ def _tune_specs(parser, args):
         parser.error(str(e))
     if args.all and not args.export:
         parser.error("--all goes with --export PATH (it exports every row of this GPU)")
+    # the defaults here: "extend" would add the values given to a default list
+    args.seq, args.batch = args.seq or [4096], args.batch or [1]
     return specs
 
 
@@ -507,7 +532,8 @@ def parser():
                    help="target arch, sm_<major><minor>: sm_80, sm_90, sm_100, sm_120, ... "
                         "(repeatable; default sm_90)")
     k.add_argument("--jobs", type=int, default=None, metavar="N",
-                   help="compile processes (default: one per CPU core, at most one per compile)")
+                   help="compile processes (default: one per CPU core this process may run on, "
+                        "at most one per compile)")
     c = sub.add_parser("cache", help="show, clear or prune the persistent store")
     c.add_argument("action", choices=["show", "clear", "prune"],
                    help="prune: delete entries keyed by other cuda-tile or tileiras versions "
@@ -538,8 +564,9 @@ def _tune_parser(sub):
                     "key's configs, then every N-th of the rest; rank 0 prints the job's summary\n"
                     "and writes --export.",
         epilog="presets:\n" + "\n".join(f"  {s.describe()}" for s in pretune.PRESETS.values()))
-    t.add_argument("--preset", nargs="+", choices=list(pretune.PRESETS), metavar="NAME",
-                   help=f"one or more of: {', '.join(pretune.PRESETS)}")
+    # (lists extend when a flag repeats, as compile's --arch: `--seq 1024 --seq 2048` is both)
+    t.add_argument("--preset", nargs="+", action="extend", choices=list(pretune.PRESETS),
+                   metavar="NAME", help=f"one or more of: {', '.join(pretune.PRESETS)}")
     t.add_argument("--model", type=pretune.family, metavar="FAMILY",
                    help=f"the model family: {', '.join(pretune.FAMILIES)}")
     for flag, what in (("--hidden", "hidden size"), ("--intermediate", "MLP intermediate size"),
@@ -550,9 +577,9 @@ def _tune_parser(sub):
                        ("--top-k", "qwen3_moe: experts per token"),
                        ("--moe-intermediate", "qwen3_moe: an expert's intermediate size")):
         t.add_argument(flag, type=_positive, metavar="N", help=what)
-    t.add_argument("--seq", nargs="+", type=_positive, default=[4096], metavar="N",
+    t.add_argument("--seq", nargs="+", action="extend", type=_positive, metavar="N",
                    help="sequence lengths, each tuned (default 4096)")
-    t.add_argument("--batch", nargs="+", type=_positive, default=[1], metavar="N",
+    t.add_argument("--batch", nargs="+", action="extend", type=_positive, metavar="N",
                    help="batch sizes, each tuned (default 1)")
     t.add_argument("--dtype", choices=list(pretune.DTYPES), default="bf16",
                    help="model dtype (default bf16)")

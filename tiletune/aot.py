@@ -6,7 +6,6 @@ the same facts, or it compiles a different kernel (no TMA, no wgmma) than the GP
 `jit_array` states them; a GPU test checks it against `KernelSignature.from_kernel_args`.
 """
 import io
-import os
 import struct
 import time
 from dataclasses import dataclass, field
@@ -14,7 +13,7 @@ from dataclasses import dataclass, field
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, ScalarConstraint, export_kernel
 
-from tiletune.precompile import launch_signature
+from tiletune.precompile import launch_signature, usable_cpus
 
 TORCH_TO_CT = {}  # filled lazily: torch dtype -> ct dtype
 
@@ -236,12 +235,26 @@ def compile_all(ops, archs, jobs=None, select=None):
     `select(op, index, case)`, given, picks the cases. Returns a CompileReport, each build's
     stack frame in it."""
     from concurrent.futures import ProcessPoolExecutor
-    jobs = jobs or os.cpu_count() or 1
+    jobs = jobs or usable_cpus()
     if jobs == 1:
         pending = PendingCompiles(ops, archs, select)
         return pending.report([_compile_worker(w) for w in pending.work])
-    with ProcessPoolExecutor(jobs) as pool:
+    pool = ProcessPoolExecutor(jobs)
+    try:
         return start_compiles(ops, archs, pool, select).report()
+    except BaseException:     # Ctrl-C: a plain shutdown would run every compile still queued
+        stop_compiles(pool)
+        raise
+    finally:
+        pool.shutdown()
+
+
+def stop_compiles(pool):
+    """Drop the compiles still queued in `pool` and end the processes running the others."""
+    running = list((getattr(pool, "_processes", None) or {}).values())   # (shutdown forgets them)
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in running:
+        process.terminate()
 
 
 def start_compiles(ops, archs, pool, select=None):

@@ -421,12 +421,22 @@ def print_summary(host):
 
 
 def _write(path, dev, rows, host, full=False):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"device": dev, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-                   "full": full, "rows": rows, "host_us": host, "searches": searches(),
-                   "tuning": {op: {str(k): r.to_json() for k, r in recs.items()}
-                              for op, recs in autotune.records().items()}}, f, indent=1)
+    """The JSON file, replaced at once: a run stopped while it is written (Ctrl-C, an error)
+    leaves the rows of the last write, not a truncated file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"device": dev, "torch": torch.__version__,
+                       "date": time.strftime("%Y-%m-%d"), "full": full, "rows": rows,
+                       "host_us": host, "searches": searches(),
+                       "tuning": {op: {str(k): r.to_json() for k, r in recs.items()}
+                                  for op, recs in autotune.records().items()}}, f, indent=1)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 def _matches(label, pattern):
@@ -498,6 +508,8 @@ def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=
                 failed += 1
             else:
                 print(_host_line(op, tables[op]), flush=True)
+        elif host:
+            print(f"{op}: no host table (its case module has no bench_host)", flush=True)
     print()
     if rows:
         print_table(rows)

@@ -47,6 +47,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 log = logging.getLogger("tiletune")
 
@@ -58,9 +59,12 @@ _START_SEC = 120.0        # a started worker not ready (its imports done) by the
 # Workers yield the CPU to the searching process's own compiles while they import (matmul's
 # first search: 2.7-2.9 s on H200 hosts against 4.3-4.8 s at the same priority) and to the
 # training process they serve after that. The niceness comes before any import: `python -m`
-# would import the tiletune package (torch) first.
+# would import the tiletune package (torch) first. SIGTERM ends a worker through Python's exit,
+# whose atexit handlers remove the temporary folder cuTile made at import (with the bytecode of
+# every compile), which SIGKILL leaves behind.
 WORKER_NICENESS = 10
-_WORKER_COMMAND = (sys.executable, "-c", "import os, sys\n"
+_WORKER_COMMAND = (sys.executable, "-c", "import os, signal, sys\n"
+                   "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
                    f"os.nice({WORKER_NICENESS})\n"
                    "from tiletune.precompile import _serve\n"
                    "_serve(float(sys.argv[1]))")
@@ -72,10 +76,12 @@ def jobs():
     number of CPUs this process may run on (its affinity: taskset, a container's cpuset), at
     most 16. A value that is not an integer (e.g. auto) warns once and is the default."""
     from tiletune import env
-    return max(env.integer("TILETUNE_COMPILE_JOBS", min(_usable_cpus(), 16)), 0)
+    return max(env.integer("TILETUNE_COMPILE_JOBS", min(usable_cpus(), 16)), 0)
 
 
-def _usable_cpus():
+def usable_cpus():
+    """The CPUs this process may run on (its affinity), which os.cpu_count() does not tell:
+    in a container or a job step pinned to 8 of a host's 128 cores, it counts 128."""
     try:
         return len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):       # (no sched_getaffinity off Linux)
@@ -363,6 +369,7 @@ class _Worker:
                                      env=environ, start_new_session=True)
         self.last_used = time.monotonic()
         self.ready = False
+        _workers.add(self)
 
     def fileno(self):
         return self.proc.stdout.fileno()
@@ -386,10 +393,11 @@ class _Worker:
     def kill(self):
         """The worker and what it started (a tileiras run past its timeout would otherwise go on
         using a core)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except OSError:           # already gone, or no process group to signal
-            self.proc.kill()
+        if self.proc.returncode is None:     # not reaped: its pid is still its group's id
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:           # already gone, or no process group to signal
+                self.proc.kill()
         self.close()
 
     def close(self):
@@ -417,6 +425,7 @@ def _compile_environ(environ):
 
 _idle = []
 _idle_lock = threading.Lock()
+_workers = weakref.WeakSet()     # every worker of this process, idle or at work
 
 
 def _take(n):
@@ -428,8 +437,7 @@ def _take(n):
         stale = [w for w in _idle if w not in fresh]
         _idle[:] = fresh[n:]
         taken = fresh[:n]
-    for w in stale:
-        w.close()
+    _end(stale)
     try:
         for _ in range(n - len(taken)):
             taken.append(_Worker(environ))
@@ -469,12 +477,65 @@ def _reap_exited():
         w.close()
 
 
+def _end(workers, wait_sec=5.0):
+    """End these workers all at once: their input closed and SIGTERM sent, then the ones still
+    there after `wait_sec` in all killed. (A closed input alone leaves one still importing to
+    finish its imports first, seconds, and waiting for each in turn added up at the exit of a
+    script that started them and ended early.)"""
+    for w in workers:
+        for pipe in (w.proc.stdin, w.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+        if w.proc.poll() is None:
+            w.proc.terminate()
+    deadline = time.monotonic() + wait_sec
+    for w in workers:
+        try:
+            w.proc.wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            w.kill()
+
+
 @atexit.register
 def _close_idle():
     with _idle_lock:
         workers, _idle[:] = list(_idle), []
-    for w in workers:
-        w.close()
+    _end(workers)
+
+
+def _forget_workers_in_child():
+    """After a fork, in the child: the parent's workers are not the child's. Taking them would
+    put its jobs and the parent's in one pipe (a result read by the wrong process: another
+    config's cubin), and its copies of their pipes would keep them open after the parent
+    closed them. Each copied pipe end is pointed at /dev/null before the workers are dropped
+    (closing it would flush into the worker a frame the parent was writing, left in the copied
+    buffer)."""
+    global _idle_lock, _reaper
+    workers = list(_workers)
+    _workers.clear()
+    _idle_lock, _reaper = threading.Lock(), None       # (another thread may have held it)
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+    except OSError:                  # (no descriptor left) kept, never closed in this process
+        _unusable_in_child.extend(workers)
+        null = None
+    if null is not None:
+        for w in workers:
+            for pipe in (w.proc.stdin, w.proc.stdout):
+                try:
+                    os.dup2(null, pipe.fileno())
+                except (OSError, ValueError):           # (a pipe already closed)
+                    pass
+        os.close(null)
+    _idle[:] = []
+
+
+_unusable_in_child = []
+
+
+os.register_at_fork(after_in_child=_forget_workers_in_child)
 
 
 def warm(n=None):
@@ -543,41 +604,48 @@ def run_jobs(jobs_list, arch, timeout_sec, workers):
         else:
             busy[w] = started
     threads, first = [], True
-    while True:
-        if not todo:                 # those still starting are not waited for
-            for w in [w for w in busy if not w.ready]:
-                done.append(w)
-                del busy[w]
-        if not busy:
-            break
-        wait = 0 if first else max(min(busy.values()) - time.monotonic(), 0)
-        if any(t.is_alive() for t in threads):
-            wait = min(wait, 0.05)   # to see the job list run out while workers start
-        readable = select.select(list(busy), [], [], wait)[0]
-        now = time.monotonic()
-        for w in readable or [w for w, d in busy.items() if d <= now]:
-            deadline = busy.pop(w)
-            try:
-                if not readable:
-                    raise TimeoutError
-                message = w.receive(deadline)
-            except Exception as e:   # worker trouble is not a verdict on the configs
-                _failed(w, e)
-                continue
-            if w.ready:
-                results.update(message)
-            else:
-                ready_after.append(time.monotonic() - t0)
-            w.ready = True
-            give(w)
-        if first and todo and not all(w.ready for w in busy):
-            count = sum(not w.ready for w in busy) if tileiras_outside_the_lock() else 1
-            for _ in range(min(count, len(todo))):
-                threads.append(threading.Thread(target=_compile_here, daemon=True, args=(
-                    next_job, results, arch, timeout_sec, compiled_here,
-                    lambda: not all(w.ready for w in pool))))
-                threads[-1].start()
-        first = False
+    try:
+        while True:
+            if not todo:                 # those still starting are not waited for
+                for w in [w for w in busy if not w.ready]:
+                    done.append(w)
+                    del busy[w]
+            if not busy:
+                break
+            wait = 0 if first else max(min(busy.values()) - time.monotonic(), 0)
+            if any(t.is_alive() for t in threads):
+                wait = min(wait, 0.05)   # to see the job list run out while workers start
+            readable = select.select(list(busy), [], [], wait)[0]
+            now = time.monotonic()
+            for w in readable or [w for w, d in busy.items() if d <= now]:
+                deadline = busy.pop(w)
+                try:
+                    if not readable:
+                        raise TimeoutError
+                    message = w.receive(deadline)
+                except Exception as e:   # worker trouble is not a verdict on the configs
+                    _failed(w, e)
+                    continue
+                if w.ready:
+                    results.update(message)
+                else:
+                    ready_after.append(time.monotonic() - t0)
+                w.ready = True
+                give(w)
+            if first and todo and not all(w.ready for w in busy):
+                count = sum(not w.ready for w in busy) if tileiras_outside_the_lock() else 1
+                for _ in range(min(count, len(todo))):
+                    threads.append(threading.Thread(target=_compile_here, daemon=True, args=(
+                        next_job, results, arch, timeout_sec, compiled_here,
+                        lambda: not all(w.ready for w in pool))))
+                    threads[-1].start()
+            first = False
+    except BaseException:        # (Ctrl-C) the jobs in flight go with their workers, and
+        with taking:             # this process's threads take no further job
+            todo.clear()
+        _end([w for w in pool if w not in done])
+        _give_back(done)
+        raise
     for t in threads:
         t.join()
     _give_back(done)

@@ -48,6 +48,9 @@ class ModelSpec:
                        f"{', '.join(FAMILIES)}")
         if self.heads % self.kv_heads:
             out.append(f"--heads {self.heads} is not a multiple of --kv-heads {self.kv_heads}")
+        if self.head_dim % 2:       # (transformers refuses the config when the model is built)
+            out.append(f"head dim {self.head_dim} is odd: rotary position embeddings rotate "
+                       "pairs of dims (give an even --head-dim)")
         moe = (self.experts, self.top_k, self.moe_intermediate)
         if self.family == "qwen3_moe":
             missing = [flag for flag, v in zip(("--experts", "--top-k", "--moe-intermediate"), moe)

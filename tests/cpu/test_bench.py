@@ -409,3 +409,50 @@ def test_bench_checks_its_output_paths_first_and_exits_1_when_a_row_failed(monke
     out = capsys.readouterr().out
     assert "op broken fwd: FAILED" in out and "exit status 1" in out
     assert os.path.exists(json_path)
+
+
+def test_a_run_stopped_while_the_json_is_written_leaves_the_last_rows(monkeypatch, tmp_path,
+                                                                      clock):
+    """The JSON is written after every row so that a run stopped midway keeps its rows: a stop
+    (Ctrl-C) while it is written leaves the previous file whole, and no temporary file."""
+    import json
+    from tiletune import registry
+
+    class Op:
+        @staticmethod
+        def bench_cases(full=False):
+            return [bench.BenchCase("op", f"n{i}", "fwd", lambda: clock.run("tuned", 20.0), {})
+                    for i in range(2)]
+    monkeypatch.setattr(bench.registry, "ops", lambda: {"op": Op})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
+    monkeypatch.setattr(bench.precompile, "warm", lambda: None)
+    dump, writes = json.dump, []
+
+    def stopped_on_the_second_write(obj, f, **kw):
+        writes.append(1)
+        if len(writes) == 2:
+            f.write('{"device": "Fake')
+            raise KeyboardInterrupt
+        dump(obj, f, **kw)
+    monkeypatch.setattr(bench.json, "dump", stopped_on_the_second_write)
+    path = tmp_path / "bench.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["op"], json_path=str(path))
+    assert [r["case"] for r in json.loads(path.read_text())["rows"]] == ["n0"]
+    assert os.listdir(tmp_path) == ["bench.json"]
+
+
+def test_host_tables_name_an_op_that_has_none(monkeypatch, capsys):
+    """`bench --host` of an op whose case module has no host table says so, rather than
+    printing nothing for it."""
+    class Op:
+        @staticmethod
+        def bench_host():
+            return {"call": 2.0}
+    monkeypatch.setattr(bench.registry, "ops", lambda: {"op": Op, "model": object()})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Fake GPU")
+    monkeypatch.setattr(bench.precompile, "warm", lambda: None)
+    assert bench.main(["op", "model"], host=True, json_path=None) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "host overhead op (us per call): call=2.00" in out
+    assert "model: no host table (its case module has no bench_host)" in out

@@ -81,6 +81,50 @@ def test_compile_prints_the_real_process_count(ops, compiles, capsys):
     assert "(3 compiles, 1 process)" in capsys.readouterr().out
 
 
+def test_compile_runs_one_process_per_cpu_this_process_may_use(ops, compiles, monkeypatch,
+                                                                capsys):
+    """In a container or a job step pinned to 2 of a host's 64 cores, the default is 2
+    processes (each imports the compiler and runs tileiras), not 64."""
+    from tiletune import precompile
+    monkeypatch.setattr(precompile.os, "sched_getaffinity", lambda pid: {4, 5}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert main(["compile"]) == 0
+    assert "(6 compiles, 2 processes)" in capsys.readouterr().out
+    assert compiles == [(["alpha", "beta"], ["sm_90"], 2)]
+
+
+def _compile_slowly(case, arch):
+    """A stand-in compile of 0.5 s that notes its start in the file the case names."""
+    import time
+    with open(case.log, "a") as f:
+        f.write(f"{case.label}\n")
+    time.sleep(0.5)
+    return 0.5, 0
+
+
+def test_ctrl_c_stops_the_compile_instead_of_running_every_queued_compile(ops, monkeypatch,
+                                                                          tmp_path):
+    """Ctrl-C during `compile` (minutes of compiles queued in its process pool) ends it at once:
+    the queued compiles are dropped and the running ones ended, where leaving the pool would
+    wait for every one of them first."""
+    import signal
+    import threading
+    import time
+    log = tmp_path / "started"
+    monkeypatch.setitem(aot._CASES, "alpha", [SimpleNamespace(label=f"case {i}", log=str(log))
+                                              for i in range(40)])
+    monkeypatch.setattr(aot, "compile_case", _compile_slowly)
+    threading.Timer(1.0, signal.pthread_kill, (threading.main_thread().ident,
+                                               signal.SIGINT)).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        main(["compile", "--jobs", "2", "alpha"])      # 40 compiles of 0.5 s: 10 s
+    assert time.monotonic() - t0 < 4
+    started = log.read_text().count("\n")
+    time.sleep(1.0)
+    assert log.read_text().count("\n") == started < 16
+
+
 def test_unknown_op_is_one_error_listing_the_known_ops(ops, compiles, capsys):
     code, out, err = _exit(["compile", "alpha", "gamma", "delta"], capsys)
     assert code == 2 and not compiles
@@ -145,6 +189,33 @@ def test_cache_show_empty_and_off(monkeypatch, tmp_path, capsys):
     assert main(["cache", "show"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "store is off (TILETUNE_CACHE_DIR=off)", "shipped winners: off (TILETUNE_SHIPPED=off)"]
+
+
+def test_cache_show_of_a_store_it_cannot_read_says_so_and_exits_1(monkeypatch, tmp_path,
+                                                                  capsys):
+    """A database that is not a tiletune store, or a store folder that is a file, is no empty
+    store: `cache show` names the trouble and exits 1, as `cache clear` and `prune` do."""
+    import sqlite3
+    monkeypatch.setenv("TILETUNE_SHIPPED", "off")
+    folder = tmp_path / "store"
+    folder.mkdir()
+    (folder / store.DB_NAME).write_bytes(b"not a database" * 100)
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(folder))
+    assert main(["cache", "show"]) == 1
+    out = capsys.readouterr()
+    assert "empty" not in out.out
+    assert out.err.startswith(f"cannot read the store at {folder}: DatabaseError:")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    with sqlite3.connect(foreign / store.DB_NAME) as conn:
+        conn.execute("CREATE TABLE notes (text TEXT)")
+    conn.close()
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(foreign))
+    assert main(["cache", "show"]) == 1
+    assert "not a tiletune store" in capsys.readouterr().err
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(folder / store.DB_NAME))
+    assert main(["cache", "show"]) == 1
+    assert capsys.readouterr().err.strip().endswith(": not a folder")
 
 
 def test_cache_show_counts_the_shipped_winners_apart(monkeypatch, tmp_path, capsys):
@@ -460,6 +531,10 @@ def test_tune_checks_that_the_store_and_the_export_can_be_written_first(monkeypa
      "--hidden 100 is not a multiple of --heads 3: give --head-dim"),
     (["--preset", "llama3-8b", "--kv-heads", "5"],
      "--heads 32 is not a multiple of --kv-heads 5"),
+    (["--preset", "llama3-8b", "--head-dim", "127"],
+     "head dim 127 is odd: rotary position embeddings rotate pairs of dims"),
+    (["--model", "qwen3", "--hidden", "60", "--intermediate", "96", "--heads", "4"],
+     "head dim 15 is odd: rotary position embeddings rotate pairs of dims"),
     (["--preset", "llama3-8b", "--experts", "8"],
      "--experts, --top-k and --moe-intermediate are for qwen3_moe models (this one is llama)"),
     (["--preset", "llama3-8b", "--model", "qwen3_moe", "--experts", "8"],
@@ -479,6 +554,23 @@ def test_tune_argument_errors_are_one_clear_line_before_any_work(argv, message, 
     code, out, err = _exit(["tune", *argv], capsys)
     assert code == 2 and not out and err.count("error:") == 1
     assert message in err, err
+
+
+def test_tune_flags_given_twice_add_up(monkeypatch):
+    """`--seq 1024 --seq 2048` tunes both lengths (as compile's --arch repeats), where the
+    second flag used to replace the first and half the shapes went untuned without a word."""
+    import tiletune.__main__ as cli
+    seen = []
+    monkeypatch.setattr(cli, "cmd_tune", lambda args: seen.append(args) or 0)
+    assert main(["tune", "--preset", "llama3-8b", "--preset", "qwen3-8b", "mistral-7b",
+                 "--seq", "1024", "--seq", "2048", "4096", "--batch", "1", "--batch", "8"]) == 0
+    args = seen[-1]
+    assert [s.name for s in args.specs] == ["llama3-8b", "qwen3-8b", "mistral-7b"]
+    assert (args.seq, args.batch) == ([1024, 2048, 4096], [1, 8])
+    assert main(["tune", "--preset", "llama3-8b"]) == 0
+    assert (seen[-1].seq, seen[-1].batch) == ([4096], [1])          # the defaults, alone
+    assert main(["tune", "--preset", "llama3-8b", "--seq", "1024"]) == 0
+    assert seen[-1].seq == [1024]
 
 
 def test_tune_help_lists_the_presets(capsys):

@@ -333,3 +333,108 @@ def test_this_process_stops_taking_jobs_once_every_worker_is_ready(monkeypatch):
                              lambda: next(starting))
     assert here == [0, 1] and results == {0: "ok", 1: "ok"} and len(jobs) == 2
     assert compiled == [("module", "name", "sm_90", 120)] * 2
+
+
+def test_exit_ends_idle_workers_without_waiting_for_their_imports(monkeypatch):
+    """At exit (`_close_idle`, registered with atexit) the idle workers end at once: they have
+    no job. Workers still importing (here processes that read no input for a minute) do not
+    hold up the exit of a script that started them and ended early."""
+    import os
+    import time
+    precompile._close_idle()
+    monkeypatch.setattr(precompile, "_WORKER_COMMAND", ("sleep", "60"))
+    workers = [precompile._Worker(dict(os.environ)) for _ in range(2)]
+    precompile._give_back(workers)
+    t0 = time.monotonic()
+    precompile._close_idle()
+    assert time.monotonic() - t0 < 2
+    assert not precompile._idle and all(w.proc.poll() is not None for w in workers)
+
+
+@pytest.mark.parametrize("state", ["importing", "ready"])
+def test_ended_workers_leave_no_temporary_folder(state, monkeypatch, tmp_path):
+    """A worker ended at exit, still importing or ready, exits through Python, whose atexit
+    handlers remove the temporary folder cuTile made at its import (which holds the bytecode
+    of its compiles): a SIGKILL leaves that folder behind."""
+    import os
+    import select
+    import sys
+    import time
+    precompile._close_idle()
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    worker = precompile._Worker(dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path
+                                                                            if p)))
+    deadline = time.monotonic() + 60
+    while not os.listdir(tmp_path):                 # cuTile imported: its folder is there
+        assert time.monotonic() < deadline and worker.proc.poll() is None
+        time.sleep(0.02)
+    if state == "ready":
+        assert select.select([worker], [], [], 60)[0]
+    precompile._give_back([worker])
+    t0 = time.monotonic()
+    precompile._close_idle()
+    assert time.monotonic() - t0 < 4 and worker.proc.returncode is not None
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_forked_child_neither_takes_nor_keeps_the_parents_workers(monkeypatch):
+    """A child forked after the workers started (a multiprocessing process per GPU, a data
+    loader) does not take them for its own searches, whose jobs and results would cross the
+    parent's in one pipe, and its copies of their pipes do not keep a worker alive once the
+    parent closes its input. (The worker here is a process that ends at the end of its input.)"""
+    import os
+    import time
+    precompile._close_idle()
+    monkeypatch.setattr(precompile, "_WORKER_COMMAND", ("sh", "-c", "cat > /dev/null"))
+    worker = precompile._Worker(dict(os.environ))
+    precompile._give_back([worker])
+    answer, tell = os.pipe()
+    child = os.fork()
+    if child == 0:                                   # the child: says what it holds, then waits
+        try:
+            os.write(tell, b"none" if not precompile._idle else b"some")
+            time.sleep(10)
+        finally:
+            os._exit(0)
+    try:
+        os.close(tell)
+        assert os.read(answer, 4) == b"none"
+        assert precompile._idle == [worker]          # the parent's are the parent's
+        worker.proc.stdin.close()
+        assert worker.proc.wait(timeout=3) == 0
+    finally:
+        os.close(answer)
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+        precompile._close_idle()
+
+
+def test_an_interrupted_search_ends_its_workers_and_compiles_no_further_job(monkeypatch):
+    """Ctrl-C during a search's precompile: the workers it had are ended (none is left to write
+    a result nobody reads) and this process's compile threads take no further job. (The
+    workers here never get ready, so the threads compile.)"""
+    import os
+    import signal
+    import threading
+    import time
+    precompile._close_idle()
+    monkeypatch.setattr(precompile, "_WORKER_COMMAND", ("sleep", "60"))
+    made = []
+
+    class Worker(precompile._Worker):
+        def __init__(self, environ):
+            super().__init__(environ)
+            made.append(self)
+    monkeypatch.setattr(precompile, "_Worker", Worker)
+    compiled = []
+    monkeypatch.setattr(precompile, "compile_job",
+                        lambda *args: compiled.append(args) or time.sleep(0.2) or "ok")
+    threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident,
+                                               signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        precompile.run_jobs([(i, "module", "name") for i in range(40)], "sm_90", 120, 2)
+    assert len(made) == 2 and all(w.proc.poll() is not None for w in made)
+    time.sleep(0.5)                    # the job a thread had in hand ends; none starts after it
+    n = len(compiled)
+    time.sleep(0.5)
+    assert len(compiled) == n < 10 and not precompile._idle
