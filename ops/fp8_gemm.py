@@ -1197,9 +1197,10 @@ def quantize_fp8_reference(x, granularity="tensor", dtype=torch.float8_e4m3fn):
     """The torch definition quantize_fp8 matches bit for bit: per group (the whole tensor, a
     row, 1x128 or 128x128 elements; partial groups at the edges), amax = max |x| in float32,
     scale = max(amax, 1e-12) / fp8_max, q = clamp(x / scale, -fp8_max, fp8_max) cast to `dtype`
-    (round to nearest even). Returns (q, scale) in quantize_fp8's layouts. Divisions are
-    tensor / tensor: torch divides a CUDA tensor by a Python number as a multiplication by its
-    reciprocal, which is not the same rounding."""
+    (round to nearest even). Returns (q, scale) in quantize_fp8's majors, unpadded (quantize_fp8
+    pads 1x128 scale columns and 128x128 scale rows to 16 bytes). Divisions are tensor / tensor:
+    torch divides a CUDA tensor by a Python number as a multiplication by its reciprocal, which
+    is not the same rounding."""
     fp8_max = torch.finfo(dtype).max
     M, K = x.shape
     xf = x.float()
@@ -1498,8 +1499,10 @@ def fp8_linear(x, weight, bias=None, *, recipe="rowwise"):
     """y = x @ weight^T + bias, as torch.nn.functional.linear, with its forward and both backward
     GEMMs in FP8 (for training). x (..., K) and weight (N, K) bfloat16, float16 or float32 on one
     CUDA device, bias (N,) or None; K and N multiples of 16 (fp8_mm's K in the forward and the
-    input-gradient GEMMs); any number of tokens. y has x's dtype; dx, dweight and dbias the
-    dtypes of their inputs.
+    input-gradient GEMMs); any number of tokens (the weight gradient pads dy and x with zero rows,
+    a copy of each, where the token count is not a multiple of 16). y has x's dtype, also under
+    torch.autocast (where F.linear would return the autocast dtype: cast x first where later ops
+    need it); dx, dweight and dbias the dtypes of their inputs.
 
     recipe: "rowwise" (a scale per row of each operand) or "block" (1x128 groups for x and the
     gradients, 128x128 blocks for the weight, as DeepSeek-V3). Current scaling: every GEMM
