@@ -478,10 +478,11 @@ def _reap_exited():
 
 
 def _end(workers, wait_sec=5.0):
-    """End these workers all at once: their input closed and SIGTERM sent, then the ones still
-    there after `wait_sec` in all killed. (A closed input alone leaves one still importing to
-    finish its imports first, seconds, and waiting for each in turn added up at the exit of a
-    script that started them and ended early.)"""
+    """End these workers all at once: their input closed and SIGTERM sent to each one's process
+    group (a tileiras run it started ends with it), then the ones still there after `wait_sec`
+    in all killed. (A closed input alone leaves one still importing to finish its imports first,
+    seconds, and waiting for each in turn added up at the exit of a script that started them
+    and ended early.)"""
     for w in workers:
         for pipe in (w.proc.stdin, w.proc.stdout):
             try:
@@ -489,7 +490,10 @@ def _end(workers, wait_sec=5.0):
             except OSError:
                 pass
         if w.proc.poll() is None:
-            w.proc.terminate()
+            try:
+                os.killpg(w.proc.pid, signal.SIGTERM)
+            except OSError:
+                w.proc.terminate()
     deadline = time.monotonic() + wait_sec
     for w in workers:
         try:

@@ -351,6 +351,35 @@ def test_exit_ends_idle_workers_without_waiting_for_their_imports(monkeypatch):
     assert not precompile._idle and all(w.proc.poll() is not None for w in workers)
 
 
+def test_an_ended_worker_takes_the_compiler_it_started_with_it(monkeypatch, tmp_path):
+    """A worker ended in the middle of a job (an interrupted search) ends the tileiras run it
+    started too: both are in the worker's process group, which gets the signal."""
+    import os
+    import time
+    precompile._close_idle()
+    pid_file = tmp_path / "child"
+    monkeypatch.setattr(precompile, "_WORKER_COMMAND", (
+        "sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"))
+    worker = precompile._Worker(dict(os.environ))
+    deadline = time.monotonic() + 10
+    while not pid_file.exists() or not pid_file.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    child = int(pid_file.read_text())
+    precompile._end([worker])
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{child}/stat") as f:      # a zombie left for init to reap is gone
+            if f.read().split(") ")[-1].startswith("Z"):
+                break
+        assert time.monotonic() < deadline, "the worker's child outlived it"
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("state", ["importing", "ready"])
 def test_ended_workers_leave_no_temporary_folder(state, monkeypatch, tmp_path):
     """A worker ended at exit, still importing or ready, exits through Python, whose atexit
