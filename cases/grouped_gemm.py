@@ -162,14 +162,13 @@ def _tilegym():
 
 def _loop(x, w, counts):
     """The cuBLAS loop: one torch.mm per non-empty group into its rows of one output (no copy
-    after), or under autograd (whose mm takes no `out=`) concatenated."""
+    after), or under autograd (whose mm takes no `out=`) concatenated. Under autograd the
+    groups are x.split and w.unbind views, whose backwards assemble dx and dW in one pass each
+    (a cat, a stack): x[s:s + c] and w[g] would make autograd build a zero-filled gradient of
+    the whole x and the whole w for every group and add them up, E passes over each."""
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        parts, s = [], 0
-        for g, c in enumerate(counts):
-            if c:
-                parts.append(torch.mm(x[s:s + c], w[g]))
-            s += c
-        return torch.cat(parts)
+        groups = zip(x.split(counts), w.unbind(0), counts)
+        return torch.cat([torch.mm(xg, wg) for xg, wg, c in groups if c])
     out, s = x.new_empty(x.shape[0], w.shape[2]), 0
     for g, c in enumerate(counts):
         if c:

@@ -351,7 +351,7 @@ def plot(rows, path, title=None):
     palette = plt.get_cmap("tab20")
     colors = {k: palette(i % 20) for i, k in enumerate(series)}
     # Horizontal bars, a row per case: long case names stay readable. A log scale, since a
-    # ratio of 100 (a per-group loop) and one of 0.9 must both be legible.
+    # ratio of 12 (torch's eager RoPE) and one of 0.9 must both be legible.
     heights = [sum(len([k for k in series if k in r]) for r in rows if r["op"] == op) * 0.22
                + 1.2 for op in ops]
     fig, axes = plt.subplots(len(ops), 1, squeeze=False, figsize=(11.0, sum(heights) + 0.6),

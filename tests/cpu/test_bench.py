@@ -377,6 +377,47 @@ def test_plot_without_matplotlib_says_so_in_one_line(tmp_path, monkeypatch, caps
     assert not (tmp_path / "bench.png").exists()
 
 
+def test_the_cublas_loop_writes_each_gradient_once():
+    """The grouped GEMM rows' cuBLAS loop under autograd: dx and dW are each assembled in one
+    op (a cat, a stack), whatever the number of groups. Slicing x and indexing w per group made
+    autograd fill a zero gradient of the whole x and the whole w for every group and add them
+    up (E full-size passes over each), which the forward+backward rows timed as cuBLAS's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tiletune.cases import grouped_gemm
+
+    class Outputs(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.shapes += [tuple(o.shape) for o in (out if isinstance(out, (tuple, list))
+                                                     else (out,)) if isinstance(o, torch.Tensor)]
+            return out
+
+    E, T, K, N = 4, 16, 8, 6
+    counts = grouped_gemm.split(T, E, zipf=True)           # the last group empty
+    x = torch.randn(T, K, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(E, N, K, dtype=torch.float64).transpose(-2, -1).detach().requires_grad_()
+    dy = torch.randn(T, N, dtype=torch.float64)
+    out = grouped_gemm._loop(x, w, counts)
+    mode = Outputs()
+    with mode:
+        dx, dw = torch.autograd.grad(out, (x, w), dy)
+    assert mode.shapes.count((T, K)) == 1 and mode.shapes.count((E, K, N)) == 1
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    for g, (c, end) in enumerate(zip(counts, ends)):
+        rows = slice(end - c, end)
+        torch.testing.assert_close(out[rows], x[rows] @ w[g])
+        torch.testing.assert_close(dx[rows], dy[rows] @ w[g].T)
+        torch.testing.assert_close(dw[g], x[rows].T @ dy[rows])
+    assert counts[-1] == 0 and not dw[-1].any()
+    with torch.no_grad():                                   # the forward rows' path: out=
+        torch.testing.assert_close(grouped_gemm._loop(x, w, counts), out)
+
+
 def test_decode_rows_are_also_timed_from_cuda_graphs():
     from tiletune.cases import fmha
     decode = fmha._decode_cases(full=True)          # lazy rows: nothing allocated on the CPU
