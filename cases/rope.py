@@ -128,10 +128,14 @@ def bench_cases(full=False):
                   R.apply_rope(q, k, c, s, inplace=True, compute_dtype=torch.bfloat16))]
         if full:
             modes.append(("fwd", lambda q=q, k=k, c=cos, s=sin: R.apply_rope(q, k, c, s)))
+        # Liger and TileGym rotate q and k in place: each gets a copy of its own, so the others
+        # (and the out-of-place row) read the inputs as drawn
+        own = {name: (q.clone(), k.clone()) if name in ("liger", "tilegym") else (q, k)
+               for name in peers}
         for mode, ours in modes:
             cases.append(BenchCase(
                 "rope", f"B{B} Hq{Hq} Hkv{Hk} S{S} D{D} bf16", mode, ours,
-                {name: (lambda f=f, q=q, k=k, c=cos, s=sin: f(q, k, c, s))
+                {name: (lambda f=f, q=own[name][0], k=own[name][1], c=cos, s=sin: f(q, k, c, s))
                  for name, f in peers.items()},
                 bytes=2 * (q.numel() + k.numel()) * 2 + 2 * B * S * D * 2,
                 ceiling=("copy", lambda qo=q_out, ko=k_out, qc=qc, kc=kc:

@@ -418,6 +418,32 @@ def test_the_cublas_loop_writes_each_gradient_once():
         torch.testing.assert_close(grouped_gemm._loop(x, w, counts), out)
 
 
+def test_rope_peers_that_rotate_in_place_get_inputs_of_their_own(monkeypatch):
+    """Liger's and TileGym's RoPE rotate q and k in place: each reads a copy of its own, so the
+    other candidates read the inputs as drawn."""
+    from cases import rope as case
+
+    def inputs(B, Hq, Hk, S, D, dt):
+        return (torch.randn(B, Hq, S, D), torch.randn(B, Hk, S, D), torch.randn(B, S, D),
+                torch.randn(B, S, D))
+    seen = {}
+
+    def peer(name):
+        def rotate(q, k, cos, sin):
+            seen[name] = (q.data_ptr(), k.data_ptr())
+            q.mul_(-1)
+            k.mul_(-1)
+        return rotate
+    monkeypatch.setattr(case, "bench_inputs", inputs)
+    monkeypatch.setattr(case, "SHAPES", ((1, 2, 1, 8, 4),))
+    monkeypatch.setattr(case, "_peers", lambda: {n: peer(n) for n in ("torch", "liger",
+                                                                       "tilegym")})
+    row = case.bench_cases(full=False)[0]
+    for name in ("liger", "tilegym", "torch"):
+        row.baselines[name]()
+    assert len({p for ptrs in seen.values() for p in ptrs}) == 6
+
+
 def test_decode_rows_are_also_timed_from_cuda_graphs():
     from tiletune.cases import fmha
     decode = fmha._decode_cases(full=True)          # lazy rows: nothing allocated on the CPU
