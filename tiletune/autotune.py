@@ -105,7 +105,42 @@ FINALISTS = 4
 # keys and chose configs that those rows put 1-5% behind it.
 SUSTAINED_FINAL_US = 100.0
 SUSTAINED_FINAL_ROUNDS = 3
-COMPILE_TIMEOUT_SEC = env.number("TILETUNE_COMPILE_TIMEOUT_SEC", 60.0)
+# (a compile's timeout reaches the poll() of subprocess.run in milliseconds, a C int: past
+# about 24 days every compile raised OverflowError, and the search failed every config)
+MAX_COMPILE_TIMEOUT_SEC = 1e6
+COMPILE_TIMEOUT_SEC = env.number("TILETUNE_COMPILE_TIMEOUT_SEC", 60.0,
+                                 maximum=MAX_COMPILE_TIMEOUT_SEC)
+
+
+# cuTile's compile timeout is one setting of the process, not of a thread (ct.compiler_timeout
+# saves and restores it): searches on several GPUs at once share one entry of it, the first
+# setting it and the last putting back what was there. (Each entering its own, one search
+# ending left the other compiling without a timeout, and the timeout set for good after both.)
+_timeout_guard = threading.Lock()
+_timeout_held = []          # [the entered ct.compiler_timeout, number of searches inside it]
+
+
+@contextlib.contextmanager
+def _compile_timeout():
+    """ct.compiler_timeout(COMPILE_TIMEOUT_SEC) around a search's compiles, shared with the
+    searches running at the same time in other threads."""
+    with _timeout_guard:
+        if not _timeout_held:
+            setting = ct.compiler_timeout(COMPILE_TIMEOUT_SEC)
+            setting.__enter__()
+            _timeout_held[:] = [setting, 0]
+        _timeout_held[1] += 1
+    try:
+        yield
+    finally:
+        with _timeout_guard:
+            _timeout_held[1] -= 1
+            if not _timeout_held[1]:
+                setting = _timeout_held.pop(0)
+                _timeout_held.clear()
+                setting.__exit__(None, None, None)
+
+
 # A search that takes longer than this says so in one line (op, key, seconds, winner) even
 # without TILETUNE_LOG, so a slow first call does not look like a hang.
 LONG_SEARCH_SEC = 2.0
@@ -227,13 +262,14 @@ def _after_fork_in_child():
     """A child forked while some thread searched holds a copy of that search's lock descriptor,
     which would keep the parent's GPU lock taken for as long as the child lives, and a copy of
     the search lock no thread of the child will release: closed and replaced."""
-    global _search_locks, _search_locks_guard, _gpu_locks
+    global _search_locks, _search_locks_guard, _gpu_locks, _timeout_guard
     for fd in _gpu_lock_fds:
         with contextlib.suppress(OSError):
             os.close(fd)
     _gpu_lock_fds.clear()
     _gpu_locks = threading.local()
     _search_locks, _search_locks_guard = {}, threading.Lock()
+    _timeout_guard = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -421,8 +457,9 @@ class Autotuner:
              search shares one buffer among its configs.
     run(cfg, kernel, stream, dev, *inputs): for configs that launch more than their kernel
              (split-K's sum): runs instead of the one `ct.launch`; the final round times it.
-             A config for which `scratch` gives no buffer launches its kernel alone (with
-             `tune_key`, on the grid planned at the key's first launch), not through `run`.
+             With `tune_key`, a config for which `scratch` gives no buffer launches its
+             kernel alone, on the grid planned at the key's first launch, not through `run`
+             (without `tune_key`, `run` launches it, its buffer None).
     partly_timed(cfg) -> bool: True where the search's time of the kernel leaves out part of
              `run` (so it is a lower bound: the final round decides).
     timed_by_run(cfg) -> bool: True where the kernel reads what an earlier kernel of `run`
@@ -466,8 +503,9 @@ class Autotuner:
         self.records = {}        # key -> TuningRecord
         self.searches = 0        # number of exhaustive searches run (tests, stats)
         self._capture_cache = {}  # key -> (cfg, kernel) used while a CUDA graph is captured
-        self._failed = {}        # key -> TuningFailedError: raised again without a new search
-                                 # (unless no failure was its config's: `_of_the_moment`)
+        self._failed = {}        # key -> its failures: a TuningFailedError of them is raised
+                                 # again without a new search (unless no failure was its
+                                 # config's: `_of_the_moment`)
         self._hinted = {}        # (bare kernel, hints, device) -> the one object built with them
         self._unproven = {}      # key -> store key of a stored winner not yet launched
         self._again = set()      # keys a job decided as failed for the moment: next round
@@ -612,6 +650,10 @@ class Autotuner:
         result = launch_config(cfg, kernel, dev, inputs, cfg_grid)
         if self.cache.get(tkey) is entry:    # not a config picked during graph capture
             self._plans[key] = (kernel, cfg_grid, cfg, spec)
+            if self.cache.get(tkey) is not entry:
+                # the cache changed in between (clear_cache() in another thread), and with it
+                # went the plans: this one must not outlive its entry either
+                self._plans.pop(key, None)
         return result
 
     def _planned(self, cfg, dev, inputs):
@@ -683,8 +725,13 @@ class Autotuner:
             memo = (kernel, repr(sorted(hints.items())), dev)
         built = self._hinted.get(memo)
         if built is None:
-            built = self._hinted[memo] = kernel.replace_hints(**hints)
-            precompile.track(built)
+            # (setdefault: where two threads build one at once, as a capture's miss, which takes
+            # no lock, beside a search can, both get the first stored; the other, freed, would
+            # unload the code a graph captured with it replays)
+            made = kernel.replace_hints(**hints)
+            built = self._hinted.setdefault(memo, made)
+            if built is made:
+                precompile.track(built)
         return built
 
     def _search_kernels(self, dev):
@@ -751,7 +798,9 @@ class Autotuner:
                 return self._finish(key, cfgs[0], record, None, dev)
             failed = self._failed.get(key)
             if failed is not None:       # every config failed for this key: no new search
-                raise failed
+                # (a new error each time: one raised again keeps the frames, and so the
+                # tensors, of every call it went through)
+                raise TuningFailedError(self.name, key, failed)
             skey = self.store_key(key, dev, cfgs)
             stored, cfg = self._from_store(skey, cfgs) if use_store else (None, None)
             agreement = distributed.current()
@@ -840,7 +889,7 @@ class Autotuner:
                 # next round at its next call (each counts its own rounds, so they meet there)
                 self._again.add(key)
             else:
-                self._failed[key] = error
+                self._failed[key] = failures
             raise error
         decided = self._find(cfgs, entry.get("config"))
         if decided is None:
@@ -915,7 +964,7 @@ class Autotuner:
         result = None
         if candidates:
             try:
-                with ct.compiler_timeout(COMPILE_TIMEOUT_SEC):
+                with _compile_timeout():
                     result = exhaustive_search([c for _, c in candidates], stream, search.grid_fn,
                                                self._search_kernels(dev), search.args_fn,
                                                quiet=True)
@@ -923,10 +972,13 @@ class Autotuner:
                 if "No valid config" not in str(e):
                     raise
         if result is None:
-            # exhaustive_search keeps only the first error when all fail: find each one's error.
-            for i, c in candidates:
-                etype, msg = self._probe(c, search, dev)
-                failures.append({"i": i, "error": etype, "message": msg})
+            # exhaustive_search keeps only the first error when all fail: find each one's error
+            # (compiling again, under the timeout too: a config whose compile timed out in the
+            # search would compile here for as long as it takes)
+            with _compile_timeout():
+                for i, c in candidates:
+                    etype, msg = self._probe(c, search, dev)
+                    failures.append({"i": i, "error": etype, "message": msg})
             return timings, failures
         ids = {id(c): i for i, c in candidates}
 
@@ -948,7 +1000,7 @@ class Autotuner:
         runs = [(i, self._runner(c, search, stream, dev), None) for i, c in candidates]
         rounds, reps = 3, 10
         try:
-            with ct.compiler_timeout(COMPILE_TIMEOUT_SEC), torch.cuda.device(dev):
+            with _compile_timeout(), torch.cuda.device(dev):
                 us = timing.time_interleaved(runs, rounds=rounds, reps=reps, warmup=2,
                                              preheat_ms=0)
         except Exception as e:          # e.g. no memory for the L2 flush: none of them timed
@@ -970,11 +1022,10 @@ class Autotuner:
         ranking, the final round of the close finishers on this GPU, the record. Raises
         TuningFailedError when nothing was timed. Ties go to the earlier config."""
         if not timings:
-            error = TuningFailedError(self.name, key, [(config_dict(cfgs[f["i"]]), f["error"],
-                                                        f["message"]) for f in failures])
+            failed = [(config_dict(cfgs[f["i"]]), f["error"], f["message"]) for f in failures]
             if not _of_the_moment((f["error"], f["message"]) for f in failures):
-                self._failed[key] = error
-            raise error
+                self._failed[key] = failed
+            raise TuningFailedError(self.name, key, failed)
         ranked = sorted((SimpleNamespace(config=cfgs[t["i"]], mean_us=t["mean_us"], t=t)
                          for t in sorted(timings, key=lambda t: t["i"])),
                         key=lambda m: m.mean_us)
@@ -996,14 +1047,19 @@ class Autotuner:
             stream = torch.cuda.current_stream(dev)
             try:
                 # (a kernel only the final round runs, such as split-K's sum, compiles here)
-                with ct.compiler_timeout(COMPILE_TIMEOUT_SEC), torch.cuda.device(dev):
-                    final = self._final_round(finalists, search, stream, best_us, dev, regime)
+                with _compile_timeout(), torch.cuda.device(dev):
+                    final, failed = self._final_round(finalists, search, stream, best_us, dev,
+                                                      regime)
             except Exception as e:     # e.g. no memory left for the L2 flush: keep the anchor
                 log.info("%s %s: final round skipped: %s: %s", self.name, key,
                          type(e).__name__, str(e)[:200])
-                final = []
+                final, failed = [], []
             finally:
                 timing.release()
+            # a finalist whose run raised (a kernel only its run launches, such as split-K's sum,
+            # did not build) is out of the round, and the record keeps its error
+            record_failures += [{"config": config_dict(c), "error": type(e).__name__,
+                                 "message": f"in the final round: {e}"} for c, e in failed]
             if final:
                 best, best_us = final[0]
             final = [{"config": config_dict(c), "median_us": us, "timing": regime}
@@ -1027,8 +1083,8 @@ class Autotuner:
         return finalists
 
     def _final_round(self, finalists, search, stream, best_us, dev, regime="turns"):
-        """[(cfg, median us)] fastest first, the finalists timed in turns: ~10 ms blocks, or
-        sustained blocks (SUSTAINED_FINAL_US)."""
+        """([(cfg, median us)] fastest first, [(cfg, error)] of those whose run raised): the
+        finalists timed in turns, ~10 ms blocks, or sustained blocks (SUSTAINED_FINAL_US)."""
         runs = [(i, self._runner(c, search, stream, dev), None) for i, c in enumerate(finalists)]
         if regime == "sustained":
             us = timing.time_interleaved(runs, rounds=SUSTAINED_FINAL_ROUNDS, reps=3, warmup=2,
@@ -1038,7 +1094,8 @@ class Autotuner:
             # (blocks of at most 20 runs under 100 us: the whole round is shorter than a boost)
             us = timing.time_interleaved(runs, rounds=5, reps=reps, warmup=2, preheat_ms=0)
         timed = [(c, us[i]) for i, c in enumerate(finalists) if not isinstance(us[i], Exception)]
-        return sorted(timed, key=lambda t: t[1])
+        failed = [(c, us[i]) for i, c in enumerate(finalists) if isinstance(us[i], Exception)]
+        return sorted(timed, key=lambda t: t[1]), failed
 
     def _runner(self, c, search, stream, dev):
         """One timed run of config c: the op's run_fn where it has one, else its kernel's
@@ -1143,6 +1200,8 @@ class _TuningCache(dict):
         self._plans = plans
 
     def _changed(self):
+        # (after each change, never before it: a plan written in between by a thread that read
+        # the old entry would outlive it)
         self._plans.clear()
 
     def __setitem__(self, key, value):
@@ -1154,12 +1213,14 @@ class _TuningCache(dict):
         self._changed()
 
     def pop(self, *args):
+        value = super().pop(*args)
         self._changed()
-        return super().pop(*args)
+        return value
 
     def popitem(self):
+        item = super().popitem()
         self._changed()
-        return super().popitem()
+        return item
 
     def clear(self):
         super().clear()
@@ -1170,8 +1231,9 @@ class _TuningCache(dict):
         self._changed()
 
     def setdefault(self, key, default=None):
+        value = super().setdefault(key, default)
         self._changed()
-        return super().setdefault(key, default)
+        return value
 
 
 def _check_grid(name, key, planned, grid, what="grid"):

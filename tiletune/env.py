@@ -32,11 +32,11 @@ def _raw(name):
     return value.strip()
 
 
-def number(name, default):
+def number(name, default, maximum=None):
     """The variable as a positive finite float, e.g. TILETUNE_COMPILE_TIMEOUT_SEC=90 or 2.5.
 
     Unset or blank: `default`. Anything else (60s, -1, 0, nan, inf): one warning, then
-    `default`."""
+    `default`. Above `maximum`, when one is given: one warning, then `maximum`."""
     value = _raw(name)
     if value is None:
         return default
@@ -48,6 +48,10 @@ def number(name, default):
         warn_once((name, value), f"tiletune: {name}={value!r} is not a positive number of "
                                  f"seconds; using the default {default}")
         return default
+    if maximum is not None and x > maximum:
+        warn_once((name, value), f"tiletune: {name}={value!r} is more than the {maximum:g} "
+                                 f"seconds it can be; using {maximum:g}")
+        return maximum
     return x
 
 

@@ -150,6 +150,24 @@ def test_unhashable_hints_still_build_one_object(env):
     assert t._with_hints(_k, cfg, 0) is t._with_hints(_k, cfg, 0)
 
 
+def test_two_threads_building_one_configs_kernel_get_one_object(env, monkeypatch):
+    """A miss during capture takes no lock: where it builds a config's kernel while another
+    thread builds the same one, both get one object (the second stored replaced the first,
+    which its thread had launched; freed, it would unload code a captured graph replays)."""
+    t = env.make()
+    cfg, others = SimpleNamespace(tile=8, occupancy=2), []
+    build = ct.kernel.replace_hints
+
+    def build_while_another_thread_builds(self, **hints):
+        if not others:
+            others.append(None)
+            others[0] = t._with_hints(_k, cfg, 0)
+        return build(self, **hints)
+    monkeypatch.setattr(ct.kernel, "replace_hints", build_while_another_thread_builds)
+    mine = t._with_hints(_k, cfg, 0)
+    assert mine is others[0] is t._with_hints(_k, cfg, 0)
+
+
 def test_tuned_kernel_carries_exactly_the_winning_hints(env):
     t = env.make()
     _, kern = resolve(t, ("k",))
@@ -236,6 +254,23 @@ def test_all_configs_failing_raises_with_every_error(env, monkeypatch):
         resolve(t, ("k",))
     assert len(e.value.failures) == 3
     assert all(f"boom {o}" in str(e.value) for o in (1, 2, 4))
+
+
+def test_configs_probed_for_their_errors_compile_under_the_timeout(env, monkeypatch):
+    """When every config failed, each is launched alone for its own error, which compiles it
+    again: under the search's compile timeout too (a config whose compile timed out in the
+    search compiled there for as long as it took)."""
+    from cuda.tile._cext import default_tile_context
+    monkeypatch.setattr(default_tile_context.config, "compiler_timeout_sec", None)
+    env.fake.fail = {1, 2, 4}
+    timeouts = []
+    monkeypatch.setattr(ct, "launch", lambda *a: timeouts.append(
+        default_tile_context.config.compiler_timeout_sec))
+    t = env.make()
+    with pytest.raises(TuningFailedError):
+        resolve(t, ("k",))
+    assert timeouts == [autotune.COMPILE_TIMEOUT_SEC] * 3
+    assert default_tile_context.config.compiler_timeout_sec is None
 
 
 def test_partial_failures_are_recorded_and_logged(env, caplog):
@@ -541,6 +576,24 @@ def test_a_failing_final_round_keeps_the_search_pick(env, monkeypatch, caplog):
     assert released == [1]          # the flush buffer is dropped either way
 
 
+def test_a_finalist_whose_run_fails_in_the_final_round_is_a_recorded_failure(env, caplog):
+    """A config that fails only in the final round (a kernel only its run launches, such as
+    split-K's sum, does not build) does not win, and the record keeps its error like any
+    other failure's (it left no trace)."""
+    env.final.times = {0: RuntimeError("sum kernel refused")}   # occ 2, the search's winner
+    t = env.make()
+    with caplog.at_level(logging.INFO, logger="tiletune"):
+        cfg, _ = resolve(t, ("k", 15))
+    rec = t.records[("k", 15)]
+    assert cfg.occupancy == 1 and [f["config"]["occupancy"] for f in rec.final] == [1]
+    assert [(f["config"]["occupancy"], f["error"], f["message"]) for f in rec.failures] == [
+        (2, "RuntimeError", "in the final round: sum kernel refused")]
+    assert "sum kernel refused" in caplog.text
+    t.clear()
+    resolve(t, ("k", 15))                       # the store keeps it
+    assert t.records[("k", 15)].failures == rec.failures
+
+
 def test_final_round_runs_the_ops_runner_when_given(env):
     """Configs that launch more than their kernel (split-K's sum) are timed whole."""
     ran = []
@@ -656,6 +709,27 @@ def test_launch_tunes_once_then_launches_the_cached_kernel(env, monkeypatch):
     assert t.launch(("k",), "cpu", x, 32) is None
     assert env.launches == [("stream", (1, "cpu"), kernel, (x, 32))]
     assert env.fake.calls == 1
+
+
+def test_clear_cache_in_another_thread_during_a_first_launch_leaves_no_plan(env, monkeypatch):
+    """clear_cache() in another thread between a first launch's reading of its entry and the
+    writing of its launch plan: the plan is not kept (it outlived the cleared entry, and the key
+    launched its old config on the fast path, never resolved again)."""
+    x, cleared = torch.zeros(4), []
+    t = _declared(env, monkeypatch, "cleared", grid=lambda c, dev, x, n: (1,),
+                  args=lambda c, x, n: (x, c.occupancy))
+
+    def get_then_clear(key, default=None):
+        found = dict.get(t.cache, key, default)
+        if found is not None and not cleared:
+            cleared.append(key)
+            autotune.clear_cache()           # as another thread would, right after this read
+        return found
+    monkeypatch.setattr(t.cache, "get", get_then_clear, raising=False)
+    t.launch(("k",), "cpu", x, 16)
+    assert cleared == [("k",)] and t._plans == {}
+    t.launch(("k",), "cpu", x, 16)           # resolved again: from the store
+    assert t.records[("k",)].source == "store" and env.fake.calls == 1
 
 
 def test_launch_keys_in_one_bucket_share_a_tuning_and_plan_their_own_grid(env, monkeypatch):
@@ -871,7 +945,7 @@ def test_disable_autotune_values(monkeypatch, value, off):
 def test_disable_autotune_wins_over_a_key_whose_every_config_failed(env, monkeypatch):
     t = _declared(env, monkeypatch, "allfail", grid=lambda c, dev, x, n: (1,),
                   args=lambda c, x, n: (x, c.occupancy))
-    t._failed[("k",)] = autotune.TuningFailedError("allfail", ("k",), {})
+    t._failed[("k",)] = [({"occupancy": 1}, "RuntimeError", "boom")]
     with pytest.raises(autotune.TuningFailedError):
         t.launch(("k",), "cpu", torch.zeros(4), 32)
     monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
@@ -1006,6 +1080,29 @@ def test_a_key_whose_every_config_fails_is_not_searched_again(env, monkeypatch):
     assert env.fake.calls == 2
 
 
+def test_a_key_whose_every_config_fails_keeps_no_call_alive(env, monkeypatch):
+    """The key's error is raised again at each call, as a new error: raising the one kept
+    error again grew its traceback by every call's frames, which kept each call's tensors
+    (and the search's buffers) alive for the process's life."""
+    import gc
+    import weakref
+    env.fake.fail = {1, 2, 4}
+    t = _declared(env, monkeypatch, "leak", grid=lambda c, dev, x, n: (1,),
+                  args=lambda c, x, n: (x,))
+    monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: ("RuntimeError", "boom"))
+    alive, errors = [], []
+    for _ in range(3):
+        x = torch.zeros(4)
+        alive.append(weakref.ref(x))
+        with pytest.raises(TuningFailedError) as e:
+            t.launch(("k",), "cpu", x, 16)
+        errors.append(str(e.value))
+        del x, e
+    gc.collect()
+    assert [ref() for ref in alive] == [None] * 3
+    assert env.fake.calls == 1 and len(set(errors)) == 1 and "boom" in errors[0]
+
+
 @pytest.mark.parametrize("verdict", [("OutOfMemoryError", "CUDA out of memory"),
                                      ("CompilerTimeoutError", "over 60 s"),
                                      ("CompilerExecutionError", "Return code -9"),
@@ -1043,6 +1140,41 @@ def test_searches_on_different_gpus_run_at_once(env):
     for th in threads:
         th.join()
     assert env.fake.calls == 2 and time.perf_counter() - t0 < 0.75
+
+
+def test_searches_on_different_gpus_at_once_each_compile_under_the_timeout(env, monkeypatch):
+    """cuTile's compile timeout is one setting of the process: a search on one GPU that ends
+    while another GPU's search still compiles leaves it the timeout, and once both ended the
+    setting is what it was before them."""
+    from cuda.tile._cext import default_tile_context
+    monkeypatch.setattr(default_tile_context.config, "compiler_timeout_sec", None)
+    t = env.make()
+    fake, seen = env.fake, []
+    first_in, second_in, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    def search_on_two_gpus(*a, **kw):
+        if threading.current_thread().name == "gpu0":
+            first_in.set()
+            second_in.wait(5)
+        else:
+            second_in.set()
+            first_done.wait(5)           # the other search has ended
+            seen.append(default_tile_context.config.compiler_timeout_sec)
+        return fake(*a, **kw)
+    monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", search_on_two_gpus)
+
+    def gpu0():
+        t.tune(("k", 0), 0, search())
+        first_done.set()
+    threads = [threading.Thread(target=gpu0, name="gpu0"),
+               threading.Thread(target=lambda: t.tune(("k", 1), 1, search()), name="gpu1")]
+    threads[0].start()
+    first_in.wait(5)
+    threads[1].start()
+    for th in threads:
+        th.join(10)
+    assert seen == [autotune.COMPILE_TIMEOUT_SEC] and fake.calls == 2
+    assert default_tile_context.config.compiler_timeout_sec is None
 
 
 def _tuple_space(arch, n):
@@ -1134,11 +1266,17 @@ def test_disable_autotune_launches_once_per_call(env, monkeypatch):
     assert len(env.launches) == 3
 
 
-def test_a_malformed_compile_timeout_does_not_break_import():
-    code = "import tiletune.autotune as a; print(a.COMPILE_TIMEOUT_SEC)"
+@pytest.mark.parametrize("value, taken", [("60s", "60.0"), ("1e7", "1000000.0")],
+                         ids=["malformed", "past what a compile can wait"])
+def test_a_malformed_compile_timeout_does_not_break_import(value, taken):
+    """A value that is no number warns and takes the default; one past what subprocess.run
+    can wait for a compile (its poll() takes a C int of milliseconds: every compile of every
+    config raised OverflowError) warns and takes the most it can."""
+    code = ("import subprocess, tiletune.autotune as a; print(a.COMPILE_TIMEOUT_SEC); "
+            "subprocess.run(['true'], capture_output=True, timeout=a.COMPILE_TIMEOUT_SEC)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, TILETUNE_COMPILE_TIMEOUT_SEC="60s"), timeout=120)
-    assert out.returncode == 0 and out.stdout.split() == ["60.0"], out.stderr
+                         env=dict(os.environ, TILETUNE_COMPILE_TIMEOUT_SEC=value), timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == [taken], out.stderr
     assert "TILETUNE_COMPILE_TIMEOUT_SEC" in out.stderr
 
 
