@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn.modules.module import (_global_forward_hooks,
                                       _global_forward_pre_hooks)
 
-from tiletune.ops.fmha import MAX_GRID_Y, fmha_varlen, scaled_dot_product_attention
+from tiletune.ops.fmha import MAX_GRID_Y, MAX_SEQ, fmha_varlen, scaled_dot_product_attention
 from tiletune.ops.gated_mlp import swiglu_linear
 from tiletune.ops.moe import MAX_ELEMS, moe_experts
 from tiletune.ops.rms_norm import rms_norm
@@ -153,9 +153,11 @@ def attention_route(*, q_length, kv_length, head_dim, dtype, on_cuda, has_mask, 
     transformers' SDPA attention computes, else SDPA itself. A pure function of the call's
     shapes and flags (no device work). The kernel serves: no attention mask (plain causal or,
     at q_length 1 or is_causal False, full attention), dropout 0, bf16/fp16 CUDA tensors,
-    head_dim <= 256, no position bias, `rows` (batch, or packed sequences, x query heads) within
-    the kernels' grid (MAX_GRID_Y). Anything else (a padding / sliding-window / packed-sequence
-    mask, attention dropout in training, float32, CPU, a larger batch) goes to SDPA."""
+    head_dim <= 256, no position bias, `rows` (batch, or packed sequences, x query heads) and
+    q_length and kv_length (a packed batch's longest sequences) within the kernels' grid
+    (MAX_GRID_Y rows, MAX_SEQ tokens). Anything else (a padding / sliding-window /
+    packed-sequence mask, attention dropout in training, float32, CPU, a larger batch, a longer
+    sequence or KV cache) goes to SDPA."""
     if has_mask:
         reason = "an attention mask (padding, sliding window or packed sequences)"
     elif dropout:
@@ -170,6 +172,9 @@ def attention_route(*, q_length, kv_length, head_dim, dtype, on_cuda, has_mask, 
         reason = f"head_dim {head_dim} > 256"
     elif rows > MAX_GRID_Y:
         reason = f"batch x query heads {rows} > {MAX_GRID_Y} (the kernels' grid)"
+    elif q_length > MAX_SEQ or kv_length > MAX_SEQ:
+        reason = (f"{max(q_length, kv_length)} query or key tokens > {MAX_SEQ} (the kernels' "
+                  "grid)")
     else:
         causal = bool(is_causal) and q_length > 1
         keys = q_length if causal and kv_length > q_length else kv_length
@@ -243,7 +248,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if packed is not None and not _packed_mask_is_plain(module, kwargs, packed[3]):
         packed = None            # local attention reaches inside a sequence: the mask decides
     route = attention_route(
-        q_length=query.shape[2], kv_length=key.shape[2], head_dim=query.shape[3],
+        q_length=query.shape[2] if packed is None else packed[2],
+        kv_length=key.shape[2] if packed is None else packed[3], head_dim=query.shape[3],
         dtype=query.dtype, on_cuda=query.is_cuda,
         has_mask=attention_mask is not None and packed is None, is_causal=is_causal,
         dropout=dropout, has_position_bias=kwargs.get("position_bias") is not None,
@@ -330,19 +336,31 @@ def _hf_activation_type(act):
     return found
 
 
+# What a weight read by a kernel without calling its module must be: a plain tensor. A tensor
+# subclass (torchao's quantized or float8 weights, which keep nn.Linear and report the
+# high-precision dtype) holds other data than its values, which only its own dispatch computes.
+_PLAIN_WEIGHTS = (nn.Parameter, torch.Tensor)
+
+
 def _fusable(x, *projections):
     """The gate and up projections can go through swiglu_linear's one kernel, which reads their
     weights without calling them: plain bias-free nn.Linear layers (not LoRA or quantized
-    wrappers) of x's dtype and device (not offloaded), bf16 or fp16, with no forward hooks of
-    their own or global ones and no forward set on the instance (an offloading or calibration
-    hook must see the call), and no autocast (which would change the projections' dtype)."""
-    return (x.dtype in (torch.bfloat16, torch.float16)
-            and not torch.is_autocast_enabled(x.device.type)
-            and not (_global_forward_hooks or _global_forward_pre_hooks)
-            and all(type(p) is nn.Linear and p.bias is None and p.weight.dtype == x.dtype
-                    and p.weight.device == x.device and not p._forward_hooks
-                    and not p._forward_pre_hooks and "forward" not in p.__dict__
-                    for p in projections))
+    wrappers, nor quantized weight tensors) of x's dtype and device (not offloaded), bf16 or
+    fp16, with no forward hooks of their own or global ones and no forward set on the instance
+    (an offloading or calibration hook must see the call), and no autocast (which would change
+    the projections' dtype)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or \
+            torch.is_autocast_enabled(x.device.type) or \
+            _global_forward_hooks or _global_forward_pre_hooks:
+        return False
+    for p in projections:
+        if type(p) is not nn.Linear or p._forward_hooks or p._forward_pre_hooks or \
+                "forward" in p.__dict__ or p.bias is not None:
+            return False
+        w = p.weight                    # (one attribute lookup: host time of every MLP call)
+        if type(w) not in _PLAIN_WEIGHTS or w.dtype != x.dtype or w.device != x.device:
+            return False
+    return True
 
 
 def experts_supported(hidden_dtype, weight_dtypes):
@@ -374,6 +392,14 @@ class _ExpertsForward:
             _log_once(f"tiletune experts: {hidden_states.dtype} hidden states with "
                       f"{self.gate_up_proj.dtype} weights (the kernels take bf16/fp16 of one "
                       "dtype): using transformers' experts")
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+        if type(self.gate_up_proj) not in _PLAIN_WEIGHTS or \
+                type(self.down_proj) not in _PLAIN_WEIGHTS:
+            odd = self.down_proj if type(self.gate_up_proj) in _PLAIN_WEIGHTS else \
+                self.gate_up_proj
+            _log_once(f"tiletune experts: {type(odd).__name__} expert weights (a tensor "
+                      "subclass, such as a quantized weight, whose values only its own "
+                      "operations compute): using transformers' experts")
             return super().forward(hidden_states, top_k_index, top_k_weights)
         if max(self.gate_up_proj.numel(), self.down_proj.numel()) > EXPERT_WEIGHT_ELEMS:
             _log_once("tiletune experts: an expert weight of more than 2^31 - 1 elements (the "

@@ -317,6 +317,67 @@ def test_mlp_keeps_hooks_and_a_replaced_activation(ops, caplog, monkeypatch):
     assert sum("act_fn is a GELU" in r.getMessage() for r in caplog.records) == 1
 
 
+class QuantizedWeight(torch.Tensor):
+    """A weight held as int8 values and a scale that reports the scale's dtype, as torchao's
+    weight-only quantization leaves it in an nn.Linear: its values exist only through its own
+    dispatch (its memory is not a bf16 matrix that a kernel could read)."""
+
+    @staticmethod
+    def __new__(cls, qdata, scale):
+        return torch.Tensor._make_wrapper_subclass(cls, qdata.shape, dtype=scale.dtype,
+                                                   device=qdata.device)
+
+    def __init__(self, qdata, scale):
+        self.qdata, self.scale = qdata, scale
+
+    @classmethod
+    def of(cls, w):
+        scale = w.detach().abs().amax(-1, keepdim=True) / 127
+        return torch.nn.Parameter(cls(torch.round(w.detach() / scale).to(torch.int8), scale),
+                                  requires_grad=False)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.clone.default):
+            return cls(args[0].qdata.clone(), args[0].scale.clone())
+        values = [a.qdata.to(a.scale.dtype) * a.scale if isinstance(a, cls) else a for a in args]
+        return func(*values, **(kwargs or {}))
+
+
+def test_mlp_with_quantized_weights_calls_its_projections(ops, monkeypatch):
+    """Projections whose weights are tensor subclasses (torchao's quantized weights keep
+    nn.Linear and report bf16) run as modules: swiglu_linear would read the weights' memory,
+    not their values. The logits equal transformers' on the same weights."""
+    monkeypatch.setattr(hf, "_swiglu_linear", lambda *a: pytest.fail("a quantized weight "
+                                                                       "reached the kernel"))
+    model = build("llama").to(torch.bfloat16)
+    for layer in model.model.layers:
+        for proj in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            proj.weight = QuantizedWeight.of(proj.weight)
+    reference = copy.deepcopy(model)
+    hf.apply_tiletune(model)
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=0, rtol=0)
+    assert ops["swiglu"] == 2
+
+
+def test_experts_with_quantized_weights_keep_hf_experts(ops, caplog, monkeypatch):
+    """Expert weights that are tensor subclasses (quantized or float8-training weights) run
+    transformers' experts, with one warning: the grouped GEMM would read their memory."""
+    monkeypatch.setattr(hf, "_moe_experts", lambda *a: pytest.fail("reached the kernel"))
+    model = build("qwen3_moe").to(torch.bfloat16)
+    experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+    experts.down_proj = QuantizedWeight.of(experts.down_proj)
+    reference = copy.deepcopy(model)
+    hf.apply_tiletune(model, rms_norm=False, rope=False, attention=False, mlp=False)
+    ids = torch.randint(0, 128, (2, 12))
+    with caplog.at_level(logging.WARNING, logger="tiletune"), torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=0, rtol=0)
+    assert sum("tiletune experts: QuantizedWeight expert weights" in r.getMessage()
+               for r in caplog.records) == 1
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_partial_rotary_tables_are_refused_as_transformers_fails_on_them(ops, family):
     """A scaled rope type with partial_rotary_factor 0.5 gives head_dim / 2 wide tables, which
@@ -699,11 +760,42 @@ def test_attention_route():
     for kw, reason in ((dict(has_mask=True), "attention mask"), (dict(dropout=0.1), "dropout"),
                        (dict(on_cuda=False), "CUDA"), (dict(dtype=torch.float32), "float32"),
                        (dict(head_dim=288), "head_dim"), (dict(has_position_bias=True), "bias"),
-                       (dict(rows=4097 * 16), "grid")):
+                       (dict(rows=4097 * 16), "grid"),
+                       (dict(q_length=1, kv_length=hf.MAX_SEQ + 1), "tokens"),   # long cache
+                       (dict(q_length=hf.MAX_SEQ + 1, kv_length=hf.MAX_SEQ + 1), "tokens")):
         r = route(**kw)
         assert not r.use_kernel and reason in r.reason, (kw, r)
     assert not route(has_mask=True, on_cuda=False).use_kernel
     assert route(rows=65535).use_kernel                      # the kernels' grid holds it
+    assert route(q_length=1, kv_length=hf.MAX_SEQ).use_kernel
+
+
+def test_sequences_past_the_kernels_grid_go_to_sdpa(monkeypatch):
+    """The kernels refuse more than MAX_SEQ query or key tokens (ValueError), which a long
+    context's KV cache can reach in decoding: such a call runs transformers' SDPA (the limit
+    lowered here to 8 tokens). A packed batch is limited by its longest sequence, not by its
+    row: 10 tokens in sequences of 4 and 6 still run fmha_varlen."""
+    monkeypatch.setattr(hf, "_logged", set())
+    monkeypatch.setattr(hf, "MAX_SEQ", 8)
+    monkeypatch.setattr(hf, "scaled_dot_product_attention",
+                        lambda *a, **kw: pytest.fail("more tokens than the grid reached FMHA"))
+    ran = []
+    monkeypatch.setattr(hf, "fmha_varlen", lambda q, *a, **kw: ran.append(1) or torch.zeros_like(q))
+    route_on_cpu = hf.attention_route
+    monkeypatch.setattr(hf, "attention_route", lambda **kw: route_on_cpu(**{**kw, "on_cuda": True}))
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=2, training=False)
+    q = torch.randn(1, 4, 1, 16, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 10, 16, dtype=torch.bfloat16) for _ in range(2))
+    out, _ = hf.attention_forward(module, q, k, v, None, scaling=0.25)       # a decoding step
+    expect = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(2, 1),
+                                            v.float().repeat_interleave(2, 1), scale=0.25)
+    torch.testing.assert_close(out.float(), expect.transpose(1, 2), atol=2e-2, rtol=2e-2)
+    q = torch.randn(1, 4, 10, 16, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4, 10])
+    hf.attention_forward(module, q, k, v, torch.ones(1, 1, 10, 10, dtype=torch.bool).tril(),
+                         scaling=0.25, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6,
+                         max_length_k=6)
+    assert ran == [1]
 
 
 def test_packed_batch_runs_fmha_varlen(monkeypatch):
