@@ -256,16 +256,16 @@ def _forward_fake(x, w_gate, w_up, act, save):
             x.new_empty((M, N) if save else (0,)))
 
 
-def _contiguous_like(t):
-    return torch.empty_like(t, memory_format=torch.contiguous_format)
-
-
 def _save(args, results):
-    """The backward keeps both weights, the pre-activations and the activation, and x where a
-    weight needs a gradient (only theirs read it: frozen weights keep no input)."""
+    """The backward keeps the pre-activations and the activation; x only where a weight needs a
+    gradient (only theirs read it: frozen weights keep no input), and the weights only where x
+    needs one (only dx reads them: a frozen input keeps no weights, which may be tensors made
+    for this call, a dequantized or merged weight)."""
     x, w_gate, w_up, act, _ = args
     keep_x = w_gate.requires_grad or w_up.requires_grad
-    return (x if keep_x else None, w_gate, w_up, results[1], results[2]), (act,)
+    keep_w = x.requires_grad
+    return (x if keep_x else None, w_gate if keep_w else None, w_up if keep_w else None,
+            results[1], results[2]), (act,)
 
 
 _op = TrainableOp(
@@ -275,12 +275,12 @@ _op = TrainableOp(
     forward_fake=_forward_fake,
     save=_save,
     backward=_backward,
-    backward_schema="(bool[] needs, Tensor dy, Tensor? x, Tensor w_gate, Tensor w_up, "
+    backward_schema="(bool[] needs, Tensor dy, Tensor? x, Tensor? w_gate, Tensor? w_up, "
                     "Tensor gate, Tensor up, int act) -> (Tensor?, Tensor?, Tensor?)",
     backward_fake=lambda needs, dy, x, w_gate, w_up, gate, up, act: (
         dy.new_empty((*dy.shape[:-1], w_gate.shape[1])) if needs[0] else None,
-        _contiguous_like(w_gate) if needs[1] else None,
-        _contiguous_like(w_up) if needs[2] else None))
+        dy.new_empty((dy.shape[-1], x.shape[-1])) if needs[1] else None,
+        dy.new_empty((dy.shape[-1], x.shape[-1])) if needs[2] else None))
 
 
 def _check(op, x, w_gate, w_up):

@@ -174,9 +174,9 @@ def configs(arch, n_cols):
 
 # ---------------------------------------------------------------------------------------------
 # Launches. Each tuner declares its grid and arguments once; the engine looks the config up (or
-# tunes it) and launches. Every array holds M rows of N with unit column stride (gate and up any
-# row stride; out, dy, dgate and dup are contiguous), as (M, N) or as (..., N) the kernels view
-# as rows.
+# tunes it) and launches. Every array holds M rows of N with unit column stride (gate, up and dy
+# any row stride, 0 included: an expanded up or upstream gradient; out, dgate and dup are
+# contiguous), as (M, N) or as (..., N) the kernels view as rows.
 
 def _grid(c, dev, M, N):
     tiles = cdiv(M, c.tile_m) * cdiv(N, c.tile_n)
@@ -319,10 +319,13 @@ def swiglu(gate, up):
 
     gate, up: (..., N) CUDA tensors of one shape and one dtype (float32, float16, bfloat16);
     leading dims are flattened to rows. Rows may have any stride as long as the last dim has
-    stride 1 (`gate, up = gate_up.chunk(2, dim=-1)` of a fused projection is read in place, not
-    copied); other layouts are copied once. Math in float32; returns a new contiguous tensor of
-    gate's shape and dtype. Differentiable in gate and up (the backward recomputes silu from
-    gate: only gate and up are kept). Works under torch.compile(fullgraph=True).
+    stride 1 and the leading dims merge into one run of rows (`gate, up = gate_up.chunk(2,
+    dim=-1)` of a fused (..., 2N) projection is read in place, not copied); other layouts (a
+    transposed or stepped last dim, a batch sliced along its middle dim) are copied, and in
+    training copied again by the backward, which keeps gate and up as given. Math in float32;
+    returns a new contiguous tensor of gate's shape and dtype. Differentiable in gate and up
+    (the backward recomputes silu from gate: only gate and up are kept). Works under
+    torch.compile(fullgraph=True).
     """
     _check("swiglu", gate, up)
     return _glu(gate, up, SILU)

@@ -284,6 +284,36 @@ def test_backward_computes_only_the_gradients_needed(emulated, needs):
         assert a.shape[-1] == b.shape[-2] and (a.dim() == 2) == (kernel == "matmul")
 
 
+def test_each_operand_is_kept_only_where_the_other_needs_a_gradient(emulated):
+    """x is read only by the weight gradients, the weights only by dx: a frozen x keeps no
+    weights (they may be tensors made for the call, a merged or dequantized weight), frozen
+    weights keep no x; eager and under torch.compile (whose fake backward then has neither)."""
+    for x_grad, w_grad in ((False, True), (True, False)):
+        x, base = _leaves((2, 3, 16), (24, 16), grad=False)
+        x.requires_grad_(x_grad)
+        base.requires_grad_(w_grad)
+        wg, wu = (base * 2).chunk(2)                    # non-leaf weights, made for the call
+        y = G._op(x, wg, wu, G.SILU, True)
+        kept = y.grad_fn.saved_tensors
+        assert (kept[0] is None) is (not w_grad)
+        assert (kept[1] is None) is (kept[2] is None) is (not x_grad)
+        leaf = x if x_grad else base
+        dy = torch.randn_like(y)
+        (grad,) = torch.autograd.grad(y, leaf, dy)
+        refs = [t.detach().double().requires_grad_(t is leaf) for t in (x, base)]
+        ref_y = _reference(refs[0], *(refs[1] * 2).chunk(2))
+        (ref,) = torch.autograd.grad(ref_y, [r for r in refs if r.requires_grad], dy.double())
+        torch.testing.assert_close(grad.double(), ref, rtol=1e-5, atol=1e-5)
+
+        def f(x, base):
+            return G._op(x, *(base * 2).chunk(2), G.SILU, True).float().sum()
+        torch._dynamo.reset()
+        (compiled,) = torch.autograd.grad(torch.compile(f, fullgraph=True,
+                                                         backend="aot_eager")(x, base), leaf)
+        (eager,) = torch.autograd.grad(f(x, base), leaf)
+        torch.testing.assert_close(compiled, eager)
+
+
 def test_backward_gemms_use_views(emulated):
     """dx reads dgate, dup and the weights as they are and is written into x's gradient, dW reads
     dgate / dup transposed (no copies)."""
