@@ -400,13 +400,16 @@ class _Worker:
                 self.proc.kill()
         self.close()
 
-    def close(self):
-        """End of input: the worker exits; its pipes are closed here."""
+    def close_pipes(self):
         for pipe in (self.proc.stdin, self.proc.stdout):
             try:
                 pipe.close()
             except OSError:
                 pass
+
+    def close(self):
+        """End of input: the worker exits; its pipes are closed here."""
+        self.close_pipes()
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -484,11 +487,7 @@ def _end(workers, wait_sec=5.0):
     seconds, and waiting for each in turn added up at the exit of a script that started them
     and ended early.)"""
     for w in workers:
-        for pipe in (w.proc.stdin, w.proc.stdout):
-            try:
-                pipe.close()
-            except OSError:
-                pass
+        w.close_pipes()
         if w.proc.poll() is None:
             try:
                 os.killpg(w.proc.pid, signal.SIGTERM)
