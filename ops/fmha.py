@@ -1139,15 +1139,22 @@ def _check_seq(op, q, k, names=("q", "k")):
                          f"({MAX_SEQ})")
 
 
-def _refuse_nested(op, names, tensors):
-    """TypeError naming `op` and the argument where an input is a nested (jagged) tensor, whose
-    ragged size fails the shape checks' arithmetic with an error that names neither (torch's
-    SDPA takes them). Called only where a check failed: no host time on a valid call."""
-    for name, t in zip(names, tensors):
-        if isinstance(t, torch.Tensor) and t.is_nested:
-            raise TypeError(f"{op}: {name} is a nested tensor, which is not supported: pass "
-                            "dense (B, H, S, D) tensors, or the packed sequences to "
-                            "fmha_varlen") from None
+def _check_dense(op, q, k, v, scale, names=("q", "k", "v")):
+    """`_check` and `_check_seq` of a dense (B, H, S, D) call; the scale. A nested (jagged)
+    tensor, whose ragged size fails their arithmetic with an error that names neither the op
+    nor the argument (torch's SDPA takes them), is a TypeError naming both: looked for only
+    where a check failed, so a valid call pays no host time for it."""
+    try:
+        scale = _check(op, q, k, v, scale, names)
+        _check_seq(op, q, k, names[:2])
+    except Exception:
+        for name, t in zip(names, (q, k, v)):
+            if isinstance(t, torch.Tensor) and t.is_nested:
+                raise TypeError(f"{op}: {name} is a nested tensor, which is not supported: "
+                                "pass dense (B, H, S, D) tensors, or the packed sequences to "
+                                "fmha_varlen") from None
+        raise
+    return scale
 
 
 def check_causal_bias(op, attn_mask, sq, sk):
@@ -1324,12 +1331,7 @@ def fmha(q, k, v, *, causal=False, scale=None, seqused_k=None):
     bottom-right on that length. Inference only (ValueError when q, k or v requires grad with
     grad mode on), at decode sizes (ValueError otherwise).
     """
-    try:
-        scale = _check("fmha", q, k, v, scale)
-        _check_seq("fmha", q, k)
-    except Exception:
-        _refuse_nested("fmha", ("q", "k", "v"), (q, k, v))
-        raise
+    scale = _check_dense("fmha", q, k, v, scale)
     causal = bool(causal)
     offset = k.shape[2] - q.shape[2] if causal else 0
     if seqused_k is not None:
@@ -1363,12 +1365,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if is_causal:
             raise ValueError(f"{op}: pass either is_causal=True or a CausalBias attn_mask")
         causal, lower_right = True, attn_mask.variant == CausalVariant.LOWER_RIGHT
-    try:
-        scale = _check(op, query, key, value, scale, ("query", "key", "value"))
-        _check_seq(op, query, key, ("query", "key"))
-    except Exception:
-        _refuse_nested(op, ("query", "key", "value"), (query, key, value))
-        raise
+    scale = _check_dense(op, query, key, value, scale, ("query", "key", "value"))
     if attn_mask is not None:
         check_causal_bias(op, attn_mask, query.shape[2], key.shape[2])
     if not enable_gqa and key.shape[1] != query.shape[1]:
