@@ -63,11 +63,17 @@ _START_SEC = 120.0        # a started worker not ready (its imports done) by the
 # whose atexit handlers remove the temporary folder cuTile made at import (with the bytecode of
 # every compile), which SIGKILL leaves behind.
 WORKER_NICENESS = 10
+# Once it is exiting (by the signal, or at the end of its input), the signal is ignored: arriving
+# inside those atexit handlers, it would raise SystemExit there and leave the folder behind.
 _WORKER_COMMAND = (sys.executable, "-c", "import os, signal, sys\n"
-                   "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+                   "def end(*_):\n"
+                   "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                   "    sys.exit(0)\n"
+                   "signal.signal(signal.SIGTERM, end)\n"
                    f"os.nice({WORKER_NICENESS})\n"
                    "from tiletune.precompile import _serve\n"
-                   "_serve(float(sys.argv[1]))")
+                   "_serve(float(sys.argv[1]))\n"
+                   "signal.signal(signal.SIGTERM, signal.SIG_IGN)")
 _HANDED_KEPT = 4          # cubins a kernel object holds for signatures it has not launched yet
 
 
