@@ -28,7 +28,8 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import major, persistent_ctas
-from tiletune.ops.gemm_tiles import layout, output_tile, slice64, tile_coords, tile_count
+from tiletune.ops.gemm_tiles import (layout, output_tile, refuse_nested, slice64, tile_coords,
+                                    tile_count)
 from tiletune.ops.matmul import matmul
 from tiletune.space import INT32_MAX, cdiv, next_pow2, table
 from tiletune.torch_op import TrainableOp
@@ -621,20 +622,25 @@ def grouped_mm(x, w, offs=None, *, out=None):
     kernel, which the 2-D x 2-D form and the weight gradient run, starts each group at its
     clamped offs[g-1], so a row can count in two groups there).
     Differentiable in x and w (offs gets no gradient); the weight gradient comes back in w's
-    layout where w is row-major or the transposed view of (E, N, K) (contiguous otherwise).
+    layout where w is contiguous or the transposed view of a contiguous (E, N, K) (contiguous
+    otherwise: a slice of a wider weight gets a contiguous gradient).
     Works under torch.compile(fullgraph=True). `out`, if given, receives a copy of the result
     (gradients flow through it as through `out.copy_(result)`): exactly the result's shape,
     dtype and device, and writable (not a leaf that requires grad nor a view of one, no stride-0
     dims, and no memory of x or w where one of them requires grad).
     x, w and the result of the grouped forms hold up to 2^31 - 1 elements each (ValueError
-    beyond)."""
-    mode = _check(x, w, offs)
-    if out is not None:
-        _check_out(out, _result_shape(mode, x, w, offs), x, w)
-    if mode == "3d3d":
-        c = matmul(x, w)
-    elif mode == "2d3d":
-        c = _grouped_op(x, w, offs)
-    else:
-        c = _k_grouped_op(x, w, offs)
+    beyond). Nested (jagged) tensors are refused (TypeError)."""
+    try:
+        mode = _check(x, w, offs)
+        if out is not None:
+            _check_out(out, _result_shape(mode, x, w, offs), x, w)
+        if mode == "3d3d":
+            c = matmul(x, w)
+        elif mode == "2d3d":
+            c = _grouped_op(x, w, offs)
+        else:
+            c = _k_grouped_op(x, w, offs)
+    except Exception:
+        refuse_nested("grouped_mm", {"x": x, "w": w, "offs": offs})
+        raise
     return c if out is None else out.copy_(c)

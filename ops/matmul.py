@@ -11,7 +11,7 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import major, persistent_ctas
-from tiletune.ops.gemm_tiles import layout, output_tile, tile_count
+from tiletune.ops.gemm_tiles import layout, output_tile, refuse_nested, tile_count
 from tiletune.space import cdiv, table
 from tiletune.torch_op import TrainableOp
 
@@ -400,12 +400,16 @@ def matmul(a, b, *, out=None):
     (gradients flow through it as through `out.copy_(result)`): it must have the result's shape,
     a's dtype and device, and be writable (not a leaf that requires grad nor a view of one, no
     stride-0 dims, and no memory of a or b where one of them requires grad); else ValueError /
-    TypeError. Differentiable in a and b; works under
-    torch.compile(fullgraph=True)."""
-    _check(a, b)
-    if out is not None:
-        _check_out(a, b, out)
-    c = _matmul_op(a, b)
+    TypeError. Nested (jagged) tensors are refused (TypeError). Differentiable in a and b; works
+    under torch.compile(fullgraph=True)."""
+    try:
+        _check(a, b)
+        if out is not None:
+            _check_out(a, b, out)
+        c = _matmul_op(a, b)
+    except Exception:
+        refuse_nested("matmul", {"a": a, "b": b})
+        raise
     if out is not None:
         return out.copy_(c)
     return c

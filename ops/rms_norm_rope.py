@@ -305,8 +305,9 @@ def rms_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps=1e-6, position_ids=
                   rotary_dim=None):
     """Per-head RMSNorm of q and k (weights (D,), float32 statistics over the whole head_dim),
     then RoPE as `tiletune.ops.rope.apply_rope` (same q/k/cos/sin/position_ids/rotary_dim rules),
-    in one kernel. Returns new (q_out, k_out) laid out like q and k. Differentiable in q, k and
-    both weights (weight grads in the weights' dtypes). Works under torch.compile(fullgraph=True).
+    in one kernel. Returns new (q_out, k_out) laid out like q and k where those are dense (HF's
+    transposed views), else contiguous. Differentiable in q, k and both weights (weight grads
+    in the weights' dtypes). Works under torch.compile(fullgraph=True).
     """
     cos, sin, pos, rot = prepare("rms_norm_rope", q, k, cos, sin, position_ids, rotary_dim)
     D = q.shape[3]

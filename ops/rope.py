@@ -242,7 +242,8 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     is given (range checked on the host: one sync; not under CUDA graph capture or
     torch.compile, where ids in [0, rows of cos/sin) are the caller's contract: an id outside
     gives unspecified values in its position's rotated dims).
-    inplace=False returns new (q_embed, k_embed) laid out like q and k; inplace=True writes q and
+    inplace=False returns new (q_embed, k_embed) laid out like q and k where those are dense
+    (HF's transposed views), else contiguous; inplace=True writes q and
     k in place (marked dirty for autograd) and returns them; in place, q and k must not share
     memory (k is q, overlapping views) nor have overlapping elements (a stride-0 expanded dim),
     and neither may be a leaf that requires grad, nor a view of one: ValueError. (Disjoint views

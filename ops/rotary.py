@@ -150,7 +150,9 @@ def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
         raise ValueError(f"{op}: cos/sin have {cos.shape[-1]} columns, fewer than the rotary "
                          f"width {rot}")
     cos, sin = cos[..., :rot], sin[..., :rot]
-    if cos.stride(-1) != 1:
+    # unit column strides, each table on its own (the kernels' row loads use TMA where it
+    # applies; contiguous() leaves a table that has one as it is)
+    if cos.stride(-1) != 1 or sin.stride(-1) != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
     cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
     pos = None

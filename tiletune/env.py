@@ -89,14 +89,17 @@ def flag_on(value):
 
 def unwritable(path):
     """Why `path` (a file, or the folder it would be made in) cannot be written, or "" when
-    it can: what a command checks before its work, so a long run is not lost at the end."""
+    it can: what a command checks before its work, so a long run is not lost at the end.
+    The folder must be writable too where the file exists: tiletune replaces its files
+    through a temporary file beside them, and the store's database keeps -wal and -shm files
+    there."""
     folder = os.path.dirname(path)
     while folder and not os.path.exists(folder):       # to be made: its first existing parent
         folder = os.path.dirname(folder) if os.path.dirname(folder) != folder else ""
     if os.path.isdir(path):
         return "a folder, not a file"
-    if os.path.exists(path):
-        return "" if os.access(path, os.W_OK) else "not writable"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return "not writable"
     if folder and not os.path.isdir(folder):
         return f"{folder} is not a folder"
     return "" if not folder or os.access(folder, os.W_OK) else f"{folder} is not writable"

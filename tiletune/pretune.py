@@ -14,6 +14,7 @@ out (start_job, shares), each stepping its own with tiletune.distributed's proce
 """
 import dataclasses
 import datetime
+import os
 import time
 from typing import Optional
 
@@ -269,18 +270,33 @@ def start_job(backend="nccl"):
     (WORLD_SIZE > 1 in the environment) the process group is started here, on this rank's
     GPU (LOCAL_RANK), and set as tiletune's (tiletune.distributed), so the ranks share the
     (spec, batch, sequence length) steps out and decide every key once; (0, 1) otherwise."""
-    import os
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = _job_variable("WORLD_SIZE", 1)
     if world <= 1:
         return 0, 1
     import torch.distributed as dist
     from tiletune import distributed
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(_job_variable("LOCAL_RANK", 0))
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=JOB_GATHER_TIMEOUT)
     distributed.set_process_group()
     return dist.get_rank(), dist.get_world_size()
+
+
+def _job_variable(name, default):
+    """A torchrun variable as an int >= 0 (`default` where it is unset or blank); ValueError
+    naming the variable for anything else (a value left over from another launcher)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        n = int(value, 10)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"tiletune tune: {name}={value!r} is not an integer >= 0 (torchrun "
+                         "sets it; outside torchrun, unset it)")
+    return n
 
 
 def end_job(world):

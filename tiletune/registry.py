@@ -2,6 +2,7 @@
 the engine (the `tiletune.cases` entry-point group; tiletune's own ops register
 `tiletune.cases:REGISTRY`, a package of yours can add its own). The engine names no op."""
 import functools
+from collections.abc import Mapping
 from importlib.metadata import entry_points
 
 GROUP = "tiletune.cases"
@@ -14,7 +15,11 @@ def ops():
     `compile_cases()` -> [aot.CompileCase], and optionally `bench_host()` -> {label: value}."""
     found = {}
     for ep in sorted(entry_points(group=GROUP), key=lambda e: (e.name != "tiletune", e.name)):
-        found.update(ep.load())
+        cases = ep.load()
+        if not isinstance(cases, Mapping):      # (a module named without its ":REGISTRY")
+            raise TypeError(f"tiletune: the {GROUP!r} entry point {ep.name} = {ep.value} is "
+                            f"a {type(cases).__name__}, not a dict of op name -> case module")
+        found.update(cases)
     if not found:
         raise RuntimeError("tiletune: no ops are registered (entry-point group "
                            f"{GROUP!r}); install the package: pip install -e .")

@@ -72,9 +72,10 @@ _folders = {}
 
 def cache_dir():
     """The store's folder, or None when TILETUNE_CACHE_DIR is off (off, 0, no, none, false,
-    disable, or blank; case-insensitive). Unset: ~/.cache/tiletune."""
+    disable, or blank; case-insensitive). Unset or on (1, on, yes, true, enable):
+    ~/.cache/tiletune, not a folder of that name in the working folder."""
     d = os.environ.get("TILETUNE_CACHE_DIR")
-    if d is None:
+    if d is None or env.flag_on(d):
         home = os.path.expanduser("~")
         if not os.path.isabs(home) or os.environ.get("HOME") == "":    # ("" reads as "/")
             return _homeless_folder()

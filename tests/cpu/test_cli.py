@@ -175,6 +175,25 @@ def test_help_says_why_the_registry_cannot_load(monkeypatch, capsys):
     assert "ops: cannot load the registered ops (ImportError: cannot import name 'fmha'" in out
 
 
+def test_an_entry_point_that_names_no_dict_of_cases_is_named(monkeypatch, capsys):
+    """A package registering its module (`mypkg.cases`) instead of the dict in it
+    (`mypkg.cases:REGISTRY`): the error names the entry point, where `dict.update` said only
+    "'module' object is not iterable"."""
+    import types
+    plugin = SimpleNamespace(name="mypkg", value="mypkg.cases",
+                             load=lambda: types.ModuleType("mypkg.cases"))
+    monkeypatch.setattr(registry, "entry_points", lambda group: [plugin])
+    registry.ops.cache_clear()
+    try:
+        with pytest.raises(TypeError, match="entry point mypkg = mypkg.cases is a module, not "
+                                            "a dict of op name -> case module"):
+            registry.ops()
+        code, out, _ = _exit(["--help"], capsys)
+        assert code == 0 and "entry point mypkg = mypkg.cases is a module" in out
+    finally:
+        registry.ops.cache_clear()
+
+
 def test_cache_show_empty_and_off(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "store"))
     monkeypatch.setenv("TILETUNE_SHIPPED", str(tmp_path / "shipped"))
@@ -518,6 +537,32 @@ def test_tune_checks_that_the_store_and_the_export_can_be_written_first(monkeypa
     assert unwritable(str(tmp_path / "new" / "deeper" / "store.sqlite3")) == ""
     assert "is not a folder" in unwritable(str(blocker / "store.sqlite3"))
     assert unwritable(str(tmp_path)) == "a folder, not a file"      # bench --json somedir
+
+
+def test_tune_refuses_a_store_or_export_file_in_a_folder_it_cannot_write(monkeypatch, tmp_path,
+                                                                         capsys):
+    """A writable file in a folder this user cannot write cannot be saved to: the store's
+    database needs its -wal and -shm files beside it, and an export replaces its file through
+    a temporary one beside it. Both are refused before the run, not after it."""
+    from tiletune import env, pretune
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(pretune, "start_job", lambda: pytest.fail("tuning started"))
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / store.DB_NAME).write_bytes(b"")
+    store.write_shipped(str(locked / "out.json"), [])
+    real_access = os.access         # (root may write anywhere: the folder's refusal is made here)
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if os.fspath(p) == str(locked)
+                        else real_access(p, mode, **kw))
+    assert env.unwritable(str(locked / "out.json")) == f"{locked} is not writable"
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(locked))
+    assert main(["tune", "--preset", "llama3-8b", "--seq", "1024"]) == 2
+    assert f"cannot be written ({locked} is not writable)" in capsys.readouterr().err
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "store"))
+    assert main(["tune", "--preset", "llama3-8b", "--seq", "1024",
+                 "--export", str(locked / "out.json")]) == 2
+    assert f"cannot export to {locked / 'out.json'} ({locked} is not writable)" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -339,3 +339,15 @@ def test_bench_splits():
     assert CASES.split(10, 4, False) == [3, 3, 2, 2]
     z = CASES.split(32768, 128, True)
     assert sum(z) == 32768 and z[-1] == 0 and z[0] > 10 * z[60] > 0
+
+
+def test_nested_tensors_are_refused_by_name(monkeypatch):
+    """A nested (jagged) x in each form: a TypeError naming grouped_mm and the argument (the
+    ragged size failed inside torch, naming neither). The device check stubbed."""
+    monkeypatch.setattr(GG.validate, "tensor", lambda op, name, t, **kw: t)
+    jagged = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)],
+                                        layout=torch.jagged, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"^grouped_mm: x is a nested tensor"):
+        grouped_mm(jagged, t(2, 8, 6))                        # 3-D x 3-D
+    with pytest.raises(TypeError, match=r"^grouped_mm: w is a nested tensor"):
+        grouped_mm(t(2, 4, 8), jagged.transpose(1, 2))

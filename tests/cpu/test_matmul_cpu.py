@@ -2,6 +2,7 @@
 output; a split-K config launches its partials into the scratch buffer and then their sum into
 the output, and the search times the same arguments; persistent grids count SMs; the backward
 computes only the gradients asked for, through the same launch on transposed views."""
+import pytest
 import torch
 
 from tiletune.ops import matmul as MM
@@ -141,3 +142,18 @@ def test_backward_computes_only_the_gradients_needed(monkeypatch):
     products.clear()
     da, db = torch.autograd.grad(c, (a, b), dc)
     assert torch.allclose(db, a.t() @ dc, atol=1e-6) and len(products) == 2
+
+
+def test_nested_tensors_are_refused_by_name(monkeypatch):
+    """Nested (jagged) tensors, which torch.matmul takes, as either operand: a TypeError naming
+    matmul and the argument (the ragged size failed the output's allocation inside torch,
+    naming neither). The device check stubbed: CPU tensors."""
+    monkeypatch.setattr(MM.validate, "tensor", lambda op, name, t, **kw: t)
+    jagged = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)],
+                                        layout=torch.jagged, dtype=torch.bfloat16)
+    dense_a = torch.randn(2, 4, 8, dtype=torch.bfloat16)
+    dense_b = torch.randn(2, 8, 6, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"^matmul: a is a nested tensor"):
+        MM.matmul(jagged, dense_b)
+    with pytest.raises(TypeError, match=r"^matmul: b is a nested tensor"):
+        MM.matmul(dense_a, jagged.transpose(1, 2))

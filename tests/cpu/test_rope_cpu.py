@@ -116,6 +116,23 @@ def test_cos_and_sin_may_take_different_documented_forms(host_only):
         prepare("apply_rope", q, k, cos, sin[:, :4], None, None)
 
 
+@pytest.mark.parametrize("strided", ["cos", "sin", "both"])
+def test_cos_and_sin_reach_the_kernels_with_unit_column_strides(host_only, strided):
+    """Each table is checked on its own: a transposed sin next to a contiguous cos (or the
+    reverse) reaches the kernels with unit column strides (a layout their compile cases cover
+    and their row loads read through TMA), with the same values."""
+    q, k = _qk()
+    table = lambda: torch.randn(5, 8)
+    transposed = lambda: torch.randn(8, 5).t()
+    cos = transposed() if strided in ("cos", "both") else table()
+    sin = transposed() if strided in ("sin", "both") else table()
+    RP.apply_rope(q, k, cos, sin)
+    ((_, _, args),) = host_only
+    c, s_ = args[2], args[3]
+    assert c.stride(-1) == 1 and s_.stride(-1) == 1
+    assert torch.equal(c[0], cos) and torch.equal(s_[0], sin)
+
+
 def test_position_ids_range_check_reads_the_device_once(host_only, monkeypatch):
     """Both bounds of position_ids come back to the host in one read (one sync a call, as
     documented; min and max read one at a time would be two), and ids outside cos/sin are

@@ -640,6 +640,24 @@ def test_start_job_gives_the_gather_hours_not_minutes(monkeypatch):
         pretune.JOB_GATHER_TIMEOUT.total_seconds() >= 3600
 
 
+def test_start_job_names_a_torchrun_variable_it_cannot_read(monkeypatch):
+    """WORLD_SIZE or LOCAL_RANK left blank or set to junk (by another launcher, a shell
+    profile): blank is unset, anything else a ValueError naming the variable, where int()'s
+    "invalid literal" named neither, before any process group is started."""
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: pytest.fail("started"))
+    for blank in ("", "  "):
+        monkeypatch.setenv("WORLD_SIZE", blank)
+        assert pretune.start_job("gloo") == (0, 1)
+    for name, value in (("WORLD_SIZE", "two"), ("WORLD_SIZE", "-2"), ("LOCAL_RANK", "gpu0")):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv(name, value)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("set a device"))
+        with pytest.raises(ValueError, match=f"{name}='{value}' is not an integer >= 0"):
+            pretune.start_job("nccl")
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+
+
 def test_tune_refuses_without_autotuning_or_a_store(gpu, monkeypatch, capsys):
     monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
     assert main(["tune", "--preset", "llama3-8b"]) == 2

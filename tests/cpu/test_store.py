@@ -576,6 +576,19 @@ def test_every_off_spelling_turns_the_store_off(monkeypatch, tmp_path, value):
     assert store.load(OP, "k") is None and os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("value", ["1", "on", "Yes", "true", " enable "])
+def test_an_on_spelling_is_the_default_folder_not_one_of_that_name(monkeypatch, tmp_path, value):
+    """TILETUNE_CACHE_DIR=1 (as DISABLE_AUTOTUNE=1 is written) is the store at its default
+    place, as TILETUNE_SHIPPED=1 is, not a folder "1" in whatever folder the process runs in."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", value)
+    assert store.cache_dir() == str(tmp_path / "home" / ".cache" / "tiletune")
+    store.save(OP, "k", {"config": {}})
+    assert store.load(OP, "k") == {"config": {}}
+    assert os.listdir(tmp_path) == ["home"]
+
+
 def test_flags_and_a_folder_named_like_no_word():
     assert not env.flag_off(None) and not env.flag_off("nope") and not env.flag_off("/tmp/x")
     assert env.flag_on(" Yes ") and env.flag_on("1") and not env.flag_on(None)
