@@ -1148,11 +1148,8 @@ def _check_dense(op, q, k, v, scale, names=("q", "k", "v")):
         scale = _check(op, q, k, v, scale, names)
         _check_seq(op, q, k, names[:2])
     except Exception:
-        for name, t in zip(names, (q, k, v)):
-            if isinstance(t, torch.Tensor) and t.is_nested:
-                raise TypeError(f"{op}: {name} is a nested tensor, which is not supported: "
-                                "pass dense (B, H, S, D) tensors, or the packed sequences to "
-                                "fmha_varlen") from None
+        validate.not_nested(op, dict(zip(names, (q, k, v))),
+                            "dense (B, H, S, D) tensors, or the packed sequences to fmha_varlen")
         raise
     return scale
 

@@ -2,7 +2,6 @@
 # inside kernels, and the operand layout that each GEMM key holds on the host; and slice64, the
 # run-time slice of the kernels that slice arrays by device-side offsets (grouped GEMM, FMHA).
 import cuda.tile as ct
-import torch
 
 from tiletune.device import persistent_ctas
 from tiletune.space import cdiv
@@ -56,14 +55,3 @@ def layout(t):
     if strides[-2] == 1:
         return "col"
     return "strided"
-
-
-def refuse_nested(op, tensors):
-    """A TypeError naming `op` and the argument where one of `tensors` ({name: value}) is a
-    nested (jagged) tensor, which torch.matmul takes: its ragged size fails the shape checks or
-    the output's allocation with torch's error, naming neither. Called only where something
-    failed, so a valid call pays no host time for it."""
-    for name, t in tensors.items():
-        if isinstance(t, torch.Tensor) and t.is_nested:
-            raise TypeError(f"{op}: {name} is a nested tensor, which is not supported: pass "
-                            "dense tensors") from None

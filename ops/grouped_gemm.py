@@ -28,8 +28,7 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import major, persistent_ctas
-from tiletune.ops.gemm_tiles import (layout, output_tile, refuse_nested, slice64, tile_coords,
-                                    tile_count)
+from tiletune.ops.gemm_tiles import layout, output_tile, slice64, tile_coords, tile_count
 from tiletune.ops.matmul import matmul
 from tiletune.space import INT32_MAX, cdiv, next_pow2, table
 from tiletune.torch_op import TrainableOp
@@ -641,6 +640,6 @@ def grouped_mm(x, w, offs=None, *, out=None):
         else:
             c = _k_grouped_op(x, w, offs)
     except Exception:
-        refuse_nested("grouped_mm", {"x": x, "w": w, "offs": offs})
+        validate.not_nested("grouped_mm", {"x": x, "w": w, "offs": offs})
         raise
     return c if out is None else out.copy_(c)

@@ -11,7 +11,7 @@ import torch
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket, bucketed
 from tiletune.device import major, persistent_ctas
-from tiletune.ops.gemm_tiles import layout, output_tile, refuse_nested, tile_count
+from tiletune.ops.gemm_tiles import layout, output_tile, tile_count
 from tiletune.space import cdiv, table
 from tiletune.torch_op import TrainableOp
 
@@ -408,7 +408,7 @@ def matmul(a, b, *, out=None):
             _check_out(a, b, out)
         c = _matmul_op(a, b)
     except Exception:
-        refuse_nested("matmul", {"a": a, "b": b})
+        validate.not_nested("matmul", {"a": a, "b": b})
         raise
     if out is not None:
         return out.copy_(c)

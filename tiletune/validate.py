@@ -43,6 +43,17 @@ def is_tensor(op, name, t):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
 
 
+def not_nested(op, tensors, instead="dense tensors"):
+    """A TypeError naming `op` and the argument where one of `tensors` ({name: value}) is a
+    nested (jagged) tensor: its ragged size fails shape checks and allocations inside torch with
+    errors that name neither. For the failure path of a call's checks (a valid call need not pay
+    for it): call it where a check raised, then re-raise."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.is_nested:
+            raise TypeError(f"{op}: {name} is a nested tensor, which is not supported: pass "
+                            f"{instead}") from None
+
+
 def dtype(op, name, t, dtypes):
     """t's dtype is one of `dtypes`."""
     if t.dtype not in dtypes:
