@@ -10,7 +10,7 @@ from tiletune import validate
 from tiletune.autotune import Autotuner, StandIns, Work, bucketed
 from tiletune.device import persistent_ctas, sm_count
 from tiletune.ops.partials import sum_rows
-from tiletune.ops.rows import as_rows, host_rows
+from tiletune.ops.rows import as_rows, host_rows, unit_last_stride
 from tiletune.space import INT32_MAX, cdiv, next_pow2, product, row_chunks
 from tiletune.torch_op import TrainableOp
 
@@ -338,7 +338,7 @@ def _forward(x, weight, eps, keep_rstd=True):
     y = x.new_empty(*shape)
     rstd = x.new_empty(M, dtype=torch.float32) if keep_rstd else None
     if M:
-        w = weight if weight.stride()[0] == 1 else weight.contiguous()
+        w = weight if weight.stride()[0] == 1 else unit_last_stride(weight)
         if (M - 1) * (stride if stride > N else N) + N <= _MAX_SPAN:
             launch_fwd(x2, w, y if x2 is x else y.view(M, N), rstd, eps, M, N)
         else:
@@ -360,7 +360,7 @@ def _backward(dy, x, weight, rstd, need_w=True):
     dx = x.new_empty(*x.shape)
     if not M:
         return dx, torch.zeros_like(weight) if need_w else None
-    w = weight if weight.stride()[0] == 1 else weight.contiguous()
+    w = weight if weight.stride()[0] == 1 else unit_last_stride(weight)
     stride = max(stride, dy_stride, N)
     if (M - 1) * stride + N <= _MAX_SPAN:
         dw = torch.empty_like(w) if need_w else None

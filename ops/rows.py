@@ -50,7 +50,17 @@ def host_rows(t, N):
     stride = row_stride(t)
     if stride:
         return t, stride
-    t2 = t.reshape(-1, N)
-    if t2.stride()[1] != 1:
-        t2 = t2.contiguous()
+    t2 = unit_last_stride(t.reshape(-1, N))
     return t2, t2.stride()[0]
+
+
+def unit_last_stride(t):
+    """On the host: t with a last-dim stride of 1, for kernels that take it as 1: t itself, a
+    view (a one-column t: torch counts it contiguous whatever its column stride, so
+    contiguous() keeps `randn(1, M).t()` as it is) or one copy."""
+    strides = t.stride()
+    if strides[-1] == 1:
+        return t
+    if t.shape[-1] == 1:
+        return t.as_strided(t.shape, strides[:-1] + (1,))
+    return t.contiguous()

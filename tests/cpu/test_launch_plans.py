@@ -281,3 +281,22 @@ def test_rms_norm_rows_past_int32_go_in_row_chunks_of_any_shape(defaults, monkey
         for a in args:
             if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[1] == 64:
                 assert (a.shape[0] - 1) * a.stride(0) + 64 <= 40 * 64
+
+
+def test_one_column_tensors_reach_the_kernels_with_unit_column_stride(defaults):
+    """torch counts a one-column tensor contiguous whatever its column stride (contiguous()
+    keeps `randn(1, M).t()` as it is); RMSNorm's and SwiGLU's kernels take the last stride as 1,
+    so such inputs (x, the weight, gate, up, the upstream gradient) reach them as views with a
+    column stride of 1, on the same memory."""
+    col = torch.randn(1, 6, dtype=BF16).t()                 # (6, 1), strides (1, 6)
+    w = torch.randn(1, 3, dtype=BF16)[:, 0]                 # (1,), stride (3,)
+    assert col.is_contiguous() and col.contiguous().stride() == (1, 6) and w.stride() == (3,)
+    _, rstd = R._forward(col, w, 1e-6)
+    R._backward(col, col, w, rstd)
+    SW._forward(col, col, SW.SILU)
+    SW.backward(col, col, col, SW.SILU)
+    arrays = [a for _, _, args in defaults for a in args
+              if isinstance(a, torch.Tensor) and a.dim()]
+    assert len(defaults) >= 4 and arrays
+    assert all(a.stride()[-1] == 1 for a in arrays), [a.stride() for a in arrays]
+    assert any(a.data_ptr() == col.data_ptr() for a in arrays)
