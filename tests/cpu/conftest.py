@@ -1,3 +1,6 @@
+import signal
+import threading
+
 import cuda.tile as ct
 import pytest
 
@@ -51,3 +54,23 @@ def launches(monkeypatch):
     monkeypatch.setattr(device, "sm_count", lambda dev: 132)
     monkeypatch.setattr(device, "arch", lambda dev=None: "sm_90")
     return calls
+
+
+@pytest.fixture
+def ctrl_c():
+    """ctrl_c(seconds): a SIGINT to this process's main thread after that long, raised there as
+    KeyboardInterrupt also where the tests run as a background job (which starts with SIGINT
+    ignored, so Python installs no handler for it); a signal not yet sent when the test ends is
+    dropped."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timers = []
+
+    def after(seconds):
+        timer = threading.Timer(seconds, signal.pthread_kill,
+                                (threading.main_thread().ident, signal.SIGINT))
+        timers.append(timer)
+        timer.start()
+    yield after
+    for timer in timers:
+        timer.cancel()
+    signal.signal(signal.SIGINT, previous)

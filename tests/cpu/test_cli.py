@@ -103,19 +103,16 @@ def _compile_slowly(case, arch):
 
 
 def test_ctrl_c_stops_the_compile_instead_of_running_every_queued_compile(ops, monkeypatch,
-                                                                          tmp_path):
+                                                                          tmp_path, ctrl_c):
     """Ctrl-C during `compile` (minutes of compiles queued in its process pool) ends it at once:
     the queued compiles are dropped and the running ones ended, where leaving the pool would
     wait for every one of them first."""
-    import signal
-    import threading
     import time
     log = tmp_path / "started"
     monkeypatch.setitem(aot._CASES, "alpha", [SimpleNamespace(label=f"case {i}", log=str(log))
                                               for i in range(40)])
     monkeypatch.setattr(aot, "compile_case", _compile_slowly)
-    threading.Timer(1.0, signal.pthread_kill, (threading.main_thread().ident,
-                                               signal.SIGINT)).start()
+    ctrl_c(1.0)
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         main(["compile", "--jobs", "2", "alpha"])      # 40 compiles of 0.5 s: 10 s

@@ -438,13 +438,11 @@ def test_a_forked_child_neither_takes_nor_keeps_the_parents_workers(monkeypatch)
         precompile._close_idle()
 
 
-def test_an_interrupted_search_ends_its_workers_and_compiles_no_further_job(monkeypatch):
+def test_an_interrupted_search_ends_its_workers_and_compiles_no_further_job(monkeypatch,
+                                                                            ctrl_c):
     """Ctrl-C during a search's precompile: the workers it had are ended (none is left to write
     a result nobody reads) and this process's compile threads take no further job. (The
     workers here never get ready, so the threads compile.)"""
-    import os
-    import signal
-    import threading
     import time
     precompile._close_idle()
     monkeypatch.setattr(precompile, "_WORKER_COMMAND", ("sleep", "60"))
@@ -458,8 +456,7 @@ def test_an_interrupted_search_ends_its_workers_and_compiles_no_further_job(monk
     compiled = []
     monkeypatch.setattr(precompile, "compile_job",
                         lambda *args: compiled.append(args) or time.sleep(0.2) or "ok")
-    threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident,
-                                               signal.SIGINT)).start()
+    ctrl_c(0.5)
     with pytest.raises(KeyboardInterrupt):
         precompile.run_jobs([(i, "module", "name") for i in range(40)], "sm_90", 120, 2)
     assert len(made) == 2 and all(w.proc.poll() is not None for w in made)
