@@ -74,6 +74,24 @@ def rms_norm_fwd_chunked(x, w, y, rstd, inv_n, eps,
 
 
 @ct.kernel
+def rms_norm_fwd_wide(x, w, y, rstd, inv_n, eps,
+                      TILE_M: ct.Constant[int], TILE_N: ct.Constant[int]):
+    """16-bit rows too wide for rms_norm_fwd_rows but within WIDE_ROW_TILE: the row is read
+    once and held in its own dtype (a float32 copy would spill) and the weight is read again
+    for each row (from L2), so nothing is read from memory twice. One row at a time."""
+    x = as_rows(x)
+    y = as_rows(y)
+    for row in range(ct.bid(0), x.shape[0], ct.num_blocks(0)):
+        xt = ct.load(x, (row, 0), (1, TILE_N), padding_mode=ZERO)
+        xf = xt.astype(ct.float32)
+        r = ct.rsqrt(ct.sum(xf * xf, axis=1, keepdims=True) * inv_n + eps)  # [1, 1]
+        wt = ct.reshape(ct.load(w, (0,), (TILE_N,), padding_mode=ZERO), (1, TILE_N))
+        ct.store(y, (row, 0), (xt.astype(ct.float32) * r * wt.astype(ct.float32))
+                 .astype(y.dtype))
+        ct.store(rstd, (row,), ct.reshape(r, (1,)))
+
+
+@ct.kernel
 def rms_norm_bwd_rows(dy, x, w, rstd, dx, dw_partial, inv_n,
                       TILE_M: ct.Constant[int], TILE_N: ct.Constant[int]):
     """dx = r*g - x*r^3*mean(g*x) with g = dy*w; each CTA adds its rows' dy*x*r into one row of
@@ -141,6 +159,7 @@ def rms_norm_bwd_cols(dy, x, w, rstd, coef, dx, dw_partial,
 # persistent (SMs x occupancy CTAs striding over row tiles) or one CTA per row tile.
 
 MAX_ROW_TILE = 16384      # widest row (elements) kept whole in one tile; wider rows are chunked
+WIDE_ROW_TILE = 32768     # widest 16-bit row the forward also reads once (8 warps, occupancy 1)
 WARPS = (4, 8)            # tileiras 13.4 takes 4 or 8 worker warps
 
 
@@ -149,8 +168,8 @@ def _row_tiles(tile_n, elems=(4096, 8192, 16384)):
     return sorted({max(1, e // tile_n) for e in elems})
 
 
-def fwd_configs(arch, n_cols):
-    """Forward space for rows of `n_cols` elements, default first."""
+def fwd_configs(arch, n_cols, x_bytes=2):
+    """Forward space for rows of `n_cols` elements of `x_bytes` each, default first."""
     tile_n = next_pow2(n_cols)
     if tile_n <= MAX_ROW_TILE:
         default = SimpleNamespace(kind="rows", tile_m=max(1, 8192 // tile_n), tile_n=tile_n,
@@ -162,6 +181,11 @@ def fwd_configs(arch, n_cols):
                                   num_worker_warps=4, persistent=True)
         yield from product(default, tile_n=(2048, 4096, 8192), occupancy=(2, 4),
                            num_worker_warps=WARPS, persistent=(True, False))
+        if tile_n <= WIDE_ROW_TILE and x_bytes == 2:
+            # at 4 warps or occupancy 2 the row spills (sm_90); one CTA per row ran 1.26-1.45x
+            # slower than the persistent grid (H100)
+            yield SimpleNamespace(kind="wide", tile_m=1, tile_n=tile_n, occupancy=1,
+                                  num_worker_warps=8, persistent=True)
 
 
 def bwd_configs(arch, n_cols):
@@ -197,7 +221,8 @@ def _fwd_grid(c, dev, x, w, y, rstd, eps, M, N):
 
 
 def _fwd_kernel(cfg):
-    return rms_norm_fwd_rows if cfg.kind == "rows" else rms_norm_fwd_chunked
+    return {"rows": rms_norm_fwd_rows, "wide": rms_norm_fwd_wide}.get(cfg.kind,
+                                                                     rms_norm_fwd_chunked)
 
 
 def _fwd_args(c, x, w, y, rstd, eps, M, N):
@@ -218,7 +243,8 @@ _BY_ROWS = bucketed(1)
 _fwd = Autotuner(
     "rms_norm_fwd", _fwd_kernel, fwd_configs,
     default=SimpleNamespace(kind="chunked", tile_m=1, tile_n=4096, occupancy=2, persistent=True),
-    space=lambda x, w, y, rstd, eps, M, N: dict(n_cols=N), grid=_fwd_grid,
+    space=lambda x, w, y, rstd, eps, M, N: dict(n_cols=N, x_bytes=x.element_size()),
+    grid=_fwd_grid,
     args=_fwd_args, tune_key=_BY_ROWS,
     work=lambda x, w, y, rstd, eps, M, N: Work(bytes=2 * x.numel() * x.element_size()
                                                + w.numel() * w.element_size() + 4 * M))
@@ -400,7 +426,8 @@ def rms_norm(x, weight, eps=1e-6):
 
     x: (..., N) float32/float16/bfloat16 CUDA tensor, any leading dims (flattened to rows), any
     N from 1 to 2^31 - 1 (rows up to 16384 wide are kept in one tile; wider rows are processed in
-    chunks; wider than 2^31 - 1 raises ValueError).
+    chunks, or for 16-bit x up to 32768 wide also read once, as the search picks; wider than
+    2^31 - 1 raises ValueError).
     Non-contiguous x is accepted (copied once if its rows cannot be viewed).
     weight: (N,) float32/float16/bfloat16 on x's device; its dtype may differ from x's.
     Statistics in float32; returns a new tensor of x's shape and dtype. Differentiable in x and
