@@ -40,15 +40,16 @@ def compile_cases():
                                   [jit_array(f32, (G, N)), jit_array(od, (N,)), cfg.tile_g,
                                    cfg.tile_n], f"column_sum N={N} {od} {vars(cfg)}")
     for N in AOT_WIDTHS:
-        for i, cfg in enumerate(_at(N, R.fwd_configs("sm_90", N))):
-            combos = [(bf16, bf16)]
-            if i == 0:
-                combos += [(f32, f32), (torch.float16, torch.float16), (bf16, f32)]
-            for xd, wd in combos:
-                params = [jit_array(xd, (M, N)), jit_array(wd, (N,)), jit_array(xd, (M, N)),
-                          jit_array(f32, (M,)), F32, F32, cfg.tile_m, cfg.tile_n]
-                yield CompileCase("rms_norm", R._fwd.build(cfg), params,
-                                  f"rms_norm_fwd N={N} {xd} w={wd} {vars(cfg)}")
+        # every config in bf16; the other dtype pairs at their own space's default (the space
+        # depends on x's and the weight's element sizes)
+        fwd = [(cfg, bf16, bf16) for cfg in _at(N, R.fwd_configs("sm_90", N))]
+        fwd += [(next(R.fwd_configs("sm_90", N, xd.itemsize, wd.itemsize)), xd, wd)
+                for xd, wd in ((f32, f32), (torch.float16, torch.float16), (bf16, f32))]
+        for cfg, xd, wd in fwd:
+            params = [jit_array(xd, (M, N)), jit_array(wd, (N,)), jit_array(xd, (M, N)),
+                      jit_array(f32, (M,)), F32, F32, cfg.tile_m, cfg.tile_n]
+            yield CompileCase("rms_norm", R._fwd.build(cfg), params,
+                              f"rms_norm_fwd N={N} {xd} w={wd} {vars(cfg)}")
         x, w, r = jit_array(bf16, (M, N)), jit_array(bf16, (N,)), jit_array(f32, (M,))
         part = jit_array(f32, (G, N))
         if next_pow2(N) <= R.MAX_ROW_TILE:

@@ -76,9 +76,10 @@ def rms_norm_fwd_chunked(x, w, y, rstd, inv_n, eps,
 @ct.kernel
 def rms_norm_fwd_wide(x, w, y, rstd, inv_n, eps,
                       TILE_M: ct.Constant[int], TILE_N: ct.Constant[int]):
-    """16-bit rows too wide for rms_norm_fwd_rows but within WIDE_ROW_TILE: the row is read
-    once and held in its own dtype (a float32 copy would spill) and the weight is read again
-    for each row (from L2), so nothing is read from memory twice. One row at a time."""
+    """16-bit rows (and weight) too wide for rms_norm_fwd_rows but within WIDE_ROW_TILE: the
+    row is read once and held in its own dtype (a float32 copy would spill) and the weight is
+    read again for each row (from L2), so nothing is read from memory twice. One row at a
+    time."""
     x = as_rows(x)
     y = as_rows(y)
     for row in range(ct.bid(0), x.shape[0], ct.num_blocks(0)):
@@ -168,8 +169,9 @@ def _row_tiles(tile_n, elems=(4096, 8192, 16384)):
     return sorted({max(1, e // tile_n) for e in elems})
 
 
-def fwd_configs(arch, n_cols, x_bytes=2):
-    """Forward space for rows of `n_cols` elements of `x_bytes` each, default first."""
+def fwd_configs(arch, n_cols, x_bytes=2, w_bytes=2):
+    """Forward space for rows of `n_cols` elements, x's of `x_bytes` and the weight's of
+    `w_bytes` each, default first."""
     tile_n = next_pow2(n_cols)
     if tile_n <= MAX_ROW_TILE:
         default = SimpleNamespace(kind="rows", tile_m=max(1, 8192 // tile_n), tile_n=tile_n,
@@ -177,15 +179,16 @@ def fwd_configs(arch, n_cols, x_bytes=2):
         yield from product(default, tile_m=_row_tiles(tile_n), occupancy=(2, 4),
                            num_worker_warps=WARPS, persistent=(True, False))
     else:
+        if tile_n <= WIDE_ROW_TILE and x_bytes == w_bytes == 2:
+            # the default here: 1.34-1.42x the chunked default on an H100 (2048x32768 and
+            # 4096x24576). At 4 warps or occupancy 2, or with a float32 x or weight, the row
+            # spills (sm_90); one CTA per row ran 1.26-1.45x slower than the persistent grid.
+            yield SimpleNamespace(kind="wide", tile_m=1, tile_n=tile_n, occupancy=1,
+                                  num_worker_warps=8, persistent=True)
         default = SimpleNamespace(kind="chunked", tile_m=1, tile_n=4096, occupancy=2,
                                   num_worker_warps=4, persistent=True)
         yield from product(default, tile_n=(2048, 4096, 8192), occupancy=(2, 4),
                            num_worker_warps=WARPS, persistent=(True, False))
-        if tile_n <= WIDE_ROW_TILE and x_bytes == 2:
-            # at 4 warps or occupancy 2 the row spills (sm_90); one CTA per row ran 1.26-1.45x
-            # slower than the persistent grid (H100)
-            yield SimpleNamespace(kind="wide", tile_m=1, tile_n=tile_n, occupancy=1,
-                                  num_worker_warps=8, persistent=True)
 
 
 def bwd_configs(arch, n_cols):
@@ -243,7 +246,8 @@ _BY_ROWS = bucketed(1)
 _fwd = Autotuner(
     "rms_norm_fwd", _fwd_kernel, fwd_configs,
     default=SimpleNamespace(kind="chunked", tile_m=1, tile_n=4096, occupancy=2, persistent=True),
-    space=lambda x, w, y, rstd, eps, M, N: dict(n_cols=N, x_bytes=x.element_size()),
+    space=lambda x, w, y, rstd, eps, M, N: dict(n_cols=N, x_bytes=x.element_size(),
+                                                w_bytes=w.element_size()),
     grid=_fwd_grid,
     args=_fwd_args, tune_key=_BY_ROWS,
     work=lambda x, w, y, rstd, eps, M, N: Work(bytes=2 * x.numel() * x.element_size()
@@ -426,8 +430,8 @@ def rms_norm(x, weight, eps=1e-6):
 
     x: (..., N) float32/float16/bfloat16 CUDA tensor, any leading dims (flattened to rows), any
     N from 1 to 2^31 - 1 (rows up to 16384 wide are kept in one tile; wider rows are processed in
-    chunks, or for 16-bit x up to 32768 wide also read once, as the search picks; wider than
-    2^31 - 1 raises ValueError).
+    chunks, or held whole where x and weight are 16-bit and the row is at most 32768 wide;
+    wider than 2^31 - 1 raises ValueError).
     Non-contiguous x is accepted (copied once if its rows cannot be viewed).
     weight: (N,) float32/float16/bfloat16 on x's device; its dtype may differ from x's.
     Statistics in float32; returns a new tensor of x's shape and dtype. Differentiable in x and

@@ -77,11 +77,14 @@ def test_rope_rejects_cpu_tensors():
 
 
 def test_rms_norm_wide_forward_is_offered_for_16_bit_rows_of_16k_to_32k_only():
-    """The one-read wide forward holds a row in its own 16-bit dtype at 8 warps, occupancy 1
-    (other builds spill on sm_90): one persistent entry beside the chunked ones, nowhere else."""
-    def wide(n, x_bytes):
-        return [c for c in RN.fwd_configs("sm_90", n, x_bytes) if c.kind == "wide"]
+    """The one-read wide forward holds a row in its own 16-bit dtype at 8 warps, occupancy 1,
+    with a 16-bit weight (other builds spill on sm_90): one persistent entry, the default,
+    before the chunked ones, nowhere else."""
+    def wide(n, x_bytes, w_bytes=2):
+        return [c for c in RN.fwd_configs("sm_90", n, x_bytes, w_bytes) if c.kind == "wide"]
     assert wide(20000, 2) == wide(32768, 2) == [SimpleNamespace(
         kind="wide", tile_m=1, tile_n=32768, occupancy=1, num_worker_warps=8, persistent=True)]
-    assert not wide(20000, 4) and not wide(16384, 2) and not wide(32769, 2)
-    assert next(RN.fwd_configs("sm_90", 20000, 2)).kind == "chunked"
+    assert not wide(20000, 4) and not wide(20000, 2, 4) and not wide(16384, 2)
+    assert not wide(32769, 2)
+    assert next(RN.fwd_configs("sm_90", 20000, 2, 2)).kind == "wide"
+    assert next(RN.fwd_configs("sm_90", 20000, 2, 4)).kind == "chunked"

@@ -161,7 +161,10 @@ def _space_of(op, parts):
     key's parts before the GPU name) as each op's `space` function derives them from its
     inputs. An op missing here fails the test below: add it when its rows ship."""
     n = [int(p) if p.lstrip("-").isdigit() else p for p in parts]
-    if op in ("rms_norm_fwd", "rms_norm_bwd", "rms_norm_bwd_coef", "rms_norm_bwd_cols",
+    if op == "rms_norm_fwd":                                       # (N, M, x dtype, w dtype..)
+        return dict(n_cols=n[0], x_bytes=getattr(torch, parts[2][6:]).itemsize,
+                    w_bytes=getattr(torch, parts[3][6:]).itemsize)
+    if op in ("rms_norm_bwd", "rms_norm_bwd_coef", "rms_norm_bwd_cols",
               "swiglu_fwd", "swiglu_bwd", "column_sum"):
         return dict(n_cols=n[0])                                   # (N, ...)
     if op in ("rope", "rope_inplace"):                             # (Hq, Hk, D, rot, BS, ..)
