@@ -1037,6 +1037,7 @@ def _check(a, b, scale_a, scale_b, out_dtype, fast_accum):
     if scale_b.dtype != torch.float32:
         raise TypeError(f"fp8_mm: scale_b must be float32, got {scale_b.dtype}")
     if out_dtype not in OUT_DTYPES:
+        _refuse_non_dtype("fp8_mm", "out_dtype", out_dtype, "bfloat16, float16 or float32")
         raise TypeError(f"fp8_mm: out_dtype {out_dtype} is not supported (bfloat16, float16, "
                         "float32)")
     if not isinstance(fast_accum, bool):
@@ -1054,6 +1055,14 @@ def _check(a, b, scale_a, scale_b, out_dtype, fast_accum):
         for name, t in tensors:
             validate.tensor("fp8_mm", name, t, device=device, dtypes=_ANY_OPERAND)
     return scaling
+
+
+def _refuse_non_dtype(op, name, value, names):
+    """A TypeError where a dtype argument is no torch.dtype: the string "bfloat16" prints as
+    the dtype it names, so the refusal of a dtype would read as refusing a supported one."""
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"{op}: {name} must be a torch.dtype ({names}), got "
+                        f"{type(value).__name__} {value!r}")
 
 
 def _refuse_grad(op, tensors):
@@ -1201,6 +1210,14 @@ def quantize_fp8_reference(x, granularity="tensor", dtype=torch.float8_e4m3fn):
     pads 1x128 scale columns and 128x128 scale rows to 16 bytes). Divisions are tensor / tensor:
     torch divides a CUDA tensor by a Python number as a multiplication by its reciprocal, which
     is not the same rounding."""
+    op = "quantize_fp8_reference"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be 2-D (M, K), got shape {tuple(x.shape)}")
+    if dtype not in FP8_DTYPES:
+        _refuse_non_dtype(op, "dtype", dtype, "float8_e4m3fn or float8_e5m2")
+        raise TypeError(f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
     fp8_max = torch.finfo(dtype).max
     M, K = x.shape
     xf = x.float()
@@ -1251,6 +1268,7 @@ def _check_quantize(x, granularity, dtype, op="quantize_fp8"):
         raise ValueError(f"{op}: granularity must be one of {', '.join(GRANULARITIES)}; "
                          f"got {granularity!r}")
     if dtype not in FP8_DTYPES:
+        _refuse_non_dtype(op, "dtype", dtype, "float8_e4m3fn or float8_e5m2")
         raise TypeError(f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
     validate.tensor(op, "x", x, dtypes=IN_DTYPES)
     refuse_transforms(op)

@@ -9,6 +9,7 @@ from . import device as _device
 _Tensor = torch.Tensor
 _is_compiling = torch.compiler.is_compiling
 _is_grad_enabled = torch.is_grad_enabled
+_is_inference_mode = torch.is_inference_mode_enabled
 _transforms_active = torch._C._are_functorch_transforms_active
 _forward_ad = torch.autograd.forward_ad
 
@@ -62,6 +63,10 @@ class TrainableOp:
                     if i < n:
                         a = args[i]
                         if isinstance(a, _Tensor) and a.requires_grad:
+                            # (inference mode records no graph, even under enable_grad, as
+                            # torch's own ops do: asked only where a gradient would be taken)
+                            if _is_inference_mode():
+                                break
                             return self._apply(*args)
             if _forward_ad._current_level >= 0 or _transforms_active():    # (inline: host time)
                 refuse_transforms(self.name)
@@ -150,7 +155,9 @@ class _NoSecondOrder(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, n, *tensors):
         ctx.op = op
-        return tuple(t.view_as(t) for t in tensors[:n])
+        # (aliases, not views: autograd forbids writing in place a view made inside a
+        # Function, and a gradient may be scaled or clamped in place)
+        return tuple(t.detach() for t in tensors[:n])
 
     @staticmethod
     def backward(ctx, *grads):

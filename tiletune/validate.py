@@ -107,12 +107,16 @@ def out(op, t, shape, dtype, device, dtype_of="the inputs'", inputs=None, kept=N
     torch refuses to write one). Neither takes elements that share memory (an expanded,
     stride-0 dim would be written twice). The memory checks read addresses, which torch.compile
     does not trace: they run eagerly (a compiled op writes a fresh tensor, then copies it).
-    TypeError / ValueError naming `op`."""
+    A nested tensor is refused (TypeError). TypeError / ValueError naming `op`."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: out must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{op}: out has shape {tuple(t.shape)} but the result is "
-                         f"{tuple(shape)}")
+    try:
+        got = tuple(t.shape)
+    except RuntimeError:        # (a strided nested tensor has no sizes)
+        got = None
+    if got != tuple(shape):
+        not_nested(op, {"out": t})
+        raise ValueError(f"{op}: out has shape {got} but the result is {tuple(shape)}")
     if t.dtype != dtype:
         raise TypeError(f"{op}: out dtype {t.dtype} differs from {dtype_of} {dtype}")
     if t.device != device:

@@ -257,6 +257,9 @@ BAD = [
     ((A, B, S.double(), S), {}, TypeError, "scale_a must be float32, got torch.float64"),
     ((A, B, S, S.half()), {}, TypeError, "scale_b must be float32"),
     ((A, B, S, S), {"out_dtype": E4M3}, TypeError, "out_dtype torch.float8_e4m3fn is not"),
+    # a dtype's name is no dtype: refused as a str, not as the (supported) dtype it prints as
+    ((A, B, S, S), {"out_dtype": "bfloat16"}, TypeError,
+     r"out_dtype must be a torch.dtype \(bfloat16, float16 or float32\), got str 'bfloat16'"),
     ((A, B, S, S), {"fast_accum": 1}, TypeError, "fast_accum must be a bool"),
     ((A, B, f32(64), f32(32)), {}, ValueError, "match no scaling mode"),
     ((A, B, f32(64, 1), S), {}, ValueError, "match no scaling mode"),
@@ -347,6 +350,8 @@ QBAD = [
     ((torch.zeros(4, 8), "row", torch.int8), TypeError, "dtype must be float8_e4m3fn or "
                                                         "float8_e5m2, got torch.int8"),
     ((torch.zeros(4, 8), "row", torch.float8_e4m3fnuz), TypeError, "dtype must be"),
+    ((torch.zeros(4, 8), "row", "float8_e4m3fn"), TypeError,
+     r"dtype must be a torch.dtype \(float8_e4m3fn or float8_e5m2\), got str 'float8_e4m3fn'"),
     ((torch.zeros(4, 8, dtype=BF16), "block1x128"), ValueError, "x must be a CUDA tensor"),
 ]
 
@@ -704,6 +709,24 @@ def test_reference_divides_as_true_division():
     assert torch.equal(s, exact)
     by_reciprocal = amax.clamp(min=1e-12) * torch.tensor(1 / 448.0, dtype=torch.float32)
     assert not torch.equal(by_reciprocal, exact)
+
+
+REFERENCE_BAD = [
+    (([1.0],), TypeError, "x must be a torch.Tensor, got list"),
+    ((torch.zeros(256),), ValueError, r"x must be 2-D \(M, K\), got shape \(256,\)"),
+    ((torch.zeros(4, 8), "row", torch.int8), TypeError, "dtype must be float8_e4m3fn or "
+                                                        "float8_e5m2, got torch.int8"),
+    # a non-FP8 float dtype would return its own rounding, quietly
+    ((torch.zeros(4, 8), "row", torch.float16), TypeError, "dtype .*, got torch.float16"),
+    ((torch.zeros(4, 8), "row", "float8_e5m2"), TypeError, "dtype must be a torch.dtype"),
+    ((torch.zeros(4, 8), "col"), ValueError, "granularity must be one of"),
+]
+
+
+@pytest.mark.parametrize("args,error,message", REFERENCE_BAD, ids=[b[2] for b in REFERENCE_BAD])
+def test_reference_bad_input_is_refused_naming_the_argument(args, error, message):
+    with pytest.raises(error, match="^quantize_fp8_reference: " + message):
+        quantize_fp8_reference(*args)
 
 
 def test_reference_empty_inputs():

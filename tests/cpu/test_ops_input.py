@@ -214,6 +214,17 @@ def test_out_must_be_writable():
         GG._check_out(xg, (6, 5), xg, wg.requires_grad_())
 
 
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_a_nested_out_is_refused_by_name(layout):
+    """A nested (jagged or strided) out= tensor: a TypeError naming the op and out, not torch's
+    "NestedTensorImpl doesn't support sizes" nor a shape of nested ints."""
+    a, b = torch.zeros(3, 5, dtype=torch.bfloat16), torch.zeros(5, 7, dtype=torch.bfloat16)
+    out = torch.nested.nested_tensor([torch.zeros(3, 7), torch.zeros(2, 7)],
+                                     dtype=torch.bfloat16, layout=layout)
+    with pytest.raises(TypeError, match=r"^matmul: out is a nested tensor"):
+        MM._check_out(a, b, out)
+
+
 def splits(*args, **kw):
     return [MM.split_of(c) for c in MM.matmul_configs(*args, **kw) if MM.split_of(c) > 1]
 

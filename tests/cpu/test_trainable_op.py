@@ -59,6 +59,18 @@ def test_double_backward_through_saved_inputs_raises_too(how):
         penalty.backward() if how == "backward" else torch.autograd.grad(penalty, x)
 
 
+def test_a_gradient_taken_with_create_graph_can_be_changed_in_place():
+    """As a torch op's gradient can (a scale, a clamp): the gradient is a tensor of its own to
+    autograd, not a view made inside a Function (which autograd forbids writing in place), and
+    after the write a second differentiation still raises."""
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(_square(x).sum(), x, create_graph=True)
+    g.mul_(0.5)
+    torch.testing.assert_close(g.detach(), x.detach())
+    with pytest.raises(RuntimeError, match="no double backward"):
+        g.pow(2).sum().backward()
+
+
 _halved = TrainableOp(
     "tiletune_test::halved", forward=lambda x: (x / 2, x.sum()),
     forward_schema="(Tensor x) -> (Tensor, Tensor)",
@@ -84,6 +96,22 @@ def test_inference_runs_where_no_gradient_can_reach(monkeypatch):
     assert calls == ["inference"] * 2 and y.requires_grad
     (g,) = torch.autograd.grad(y.sum(), x)
     assert torch.equal(g, torch.full_like(x, 0.5))
+
+
+def test_inference_mode_records_no_graph_even_under_enable_grad(monkeypatch):
+    """Inside torch.inference_mode(), enable_grad() turns grad mode on but torch's own ops
+    record no graph there; the op runs its inference function too, on an input that requires
+    grad, instead of saving tensors for a backward nothing can run."""
+    calls = []
+    monkeypatch.setattr(_halved, "_eager", lambda x: calls.append("inference") or x * 0.5)
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    with torch.inference_mode(), torch.enable_grad():
+        assert torch.is_grad_enabled()
+        expected = x * 0.5                       # what torch gives there
+        y = _halved(x)
+    assert calls == ["inference"]
+    assert torch.equal(y, expected)
+    assert not y.requires_grad and y.grad_fn is None and not expected.requires_grad
 
 
 _axpy = TrainableOp(
