@@ -862,8 +862,10 @@ def _quant_space(x, *rest):
 
 
 def _layout_space(x, *rest):
-    """The rowwise and block spaces differ for a transposed view (contiguous rows)."""
-    return dict(m=bucket(x.shape[0]), k=x.shape[1], col=x.stride(0) == 1 and x.shape[1] > 1)
+    """The rowwise and block spaces differ for a transposed view (contiguous columns): read
+    from the layout the launch key holds, so that one key has one space (a (1, K) row of unit
+    strides is a row-major x, whatever its size-1 dim's stride)."""
+    return dict(m=bucket(x.shape[0]), k=x.shape[1], col=layout(x) == "col" and x.shape[1] > 1)
 
 
 def _quant_work(x, q, *rest):

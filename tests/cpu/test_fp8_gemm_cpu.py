@@ -954,3 +954,15 @@ BAD_LINEAR = [
 def test_fp8_linear_bad_input_is_refused_naming_the_argument(args, kw, error, message):
     with pytest.raises(error, match="^fp8_linear: .*" + message):
         F8.fp8_linear(*args, **kw)
+
+
+def test_one_launch_key_has_one_quantizer_space():
+    """The quantizers' key holds x's layout; the space follows the same reading, so a (1, K)
+    row whose size-1 dim has stride 1 (`randn(K, 1).t()`) and a contiguous (1, K) row, one
+    key, get one space (the first call's x decided which), and a transposed view its own."""
+    unit = torch.randn(256, 1, dtype=BF16).t()                 # (1, 256), strides (1, 1)
+    plain = torch.randn(1, 256, dtype=BF16)
+    transposed = torch.randn(256, 64, dtype=BF16).t()           # (64, 256), strides (1, 64)
+    assert F8.layout(unit) == F8.layout(plain) == "row" and F8.layout(transposed) == "col"
+    assert F8._layout_space(unit) == F8._layout_space(plain)
+    assert F8._layout_space(plain)["col"] is False and F8._layout_space(transposed)["col"] is True
