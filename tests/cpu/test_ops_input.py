@@ -214,6 +214,7 @@ def test_out_must_be_writable():
         GG._check_out(xg, (6, 5), xg, wg.requires_grad_())
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 @pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
 def test_a_nested_out_is_refused_by_name(layout):
     """A nested (jagged or strided) out= tensor: a TypeError naming the op and out, not torch's
