@@ -55,11 +55,12 @@ def number(name, default, maximum=None):
     return x
 
 
-def integer(name, default, minimum=None):
+def integer(name, default, minimum=None, refuse=None):
     """The variable as an int (decimal, e.g. TILETUNE_COMPILE_JOBS=8).
 
     Unset or blank: `default`. Not an integer (auto, 4.0, eight), or below `minimum` when one
-    is given: one warning, then `default`."""
+    is given: one warning, then `default`; where `refuse` is given (a value the caller cannot
+    do without, and why), a ValueError naming the variable instead."""
     value = _raw(name)
     if value is None:
         return default
@@ -69,6 +70,8 @@ def integer(name, default, minimum=None):
         n = None
     if n is None or (minimum is not None and n < minimum):
         want = "an integer" if minimum is None else f"an integer >= {minimum}"
+        if refuse is not None:
+            raise ValueError(f"tiletune: {name}={value!r} is not {want} ({refuse})")
         warn_once((name, value), f"tiletune: {name}={value!r} is not {want}; "
                                  f"using the default {default}")
         return default

@@ -14,13 +14,12 @@ out (start_job, shares), each stepping its own with tiletune.distributed's proce
 """
 import dataclasses
 import datetime
-import os
 import time
 from typing import Optional
 
 import torch
 
-from tiletune import autotune, precompile, registry, store
+from tiletune import autotune, env, precompile, registry, store
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -265,38 +264,27 @@ def _step(models, steps, dtype, backward, out, report, generate=0):
 JOB_GATHER_TIMEOUT = datetime.timedelta(hours=6)
 
 
+# a torchrun variable set to anything but an int >= 0 (left over from another launcher) stops
+# the command, naming the variable
+_TORCHRUN = "torchrun sets it; outside torchrun, unset it"
+
+
 def start_job(backend="nccl"):
     """(rank, world size) of the job `python -m tiletune tune` runs in: under torchrun
     (WORLD_SIZE > 1 in the environment) the process group is started here, on this rank's
     GPU (LOCAL_RANK), and set as tiletune's (tiletune.distributed), so the ranks share the
     (spec, batch, sequence length) steps out and decide every key once; (0, 1) otherwise."""
-    world = _job_variable("WORLD_SIZE", 1)
+    world = env.integer("WORLD_SIZE", 1, minimum=0, refuse=_TORCHRUN)
     if world <= 1:
         return 0, 1
     import torch.distributed as dist
     from tiletune import distributed
     if backend == "nccl":
-        torch.cuda.set_device(_job_variable("LOCAL_RANK", 0))
+        torch.cuda.set_device(env.integer("LOCAL_RANK", 0, minimum=0, refuse=_TORCHRUN))
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=JOB_GATHER_TIMEOUT)
     distributed.set_process_group()
     return dist.get_rank(), dist.get_world_size()
-
-
-def _job_variable(name, default):
-    """A torchrun variable as an int >= 0 (`default` where it is unset or blank); ValueError
-    naming the variable for anything else (a value left over from another launcher)."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        n = int(value, 10)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"tiletune tune: {name}={value!r} is not an integer >= 0 (torchrun "
-                         "sets it; outside torchrun, unset it)")
-    return n
 
 
 def end_job(world):
