@@ -1067,6 +1067,13 @@ def _refuse_non_dtype(op, name, value, names):
                         f"{type(value).__name__} {value!r}")
 
 
+def _check_fp8_dtype(op, dtype):
+    """The quantizers' output dtype: e4m3 or e5m2, else a TypeError naming `op`."""
+    if dtype not in FP8_DTYPES:
+        _refuse_non_dtype(op, "dtype", dtype, "float8_e4m3fn or float8_e5m2")
+        raise TypeError(f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+
+
 def _refuse_grad(op, tensors):
     """Under grad mode, an input that requires grad: ValueError. The op has no gradient (as
     torch._scaled_mm and a cast to FP8 have none to give): its output would silently cut the
@@ -1217,9 +1224,7 @@ def quantize_fp8_reference(x, granularity="tensor", dtype=torch.float8_e4m3fn):
         raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"{op}: x must be 2-D (M, K), got shape {tuple(x.shape)}")
-    if dtype not in FP8_DTYPES:
-        _refuse_non_dtype(op, "dtype", dtype, "float8_e4m3fn or float8_e5m2")
-        raise TypeError(f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    _check_fp8_dtype(op, dtype)
     fp8_max = torch.finfo(dtype).max
     M, K = x.shape
     xf = x.float()
@@ -1269,9 +1274,7 @@ def _check_quantize(x, granularity, dtype, op="quantize_fp8"):
     if granularity not in GRANULARITIES:
         raise ValueError(f"{op}: granularity must be one of {', '.join(GRANULARITIES)}; "
                          f"got {granularity!r}")
-    if dtype not in FP8_DTYPES:
-        _refuse_non_dtype(op, "dtype", dtype, "float8_e4m3fn or float8_e5m2")
-        raise TypeError(f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    _check_fp8_dtype(op, dtype)
     validate.tensor(op, "x", x, dtypes=IN_DTYPES)
     refuse_transforms(op)
     if torch.is_grad_enabled():
