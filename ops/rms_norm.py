@@ -223,9 +223,12 @@ def _fwd_grid(c, dev, x, w, y, rstd, eps, M, N):
     return (persistent_ctas(tiles, dev, c.occupancy) if c.persistent else tiles,)
 
 
+_FWD_KERNELS = {"rows": rms_norm_fwd_rows, "chunked": rms_norm_fwd_chunked,
+                "wide": rms_norm_fwd_wide}
+
+
 def _fwd_kernel(cfg):
-    return {"rows": rms_norm_fwd_rows, "wide": rms_norm_fwd_wide}.get(cfg.kind,
-                                                                     rms_norm_fwd_chunked)
+    return _FWD_KERNELS[cfg.kind]
 
 
 def _fwd_args(c, x, w, y, rstd, eps, M, N):
