@@ -27,7 +27,14 @@ tiletune does not compute:
   wide is read as HF reads it, each half's columns its own (Liger 0.8.5 takes the first
   rotary_dim / 2 columns for both halves: the same for the duplicated tables HF and Liger
   build, different for a table whose halves differ); other widths are read as Liger reads
-  them.
+  them. q and k come back as new tensors and are left as they were (Liger rotates them in
+  place where their (B, S, H, D) layout is contiguous, as HF's transposed views are).
+- `LigerSiLUMulFunction`: a gate_multiplier other than 1 scales a in its own dtype before the
+  kernel (Liger scales it in float32 inside the kernel): one more rounding of the gate.
+- `LigerGEGLUMLP` computes the tanh GELU, as Liger does, and raises ValueError for a config
+  whose activation is set to another one (Liger computes the tanh GELU whatever it says).
+- The patch functions given `model` patch that model only (Liger also patches the family's
+  classes and `apply_rotary_pos_emb`, so models built afterwards are patched too).
 - `_apply_liger_kernel_to_instance` on a model type without tiletune kernels warns and leaves
   the model as it is (Liger logs and returns).
 - The patch functions have no cross-entropy kernels: cross_entropy and
@@ -42,6 +49,7 @@ import warnings
 import torch
 from torch import nn
 
+from tiletune import validate
 from tiletune.ops.rms_norm import rms_norm
 from tiletune.ops.swiglu import geglu, swiglu
 from tiletune.suites import hf
@@ -67,10 +75,15 @@ def _geglu_tanh(gate, up):
     return geglu(gate, up, approximate="tanh")
 
 
-def _rms_norm(X, W, eps, offset=0.0):
+def _rms_norm(op, name, X, W, eps, offset=0.0):
     if W is None:           # elementwise_affine=False: a unit weight (Liger adds no offset)
+        if not isinstance(X, torch.Tensor) or X.dim() == 0:     # (X.shape[-1] below)
+            validate.is_tensor(op, name, X)
+            raise ValueError(f"{op}: {name} must have a last dimension (the hidden size), got "
+                             "a 0-dim tensor")
         W = torch.ones(X.shape[-1], device=X.device, dtype=X.dtype)
     elif offset:            # Gemma's (offset + weight), in float32 as Liger computes it
+        validate.is_tensor(op, "W", W)      # (the module's weight is a Parameter or None)
         W = W.float() + offset
     return rms_norm(X, W, eps)
 
@@ -79,7 +92,7 @@ def liger_rms_norm(X, W, eps, offset=0.0, casting_mode="llama", in_place=True):
     """RMSNorm of X over its last dim times W (None: no weight). See the module docstring for
     the options tiletune supports."""
     _check_rms_norm_options("liger_rms_norm", offset, casting_mode)
-    return _rms_norm(X, W, eps, offset)
+    return _rms_norm("liger_rms_norm", "X", X, W, eps, offset)
 
 
 class LigerRMSNormFunction:
@@ -89,7 +102,7 @@ class LigerRMSNormFunction:
     @staticmethod
     def apply(X, W, eps, offset=0.0, casting_mode="llama", in_place=True, row_mode=None):
         _check_rms_norm_options("LigerRMSNormFunction", offset, casting_mode)
-        return _rms_norm(X, W, eps, offset)
+        return _rms_norm("LigerRMSNormFunction", "X", X, W, eps, offset)
 
 
 class LigerRMSNorm(nn.Module):
@@ -116,7 +129,8 @@ class LigerRMSNorm(nn.Module):
         offset = self.offset
         if offset or self.casting_mode not in _CASTING:     # (may be set after construction)
             _check_rms_norm_options("LigerRMSNorm", offset, self.casting_mode)
-        return _rms_norm(hidden_states, self.weight, self.variance_epsilon, offset)
+        return _rms_norm("LigerRMSNorm", "hidden_states", hidden_states, self.weight,
+                         self.variance_epsilon, offset)
 
     def extra_repr(self):
         shape = None if self.weight is None else tuple(self.weight.shape)
@@ -147,12 +161,14 @@ def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rot
     head_dim, width = q.shape[-1], cos.shape[-1]
     if rotary_dim is None:
         rotary_dim = min(width, head_dim)
-    elif isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+    elif isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral):
         raise TypeError(f"{op}: rotary_dim must be an int or None, got "
                         f"{type(rotary_dim).__name__}")
     elif rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise ValueError(f"{op}: rotary_dim must be even and in (0, head_dim={head_dim}], got "
                          f"{rotary_dim}")
+    else:
+        rotary_dim = int(rotary_dim)    # (numpy's integers too, as Liger takes them)
     half = rotary_dim // 2
     if width < half:
         raise ValueError(f"{op}: cos/sin need at least rotary_dim / 2 = {half} columns, got "

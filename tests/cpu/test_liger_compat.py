@@ -148,6 +148,22 @@ def test_rms_norm_gemma_offset_and_casting(refs):
     assert torch.equal(unweighted(x), plain)
 
 
+def test_rms_norm_input_errors_name_the_entry_point():
+    """Without a weight, and with an offset added to it, the input is checked before it is
+    used: a TypeError or ValueError naming the Liger entry point and its argument."""
+    with pytest.raises(ValueError, match="liger_rms_norm: X must have a last dimension"):
+        liger.liger_rms_norm(torch.tensor(1.0), None, 1e-6)
+    with pytest.raises(ValueError, match="LigerRMSNormFunction: X must have a last dimension"):
+        liger.LigerRMSNormFunction.apply(torch.tensor(1.0), None, 1e-6)
+    with pytest.raises(ValueError, match="LigerRMSNorm: hidden_states must have a last dim"):
+        liger.LigerRMSNorm(8, elementwise_affine=False)(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="liger_rms_norm: X must be a torch.Tensor, got list"):
+        liger.liger_rms_norm([1.0, 2.0], None, 1e-6)
+    with pytest.raises(TypeError, match="LigerRMSNormFunction: W must be a torch.Tensor, got "
+                                        "list"):
+        liger.LigerRMSNormFunction.apply(torch.randn(2, 2), [1.0, 1.0], 1e-6, 1.0, "gemma")
+
+
 @pytest.mark.parametrize("cos_shape", ["(S, D)", "(1, S, D)", "(B, S, D)", "(B, 1, S, D)"])
 def test_rope_cos_layouts(refs, cos_shape):
     B, S, D = 2, 5, 8
@@ -196,6 +212,19 @@ def test_rope_rotary_dim_and_half_width_cos(refs):
     with pytest.raises(ValueError, match="unsqueeze_dim=2"):
         liger.liger_rotary_pos_emb(q, k, torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16),
                                    unsqueeze_dim=2)
+
+
+def test_rope_rotary_dim_of_numpy(refs):
+    """rotary_dim as numpy's integer (a config read through numpy), as Liger takes it."""
+    np = pytest.importorskip("numpy")
+    q, k = torch.randn(1, 2, 4, 16), torch.randn(1, 1, 4, 16)
+    cos, sin = torch.randn(1, 4, 8), torch.randn(1, 4, 8)
+    qo, ko = liger.liger_rotary_pos_emb(q, k, cos, sin, rotary_dim=np.int64(8))
+    assert type(refs["rotary_dim"]) is int and refs["rotary_dim"] == 8
+    torch.testing.assert_close(qo, rope_reference(q, cos, sin, 8))
+    torch.testing.assert_close(ko, rope_reference(k, cos, sin, 8))
+    with pytest.raises(ValueError, match="liger_rotary_pos_emb: rotary_dim must be even"):
+        liger.liger_rotary_pos_emb(q, k, cos, sin, rotary_dim=np.int64(7))
 
 
 def test_rope_unsqueeze_dim(refs):
@@ -261,6 +290,7 @@ def test_model_patching():
         names = {type(m).__name__ for m in model.modules()}
         assert {"TiletuneQwen2RMSNorm", "TiletuneQwen2MLP", "TiletuneQwen2Attention"} <= names
         assert model.config._attn_implementation == "sdpa"          # attention untouched
+        assert hf.FAMILIES["qwen2"].module().Qwen2RMSNorm.__name__ == "Qwen2RMSNorm"  # (model only)
         hf.revert(model)
         liger._apply_liger_kernel_to_instance(model, rope=False, swiglu=False,
                                               layer_norm=True)          # unknown: dropped
