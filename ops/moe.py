@@ -25,6 +25,7 @@
 # Every sum is float32; each output element is written by one CTA (no atomics: deterministic).
 #
 # No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
+import operator
 from types import SimpleNamespace
 
 import cuda.tile as ct
@@ -326,11 +327,18 @@ def _size(op, rows, cols):
 
 
 def _check_permute(x, topk_ids, num_experts):
+    """num_experts as an int (any integer type: Python's, numpy's), or a TypeError /
+    ValueError naming moe_permute and the argument."""
     op = "moe_permute"
     validate.is_tensor(op, "x", x)
     validate.is_tensor(op, "topk_ids", topk_ids)
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int):
-        raise TypeError(f"{op}: num_experts must be an int, got {type(num_experts).__name__}")
+    if num_experts.__class__ is not int:
+        # (a tensor is refused: reading it would sync the host)
+        if isinstance(num_experts, (bool, torch.Tensor)) or \
+                not hasattr(type(num_experts), "__index__"):
+            raise TypeError(f"{op}: num_experts must be an int, got "
+                            f"{type(num_experts).__name__}")
+        num_experts = operator.index(num_experts)
     if not 1 <= num_experts < INT32_MAX:   # int32 offsets, and num_experts marks stray ids
         raise ValueError(f"{op}: num_experts must be in [1, 2^31 - 2], got {num_experts}")
     validate.dims(op, "x", x, 2, "(tokens, hidden)")
@@ -345,6 +353,7 @@ def _check_permute(x, topk_ids, num_experts):
     validate.dtype(op, "topk_ids", topk_ids, INDEX_DTYPES)
     validate.tensor(op, "x", x)
     validate.tensor(op, "topk_ids", topk_ids, like=x, dtypes=INDEX_DTYPES)
+    return num_experts
 
 
 def _check_unpermute(y_sorted, inverse, topk_weights):
@@ -438,7 +447,7 @@ def moe_permute(x, topk_ids, num_experts):
     """Group tokens by expert for grouped_mm: `(x_sorted, offs, inverse)`.
 
     x: (T, H) float32/float16/bfloat16 CUDA tensor, any strides. topk_ids: (T, k) int32/int64
-    expert ids on x's device (k >= 1). num_experts: E >= 1.
+    expert ids on x's device (k >= 1). num_experts: E >= 1, an int (numpy's too).
     x_sorted (T*k, H), x's dtype: token t's row once per chosen expert, grouped by expert in
     ascending order, within an expert in (token, slot) order. offs (E,) int32: cumulative end
     offsets (expert e owns rows offs[e-1]..offs[e]), the `offs` of grouped_mm and
@@ -453,7 +462,7 @@ def moe_permute(x, topk_ids, num_experts):
     nothing is ever accessed out of bounds. Differentiable in x (dx[t] = sum_j
     dx_sorted[inverse[t, j]], summed in float32, deterministic). Works under
     torch.compile(fullgraph=True). At most 2^31 - 1 elements in x_sorted."""
-    _check_permute(x, topk_ids, num_experts)
+    num_experts = _check_permute(x, topk_ids, num_experts)
     return _permute(x, topk_ids, num_experts)
 
 

@@ -299,8 +299,15 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
                         f"{type(position_ids).__name__} (pass unsqueeze_dim by keyword)")
     # tables: (S', D), or (1, 1, S', D) as transformers 4.31-4.35 pass them
     table = cos.dim() == 2 or (cos.dim() == 4 and cos.shape[0] == 1 and cos.shape[1] == 1)
-    return apply_rope(q, k, cos, sin, position_ids=position_ids if table else None,
-                      compute_dtype=hf_compute_dtype(q, cos))
+    try:
+        return apply_rope(q, k, cos, sin, position_ids=position_ids if table else None,
+                          compute_dtype=hf_compute_dtype(q, cos))
+    except (TypeError, ValueError) as e:
+        # apply_rope's checks name apply_rope: the caller called this function
+        prefix = "apply_rope: "
+        if type(e) in (TypeError, ValueError) and str(e).startswith(prefix):
+            raise type(e)("apply_rotary_pos_emb: " + str(e)[len(prefix):]) from None
+        raise
 
 
 def hf_compute_dtype(q, cos):

@@ -2,7 +2,8 @@
 (against a brute-force enumeration of the bytes each view touches) and its leaf rule; matmul's
 `out` check (the shared out= rules), its split-K scratch bound over the batch and the batch in
 its key and space; the CausalBias size check of scaled_dot_product_attention; rms_norm's
-int32-safe row chunks and its refusal of rows wider than 2^31 - 1 elements."""
+int32-safe row chunks and its refusal of rows wider than 2^31 - 1 elements; the errors of
+apply_rotary_pos_emb, which name it; moe_permute's num_experts of any integer type."""
 import itertools
 import random
 
@@ -15,7 +16,9 @@ from tiletune import validate
 from tiletune.ops import fmha as FA
 from tiletune.ops import grouped_gemm as GG
 from tiletune.ops import matmul as MM
+from tiletune.ops import moe as MO
 from tiletune.ops import rms_norm as RN
+from tiletune.ops import rope as RP
 from tiletune.space import row_chunks
 from tiletune.validate import overlaps, self_overlaps
 
@@ -354,3 +357,55 @@ def test_an_inference_tensor_out_is_refused_where_a_kernel_writes_it():
     validate.out("op", out, (4, 4), torch.float32, x.device)
     with torch.inference_mode():
         validate.out("op", out, (4, 4), torch.float32, x.device, inputs={"x": x})
+
+
+# ---------------------------------------------------------------------------------------------
+# apply_rotary_pos_emb: the checks it shares with apply_rope name the function called.
+
+@pytest.fixture
+def cpu_as_cuda(monkeypatch):
+    """CPU tensors pass the device checks as tensors of CUDA device 0, so that the checks after
+    them run as they do on a GPU."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+def test_apply_rotary_pos_emb_names_itself_in_the_checks_it_shares_with_apply_rope(
+        cpu_as_cuda):
+    B, S, D = 2, 5, 8
+    q, k = torch.randn(B, 4, S, D), torch.randn(B, 2, S, D)
+    cos = sin = torch.randn(S, D)
+    bad = [(TypeError, "q dtype torch.float64 is not supported", dict(q=q.double())),
+           (TypeError, "k dtype torch.float16 differs from q dtype", dict(k=k.half())),
+           (TypeError, "k must be a torch.Tensor, got NoneType", dict(k=None)),
+           (ValueError, r"q heads \(4\) must be a positive multiple of k heads \(3\)",
+            dict(k=torch.randn(B, 3, S, D))),
+           (ValueError, "cos/sin have 4 rows, fewer than S=5", dict(cos=cos[:4], sin=sin[:4])),
+           (ValueError, r"cos \(1, 5, 8\) and sin \(1, 5, 6\) differ", dict(sin=sin[:, :6])),
+           (ValueError, r"position_ids range \[1, 5\] is outside the 5 rows of cos/sin",
+            dict(position_ids=torch.arange(1, S + 1)))]
+    for error, message, change in bad:
+        args = {"q": q, "k": k, "cos": cos, "sin": sin, "position_ids": None, **change}
+        with pytest.raises(error, match="^apply_rope: " + message):
+            RP.apply_rope(args["q"], args["k"], args["cos"], args["sin"],
+                          position_ids=args["position_ids"])
+        with pytest.raises(error, match="^apply_rotary_pos_emb: " + message):
+            RP.apply_rotary_pos_emb(**args)
+
+
+# ---------------------------------------------------------------------------------------------
+# moe_permute: num_experts of any integer type, as the other int arguments take it.
+
+def test_moe_permute_takes_num_experts_of_any_integer_type(cpu_as_cuda, monkeypatch):
+    experts = []
+    monkeypatch.setattr(MO, "_permute", lambda x, ids, n: experts.append(n))
+    x, ids = torch.randn(4, 16), torch.zeros(4, 2, dtype=torch.int64)
+    for n in (3, np.int64(3), np.int32(3), np.uint8(3)):
+        MO.moe_permute(x, ids, n)
+    assert experts == [3] * 4 and all(type(n) is int for n in experts)
+    for bad in (3.0, np.float32(3), True, np.bool_(True), torch.tensor(3), "3", None):
+        with pytest.raises(TypeError, match="^moe_permute: num_experts must be an int, got"):
+            MO.moe_permute(x, ids, bad)
+    with pytest.raises(ValueError, match=r"^moe_permute: num_experts must be in \[1, 2\^31"):
+        MO.moe_permute(x, ids, np.int64(0))
