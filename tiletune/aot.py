@@ -6,6 +6,7 @@ the same facts, or it compiles a different kernel (no TMA, no wgmma) than the GP
 `jit_array` states them; a GPU test checks it against `KernelSignature.from_kernel_args`.
 """
 import io
+import re
 import struct
 import time
 from dataclasses import dataclass, field
@@ -207,14 +208,26 @@ def op_cases(op):
     return _CASES[op]
 
 
+ERROR_LINES = 20       # of a failed compile's message, in its report
+
+
+def error_text(e):
+    """"Type: message" of a failed compile, its non-blank lines (at most ERROR_LINES), the
+    lines after the first indented: a compiler error's first line is "Return code 1", and
+    what tileiras said comes after it."""
+    lines = [line.rstrip() for line in str(e).splitlines() if line.strip()]
+    if len(lines) > ERROR_LINES:
+        lines = lines[:ERROR_LINES] + [f"... ({len(lines) - ERROR_LINES} more lines)"]
+    return ": ".join([type(e).__name__, *(["\n  ".join(lines)] if lines else [])])
+
+
 def _compile_worker(args):
     op, index, arch = args
     case = op_cases(op)[index]
     try:
         return (case.label, arch, *compile_case(case, arch), None)
     except Exception as e:  # a failed compile is a result to report, not a crash
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return case.label, arch, None, None, f"{type(e).__name__}: {first}"
+        return case.label, arch, None, None, error_text(e)
 
 
 def _build_of(case):
@@ -227,21 +240,59 @@ def _build_of(case):
     return kernel + (repr(signature(case.params)),)
 
 
+_ARCH_FORM = re.compile(r"sm_\d{2,3}[a-z]?")
+
+
+def _request(who, ops, archs):
+    """(ops, archs) as lists without repeats, or a TypeError / ValueError naming `who` and the
+    argument: a str where a list belongs (its letters would be taken for names), an op that no
+    case module registers, an arch not of the form sm_<major><minor>."""
+    lists = []
+    for name, value in (("ops", ops), ("archs", archs)):
+        try:
+            names = None if isinstance(value, str) else list(dict.fromkeys(value))
+        except TypeError:           # not iterable, or of unhashable items
+            names = None
+        if names is None or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"{who}: {name} must be a list of names (str), got {value!r}")
+        lists.append(names)
+    ops, archs = lists
+    unknown = [op for op in ops if op not in _CASES]
+    if unknown:
+        from tiletune import registry
+        known = registry.ops()
+        unknown = [op for op in unknown if op not in known]
+        if unknown:
+            raise ValueError(f"{who}: unknown op{'s' if len(unknown) > 1 else ''} "
+                             f"{', '.join(map(repr, unknown))} in ops; known: {', '.join(known)}")
+    bad = [a for a in archs if not _ARCH_FORM.fullmatch(a)]
+    if bad:
+        raise ValueError(f"{who}: archs {', '.join(map(repr, bad))} are not of the form "
+                         f"sm_<major><minor> (e.g. sm_90, sm_100)")
+    return ops, archs
+
+
 def compile_all(ops, archs, jobs=None, select=None):
     """Compile the AOT cases of the named ops for the archs `planned_cases` gives them, in
-    a process pool (compiles are serialized inside one process), each distinct build once: a
-    case whose build another case already has gets that build's result (seconds, stack frame
-    or error) under its own label.
-    `select(op, index, case)`, given, picks the cases. Returns a CompileReport, each build's
-    stack frame in it."""
+    `jobs` processes (default: one per CPU this process may run on; compiles are serialized
+    inside one process), each distinct build once: a case whose build another case already has
+    gets that build's result (seconds, stack frame or error) under its own label.
+    `select(op, index, case)`, given, picks the cases (a ValueError where it picks none).
+    Returns a CompileReport, each build's stack frame in it."""
     from concurrent.futures import ProcessPoolExecutor
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ValueError(f"compile_all: jobs must be an int >= 1 or None (one process per usable "
+                         f"CPU), got {jobs!r}")
+    ops, archs = _request("compile_all", ops, archs)
     jobs = jobs or usable_cpus()
     if jobs == 1:
-        pending = PendingCompiles(ops, archs, select)
+        pending = PendingCompiles(ops, archs, select, who="compile_all")
         return pending.report([_compile_worker(w) for w in pending.work])
     pool = ProcessPoolExecutor(jobs)
     try:
-        return start_compiles(ops, archs, pool, select).report()
+        pending = PendingCompiles(ops, archs, select, who="compile_all")
+        pending.futures = [pool.submit(_compile_worker, w) for w in pending.work]
+        return pending.report()
     except BaseException:     # Ctrl-C: a plain shutdown would run every compile still queued
         stop_compiles(pool)
         raise
@@ -260,17 +311,22 @@ def stop_compiles(pool):
 def start_compiles(ops, archs, pool, select=None):
     """compile_all's builds submitted to `pool` (a concurrent.futures executor) without waiting:
     `.report()` of the result waits for them. Several calls may share one pool."""
-    pending = PendingCompiles(ops, archs, select)
+    pending = PendingCompiles(ops, archs, select, who="start_compiles")
     pending.futures = [pool.submit(_compile_worker, w) for w in pending.work]
     return pending
 
 
-def planned_cases(ops, archs, select=None):
+def planned_cases(ops, archs, select=None, *, who="planned_cases"):
     """(op, case index, arch) of every compile of the named ops' cases (`select`ed): each case
     for each arch of `case_archs`, on archs outside EVERY_CASE_ARCHS only the cases whose space
-    lists the arch and the first case of every other config."""
-    chosen = [(op, i, case) for op in ops for i, case in enumerate(op_cases(op))
-              if select is None or select(op, i, case)]
+    lists the arch and the first case of every other config. A select that picks none of the
+    cases is a ValueError (naming `who`, the public function called)."""
+    ops, archs = _request(who, ops, archs)
+    cases = [(op, i, case) for op in ops for i, case in enumerate(op_cases(op))]
+    chosen = [(op, i, case) for op, i, case in cases if select is None or select(op, i, case)]
+    if cases and not chosen:
+        raise ValueError(f"{who}: select picked none of the {len(cases)} compile cases of "
+                         f"{', '.join(ops)}")
     claimed = {(_config_of(case), arch) for _, _, case in chosen
                for arch in getattr(case, "spaces", ()) if arch not in EVERY_CASE_ARCHS}
     planned = []
@@ -289,11 +345,11 @@ class PendingCompiles:
     """The distinct builds of some ops' cases (`work`: (op, case index, arch)), and which
     cases repeat a build (`same_as`), planned in the calling process."""
 
-    def __init__(self, ops, archs, select=None):
+    def __init__(self, ops, archs, select=None, who="PendingCompiles"):
         first = {}                  # (build, arch) -> (op, index) of the first case that has it
         self.same_as = []           # ((op, index) of a repeated build, arch, its first case)
         self.work = []
-        for op, i, arch in planned_cases(ops, archs, select):
+        for op, i, arch in planned_cases(ops, archs, select, who=who):
             owner = first.setdefault((_build_of(op_cases(op)[i]), arch), (op, i))
             if owner == (op, i):
                 self.work.append((op, i, arch))

@@ -786,6 +786,7 @@ class Autotuner:
         use_store=False: search even if the store holds a winner (which the search replaces)."""
         if isinstance(search, Search):
             shape = search.shape
+        _device.check_supported(self.name, dev)
         if torch.cuda.is_current_stream_capturing():
             return self._resolve_during_capture(key, dev, shape)
         with _search_lock(dev):
@@ -1062,6 +1063,18 @@ class Autotuner:
                                  "message": f"in the final round: {e}"} for c, e in failed]
             if final:
                 best, best_us = final[0]
+            elif failed and not _of_the_moment((type(e).__name__, str(e)) for _, e in failed):
+                # every finalist's run raised: none may win on its search time; the fastest
+                # config outside the round does, or the key fails where there is none
+                out = [c for c, _ in failed]
+                rest = [m for m in ranked if not any(m.config is c for c in out)]
+                if not rest:
+                    every = [(f["config"], f["error"], f["message"]) for f in record_failures]
+                    self._failed[key] = every
+                    raise TuningFailedError(self.name, key, every)
+                pick = next((m for m in rest if not (search.partly_timed
+                                                     and search.partly_timed(m.config))), rest[0])
+                best, best_us = pick.config, pick.mean_us
             final = [{"config": config_dict(c), "median_us": us, "timing": regime}
                      for c, us in final]
         elapsed = time.perf_counter() - t0

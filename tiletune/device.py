@@ -38,6 +38,19 @@ def major(arch_name):
     return int(digits) // 10 if arch_name.startswith("sm_") and digits.isdigit() else 0
 
 
+OLDEST_MAJOR = 8        # cuTile compiles for compute capability 8.0 and newer
+
+
+def check_supported(op, device):
+    """A ValueError naming `op` where `device` (as `arch` takes it) is older than cuTile compiles
+    for (Volta, Turing): refused on a miss, not left to every config's failed compile."""
+    name = arch(device)
+    if major(name) < OLDEST_MAJOR:
+        raise ValueError(f"{op}: cuTile kernels need a GPU of compute capability "
+                         f"{OLDEST_MAJOR}.0 or newer; device {device} ({gpu_name(device)}) is "
+                         f"{name}")
+
+
 _SM_COUNT = {}
 
 

@@ -39,8 +39,9 @@ def time_interleaved(candidates, rounds=5, reps=10, warmup=5, block_ms=0.0,
     before each run. The candidates take turns in blocks of `reps` runs (`rounds` times), so
     clock and power drift during a row falls on all of them alike instead of on whichever ran
     last. `context` (a context-manager factory, or None) is entered around each block, outside
-    the timed events. A candidate whose warm-up raises is left out: its label maps to the
-    exception instead of a time. Odd rounds run the candidates in reverse order.
+    the timed events. A candidate that raises, in its warm-up or in any later run, is left out
+    from then on: its label maps to the exception instead of a time, and the others are timed
+    as before. Odd rounds run the candidates in reverse order.
 
     block_ms > 0 times the sustained regime: each block first runs its candidate untimed for
     about block_ms / 2, then times at least `reps` runs and at least block_ms / 2 of them, so
@@ -61,32 +62,55 @@ def time_interleaved(candidates, rounds=5, reps=10, warmup=5, block_ms=0.0,
         except Exception as e:
             result[label] = e
     torch.cuda.synchronize()
+    if live:
+        _flush_l2()     # (its buffer first: no memory for it fails the timing, not a candidate)
+    events = {label: [] for label, _, _ in live}
+
+    def each(order, step):
+        """step(label, fn, ctx) for each candidate of `order` (a copy of live); one that raises
+        is out, and its timed runs with it."""
+        for candidate in order:
+            label, fn, ctx = candidate
+            try:
+                step(label, fn, ctx)
+            except Exception as e:
+                result[label] = e
+                live.remove(candidate)
+                del events[label]
+
     runs = {label: (0, reps) for label, _, _ in live}     # (untimed, timed) runs a block
+    run_ms = {}
     if block_ms > 0 or preheat_ms > 0:
-        run_ms = {label: _one_run_ms(fn, ctx) for label, fn, ctx in live}
+        def estimate(label, fn, ctx):
+            run_ms[label] = _one_run_ms(fn, ctx)
+        each(live[:], estimate)
     if block_ms > 0:
         for label, _, _ in live:
             n = min(MAX_BLOCK_RUNS, max(reps, _runs_for(block_ms / 2, run_ms[label])))
             runs[label] = (n, n)
-    if preheat_ms > 0:
-        for label, fn, ctx in live:
+    if preheat_ms > 0 and live:
+        share = preheat_ms / len(live)
+
+        def preheat(label, fn, ctx):
             with (ctx or contextlib.nullcontext)():
-                _untimed(fn, min(MAX_BLOCK_RUNS, _runs_for(preheat_ms / len(live), run_ms[label])))
-    events = {label: [] for label, _, _ in live}
+                _untimed(fn, min(MAX_BLOCK_RUNS, _runs_for(share, run_ms[label])))
+        each(live[:], preheat)
+
+    def block(label, fn, ctx):
+        untimed, timed = runs[label]
+        with (ctx or contextlib.nullcontext)():
+            _untimed(fn, untimed)
+            for _ in range(timed):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                _flush_l2()
+                s.record()
+                fn()
+                e.record()
+                events[label].append((s, e))
     for r in range(rounds):
         # every other round in reverse, so that no candidate always follows the same one or
         # always comes last (a sustained rotation heats the GPU as it goes)
-        for label, fn, ctx in (live if r % 2 == 0 else live[::-1]):
-            untimed, timed = runs[label]
-            with (ctx or contextlib.nullcontext)():
-                _untimed(fn, untimed)
-                for _ in range(timed):
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    _flush_l2()
-                    s.record()
-                    fn()
-                    e.record()
-                    events[label].append((s, e))
+        each(live[:] if r % 2 == 0 else live[::-1], block)
     torch.cuda.synchronize()
     for label, pairs in events.items():
         ts = sorted(s.elapsed_time(e) * 1e3 for s, e in pairs)

@@ -659,3 +659,56 @@ def test_tune_exits_1_when_winners_could_not_be_saved(monkeypatch, tmp_path, cap
     err = capsys.readouterr().err
     assert "tiletune tune: 2 winners could not be saved to the store at" in err
     assert "nothing was exported" in err and not out.exists()
+
+
+def test_a_failed_compile_reports_what_the_compiler_said(ops, monkeypatch, capsys):
+    """tileiras's message comes after the error's first line ("Return code 1"): the report
+    and `compile` print it, and `compile` exits 1."""
+    from cuda.tile._exception import Loc, TileCompilerExecutionError
+
+    def compile_case(case, arch):
+        if case.label == "big":
+            raise TileCompilerExecutionError(
+                1, "error: shared memory of 262144 bytes exceeds the 232448 bytes of sm_90",
+                Loc.unknown(), "-O3", "13.4")
+        return 0.5, 0
+    monkeypatch.setitem(aot._CASES, "alpha", [SimpleNamespace(label="small"),
+                                              SimpleNamespace(label="big")])
+    monkeypatch.setattr(aot, "compile_case", compile_case)
+    assert main(["compile", "--jobs", "1", "alpha"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED big [sm_90]: CompilerExecutionError: Return code 1" in out
+    assert "shared memory of 262144 bytes exceeds" in out and "compiled 1/2" in out
+    report = aot.compile_all(["alpha"], ["sm_100"], jobs=1)
+    assert [label for label, _ in report.ok] == ["small [sm_100]"]
+    (label, err), = report.failed
+    assert label == "big [sm_100]" and "exceeds the 232448 bytes" in err
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(ops="alpha"), TypeError, "compile_all: ops must be a list of names"),
+    (dict(archs="sm_90"), TypeError, "compile_all: archs must be a list of names"),
+    (dict(ops=["alpha", "gamma"]), ValueError, "compile_all: unknown op 'gamma' in ops; known: "
+                                               "alpha, beta"),
+    (dict(archs=["sm_90", "sm90", "hopper"]), ValueError, "compile_all: archs 'sm90', 'hopper' "
+                                                          "are not of the form sm_<major><minor>"),
+    (dict(jobs=0), ValueError, "compile_all: jobs must be an int >= 1"),
+    (dict(jobs=-2), ValueError, "compile_all: jobs must be an int >= 1"),
+    (dict(jobs=2.5), ValueError, "compile_all: jobs must be an int >= 1"),
+    (dict(select=lambda op, i, case: case.label == "nope"), ValueError,
+     "compile_all: select picked none of the 2 compile cases of alpha"),
+])
+def test_compile_all_refuses_bad_arguments_before_compiling(kwargs, error, message, ops,
+                                                            monkeypatch):
+    """A str for a list (compiled for the archs 's', 'm', '_', ...), an unknown op (a bare
+    KeyError), a misspelt arch, jobs below 1, a select that picks nothing (an empty report that
+    reads as success): one clear error, before any compile."""
+    compiled = []
+    monkeypatch.setitem(aot._CASES, "alpha", [SimpleNamespace(label="a"),
+                                              SimpleNamespace(label="b")])
+    monkeypatch.setattr(aot, "compile_case", lambda case, arch: compiled.append(arch) or (0.1, 0))
+    args = dict(dict(ops=["alpha"], archs=["sm_90"], jobs=1), **kwargs)
+    with pytest.raises(error, match=message.replace("(", r"\(")):
+        aot.compile_all(**args)
+    assert compiled == []
+    assert len(aot.compile_all(["alpha", "alpha"], ["sm_90", "sm_90"], jobs=1).ok) == 2

@@ -1339,3 +1339,89 @@ def test_search_final_round_and_launch_share_each_configs_kernel_object(env, mon
     cfg, kernel = resolve(t, ("k", 2))                  # the fake search, the final round
     assert kernel is t._with_hints(t.base_kernel(cfg), cfg, 0)
     assert env.launches and {id(a[2]) for a in env.launches} <= {id(k) for k in shared}
+
+
+# -- the final round's and the timing's failures -------------------------------------------------
+
+def test_finalists_whose_runs_all_raised_do_not_win(env):
+    """Every finalist's run raised in the final round (a kernel only the run launches did not
+    build): none of them wins on its search time. The fastest config outside the round wins;
+    where every timed config was in the round, the key fails with each config's error."""
+    env.fake.best_occ = 4          # search: occ 4 10 us, occ 2 12 us, occ 1 13 us
+    refused = RuntimeError("sum kernel refused")
+    env.final.times = {0: refused, 1: refused}         # the finalists: occ 4 and the default
+    t = env.make()
+    s = Search(shape=dict(n=16), grid_fn=lambda c: (1,), args_fn=lambda c: (),
+               run_fn=lambda c, kernel: None)
+    cfg, _ = t.tune(("k", 40), 0, s)
+    rec = t.records[("k", 40)]
+    assert cfg.occupancy == 2 and rec.best_us == 12.0
+    assert sorted(f["config"]["occupancy"] for f in rec.failures) == [1, 4]
+    env.fake.fail, env.fake.best_occ = {4}, 2      # search: occ 2 10 us, occ 1 11 us; 4 failed
+    with pytest.raises(TuningFailedError) as e:
+        t.tune(("k", 41), 0, s)
+    assert sorted(f[0]["occupancy"] for f in e.value.failures) == [1, 2, 4]
+    calls = env.fake.calls
+    with pytest.raises(TuningFailedError):          # no new search for a key that failed
+        t.tune(("k", 41), 0, s)
+    assert env.fake.calls == calls and store.load(t.name, t.store_key(("k", 41), 0, list(
+        _space("sm_90", n=16)))) is None
+
+
+def test_finalists_out_of_memory_in_the_final_round_keep_the_anchor(env):
+    """Out of memory says nothing about the configs: as when the round as a whole fails, the
+    search's fastest config stands."""
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory")
+    env.final.times = {0: oom, 1: oom}
+    t = env.make()
+    cfg, _ = t.tune(("k", 42), 0, search())
+    assert cfg.occupancy == 2 and t.records[("k", 42)].best_us == 10.0
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    from tests.cpu.test_bench import FakeClock
+    c = FakeClock()
+    monkeypatch.setattr(torch.cuda, "Event", c.event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(timing, "_flush_l2", lambda: None)
+    return c
+
+
+@pytest.mark.parametrize("regime", [dict(preheat_ms=0), dict(preheat_ms=1.0),
+                                    dict(block_ms=1.0, preheat_ms=0)])
+def test_a_candidate_that_raises_after_its_warm_up_leaves_the_others_timed(clock, regime):
+    """A run that raises after the warm-up (its run allocates and the memory ran out once the
+    flush buffer took its share): that candidate maps to its error, the others keep their
+    times, instead of the whole timing raising (a search then failed every config with it)."""
+    runs = []
+
+    def flaky():
+        runs.append(1)
+        if len(runs) > 2:
+            raise RuntimeError("CUDA out of memory")
+        clock.run("flaky", 5.0)
+
+    cands = [("flaky", flaky, None), ("steady", lambda: clock.run("steady", 20.0), None)]
+    us = timing.time_interleaved(cands, warmup=2, **regime)
+    assert isinstance(us["flaky"], RuntimeError) and us["steady"] == pytest.approx(20.0)
+    assert len(runs) == 3                           # not run again once it raised
+
+
+def test_a_gpu_older_than_cutile_compiles_for_is_refused_naming_the_op(env, monkeypatch):
+    """Volta and Turing: one clear error on the miss, before any search or store read, also
+    under DISABLE_AUTOTUNE (whose launch would fail in the compiler), instead of every config
+    failing to compile."""
+    from tiletune import device
+    monkeypatch.setattr(device, "arch", lambda d=None: "sm_75")
+    t = env.make()
+    refusal = (rf"{t.name}: cuTile kernels need a GPU of compute capability 8.0 or newer; "
+               rf"device 0 \(Fake H200\) is sm_75")
+    with pytest.raises(ValueError, match=refusal):
+        t.tune(("k", 50), 0, search())
+    assert env.fake.calls == 0 and t.searches == 0 and env.launches == []
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    with pytest.raises(ValueError, match=refusal):
+        t.tune(("k", 50), 0, search())
+    monkeypatch.setattr(device, "arch", lambda d=None: "sm_80")
+    assert t.tune(("k", 51), 0, search())[0].occupancy == 1      # Ampere: the default
