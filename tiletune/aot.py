@@ -208,16 +208,23 @@ def op_cases(op):
     return _CASES[op]
 
 
-ERROR_LINES = 20       # of a failed compile's message, in its report
+ERROR_LINES = 20       # of an error message, in a compile report and a TuningFailedError
+
+
+def message_lines(message):
+    """The non-blank lines of an error's message, at most ERROR_LINES (then one saying how many
+    more): a compiler error's first line is "Return code 1", and what tileiras said comes
+    after it, so the first line alone tells nothing."""
+    lines = [line.rstrip() for line in str(message).splitlines() if line.strip()]
+    if len(lines) > ERROR_LINES:
+        lines = lines[:ERROR_LINES] + [f"... ({len(lines) - ERROR_LINES} more lines)"]
+    return lines
 
 
 def error_text(e):
-    """"Type: message" of a failed compile, its non-blank lines (at most ERROR_LINES), the
-    lines after the first indented: a compiler error's first line is "Return code 1", and
-    what tileiras said comes after it."""
-    lines = [line.rstrip() for line in str(e).splitlines() if line.strip()]
-    if len(lines) > ERROR_LINES:
-        lines = lines[:ERROR_LINES] + [f"... ({len(lines) - ERROR_LINES} more lines)"]
+    """"Type: message" of a failed compile, its message_lines, the lines after the first
+    indented."""
+    lines = message_lines(e)
     return ": ".join([type(e).__name__, *(["\n  ".join(lines)] if lines else [])])
 
 

@@ -276,13 +276,25 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class TuningFailedError(RuntimeError):
-    """Every config failed. `.failures` is a list of (config, error type name, message)."""
+    """Every config failed. `.failures` is a list of (config, error type name, message).
+
+    The text gives each config's error with its message's lines (a compiler error's first line
+    is "Return code 1"; what the compiler said follows it); a message given in full for an
+    earlier config is given again by its first line only."""
 
     def __init__(self, op, key, failures):
+        from tiletune.aot import message_lines       # (aot is not loaded with the package)
         self.op, self.key, self.failures = op, key, list(failures)
-        lines = [f"tiletune: every config of {op} failed for key {key}:"]
-        lines += [f"  {cfg}: {etype}: {msg.splitlines()[0] if msg else ''}"
-                  for cfg, etype, msg in self.failures]
+        lines, given = [f"tiletune: every config of {op} failed for key {key}:"], set()
+        for cfg, etype, msg in self.failures:
+            text = message_lines(msg or "") or [""]
+            said = (etype, tuple(text))
+            if said in given and len(text) > 1:
+                lines.append(f"  {cfg}: {etype}: {text[0]} (the rest as above)")
+            else:
+                lines.append(f"  {cfg}: {etype}: {text[0]}")
+                lines += [f"    {line}" for line in text[1:]]
+            given.add(said)
         super().__init__("\n".join(lines))
 
 
@@ -631,10 +643,11 @@ class Autotuner:
             # drops it, the others launch whatever is cached or resolved after.
             with _search_lock(dev):
                 if self.cache.get(tkey) is entry:
+                    from tiletune.aot import message_lines
                     log.warning("tiletune: %s %s: the stored or agreed config %s failed to "
-                                "launch (%s: %s); searching again", self.name, tkey,
+                                "launch; searching again. %s: %s", self.name, tkey,
                                 config_dict(entry[0]), type(e).__name__,
-                                str(e).splitlines()[0] if str(e) else "")
+                                "\n  ".join(message_lines(e)))
                     store.delete(self.name, skey)
                     self.cache.pop(tkey, None)
                     self.records.pop(tkey, None)

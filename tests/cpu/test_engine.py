@@ -1425,3 +1425,27 @@ def test_a_gpu_older_than_cutile_compiles_for_is_refused_naming_the_op(env, monk
         t.tune(("k", 50), 0, search())
     monkeypatch.setattr(device, "arch", lambda d=None: "sm_80")
     assert t.tune(("k", 51), 0, search())[0].occupancy == 1      # Ampere: the default
+
+
+def test_every_config_failing_to_compile_shows_what_the_compiler_said(env, monkeypatch):
+    """A compiler error's first line is "Return code 1"; what tileiras said follows it. The
+    error of a search whose every config failed to compile gives the compiler's lines, each
+    distinct message in full and a repeat by its first line, and keeps each full message."""
+    from cuda.tile._exception import CompilerExecutionError, Loc
+    said = {1: "error: 'cuda_tile.mma' op needs 288 KiB of shared memory, 227 KiB available",
+            2: "error: 'cuda_tile.mma' op needs 288 KiB of shared memory, 227 KiB available",
+            4: "error: 'cuda_tile.load' op tile of 4096 elements exceeds the register budget"}
+
+    def launch(stream, grid, kernel, args):
+        raise CompilerExecutionError(1, said[kernel._compiler_options.occupancy], Loc.unknown(),
+                                     "-O3", "13.4.92")
+    monkeypatch.setattr(ct, "launch", launch)
+    env.fake.fail = {1, 2, 4}
+    t = env.make()
+    with pytest.raises(TuningFailedError) as e:
+        resolve(t, ("k",))
+    text = str(e.value)
+    assert text.count(said[1]) == 1 and text.count(said[4]) == 1
+    assert text.count("CompilerExecutionError: Return code 1") == 3
+    assert [m for _, _, m in e.value.failures] == [
+        f"Return code 1\n{said[o]}\nUnknown location" for o in (1, 2, 4)]
