@@ -37,7 +37,7 @@ from tiletune.autotune import Autotuner, StandIns, Work, bucket, bucketed
 from tiletune.device import major, persistent_ctas, sm_count
 from tiletune.ops.gemm_tiles import slice64
 from tiletune.space import cdiv, f32_row, next_pow2, table
-from tiletune.torch_op import TrainableOp
+from tiletune.torch_op import TrainableOp, records_graph
 
 ZERO = ct.PaddingMode.ZERO
 LOG2E = 1.4426950408889634
@@ -1274,9 +1274,10 @@ def _check_lengths(op, seqused_k, q, k, v):
     if seqused_k.shape != (q.shape[0],):
         raise ValueError(f"{op}: seqused_k must have shape (B,) = ({q.shape[0]},), got "
                          f"{tuple(seqused_k.shape)}")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if records_graph() and any(t.requires_grad for t in (q, k, v)):
         raise ValueError(f"{op}: seqused_k is for inference (no backward); call it under "
-                         f"torch.no_grad() or with inputs that do not require grad")
+                         "torch.no_grad() or torch.inference_mode(), or with inputs that do "
+                         "not require grad")
     group = q.shape[1] // k.shape[1]
     if not decodes(group, q.shape[2], head_tile(q.shape[3])):
         tg, tq = decode_rows(group, q.shape[2])
@@ -1325,8 +1326,9 @@ def fmha(q, k, v, *, causal=False, scale=None, seqused_k=None):
     the search decides between that and the plain forward. seqused_k: an int32 (B,) tensor of
     cache lengths on q's device: batch b attends to keys [0, seqused_k[b]) of its k/v (values
     are clamped to [0, Sk]; what the cache holds past them is never read), causal aligned
-    bottom-right on that length. Inference only (ValueError when q, k or v requires grad with
-    grad mode on), at decode sizes (ValueError otherwise).
+    bottom-right on that length. Inference only (ValueError when q, k or v requires grad where
+    autograd records a graph: grad mode on, outside torch.inference_mode()), at decode sizes
+    (ValueError otherwise).
     """
     scale = _check_dense("fmha", q, k, v, scale)
     causal = bool(causal)

@@ -33,7 +33,7 @@ from tiletune.device import bind_context, major, persistent_ctas
 from tiletune.ops.gemm_tiles import layout, output_tile, tile_count, tile_grid
 from tiletune.ops.matmul import SUM_TILE, launch_splitk_sum, split_of, splitk_rows
 from tiletune.space import cdiv, f32_row, next_pow2, product, table
-from tiletune.torch_op import no_second_order, refuse_transforms
+from tiletune.torch_op import no_second_order, records_graph, refuse_transforms
 
 ZERO = ct.PaddingMode.ZERO
 # Scale math rounds to nearest even, as torch's float32 division does: RoundingMode.FULL is
@@ -1046,7 +1046,7 @@ def _check(a, b, scale_a, scale_b, out_dtype, fast_accum):
         raise TypeError(f"fp8_mm: fast_accum must be a bool, got {type(fast_accum).__name__}")
     scaling = _scaling(M, N, K, scale_a, scale_b)
     refuse_transforms("fp8_mm")        # (first: under torch.func.grad x requires grad too)
-    if torch.is_grad_enabled():
+    if records_graph():
         _refuse_grad("fp8_mm", tensors)
     # the dtypes are checked above; where all four are on one CUDA device, four integer reads
     # say so (eagerly: the traced call and any mismatch take the checks that name the argument)
@@ -1075,14 +1075,14 @@ def _check_fp8_dtype(op, dtype):
 
 
 def _refuse_grad(op, tensors):
-    """Under grad mode, an input that requires grad: ValueError. The op has no gradient (as
-    torch._scaled_mm and a cast to FP8 have none to give): its output would silently cut the
-    graph."""
+    """An input that requires grad: ValueError (called where autograd records a graph). The op
+    has no gradient (as torch._scaled_mm and a cast to FP8 have none to give): its output would
+    silently cut the graph."""
     for name, t in tensors:
         if t.requires_grad:
             raise ValueError(f"{op}: {name} requires grad, but {op} is not differentiable; "
-                             "detach it or call under torch.no_grad() (fp8_linear trains "
-                             "with FP8 GEMMs)")
+                             "detach it or call under torch.no_grad() or "
+                             "torch.inference_mode() (fp8_linear trains with FP8 GEMMs)")
 
 
 def _check_arch(op, name, t):
@@ -1192,10 +1192,12 @@ def fp8_mm(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, fast_accum=False
     e4m3/e5m2 pair (float16 path) or off Hopper (cuTile ignores it there).
 
     `out`, if given, receives the result: exactly (M, N), out_dtype, on a's device, not
-    overlapping an input, not requiring grad. Needs compute capability 9.0 or newer (ValueError
-    below). Not differentiable, as torch._scaled_mm is not: an input that requires grad, under
-    grad mode, is a ValueError (its output would cut the graph); a call inside a forward-mode
-    AD dual level or a torch.func transform is a TypeError. Works under torch.compile(fullgraph=True).
+    overlapping an input, not requiring grad where autograd records a graph. Needs compute
+    capability 9.0 or newer (ValueError below). Not differentiable, as torch._scaled_mm is not:
+    an input that requires grad, where autograd records a graph (grad mode on, outside
+    torch.inference_mode()), is a ValueError (its output would cut the graph); a call inside a
+    forward-mode AD dual level or a torch.func transform is a TypeError. Works under
+    torch.compile(fullgraph=True).
     """
     scaling = _check(a, b, scale_a, scale_b, out_dtype, fast_accum)
     M, N = a.shape[0], b.shape[1]
@@ -1277,7 +1279,7 @@ def _check_quantize(x, granularity, dtype, op="quantize_fp8"):
     _check_fp8_dtype(op, dtype)
     validate.tensor(op, "x", x, dtypes=IN_DTYPES)
     refuse_transforms(op)
-    if torch.is_grad_enabled():
+    if records_graph():
         _refuse_grad(op, (("x", x),))
 
 
@@ -1367,8 +1369,9 @@ def quantize_fp8(x, granularity="tensor", dtype=torch.float8_e4m3fn):
                       blocks; for b pass b = w_fp8.t(), scale_b = scales.t().
     dtype: float8_e4m3fn (max 448) or float8_e5m2 (max 57344). For x and x^T together (a
     tensor two GEMMs read in different majors): quantize_fp8_pair. Needs compute capability
-    9.0 or newer. Not differentiable: an x that requires grad, under grad mode, is a ValueError;
-    a call inside a forward-mode AD dual level or a torch.func transform is a TypeError. Works under
+    9.0 or newer. Not differentiable: an x that requires grad, where autograd records a graph
+    (grad mode on, outside torch.inference_mode()), is a ValueError; a call inside a
+    forward-mode AD dual level or a torch.func transform is a TypeError. Works under
     torch.compile(fullgraph=True)."""
     _check_quantize(x, granularity, dtype)
     if torch.compiler.is_compiling():
@@ -1544,8 +1547,7 @@ def fp8_linear(x, weight, bias=None, *, recipe="rowwise"):
     refuse_transforms("fp8_linear")     # dual x or weight: the tangent would be dropped
     K, N = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, K)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (x, weight, bias)):
+    if records_graph() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         y = _FP8Linear.apply(x2, weight, bias, recipe)
     else:
         y = _linear_forward(x2, weight, bias, recipe)

@@ -29,7 +29,7 @@ from tiletune.ops.matmul import (a_tile, b_tile, mainloop, matmul_configs, plain
                                   split_of, store_tile)
 from tiletune.ops.swiglu import SILU, activation
 from tiletune.space import table
-from tiletune.torch_op import TrainableOp
+from tiletune.torch_op import TrainableOp, records_graph
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -316,6 +316,5 @@ def swiglu_linear(x, w_gate, w_up):
     argument.
     """
     _check("swiglu_linear", x, w_gate, w_up)
-    save = torch.is_grad_enabled() and (x.requires_grad or w_gate.requires_grad
-                                        or w_up.requires_grad)
+    save = records_graph() and (x.requires_grad or w_gate.requires_grad or w_up.requires_grad)
     return _op(x, w_gate, w_up, SILU, save)

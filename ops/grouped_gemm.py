@@ -625,8 +625,9 @@ def grouped_mm(x, w, offs=None, *, out=None):
     otherwise: a slice of a wider weight gets a contiguous gradient).
     Works under torch.compile(fullgraph=True). `out`, if given, receives a copy of the result
     (gradients flow through it as through `out.copy_(result)`): exactly the result's shape,
-    dtype and device, and writable (not a leaf that requires grad nor a view of one, no stride-0
-    dims, and no memory of x or w where one of them requires grad).
+    dtype and device, and writable: no stride-0 dims, and, where autograd records a graph
+    (grad mode on, outside torch.inference_mode(), as torch's copy_ decides), not a leaf that
+    requires grad nor a view of one, and no memory of x or w where one of them requires grad.
     x, w and the result of the grouped forms hold up to 2^31 - 1 elements each (ValueError
     beyond). Nested (jagged) tensors are refused (TypeError)."""
     try:

@@ -398,10 +398,11 @@ def matmul(a, b, *, out=None):
     alike), float32 accumulation, output in the input dtype. Either operand may be a transposed
     (column-major) view: no copies. Any M, N, K. `out`, if given, receives a copy of the result
     (gradients flow through it as through `out.copy_(result)`): it must have the result's shape,
-    a's dtype and device, and be writable (not a leaf that requires grad nor a view of one, no
-    stride-0 dims, and no memory of a or b where one of them requires grad); else ValueError /
-    TypeError. Nested (jagged) tensors are refused (TypeError). Differentiable in a and b; works
-    under torch.compile(fullgraph=True)."""
+    a's dtype and device, and be writable: no stride-0 dims, and, where autograd records a
+    graph (grad mode on, outside torch.inference_mode(), as torch's copy_ decides), not a leaf
+    that requires grad nor a view of one, and no memory of a or b where one of them requires
+    grad; else ValueError / TypeError. Nested (jagged) tensors are refused (TypeError).
+    Differentiable in a and b; works under torch.compile(fullgraph=True)."""
     try:
         _check(a, b)
         if out is not None:

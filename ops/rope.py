@@ -14,7 +14,7 @@ from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket
 from tiletune.ops.rotary import ctas, math_tile, position_tile_at, prepare
 from tiletune.space import cdiv, next_pow2, table
-from tiletune.torch_op import TrainableOp
+from tiletune.torch_op import TrainableOp, records_graph
 
 _increment_version = torch.autograd.graph.increment_version
 
@@ -270,8 +270,8 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
         validate.inplace("apply_rope", {"q": q, "k": k})
     # The custom op has no in-place form, and autograd takes an in-place write to a view from
     # a Function with one output only: there, rotate out of place and copy back.
-    if compiling or ((q._is_view() or k._is_view()) and torch.is_grad_enabled()
-                     and (q.requires_grad or k.requires_grad)):
+    if compiling or ((q._is_view() or k._is_view()) and (q.requires_grad or k.requires_grad)
+                     and records_graph()):
         qo, ko = _rope_op(q, k, cos, sin, pos, rot, f32, False)
         return q.copy_(qo), k.copy_(ko)
     return _rope_op(q, k, cos, sin, pos, rot, f32, True)

@@ -13,6 +13,7 @@ import torch
 
 from tiletune import validate
 from tiletune.device import persistent_ctas
+from tiletune.torch_op import records_graph
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -128,7 +129,7 @@ def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
     Hk = k.shape[1]
     if Hq == 0 or Hk == 0 or Hq % Hk:
         raise ValueError(f"{op}: q heads ({Hq}) must be a positive multiple of k heads ({Hk})")
-    if (cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled():
+    if (cos.requires_grad or sin.requires_grad) and records_graph():
         raise ValueError(f"{op}: cos and sin must not require grad: gradients flow to q and k "
                          "only (detach them; HF's rotary tables are buffers)")
     if cos.shape != sin.shape:      # each in any of the documented forms: compared as (B', S', R)

@@ -14,6 +14,14 @@ _transforms_active = torch._C._are_functorch_transforms_active
 _forward_ad = torch.autograd.forward_ad
 
 
+def records_graph():
+    """True if autograd would record a graph now: grad mode on, outside inference mode (which
+    records none even under torch.enable_grad(), and lets a leaf that requires grad be written
+    in place). Inference mode is asked only when grad mode is on (no cost under no_grad), and
+    not while torch.compile traces (the question breaks its graph): there, grad mode alone."""
+    return _is_grad_enabled() and (_is_compiling() or not _is_inference_mode())
+
+
 class TrainableOp:
     """name: "tiletune::<op>" (the custom ops are "<name>_fwd" and "<name>_bwd").
 

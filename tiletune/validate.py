@@ -5,6 +5,8 @@ import numbers
 
 import torch
 
+from .torch_op import records_graph
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _Tensor = torch.Tensor
 
@@ -98,15 +100,17 @@ def _leaf_or_view_of_one(t):
 
 def out(op, t, shape, dtype, device, dtype_of="the inputs'", inputs=None, kept=None):
     """An `out=` tensor: exactly `shape`, `dtype` and `device`, and writable. An op that copies
-    its result into `out` (inputs None) refuses, under grad mode, a leaf that requires grad or
-    a view of one, as torch's copy_ does, and, where an input in `kept` ({name: tensor}, what
-    its backward may keep) requires grad, memory shared with them (the copy would change what
-    the backward reads); an op whose kernel writes `out` directly while reading `inputs`
-    ({name: tensor}) refuses any `out` that requires grad (autograd would not see the write)
-    and memory shared with the inputs, and an inference tensor outside inference mode (as
-    torch refuses to write one). Neither takes elements that share memory (an expanded,
-    stride-0 dim would be written twice). The memory checks read addresses, which torch.compile
-    does not trace: they run eagerly (a compiled op writes a fresh tensor, then copies it).
+    its result into `out` (inputs None) refuses, where autograd records a graph (grad mode on,
+    outside inference mode: `records_graph`), a leaf that requires grad or a view of one, as
+    torch's copy_ does, and, where an input in `kept` ({name: tensor}, what its backward may
+    keep) requires grad, memory shared with them (the copy would change what the backward
+    reads); an op whose kernel writes `out` directly while reading `inputs` ({name: tensor})
+    refuses, where autograd records a graph, any `out` that requires grad (autograd would not
+    see the write), memory shared with the inputs, and an inference tensor outside inference
+    mode (as torch refuses to write one). Neither takes elements that share memory (an
+    expanded, stride-0 dim would be written twice). The memory checks read addresses, which
+    torch.compile does not trace: they run eagerly (a compiled op writes a fresh tensor, then
+    copies it).
     A nested tensor is refused (TypeError). TypeError / ValueError naming `op`."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: out must be a torch.Tensor, got {type(t).__name__}")
@@ -121,7 +125,7 @@ def out(op, t, shape, dtype, device, dtype_of="the inputs'", inputs=None, kept=N
         raise TypeError(f"{op}: out dtype {t.dtype} differs from {dtype_of} {dtype}")
     if t.device != device:
         raise ValueError(f"{op}: out is on {t.device} but the inputs are on {device}")
-    grad = torch.is_grad_enabled()
+    grad = records_graph()
     if grad and t.requires_grad:
         what = "a tensor" if inputs is not None else _leaf_or_view_of_one(t)
         if what:
@@ -216,11 +220,12 @@ def overlaps(a, b):
 
 def inplace(op, tensors):
     """Refuse an in-place write to `tensors` ({name: tensor}, in argument order) that torch or
-    a kernel cannot do: a leaf that requires grad, or a view of one (under grad mode, per
-    tensor, as torch refuses); a tensor whose elements overlap (an expanded, stride-0 dim),
-    which the kernel would write twice; two tensors sharing memory (the same tensor,
-    overlapping views), which would race; an inference tensor outside inference mode (torch
-    refuses that write too). ValueError naming `op` and the argument."""
+    a kernel cannot do: a leaf that requires grad, or a view of one (where autograd records a
+    graph, per tensor, as torch refuses: not under no_grad nor in inference mode); a tensor
+    whose elements overlap (an expanded, stride-0 dim), which the kernel would write twice;
+    two tensors sharing memory (the same tensor, overlapping views), which would race; an
+    inference tensor outside inference mode (torch refuses that write too). ValueError naming
+    `op` and the argument."""
     items = list(tensors.items())
     if not torch.is_inference_mode_enabled():
         for name, t in items:
@@ -228,7 +233,7 @@ def inplace(op, tensors):
                 raise ValueError(f"{op}: inplace=True on {name}, an inference tensor, which "
                                  "cannot be written in place outside inference mode (call it "
                                  "under torch.inference_mode() or use inplace=False)")
-    if torch.is_grad_enabled():
+    if records_graph():
         for name, t in items:
             what = t.requires_grad and _leaf_or_view_of_one(t)
             if what:

@@ -495,3 +495,22 @@ def test_seqused_k_refusal_counts_the_rows_the_decode_kernel_packs(monkeypatch):
                                          r"128 x 2 = 256 rows"):
         FM.fmha(q, kv, kv, seqused_k=used)
     assert not FM.decodes(128, 1, 64) and FM.decodes(64, 1, 64)
+
+
+def test_seqused_k_takes_inputs_that_require_grad_in_inference_mode(stubbed_launch, monkeypatch):
+    """torch.inference_mode() records no graph, even under enable_grad: there seqused_k takes q,
+    k and v that require grad (the decode kernels run, nothing is saved), as torch's own ops
+    do; where autograd records a graph it is still refused."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **kw: empty(*a, **kw))
+    monkeypatch.setattr(validate, "tensor", lambda op, name, t, **kw: t)     # CPU tensors
+    q, k, v = (t.requires_grad_() for t in _qkv(sq=3, sk=333, d=64))
+    used = torch.tensor([333, 7], dtype=torch.int32)
+    with torch.inference_mode(), torch.enable_grad():
+        o = FM.fmha(q, k, v, causal=True, seqused_k=used)
+    assert o.shape == q.shape and o.grad_fn is None and not o.requires_grad
+    assert [n for n, _, _ in stubbed_launch] == ["fmha_decode_kernel",
+                                                 "fmha_decode_combine_kernel"]
+    assert stubbed_launch[0][2]["used"] is used
+    with pytest.raises(ValueError, match=r"^fmha: seqused_k is for inference"):
+        FM.fmha(q, k, v, causal=True, seqused_k=used)

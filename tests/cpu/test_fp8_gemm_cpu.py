@@ -966,3 +966,49 @@ def test_one_launch_key_has_one_quantizer_space():
     assert F8.layout(unit) == F8.layout(plain) == "row" and F8.layout(transposed) == "col"
     assert F8._layout_space(unit) == F8._layout_space(plain)
     assert F8._layout_space(plain)["col"] is False and F8._layout_space(transposed)["col"] is True
+
+
+def test_inputs_and_out_that_require_grad_are_taken_in_inference_mode(monkeypatch):
+    """torch.inference_mode() records no graph, even under enable_grad: there is no graph for
+    the FP8 GEMM or a quantizer to cut, so inputs that require grad (an nn.Module's weight) and
+    an out that does are taken there, as under no_grad; outside it they are still refused."""
+    monkeypatch.setattr(F8.validate, "tensor", lambda op, name, t, **kw: t)    # CPU tensors
+    monkeypatch.setattr(F8, "_check_arch", lambda *a: None)
+    monkeypatch.setattr(F8, "_fp8_mm", lambda *a: "ran")
+    monkeypatch.setattr(F8, "_quantize_raw", lambda x, g, dtype: (
+        x.new_empty(x.shape, dtype=dtype), f32(*F8._scale_storage(g, *x.shape))))
+    a, b = t(64, 128), t(128, 32)
+    scale = torch.ones((), requires_grad=True)
+    out = torch.empty(64, 32, dtype=BF16, requires_grad=True)
+    x = torch.randn(64, 128, dtype=BF16, requires_grad=True)
+    calls = (("fp8_mm", lambda: fp8_mm(a, b, torch.ones(()), scale)),
+             ("fp8_mm", lambda: fp8_mm(a, b, S, S, out=out)),
+             ("quantize_fp8", lambda: quantize_fp8(x, "row")),
+             ("quantize_fp8_pair", lambda: F8.quantize_fp8_pair(x, "row")))
+    with torch.inference_mode(), torch.enable_grad():
+        assert calls[0][1]() == "ran" and calls[1][1]() == "ran"
+        q, s = calls[2][1]()
+        assert q.shape == (64, 128) and s.shape == (64, 1)
+        (q, s), (q_t, s_t) = calls[3][1]()
+        assert q_t.shape == (128, 64) and s_t.shape == (128, 1)
+    for op, call in calls:
+        with pytest.raises(ValueError, match=f"^{op}: "):
+            call()
+
+
+def test_fp8_linear_records_no_graph_in_inference_mode(reference_fp8, monkeypatch):
+    """Under torch.inference_mode() with enable_grad, as torch's ops there: a weight that
+    requires grad takes the plain forward (no autograd Function applied, nothing saved for a
+    backward that cannot run), and the output requires no grad."""
+    monkeypatch.setattr(F8.validate, "tensor", lambda op, name, t, **kw: t)    # CPU tensors
+    monkeypatch.setattr(F8, "_check_arch", lambda *a: None)
+    applied = []
+    apply = F8._FP8Linear.apply
+    monkeypatch.setattr(F8._FP8Linear, "apply", lambda *a: applied.append(1) or apply(*a))
+    x = torch.randn(2, 32, 64, dtype=BF16)
+    w = torch.randn(16, 64, dtype=BF16, requires_grad=True)
+    with torch.inference_mode(), torch.enable_grad():
+        y = F8.fp8_linear(x, w)
+    assert y.shape == (2, 32, 16) and not y.requires_grad and applied == []
+    assert len(reference_fp8) == 2                             # the forward's two quantizations
+    assert F8.fp8_linear(x, w).requires_grad and applied == [1]     # outside it: a graph

@@ -394,3 +394,19 @@ def test_reference_matches_torch():
     x, wg, wu = _leaves((4, 16), (8, 16), (8, 16), grad=False)
     x, wg, wu = x.double(), wg.double(), wu.double()
     torch.testing.assert_close(_reference(x, wg, wu), F.silu(F.linear(x, wg)) * F.linear(x, wu))
+
+
+def test_inference_mode_keeps_no_pre_activations_even_under_enable_grad(emulated, monkeypatch):
+    """torch.inference_mode() records no graph, even under enable_grad, so no backward can read
+    the two (M, N) pre-activations: weights that require grad (an nn.Module's) run the
+    inference build there, which writes neither."""
+    monkeypatch.setattr(G.validate, "tensor", lambda op, name, t, **kw: t)   # CPU tensors
+    x, wg, wu = (t.to(BF16).requires_grad_() for t in _leaves((4, 16), (8, 16), (8, 16),
+                                                               grad=False))
+    with torch.inference_mode(), torch.enable_grad():
+        y = swiglu_linear(x, wg, wu)
+    assert not y.requires_grad and y.grad_fn is None
+    torch.testing.assert_close(y.double(), _reference(x, wg, wu).detach(), rtol=1e-2, atol=1e-2)
+    (kernel, args), = emulated
+    assert kernel == "gated_mlp" and args[11] is False      # the save flag
+    assert args[4] is args[3] and args[5] is args[3]        # no pre-activations written

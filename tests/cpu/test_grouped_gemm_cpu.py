@@ -351,3 +351,21 @@ def test_nested_tensors_are_refused_by_name(monkeypatch):
         grouped_mm(jagged, t(2, 8, 6))                        # 3-D x 3-D
     with pytest.raises(TypeError, match=r"^grouped_mm: w is a nested tensor"):
         grouped_mm(t(2, 4, 8), jagged.transpose(1, 2))
+
+
+def test_out_may_be_a_leaf_that_requires_grad_in_inference_mode(kernels, monkeypatch):
+    """torch.inference_mode() records no graph, even under enable_grad, and torch's copy_ writes
+    a leaf that requires grad there: so does out=. Where autograd records a graph it is still
+    refused."""
+    monkeypatch.setattr(GG.validate, "tensor", lambda op, name, t, **kw: t)   # CPU tensors
+    x = torch.randn(8, 4, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(2, 4, 6, dtype=torch.bfloat16, requires_grad=True)
+    offs = offsets(3, 8)
+    want = loop(x.detach(), w.detach(), offs)
+    out = torch.zeros(8, 6, dtype=torch.bfloat16, requires_grad=True)
+    with torch.inference_mode(), torch.enable_grad():
+        assert grouped_mm(x, w, offs, out=out) is out
+    assert torch.equal(out.detach(), want) and out.grad_fn is None
+    with pytest.raises(ValueError, match=r"^grouped_mm: out is a leaf tensor that requires "
+                                         r"grad"):
+        grouped_mm(x, w, offs, out=out)

@@ -157,3 +157,28 @@ def test_nested_tensors_are_refused_by_name(monkeypatch):
         MM.matmul(jagged, dense_b)
     with pytest.raises(TypeError, match=r"^matmul: b is a nested tensor"):
         MM.matmul(dense_a, jagged.transpose(1, 2))
+
+
+def test_out_may_be_a_leaf_that_requires_grad_in_inference_mode(monkeypatch):
+    """torch.inference_mode() records no graph, even under enable_grad, and torch's copy_ writes
+    a leaf that requires grad there (or a view of one, or memory an operand that requires grad
+    shares): so does out=. Where autograd records a graph the leaf is still refused."""
+    monkeypatch.setattr(MM.validate, "tensor", lambda op, name, t, **kw: t)   # CPU tensors
+    monkeypatch.setattr(MM, "launch", lambda a, b, c: c.copy_(a @ b))
+    a = torch.randn(4, 6, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(6, 4, dtype=torch.bfloat16)
+    want = a.detach() @ b
+    leaf = torch.zeros(4, 4, dtype=torch.bfloat16, requires_grad=True)
+    view_of_leaf = torch.zeros(8, 4, dtype=torch.bfloat16, requires_grad=True)[4:]
+    square = torch.randn(4, 4, dtype=torch.bfloat16, requires_grad=True)
+    want_square = square.detach() @ b[:4]
+    with torch.inference_mode(), torch.enable_grad():
+        for out in (leaf, view_of_leaf):
+            assert MM.matmul(a, b, out=out) is out and torch.equal(out, want)
+        assert leaf.grad_fn is None
+        assert MM.matmul(square, b[:4], out=square) is square        # out is the operand a
+        assert torch.equal(square, want_square)
+    with pytest.raises(ValueError, match=r"^matmul: out is a leaf tensor that requires grad"):
+        MM.matmul(a, b, out=leaf)
+    with pytest.raises(ValueError, match=r"^matmul: out is a view of a leaf tensor"):
+        MM.matmul(a, b, out=view_of_leaf)

@@ -157,3 +157,35 @@ def test_position_ids_range_check_reads_the_device_once(host_only, monkeypatch):
         with pytest.raises(ValueError, match=rf"^apply_rope: position_ids range {bounds} is "
                                              r"outside the 9 rows of cos/sin"):
             RP.apply_rope(q, k, cos, cos, position_ids=torch.tensor(bad))
+
+
+def test_in_place_rotation_of_tensors_that_require_grad_in_inference_mode(host_only):
+    """torch.inference_mode() records no graph, even under enable_grad, and torch writes a leaf
+    that requires grad in place there (as it does a view, with no copy-back needed): so does
+    inplace=True, with the in-place kernel. Where autograd records a graph the leaf is still
+    refused."""
+    cos, sin = torch.randn(5, 8), torch.randn(5, 8)
+    q, k = (t.requires_grad_() for t in _qk())
+    qkv = torch.randn(2, 6, 5, 8, requires_grad=True) * 1    # not a leaf: views of it are fine
+    q_view, k_view = qkv[:, :4], qkv[:, 4:]
+    with torch.inference_mode(), torch.enable_grad():
+        q_out, k_out = RP.apply_rope(q, k, cos, sin, inplace=True)
+        RP.apply_rope(q_view, k_view, cos, sin, inplace=True)
+    assert q_out is q and k_out is k
+    assert [kernel for _, kernel, _ in host_only] == ["rope_inplace kernel"] * 2
+    assert q._version > 0 and k._version > 0 and q.grad_fn is None
+    with pytest.raises(ValueError, match=r"^apply_rope: inplace=True on q, a leaf tensor that "
+                                         r"requires grad"):
+        RP.apply_rope(q, k, cos, sin, inplace=True)
+
+
+def test_tables_that_require_grad_are_taken_in_inference_mode(host_only):
+    """No graph is recorded inside torch.inference_mode(), even under enable_grad: cos and sin
+    that require grad need no gradient there, as under no_grad."""
+    cos, sin = (torch.randn(5, 8, requires_grad=True) for _ in range(2))
+    q, k = _qk()
+    with torch.inference_mode(), torch.enable_grad():
+        RP.apply_rope(q, k, cos, sin)
+    assert [kernel for _, kernel, _ in host_only] == ["rope kernel"]
+    with pytest.raises(ValueError, match=r"^apply_rope: cos and sin must not require grad"):
+        RP.apply_rope(q, k, cos, sin)

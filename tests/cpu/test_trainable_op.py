@@ -1,5 +1,7 @@
 """`TrainableOp`, the autograd glue every differentiable op uses, on CPU tensors with a torch
 forward and backward standing in for kernels: gradients in eager, and no silent second order."""
+import contextlib
+
 import pytest
 import torch
 
@@ -220,3 +222,38 @@ def test_forward_mode_and_transforms_are_refused_by_name():
     with pytest.raises(TypeError, match="torch.func transforms"):
         torch.func.jvp(_square, (x,), (torch.ones_like(x),))
     assert torch.equal(_square(x), x * x)           # outside them: the plain call
+
+
+def test_records_graph_agrees_with_torch_and_asks_inference_mode_only_under_grad_mode(
+        monkeypatch):
+    """records_graph() is True exactly where a torch op on a leaf that requires grad records a
+    graph: not under no_grad, not inside inference mode even under enable_grad. The no-grad
+    path never asks for inference mode, nor does a torch.compile trace (the question breaks
+    its graph: fullgraph=True would raise)."""
+    from tiletune import torch_op
+    leaf = torch.randn(3, requires_grad=True)
+    modes = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad,
+             "inference_mode": torch.inference_mode,
+             "inference_mode + enable_grad": lambda: _nested(torch.inference_mode(),
+                                                             torch.enable_grad()),
+             "inference_mode(False)": lambda: torch.inference_mode(False)}
+    for name, mode in modes.items():
+        with mode():
+            assert torch_op.records_graph() is (leaf * 2).requires_grad, name
+    asked = []
+    real = torch_op._is_inference_mode
+    monkeypatch.setattr(torch_op, "_is_inference_mode", lambda: asked.append(1) or real())
+    with torch.no_grad():
+        assert torch_op.records_graph() is False
+    assert asked == []
+    compiled = torch.compile(lambda x: x * (2 if torch_op.records_graph() else 3),
+                             backend="eager", fullgraph=True)
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0)) and asked == []
+
+
+@contextlib.contextmanager
+def _nested(*contexts):
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
