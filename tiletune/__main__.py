@@ -305,9 +305,12 @@ def _entry_lines(key, e, verbose):
                     lines.append(f"       malformed failure skipped: {_dumps(f)[:80]}")
                     continue
                 message = f.get("message")
-                first = (message.splitlines() or [""])[0] if isinstance(message, str) else ""
+                # (a compiler error's first line is "Return code 1": its lines follow)
+                from tiletune.aot import message_lines
+                text = message_lines(message) if isinstance(message, str) else []
                 lines.append(f"       FAILED {_dumps(f.get('config'))}: {f.get('error', '?')}: "
-                             f"{first}")
+                             f"{text[0] if text else ''}")
+                lines += [f"         {line}" for line in text[1:]]
         return lines
     except Exception as exc:            # anything the checks above did not foresee
         return [f"  {key}\n    malformed entry skipped ({type(exc).__name__})"]

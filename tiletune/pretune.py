@@ -14,6 +14,7 @@ out (start_job, shares), each stepping its own with tiletune.distributed's proce
 """
 import dataclasses
 import datetime
+import re
 import time
 from typing import Optional
 
@@ -306,14 +307,24 @@ def gather(obj, world):
 
 
 def _slim(entry):
-    """An entry as it ships: failure messages cut to their first line (compiler logs are long)."""
+    """An entry as it ships: failure messages cut to their first words (compiler logs are
+    long)."""
     entry = dict(entry)
     failures = entry.get("failures")
     if isinstance(failures, list):
-        entry["failures"] = [
-            {**f, "message": str(f.get("message") or "").strip().split("\n")[0][:300]}
-            if isinstance(f, dict) else f for f in failures]
+        entry["failures"] = [{**f, "message": _first_words(f.get("message"))}
+                             if isinstance(f, dict) else f for f in failures]
     return entry
+
+
+def _first_words(message):
+    """A failure message's first line, at most 300 characters; where that line is only a
+    compiler's "Return code N", the next line follows it (what tileiras said)."""
+    lines = [line.strip() for line in str(message or "").splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if len(lines) > 1 and re.fullmatch(r"Return code -?\d+", text):
+        text = f"{text}: {lines[1]}"
+    return text[:300]
 
 
 def used_rows():

@@ -316,6 +316,13 @@ def test_exported_entries_keep_only_the_first_line_of_failure_messages():
     assert slim["config"] == {"tile": 64} and entry()["failures"][0]["message"].count("\n") == 80
 
 
+def test_a_compile_failure_ships_with_what_the_compiler_said():
+    """A compiler error's first line is "Return code 1": the line after it ships too."""
+    e = dict(entry(), failures=[{"config": {"tile": 8}, "error": "CompilerExecutionError",
+                                 "message": "Return code 1\n\nerror: too many registers\nmore"}])
+    assert pretune._slim(e)["failures"][0]["message"] == "Return code 1: error: too many registers"
+
+
 def test_gpu_rows_are_this_gpus_and_softwares(shipped):
     store.save(OP, skey(), entry(1))
     store.save(OP, skey(1, dev=1), entry(2))

@@ -625,6 +625,19 @@ def test_cache_show_prints_what_it_can_of_malformed_entries(folder, capsys):
     assert out.count("malformed entry skipped") == 2 and "malformed timing skipped" not in out
 
 
+def test_cache_show_prints_a_compile_failures_message_lines(folder, capsys):
+    """A compiler error's first line is "Return code 1"; `cache show -v` prints its lines."""
+    write_store(folder, {"k": {"config": {"tile": 64}, "best_us": 2.0, "timings": [],
+                               "failures": [{"config": {"tile": 8},
+                                             "error": "CompilerExecutionError",
+                                             "message": "Return code 1\nerror: too many registers"}],
+                               "search_s": 0.5}})
+    assert main(["cache", "show", "-v"]) == 0
+    out = capsys.readouterr().out
+    assert 'FAILED {"tile": 8}: CompilerExecutionError: Return code 1\n' in out
+    assert "\n         error: too many registers\n" in out
+
+
 # 9. several processes creating the store at once (every rank of a job at its first miss)
 
 def test_switching_a_new_store_to_wal_waits_for_a_process_doing_the_same(folder, monkeypatch):
