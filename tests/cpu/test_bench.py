@@ -444,6 +444,28 @@ def test_rope_peers_that_rotate_in_place_get_inputs_of_their_own(monkeypatch):
     assert len({p for ptrs in seen.values() for p in ptrs}) == 6
 
 
+def test_rope_copy_ceiling_covers_the_same_bytes_as_the_row(monkeypatch):
+    """A RoPE row moves q and k (read and written) and reads every batch's cos/sin rows; its
+    copy ceiling copies q and k alone, so the copy's time is scaled by the row's bytes over the
+    copy's: `x copy` compares like bytes with like."""
+    from cases import rope as case
+
+    def inputs(B, Hq, Hk, S, D, dt):
+        return (torch.randn(B, S, Hq, D, dtype=dt).transpose(1, 2),
+                torch.randn(B, S, Hk, D, dtype=dt).transpose(1, 2),
+                torch.randn(B, S, D, dtype=dt), torch.randn(B, S, D, dtype=dt))
+    monkeypatch.setattr(case, "bench_inputs", inputs)
+    monkeypatch.setattr(case, "SHAPES", ((2, 4, 2, 16, 8),))
+    monkeypatch.setattr(case, "_peers", lambda: {})
+    rows = case.bench_cases(full=False)
+    element = 2                                                   # bf16
+    qk = 2 * (2 * 4 * 16 * 8 + 2 * 2 * 16 * 8) * element         # q, k read and written
+    cos_sin = 2 * 2 * 16 * 8 * element
+    for row in rows:
+        assert row.bytes == qk + cos_sin
+        assert row.ceiling_scale * qk == pytest.approx(row.bytes)
+
+
 def test_decode_rows_are_also_timed_from_cuda_graphs():
     from tiletune.cases import fmha
     decode = fmha._decode_cases(full=True)          # lazy rows: nothing allocated on the CPU
