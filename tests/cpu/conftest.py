@@ -4,7 +4,7 @@ import threading
 import cuda.tile as ct
 import pytest
 
-from tiletune import device, store
+from tiletune import device, store, timing
 
 
 COMPILE_TESTS = ("test_every_config_compiles", "test_each_kernel_compiles_for_other_archs")
@@ -74,3 +74,16 @@ def ctrl_c():
     for timer in timers:
         timer.cancel()
     signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """Timing on a FakeClock (tests/cpu/stand_ins.py): events, synchronize and the L2 flush
+    stood in for."""
+    import torch
+    from tests.cpu.stand_ins import FakeClock
+    c = FakeClock()
+    monkeypatch.setattr(torch.cuda, "Event", c.event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(timing, "_flush_l2", lambda: None)
+    return c

@@ -11,36 +11,6 @@ import torch
 from tiletune import bench, timing
 
 
-class FakeClock:
-    def __init__(self):
-        self.now_ms = 0.0
-        self.trace = []
-
-    def event(self, enable_timing=True):
-        clock = self
-
-        class Event:
-            def record(self):
-                self.t = clock.now_ms
-
-            def elapsed_time(self, end):
-                return end.t - self.t
-        return Event()
-
-    def run(self, label, us):
-        self.trace.append(label)
-        self.now_ms += us / 1e3
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    c = FakeClock()
-    monkeypatch.setattr(torch.cuda, "Event", c.event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(timing, "_flush_l2", lambda: None)
-    return c
-
-
 def test_a_row_whose_setup_ran_ours_first_reports_that_calls_time(clock):
     """A training-step row steps every model in its setup (for their memory), ours first, so
     its searches run there: the row's tuning time is that first step's, not that of the call
@@ -505,7 +475,6 @@ def test_a_run_stopped_while_the_json_is_written_leaves_the_last_rows(monkeypatc
     """The JSON is written after every row so that a run stopped midway keeps its rows: a stop
     (Ctrl-C) while it is written leaves the previous file whole, and no temporary file."""
     import json
-    from tiletune import registry
 
     class Op:
         @staticmethod

@@ -12,7 +12,6 @@ import tiletune
 from tiletune import aot, autotune, bench, registry, store
 from tiletune.__main__ import main
 
-from tests.cpu.test_bench import FakeClock
 
 
 @pytest.fixture
@@ -297,15 +296,11 @@ def test_bench_without_a_gpu_compiles_and_names_ignored_flags(ops, compiles, mon
 
 
 @pytest.fixture
-def clock(monkeypatch):
-    c = FakeClock()
-    monkeypatch.setattr(torch.cuda, "Event", c.event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+def clock(clock, monkeypatch):
+    """The fake clock on a GPU the bench can name."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
-    from tiletune import timing
-    monkeypatch.setattr(timing, "_flush_l2", lambda: None)
-    return c
+    return clock
 
 
 def test_bench_prints_a_line_per_row_before_the_tables(ops, clock, monkeypatch, tmp_path,

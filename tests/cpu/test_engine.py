@@ -1378,16 +1378,6 @@ def test_finalists_out_of_memory_in_the_final_round_keep_the_anchor(env):
     assert cfg.occupancy == 2 and t.records[("k", 42)].best_us == 10.0
 
 
-@pytest.fixture
-def clock(monkeypatch):
-    from tests.cpu.test_bench import FakeClock
-    c = FakeClock()
-    monkeypatch.setattr(torch.cuda, "Event", c.event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(timing, "_flush_l2", lambda: None)
-    return c
-
-
 @pytest.mark.parametrize("regime", [dict(preheat_ms=0), dict(preheat_ms=1.0),
                                     dict(block_ms=1.0, preheat_ms=0)])
 def test_a_candidate_that_raises_after_its_warm_up_leaves_the_others_timed(clock, regime):
