@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tiletune
+from tiletune.autotune import bucket
 from tiletune.ops import fmha as FM
 
 from .conftest import disable_autotune, each_config, poison_allocator, tuned_or_disabled
@@ -447,3 +448,59 @@ def test_varlen_bad_input():
         FM.fmha_varlen(q[None], k, v, cu, cu, 7, 7)
     with pytest.raises(ValueError, match="max_seqlen_q"):
         FM.fmha_varlen(q, k, v, cu, cu, -1, 7)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every config of the packed spaces, an explicit scale in decode, mostly empty caches.
+
+VARLEN_EVERY = [([2000] + [3] * 30, 4, 1),      # one long among many short, MQA
+                (LENGTHS, 8, 2)]                # an empty sequence, a single token, GQA
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths,hq,hkv", VARLEN_EVERY, ids=["long_and_short", "with_empty"])
+@pytest.mark.parametrize("tuner", ["fmha_fwd", "fmha_bwd_dq", "fmha_bwd_dkdv"])
+def test_varlen_every_config_is_correct(fresh, monkeypatch, tuner, lengths, hq, hkv, causal):
+    """Each sm_90 config of one kernel's packed space (the other two on their defaults), not
+    only the ones searches picked, forward and backward; packed keys offer no pair kernel."""
+    t = next(x for x in FM.TUNERS if x.name == tuner)
+    d, m = 128, max(lengths)
+    space = list(t.configs("sm_90", FM.head_tile(d), m, m, causal=causal, packed=True))
+    assert not any(getattr(c, "pair", False) for c in space)
+    for cfg in each_config(monkeypatch, t, space):
+        check_varlen(lengths, lengths, hq, hkv, d, torch.bfloat16, causal)
+        assert [c for c, _ in t.cache.values()] == [cfg], vars(cfg)
+
+
+@pytest.mark.parametrize("sq", [1, 5])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens", [None, [333, 120, 0]], ids=["full", "seqused_k"])
+def test_decode_scale(fresh, monkeypatch, sq, causal, lens):
+    """An explicit scale (0.3, not D ** -0.5) reaches the decode kernels, with and without
+    cache lengths."""
+    disable_autotune(monkeypatch)
+    q, k, v = make(3, 8, 2, sq, 333, 128, torch.bfloat16)
+    check_decode(q, k, v, causal, lens, scale=0.3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sq,causal", [(1, False), (5, True)])
+def test_decode_every_config_mostly_empty_caches(fresh, monkeypatch, sq, causal):
+    """Every config of the decode space for cache lengths (Sk and B x Hkv bucketed, as the tuner
+    asks for it: up to 16 splits, most of them without a key in the short caches) on caches of
+    600 slots holding 600, 1, 0, 333 and 64 keys, NaN keys and inf values past each length."""
+    lens = [600, 1, 0, 333, 64]
+    B, hq, hkv, sk, d = 5, 8, 2, 600, 128
+    q, k, v = make(B, hq, hkv, sq, sk, d, torch.bfloat16)
+    for b, n in enumerate(lens):
+        k[b, :, n:] = float("nan")
+        v[b, :, n:] = float("inf")
+    space = list(FM.decode_configs("sm_90", FM.head_tile(d), sq, bucket(sk),
+                                   kv_heads=bucket(B * hkv), causal=causal, used=True,
+                                   group=hq // hkv))
+    assert {c.kind for c in space} == {"split"} and any(c.splits >= 16 for c in space)
+    for cfg in each_config(monkeypatch, FM._decode, space):
+        o = check_decode(q, k, v, causal, lens)
+        assert (o[2] == 0).all()
+        assert [c for c, _ in FM._decode.cache.values()] == [cfg], vars(cfg)

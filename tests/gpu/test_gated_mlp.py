@@ -213,14 +213,18 @@ def test_no_grad_keeps_no_pre_activations(fresh, monkeypatch):
 
 
 def test_empty_input(fresh, monkeypatch):
+    """No rows (M = 0) or K = 0: a zero output, an x gradient of x's shape and a zero weight
+    gradient (w serves as both weights: both gradients sum into it)."""
     disable_autotune(monkeypatch)
     for lead, K in (((0,), 64), ((3,), 0), ((2, 0), 64)):
         x = torch.randn(*lead, K, device="cuda", dtype=BF16, requires_grad=True)
         w = torch.randn(32, K, device="cuda", dtype=BF16, requires_grad=True)
         y = swiglu_linear(x, w, w)
         assert y.shape == (*lead, 32) and not y.count_nonzero()
+        poison_allocator(torch)                 # an unwritten weight gradient shows as NaN
         y.sum().backward()
         assert x.grad.shape == x.shape and w.grad.shape == w.shape
+        assert w.grad.dtype == BF16 and not w.grad.count_nonzero(), (lead, K)
 
 
 def test_torch_compile_fullgraph(fresh, monkeypatch):

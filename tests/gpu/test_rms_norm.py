@@ -387,12 +387,18 @@ def test_merged_rows_reach_the_kernels_without_a_view(fresh, monkeypatch):
 
 
 def test_empty_batch(fresh):
-    w = torch.rand(4096, device="cuda")
+    """No rows: an empty output and x gradient, a zero weight gradient."""
+    w = torch.rand(4096, device="cuda", requires_grad=True)
     for shape in [(0, 4096), (2, 0, 4096)]:
         x = torch.randn(shape, device="cuda", requires_grad=True)
-        y = rms_norm(x, w.requires_grad_())
+        w.grad = None
+        y = rms_norm(x, w)
         assert y.shape == x.shape
+        poison_allocator(torch)                 # an unwritten weight gradient shows as NaN
         y.sum().backward()
+        assert x.grad.shape == x.shape
+        assert w.grad.shape == w.shape and w.grad.dtype == w.dtype
+        assert not w.grad.count_nonzero(), shape
 
 
 def test_bad_input():

@@ -5,7 +5,7 @@ import torch
 from tiletune.ops import rms_norm_rope as F
 from tiletune.ops.rms_norm_rope import rms_norm_rope
 
-from .conftest import assert_each_cta_loops, disable_autotune, each_config
+from .conftest import assert_each_cta_loops, disable_autotune, each_config, poison_allocator
 from .test_rope import TOL, make, reference as rope_reference, rel
 
 
@@ -23,18 +23,25 @@ RUNS = ([(c, dt, True) for c in CASES for dt in (torch.float32, torch.bfloat16)]
         [(CASES[1], torch.float16, True), (CASES[1], torch.float32, False)])
 
 
-def check(case, dt):
+def check(case, dt, eps=1e-6, x_scale=1.0):
+    """Forward and the four gradients against the reference; outputs and gradients come from
+    an allocator filled with NaN (poison_allocator), so anything left unwritten fails rel().
+    x_scale: q and k multiplied by it (small inputs make eps matter)."""
     B, Hq, Hk, S, D, R_, with_pos = case
     q, k, cos, sin = make(B, Hq, Hk, S, D, R_, dt, rows=S + 3)
+    if x_scale != 1:
+        q, k = q * x_scale, k * x_scale         # (HF-layout strides kept)
     wq = torch.rand(D, device="cuda", dtype=dt) + 0.5
     wk = torch.rand(D, device="cuda", dtype=dt) + 0.5
     pos = torch.randint(0, S + 3, (B, S), device="cuda") if with_pos else None
     leaves = [t.detach().requires_grad_() for t in (q, k, wq, wk)]
-    qo, ko = rms_norm_rope(*leaves, cos, sin, position_ids=pos)
+    poison_allocator(torch)
+    qo, ko = rms_norm_rope(*leaves, cos, sin, eps=eps, position_ids=pos)
     ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, wq, wk)]
-    rq, rk = reference(*ref_leaves, cos, sin, pos, R_, 1e-6)
+    rq, rk = reference(*ref_leaves, cos, sin, pos, R_, eps)
     assert rel(qo, rq) < TOL[dt] and rel(ko, rk) < TOL[dt]
     dq, dk = torch.randn_like(qo), torch.randn_like(ko)
+    poison_allocator(torch)
     got = torch.autograd.grad((qo, ko), leaves, (dq, dk))
     want = torch.autograd.grad((rq, rk), ref_leaves, (dq.double(), dk.double()))
     for g, w in zip(got, want):
@@ -124,3 +131,33 @@ def test_errors_name_the_function():
         rms_norm_rope(q, k, w, w, cos, sin, position_ids=torch.full((1, 16), 16, device="cuda"))
     with pytest.raises(ValueError, match="^rms_norm_rope: q_weight must have shape"):
         rms_norm_rope(q, k, w[:32], w, cos, sin)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_eps(fresh, monkeypatch, case):
+    """A non-default eps, large beside mean(x^2) (float32 inputs scaled by 0.5: about 0.25),
+    reaches the forward and the backward."""
+    disable_autotune(monkeypatch)
+    check(case, torch.float32, eps=0.5, x_scale=0.5)
+
+
+@pytest.mark.parametrize("B,S", [(0, 16), (2, 0)])
+@pytest.mark.parametrize("with_pos", [False, True])
+def test_empty_input(fresh, monkeypatch, B, S, with_pos):
+    """B * S == 0: empty outputs and input gradients, zero weight gradients (in the weights'
+    dtype)."""
+    disable_autotune(monkeypatch)
+    q, k, cos, sin = make(B, 8, 2, S, 64, 64, torch.bfloat16, rows=S + 3)
+    wq = torch.rand(64, device="cuda", dtype=torch.float32) + 0.5
+    wk = torch.rand(64, device="cuda", dtype=torch.float32) + 0.5
+    pos = torch.randint(0, S + 3, (B, S), device="cuda") if with_pos else None
+    leaves = [t.detach().requires_grad_() for t in (q, k, wq, wk)]
+    qo, ko = rms_norm_rope(*leaves, cos, sin, position_ids=pos)
+    assert qo.shape == q.shape and ko.shape == k.shape and qo.dtype == torch.bfloat16
+    dq, dk = torch.randn_like(qo), torch.randn_like(ko)
+    poison_allocator(torch)                      # an unwritten weight gradient shows as NaN
+    got = torch.autograd.grad((qo, ko), leaves, (dq, dk))
+    assert got[0].shape == q.shape and got[1].shape == k.shape
+    for g, w in zip(got[2:], (wq, wk)):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert not g.count_nonzero()

@@ -276,3 +276,51 @@ def test_example_pair_runs_and_agrees():
     fixed, tuned = run_example_pair("03_rope_inplace_splitbuffer")
     assert_pair_agrees(fixed, tuned)
     assert float(tuned["us"]) <= 1.05 * float(fixed["us"])
+
+
+@pytest.mark.parametrize("every", [False, True], ids=["default", "every_config"])
+@pytest.mark.parametrize("dt", DTYPES, ids=str)
+def test_inplace_position_ids_per_batch_row(fresh, monkeypatch, dt, every):
+    """In place with (B, S) position_ids that differ from one batch row to the next (any rows
+    of cos/sin, in range): each batch row rotates by its own positions, with the default config
+    and with each config of the in-place space for positions (one position a tile; at 3 x 777
+    positions each persistent CTA makes two or more trips of its loop). Partial rotary: the
+    pass-through dims stay as they are."""
+    B, Hq, Hk, S, D, R_ = 3, 8, 2, 777, 80, 40
+    q, k, cos, sin = make(B, Hq, Hk, S, D, R_, dt, rows=S + 5)
+    pos = torch.randint(0, S + 5, (B, S), device="cuda")
+    assert not (pos == pos[:1]).all()
+    rq, rk = reference(q, k, cos, sin, pos, R_)
+    space = list(R.rope_tile_configs("sm_90", Hq, R_, has_pos=True))
+    assert all(c.tile_s == 1 for c in space)
+    if every:
+        configs = each_config(monkeypatch, R._rope_inplace, space)
+    else:
+        disable_autotune(monkeypatch)
+        configs = [space[0]]
+    for cfg in configs:
+        qi, ki = q.clone(), k.clone()           # HF-layout strides kept by clone
+        qo, ko = apply_rope(qi, ki, cos, sin, position_ids=pos, inplace=True)
+        assert qo is qi and ko is ki
+        assert rel(qo, rq) < TOL[dt] and rel(ko, rk) < TOL[dt], vars(cfg)
+
+
+@pytest.mark.parametrize("shape,with_pos", [((2, 8, 2, 423, 80, 40), False),
+                                            ((2, 8, 2, 423, 80, 40), True),
+                                            ((4, 32, 8, 2047, 128, 128), False)], ids=str)
+def test_every_config_backward_is_correct(fresh, monkeypatch, shape, with_pos):
+    """The out-of-place backward (the rotation with BACKWARD) under each config of the space,
+    forward and gradients from poisoned memory (unwritten elements show as NaN); with (B, S)
+    position_ids, the space for positions."""
+    B, Hq, Hk, S, D, R_ = shape
+    q, k, cos, sin = make(B, Hq, Hk, S, D, R_, torch.bfloat16, rows=S + 5)
+    pos = torch.randint(0, S + 5, (B, S), device="cuda") if with_pos else None
+    rq, rk = reference(q, k, cos, sin, pos, R_)
+    space = list(R.rope_tile_configs("sm_90", Hq, R_, has_pos=with_pos))
+    for cfg in each_config(monkeypatch, R._rope, space):
+        qg, kg = q.detach().requires_grad_(), k.detach().requires_grad_()
+        poison_allocator(torch)
+        qo, ko = apply_rope(qg, kg, cos, sin, position_ids=pos)
+        assert rel(qo, rq) < TOL[torch.bfloat16] and rel(ko, rk) < TOL[torch.bfloat16], vars(cfg)
+        poison_allocator(torch)
+        assert_gradients_match(qo, ko, qg, kg, q, k, cos, sin, pos, R_, torch.bfloat16)
