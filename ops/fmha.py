@@ -937,10 +937,14 @@ _UNREAD = {}
 
 
 def _unread(q, dev):
-    """An int32 array for kernel arguments a launch never reads (one per device)."""
+    """An int32 array for kernel arguments a launch never reads (one per device, shared by
+    every stream, thread and CUDA graph: no kernel touches it). One made under a fake-tensor
+    mode (make_fx, a memory estimator) is not kept: every later launch would take it."""
     a = _UNREAD.get(dev)
     if a is None:
-        a = _UNREAD[dev] = torch.zeros(2, dtype=torch.int32, device=q.device)
+        a = torch.zeros(2, dtype=torch.int32, device=q.device)
+        if type(a) is torch.Tensor:
+            a = _UNREAD.setdefault(dev, a)
     return a
 
 

@@ -1281,7 +1281,13 @@ class StandIns:
     sizes that are multiples of 16 and strides' 16-byte alignment, so a stand-in is made as
     the real output would be (`make(like, *sizes)`), at sizes of the same classes: one
     compiled kernel serves calls with and without the output. One per device and size class,
-    found by exact sizes on the hot path (one dict lookup)."""
+    found by exact sizes on the hot path (one dict lookup).
+
+    Shared by every stream, thread and CUDA graph of the device: kernels only store into a
+    stand-in, so concurrent or replayed stores race only with each other and nothing reads
+    them. A tensor that is not a plain one (made under a fake-tensor mode, as make_fx or a
+    memory estimator traces with) is handed out but not kept: kept, every later call would
+    launch on it."""
 
     def __init__(self, make):
         self._make = make
@@ -1294,7 +1300,10 @@ class StandIns:
             classes = tuple(jit_size_class(n) for n in sizes)
             buf = self._by_class.get((dev, *classes))
             if buf is None:
-                buf = self._by_class[(dev, *classes)] = self._make(like, *classes)
+                buf = self._make(like, *classes)
+                if type(buf) is not torch.Tensor:
+                    return buf
+                buf = self._by_class.setdefault((dev, *classes), buf)
             self._by_sizes[(dev, *sizes)] = buf
         return buf
 

@@ -1439,3 +1439,17 @@ def test_every_config_failing_to_compile_shows_what_the_compiler_said(env, monke
     assert text.count("CompilerExecutionError: Return code 1") == 3
     assert [m for _, _, m in e.value.failures] == [
         f"Return code 1\n{said[o]}\nUnknown location" for o in (1, 2, 4)]
+
+
+def test_a_stand_in_made_under_a_fake_tensor_mode_is_not_kept():
+    """A call traced under a fake-tensor mode (make_fx, a FakeTensorMode memory estimator) gets
+    a fake stand-in; the next real call of that device and size class gets a real one, not the
+    fake kept from the trace (which its launch could not take)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    stand_ins = autotune.StandIns(lambda like, m: like.new_empty(m, dtype=torch.float32))
+    with FakeTensorMode() as mode:
+        fake = stand_ins.get(mode.from_tensor(torch.empty(6)), 0, 6)
+    assert type(fake) is not torch.Tensor
+    real = stand_ins.get(torch.empty(6), 0, 6)
+    assert type(real) is torch.Tensor and real.shape == (5,)
+    assert stand_ins.get(torch.empty(7), 0, 7) is real          # kept: the same size class

@@ -514,3 +514,21 @@ def test_seqused_k_takes_inputs_that_require_grad_in_inference_mode(stubbed_laun
     assert stubbed_launch[0][2]["used"] is used
     with pytest.raises(ValueError, match=r"^fmha: seqused_k is for inference"):
         FM.fmha(q, k, v, causal=True, seqused_k=used)
+
+
+def test_buffers_made_under_a_fake_tensor_mode_are_not_kept(monkeypatch):
+    """A dense call traced under a fake-tensor mode (make_fx, a FakeTensorMode memory estimator)
+    hands the kernels fake int32 offsets and a fake LSE stand-in; the next real call on that
+    device gets real ones, not the fakes kept from the trace (which every later launch would
+    take, training ones too)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    monkeypatch.setattr(FM, "_UNREAD", {})
+    monkeypatch.setattr(FM, "_NO_LSE", type(FM._NO_LSE)(FM._NO_LSE._make))
+    q = torch.empty(1, 4, 64, 16, dtype=torch.bfloat16)
+    with FakeTensorMode() as mode:
+        fq = mode.from_tensor(q)
+        fakes = FM._unread(fq, 0), FM._lse_rows(None, fq, 0, 4, 64)
+    assert all(type(t) is not torch.Tensor for t in fakes)
+    unread, lse = FM._unread(q, 0), FM._lse_rows(None, q, 0, 4, 64)
+    assert type(unread) is torch.Tensor and type(lse) is torch.Tensor
+    assert FM._unread(q, 0) is unread and FM._lse_rows(None, q, 0, 4, 64) is lse
