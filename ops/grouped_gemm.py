@@ -620,9 +620,9 @@ def grouped_mm(x, w, offs=None, *, out=None):
     forward and dX kernels then split the rows by the running maximum of offs, the K-grouped
     kernel, which the 2-D x 2-D form and the weight gradient run, starts each group at its
     clamped offs[g-1], so a row can count in two groups there).
-    Differentiable in x and w (offs gets no gradient); the weight gradient comes back in w's
-    layout where w is contiguous or the transposed view of a contiguous (E, N, K) (contiguous
-    otherwise: a slice of a wider weight gets a contiguous gradient).
+    Differentiable in x and w (offs gets no gradient); the weight gradient comes back as the
+    transposed view of a contiguous (E, N, K) where w's middle dim has unit stride (an
+    nn.Linear-style weight passed transposed, sliced or not), and contiguous otherwise.
     Works under torch.compile(fullgraph=True). `out`, if given, receives a copy of the result
     (gradients flow through it as through `out.copy_(result)`): exactly the result's shape,
     dtype and device, and writable: no stride-0 dims, and, where autograd records a graph
