@@ -33,7 +33,7 @@ from tiletune.device import bind_context, major, persistent_ctas
 from tiletune.ops.gemm_tiles import layout, output_tile, tile_count, tile_grid
 from tiletune.ops.matmul import SUM_TILE, launch_splitk_sum, split_of, splitk_rows
 from tiletune.space import cdiv, f32_row, next_pow2, product, table
-from tiletune.torch_op import no_second_order, records_graph, refuse_transforms
+from tiletune.torch_op import no_second_order, records_graph, refuse_transforms, tracing
 
 ZERO = ct.PaddingMode.ZERO
 # Scale math rounds to nearest even, as torch's float32 division does: RoundingMode.FULL is
@@ -1050,7 +1050,7 @@ def _check(a, b, scale_a, scale_b, out_dtype, fast_accum):
         _refuse_grad("fp8_mm", tensors)
     # the dtypes are checked above; where all four are on one CUDA device, four integer reads
     # say so (eagerly: the traced call and any mismatch take the checks that name the argument)
-    dev = -1 if torch.compiler.is_compiling() else a.get_device()
+    dev = -1 if tracing() else a.get_device()
     if dev < 0 or not a.is_cuda or b.get_device() != dev or scale_a.get_device() != dev or \
             scale_b.get_device() != dev:
         device = a.device
@@ -1204,7 +1204,7 @@ def fp8_mm(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, fast_accum=False
     if out is not None:
         _check_out(out, M, N, out_dtype, a, {"a": a, "b": b, "scale_a": scale_a,
                                              "scale_b": scale_b})
-    if torch.compiler.is_compiling():
+    if tracing():
         c = _fp8_mm_op(a, b, scale_a, scale_b, out_dtype, fast_accum)
         return c if out is None else out.copy_(c)
     return _fp8_mm(a, b, scale_a, scale_b, out_dtype, fast_accum, out, scaling)
@@ -1374,7 +1374,7 @@ def quantize_fp8(x, granularity="tensor", dtype=torch.float8_e4m3fn):
     forward-mode AD dual level or a torch.func transform is a TypeError. Works under
     torch.compile(fullgraph=True)."""
     _check_quantize(x, granularity, dtype)
-    if torch.compiler.is_compiling():
+    if tracing():
         q, s = _quantize_op(x, granularity, dtype)
     else:
         q, s = _quantize_raw(x, granularity, dtype)
@@ -1433,10 +1433,10 @@ def quantize_fp8_pair(x, granularity="block128x128", dtype=torch.float8_e4m3fn):
     quantize_fp8's; works under torch.compile(fullgraph=True)."""
     _check_quantize(x, granularity, dtype, op="quantize_fp8_pair")
     if granularity != "block128x128":
-        if not torch.compiler.is_compiling():
+        if not tracing():
             _check_arch("quantize_fp8_pair", "x", x)
         return quantize_fp8(x, granularity, dtype), quantize_fp8(x.t(), granularity, dtype)
-    if torch.compiler.is_compiling():
+    if tracing():
         q, s, q_t, s_t = _quantize_pair_op(x, dtype)
     else:
         (q, s), (q_t, s_t) = _quantize_pair_raw(x, dtype)

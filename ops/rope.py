@@ -14,7 +14,7 @@ from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket
 from tiletune.ops.rotary import ctas, math_tile, position_tile_at, prepare
 from tiletune.space import cdiv, next_pow2, table
-from tiletune.torch_op import TrainableOp, records_graph
+from tiletune.torch_op import TrainableOp, records_graph, tracing
 
 _increment_version = torch.autograd.graph.increment_version
 
@@ -250,7 +250,9 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     of one buffer, such as the q and k columns of a fused qkv projection, are fine.)
     Differentiable in q and k. Works under torch.compile(fullgraph=True). In place under
     torch.compile, and on views that need a gradient (autograd's rule for in-place writes to
-    views), the out-of-place op runs and its results are copied back.
+    views), the out-of-place op runs and its results are copied back. Under torch.compile the
+    memory checks above do not run (torch.compile does not trace addresses): q and k sharing
+    memory there leave k's rotation in the shared elements.
     compute_dtype: the rotation's arithmetic, forward and backward. torch.float32 (default):
     q, k, cos and sin widened, one rounding to q's dtype at the store. q.dtype: cos/sin rounded
     to q's dtype and the arithmetic in it, as HF's eager code, Liger and TileGym compute with
@@ -265,7 +267,7 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
                          f"({q.dtype}), got {compute_dtype}")
     if not inplace:
         return _rope_op(q, k, cos, sin, pos, rot, f32, False)
-    compiling = torch.compiler.is_compiling()
+    compiling = tracing()
     if not compiling:   # (cos/sin are not checked against q and k: microseconds on every call)
         validate.inplace("apply_rope", {"q": q, "k": k})
     # The custom op has no in-place form, and autograd takes an in-place write to a view from

@@ -13,7 +13,7 @@ import torch
 
 from tiletune import validate
 from tiletune.device import persistent_ctas
-from tiletune.torch_op import records_graph
+from tiletune.torch_op import records_graph, tracing
 
 ZERO = ct.PaddingMode.ZERO
 
@@ -172,7 +172,7 @@ def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
         # Out-of-range rows would read outside cos/sin: checked here (one device sync: both
         # bounds come back in one read), except under CUDA graph capture or torch.compile, where
         # it is the caller's contract.
-        if position_ids.numel() and not torch.compiler.is_compiling() and \
+        if position_ids.numel() and not tracing() and \
                 not torch.cuda.is_current_stream_capturing():
             lo, hi = torch.stack(torch.aminmax(position_ids)).tolist()
             if lo < 0 or hi >= cos.shape[1]:

@@ -12,6 +12,16 @@ _is_grad_enabled = torch.is_grad_enabled
 _is_inference_mode = torch.is_inference_mode_enabled
 _transforms_active = torch._C._are_functorch_transforms_active
 _forward_ad = torch.autograd.forward_ad
+_dispatch_mode = torch._C._get_dispatch_mode
+_FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
+
+
+def tracing():
+    """True while torch.compile traces, or under a fake-tensor mode (make_fx, aot_function, a
+    memory estimator): the ops then call their custom ops, whose fake implementations give the
+    outputs, instead of launching kernels on tensors that have no memory, and skip the host
+    checks that read addresses or values."""
+    return _is_compiling() or _dispatch_mode(_FAKE_MODE) is not None
 
 
 def records_graph():
@@ -50,9 +60,13 @@ class TrainableOp:
         self._fwd_op = torch.library.custom_op(f"{name}_fwd", forward, mutates_args=(),
                                                schema=forward_schema)
         self._fwd_op.register_fake(forward_fake)
-        self._bwd_op = torch.library.custom_op(
-            f"{name}_bwd", lambda needs, *a: backward(tuple(needs), *a), mutates_args=(),
-            schema=backward_schema)
+        def run_backward(needs, *a):
+            # (here, not in the autograd formula: a compiled backward runs this on autograd's
+            # thread for the device; the formula runs only while torch.compile traces it)
+            _device.bind_context()
+            return backward(tuple(needs), *a)
+        self._bwd_op = torch.library.custom_op(f"{name}_bwd", run_backward, mutates_args=(),
+                                               schema=backward_schema)
         self._bwd_op.register_fake(backward_fake)
         self._fwd_op.register_autograd(self._compiled_backward, setup_context=self._setup)
         self._function = _autograd_function(name, forward, save, backward, outputs)
@@ -60,7 +74,9 @@ class TrainableOp:
         self._tensor_args = _tensor_positions(forward_schema)
 
     def __call__(self, *args):
-        if _is_compiling():
+        # (a fake-tensor mode is asked only where x is not a plain tensor, as its fakes are not:
+        # the host time of every call)
+        if _is_compiling() or (type(args[0]) is not _Tensor and tracing()):
             results = self._fwd_op(*args)
         else:
             if _is_grad_enabled():
@@ -88,7 +104,6 @@ class TrainableOp:
         ctx.save_for_backward(*tensors)
 
     def _compiled_backward(self, ctx, *grads):
-        _device.bind_context()
         needs = [bool(n) for n in ctx.needs_input_grad]
         result = self._bwd_op(needs, *grads[:self.outputs], *ctx.saved_tensors, *ctx.constants)
         return _pad(result, len(ctx.needs_input_grad))

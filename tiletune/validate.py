@@ -5,7 +5,7 @@ import numbers
 
 import torch
 
-from .torch_op import records_graph
+from .torch_op import records_graph, tracing
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _Tensor = torch.Tensor
@@ -131,7 +131,7 @@ def out(op, t, shape, dtype, device, dtype_of="the inputs'", inputs=None, kept=N
         if what:
             raise ValueError(f"{op}: out is {what} that requires grad, which cannot be written "
                              "in place")
-    if torch.compiler.is_compiling():
+    if tracing():
         return t
     if inputs is not None and t.is_inference() and not torch.is_inference_mode_enabled():
         # (a copy into out meets torch's own refusal; a kernel's write would not)

@@ -208,6 +208,20 @@ def test_compiled_fullgraph_gradients_equal_eager():
     torch.testing.assert_close(g2, torch.full_like(x, 2.0))
 
 
+def test_a_compiled_backward_binds_the_context_each_time_it_runs(monkeypatch):
+    """A compiled step's backward runs the backward's custom op on autograd's thread for the
+    device, which may have no CUDA context yet: it makes one current each time it runs (once a
+    thread in the device module), not only while torch.compile traces it."""
+    from tiletune import device
+    calls = []
+    monkeypatch.setattr(device, "bind_context", lambda: calls.append(1))
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    f = torch.compile(lambda x: _scale3(x).sum(), fullgraph=True, backend="aot_eager")
+    for step in range(3):
+        torch.autograd.grad(f(x), x)
+    assert len(calls) == 3
+
+
 def test_forward_mode_and_transforms_are_refused_by_name():
     """Dual tensors (forward-mode AD) and torch.func transforms carry tangents or batch dims the
     kernels never see: a call without a gradient to take refuses them instead of dropping them."""
