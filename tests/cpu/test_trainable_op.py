@@ -271,3 +271,24 @@ def _nested(*contexts):
         for c in contexts:
             stack.enter_context(c)
         yield
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_the_plain_gradients(reentrant):
+    """Under torch.utils.checkpoint (as `gradient_checkpointing_enable` runs a model's layers)
+    the forward runs again in the backward, without a gradient first where reentrant (the
+    inference function), then with one: the gradients equal those of the plain graph, with a
+    saved input (square), a multi-output forward with an inference function (halved) and an
+    optional argument (axpy)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def block(x, y):
+        h = _halved(_square(x))
+        return (_axpy(h, 3.0, y) * _halved(x)).sum()
+
+    x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(block(x, y), (x, y))
+    checkpoint(block, x, y, use_reentrant=reentrant).backward()   # (reentrant: no .grad())
+    for g, w in zip((x.grad, y.grad), want):
+        torch.testing.assert_close(g, w)

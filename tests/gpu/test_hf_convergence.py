@@ -274,3 +274,20 @@ def test_example_06_trains_like_unpatched():
     assert len(losses[False]) == 6
     torch.testing.assert_close(torch.tensor(losses[False]), torch.tensor(losses[True]),
                                atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gradient_checkpointing_gives_the_same_step(family):
+    """With `gradient_checkpointing_enable()` (each layer's forward runs again in the backward)
+    the patched model's first step equals its own step without it: the recomputed forward
+    saves what the first one saved, in-place RoPE included."""
+    patched, _ = model_pair(family, layers=2)
+    ids = tokens(1, seed=3)[0]
+    patched.train()
+    logits, grads = first_step(patched, ids)
+    patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ck_logits, ck_grads = first_step(patched, ids)
+    assert ck_grads.keys() == grads.keys()
+    torch.testing.assert_close(ck_logits, logits, atol=0, rtol=0)
+    for name in grads:
+        assert rel(ck_grads[name], grads[name]) < 1e-3, name
