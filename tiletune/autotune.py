@@ -414,7 +414,8 @@ class TuningRecord:
     key: tuple
     config: dict
     source: str                  # "search", "store", "shipped" (the package's winners),
-                                 # "default" (DISABLE_AUTOTUNE), "capture", "agreed"
+                                 # "default" (DISABLE_AUTOTUNE, or a search that failed
+                                 # for the moment), "capture", "agreed"
                                  # (another rank of the job decided; nothing timed here)
     timings: list = dataclasses.field(default_factory=list)   # [{config, mean_us, ...}] fastest first
     failures: list = dataclasses.field(default_factory=list)  # [{config, error, message}]
@@ -628,7 +629,12 @@ class Autotuner:
         config (bad inputs, out of memory, a compile timeout on a busy host) go to the caller
         and leave the store alone."""
         tkey = self.tune_key(key)
-        entry = self.cache.get(tkey) or self._resolve(tkey, dev, inputs)
+        entry = self.cache.get(tkey)
+        if entry is None:
+            try:
+                entry = self._resolve(tkey, dev, inputs)
+            except TuningFailedError as e:
+                entry = self._default_for_now(tkey, dev, inputs, e)
         skey = self._unproven.get(tkey)
         if skey is None:
             return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
@@ -656,6 +662,30 @@ class Autotuner:
             return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
         self._unproven.pop(tkey, None)
         return result
+
+    def _default_for_now(self, key, dev, inputs, error):
+        """A first launch whose search failed with nothing of its configs' own (every failure
+        out of memory for the search's buffers on a full GPU, or a compile that timed out or was
+        killed on a busy host), outside a job: the default config serves the key for the rest
+        of the process, with a warning and nothing stored (the next process searches), instead
+        of failing the caller's step. A key whose configs failed on their own, and a job's key
+        (its ranks meet in the key's next round), raise `error`."""
+        if key in self._failed or distributed.current() is not None:
+            raise error
+        with _search_lock(dev):
+            hit = self.cache.get(key)
+            if hit is not None:
+                return hit
+            cfg = self.config_list(_device.arch(dev), self._space(*inputs))[0]
+            failures = [{"config": c, "error": kind, "message": message}
+                        for c, kind, message in error.failures]
+            kinds = sorted({kind for _, kind, _ in error.failures})
+            warnings.warn(f"tiletune: {self.name} {key}: the search failed for the moment "
+                          f"({', '.join(kinds)}); the default config serves this key for the "
+                          "rest of the process (tiletune.clear_cache() searches again; `python "
+                          "-m tiletune tune` tunes keys ahead, before a run fills the GPU)")
+            record = TuningRecord(self.name, key, config_dict(cfg), "default", [], failures)
+            return self._finish(key, cfg, record, None, dev)
 
     def _launch_planned(self, key, tkey, entry, dev, inputs, launch_config):
         cfg, kernel = entry

@@ -1453,3 +1453,29 @@ def test_a_stand_in_made_under_a_fake_tensor_mode_is_not_kept():
     real = stand_ins.get(torch.empty(6), 0, 6)
     assert type(real) is torch.Tensor and real.shape == (5,)
     assert stand_ins.get(torch.empty(7), 0, 7) is real          # kept: the same size class
+
+
+def test_a_first_launch_whose_search_failed_for_the_moment_runs_the_default(env, monkeypatch):
+    """A first launch whose search failed with nothing of its configs' own (out of memory for
+    the search's buffers on a full GPU): the step goes on with the default config, which then
+    serves the key for the process (warned, nothing stored, no search at every call); configs
+    that failed on their own still fail the call."""
+    x = torch.zeros(4)
+    t = _declared(env, monkeypatch, "for_now", grid=lambda c, dev, x, n: (1,),
+                  args=lambda c, x, n: (x, c.occupancy))
+    env.fake.fail = {1, 2, 4}
+    oom = ("OutOfMemoryError", "CUDA out of memory")
+    monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: oom)
+    with pytest.warns(UserWarning, match="failed for the moment .OutOfMemoryError.; the default"):
+        t.launch(("k",), "cpu", x, 16)
+    cfgs = t.config_list("sm_90", dict(n=16))
+    record = t.records[("k",)]
+    assert record.source == "default" and record.config == autotune.config_dict(cfgs[0])
+    assert [f["error"] for f in record.failures] == ["OutOfMemoryError"] * 3
+    assert env.launches[-1][3] == (x, cfgs[0].occupancy)
+    t.launch(("k",), "cpu", x, 16)
+    assert env.fake.calls == 1 and env.launches[-1][3] == (x, cfgs[0].occupancy)
+    assert store.load(t.name, t.store_key(("k",), 0, cfgs)) is None
+    monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: ("RuntimeError", "boom"))
+    with pytest.raises(TuningFailedError, match="boom"):
+        t.launch(("other",), "cpu", x, 16)
