@@ -413,7 +413,8 @@ def cmd_tune(args):
             return _tune_fail(f"cannot export to {args.export}: {type(e).__name__}: {e}")
     rank, world = pretune.start_job()     # under torchrun: the ranks share the work out
     try:
-        return _tune_job(args, path, rank, world)
+        with autotune.searches_must_decide():
+            return _tune_job(args, path, rank, world)
     finally:
         pretune.end_job(world)
 

@@ -275,12 +275,32 @@ def _after_fork_in_child():
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+_searches_must_decide = 0      # > 0: inside searches_must_decide()
+
+
+@contextlib.contextmanager
+def searches_must_decide():
+    """Within it, a first launch whose search failed for the moment raises TuningFailedError
+    instead of running the default config: for `tune` and `bench`, whose output is the
+    searches' winners (a default standing in would read as tuned)."""
+    global _searches_must_decide
+    _searches_must_decide += 1
+    try:
+        yield
+    finally:
+        _searches_must_decide -= 1
+
+
+FULL_MESSAGES = 3     # distinct failure messages a TuningFailedError gives in full
+
+
 class TuningFailedError(RuntimeError):
     """Every config failed. `.failures` is a list of (config, error type name, message).
 
     The text gives each config's error with its message's lines (a compiler error's first line
-    is "Return code 1"; what the compiler said follows it); a message given in full for an
-    earlier config is given again by its first line only."""
+    is "Return code 1"; what the compiler said follows it), FULL_MESSAGES distinct ones in full:
+    a message given for an earlier config, and those past the first FULL_MESSAGES, by their
+    first line (the whole of each is in `.failures`)."""
 
     def __init__(self, op, key, failures):
         from tiletune.aot import message_lines       # (aot is not loaded with the package)
@@ -289,12 +309,14 @@ class TuningFailedError(RuntimeError):
         for cfg, etype, msg in self.failures:
             text = message_lines(msg or "") or [""]
             said = (etype, tuple(text))
-            if said in given and len(text) > 1:
-                lines.append(f"  {cfg}: {etype}: {text[0]} (the rest as above)")
-            else:
-                lines.append(f"  {cfg}: {etype}: {text[0]}")
-                lines += [f"    {line}" for line in text[1:]]
-            given.add(said)
+            if len(text) > 1 and (said in given or len(given) >= FULL_MESSAGES):
+                lines.append(f"  {cfg}: {etype}: {text[0]} (the rest "
+                             f"{'as above' if said in given else 'in .failures'})")
+                continue
+            lines.append(f"  {cfg}: {etype}: {text[0]}")
+            lines += [f"    {line}" for line in text[1:]]
+            if len(text) > 1:
+                given.add(said)
         super().__init__("\n".join(lines))
 
 
@@ -629,12 +651,7 @@ class Autotuner:
         config (bad inputs, out of memory, a compile timeout on a busy host) go to the caller
         and leave the store alone."""
         tkey = self.tune_key(key)
-        entry = self.cache.get(tkey)
-        if entry is None:
-            try:
-                entry = self._resolve(tkey, dev, inputs)
-            except TuningFailedError as e:
-                entry = self._default_for_now(tkey, dev, inputs, e)
+        entry = self.cache.get(tkey) or self._resolve_first(tkey, dev, inputs)
         skey = self._unproven.get(tkey)
         if skey is None:
             return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
@@ -658,10 +675,18 @@ class Autotuner:
                     self.cache.pop(tkey, None)
                     self.records.pop(tkey, None)
                     self._unproven.pop(tkey, None)
-            entry = self.cache.get(tkey) or self._resolve(tkey, dev, inputs, use_store=False)
+            entry = self.cache.get(tkey) or self._resolve_first(tkey, dev, inputs, False)
             return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
         self._unproven.pop(tkey, None)
         return result
+
+    def _resolve_first(self, key, dev, inputs, use_store=True):
+        """`_resolve` for a first launch: a search that failed for the moment gives the default
+        (`_default_for_now`)."""
+        try:
+            return self._resolve(key, dev, inputs, use_store)
+        except TuningFailedError as e:
+            return self._default_for_now(key, dev, inputs, e)
 
     def _default_for_now(self, key, dev, inputs, error):
         """A first launch whose search failed with nothing of its configs' own (every failure
@@ -670,7 +695,7 @@ class Autotuner:
         of the process, with a warning and nothing stored (the next process searches), instead
         of failing the caller's step. A key whose configs failed on their own, and a job's key
         (its ranks meet in the key's next round), raise `error`."""
-        if key in self._failed or distributed.current() is not None:
+        if key in self._failed or distributed.current() is not None or _searches_must_decide:
             raise error
         with _search_lock(dev):
             hit = self.cache.get(key)

@@ -490,7 +490,8 @@ def main(ops=None, *, full=False, host=False, json_path=DEFAULT_JSON, plot_path=
                 continue
             case.graph = case.graph or graph
             try:
-                row = run_case(case, skip_peers, seen_peers, sustained)
+                with autotune.searches_must_decide():     # a row's "tuned" is a winner
+                    row = run_case(case, skip_peers, seen_peers, sustained)
             except Exception as e:
                 print(f"{op} {case.name} {case.mode}: FAILED {type(e).__name__}: {e}", flush=True)
                 failed += 1

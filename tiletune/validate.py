@@ -105,9 +105,9 @@ def out(op, t, shape, dtype, device, dtype_of="the inputs'", inputs=None, kept=N
     torch's copy_ does, and, where an input in `kept` ({name: tensor}, what its backward may
     keep) requires grad, memory shared with them (the copy would change what the backward
     reads); an op whose kernel writes `out` directly while reading `inputs` ({name: tensor})
-    refuses, where autograd records a graph, any `out` that requires grad (autograd would not
-    see the write), memory shared with the inputs, and an inference tensor outside inference
-    mode (as torch refuses to write one). Neither takes elements that share memory (an
+    refuses any `out` that requires grad where autograd records a graph (autograd would not
+    see the write), and always memory shared with the inputs and an inference tensor outside
+    inference mode (as torch refuses to write one). Neither takes elements that share memory (an
     expanded, stride-0 dim would be written twice). The memory checks read addresses, which
     torch.compile does not trace: they run eagerly (a compiled op writes a fresh tensor, then
     copies it).

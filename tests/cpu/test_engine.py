@@ -1476,6 +1476,22 @@ def test_a_first_launch_whose_search_failed_for_the_moment_runs_the_default(env,
     t.launch(("k",), "cpu", x, 16)
     assert env.fake.calls == 1 and env.launches[-1][3] == (x, cfgs[0].occupancy)
     assert store.load(t.name, t.store_key(("k",), 0, cfgs)) is None
+    with autotune.searches_must_decide():        # `tune` and `bench`: their output is winners
+        with pytest.raises(TuningFailedError, match="OutOfMemoryError"):
+            t.launch(("k2",), "cpu", x, 16)
+    assert ("k2",) not in t.cache
     monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: ("RuntimeError", "boom"))
     with pytest.raises(TuningFailedError, match="boom"):
         t.launch(("other",), "cpu", x, 16)
+
+
+def test_a_failed_key_gives_a_few_distinct_messages_in_full():
+    """Compiler messages that differ in a number (each config's shared memory) are all distinct:
+    the first FULL_MESSAGES are given in full, the rest by their first line; `.failures` keeps
+    every message whole."""
+    failures = [({"tile": t}, "CompilerExecutionError", f"Return code 1\nsmem {t} KB too large")
+                for t in range(5)]
+    text = str(TuningFailedError("op", ("k",), failures))
+    assert [f"smem {t} KB" in text for t in range(5)] == [True] * 3 + [False] * 2
+    assert text.count("(the rest in .failures)") == 2
+    assert TuningFailedError("op", ("k",), failures).failures == failures
