@@ -60,11 +60,13 @@ class TrainableOp:
         self._fwd_op = torch.library.custom_op(f"{name}_fwd", forward, mutates_args=(),
                                                schema=forward_schema)
         self._fwd_op.register_fake(forward_fake)
+
         def run_backward(needs, *a):
             # (here, not in the autograd formula: a compiled backward runs this on autograd's
             # thread for the device; the formula runs only while torch.compile traces it)
             _device.bind_context()
             return backward(tuple(needs), *a)
+
         self._bwd_op = torch.library.custom_op(f"{name}_bwd", run_backward, mutates_args=(),
                                                schema=backward_schema)
         self._bwd_op.register_fake(backward_fake)
