@@ -306,7 +306,7 @@ def _entry_lines(key, e, verbose):
                     continue
                 message = f.get("message")
                 # (a compiler error's first line is "Return code 1": its lines follow)
-                from tiletune.aot import message_lines
+                from tiletune.autotune import message_lines
                 text = message_lines(message) if isinstance(message, str) else []
                 lines.append(f"       FAILED {_dumps(f.get('config'))}: {f.get('error', '?')}: "
                              f"{text[0] if text else ''}")

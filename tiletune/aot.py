@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, ScalarConstraint, export_kernel
 
+from tiletune.autotune import message_lines
 from tiletune.precompile import launch_signature, usable_cpus
 
 TORCH_TO_CT = {}  # filled lazily: torch dtype -> ct dtype
@@ -206,19 +207,6 @@ def op_cases(op):
         from tiletune import registry
         _CASES[op] = list(registry.ops()[op].compile_cases())
     return _CASES[op]
-
-
-ERROR_LINES = 20       # of an error message, in a compile report and a TuningFailedError
-
-
-def message_lines(message):
-    """The non-blank lines of an error's message, at most ERROR_LINES (then one saying how many
-    more): a compiler error's first line is "Return code 1", and what tileiras said comes
-    after it, so the first line alone tells nothing."""
-    lines = [line.rstrip() for line in str(message).splitlines() if line.strip()]
-    if len(lines) > ERROR_LINES:
-        lines = lines[:ERROR_LINES] + [f"... ({len(lines) - ERROR_LINES} more lines)"]
-    return lines
 
 
 def error_text(e):

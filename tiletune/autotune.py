@@ -291,6 +291,19 @@ def searches_must_decide():
         _searches_must_decide -= 1
 
 
+ERROR_LINES = 20      # of an error message, in a TuningFailedError and a compile report
+
+
+def message_lines(message):
+    """The non-blank lines of an error's message, at most ERROR_LINES (then one saying how many
+    more): a compiler error's first line is "Return code 1", and what tileiras said comes
+    after it, so the first line alone tells nothing."""
+    lines = [line.rstrip() for line in str(message).splitlines() if line.strip()]
+    if len(lines) > ERROR_LINES:
+        lines = lines[:ERROR_LINES] + [f"... ({len(lines) - ERROR_LINES} more lines)"]
+    return lines
+
+
 FULL_MESSAGES = 3     # distinct failure messages a TuningFailedError gives in full
 
 
@@ -303,7 +316,6 @@ class TuningFailedError(RuntimeError):
     first line (the whole of each is in `.failures`)."""
 
     def __init__(self, op, key, failures):
-        from tiletune.aot import message_lines       # (aot is not loaded with the package)
         self.op, self.key, self.failures = op, key, list(failures)
         lines, given = [f"tiletune: every config of {op} failed for key {key}:"], set()
         for cfg, etype, msg in self.failures:
@@ -666,7 +678,6 @@ class Autotuner:
             # drops it, the others launch whatever is cached or resolved after.
             with _search_lock(dev):
                 if self.cache.get(tkey) is entry:
-                    from tiletune.aot import message_lines
                     log.warning("tiletune: %s %s: the stored or agreed config %s failed to "
                                 "launch; searching again. %s: %s", self.name, tkey,
                                 config_dict(entry[0]), type(e).__name__,

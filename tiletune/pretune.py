@@ -320,10 +320,10 @@ def _slim(entry):
 def _first_words(message):
     """A failure message's first line, at most 300 characters; where that line is only a
     compiler's "Return code N", the next line follows it (what tileiras said)."""
-    lines = [line.strip() for line in str(message or "").splitlines() if line.strip()]
-    text = lines[0] if lines else ""
+    lines = autotune.message_lines(message or "")
+    text = lines[0].strip() if lines else ""
     if len(lines) > 1 and re.fullmatch(r"Return code -?\d+", text):
-        text = f"{text}: {lines[1]}"
+        text = f"{text}: {lines[1].strip()}"
     return text[:300]
 
 
