@@ -285,9 +285,7 @@ def compile_all(ops, archs, jobs=None, select=None):
         return pending.report([_compile_worker(w) for w in pending.work])
     pool = ProcessPoolExecutor(jobs)
     try:
-        pending = PendingCompiles(ops, archs, select, who="compile_all")
-        pending.futures = [pool.submit(_compile_worker, w) for w in pending.work]
-        return pending.report()
+        return start_compiles(ops, archs, pool, select, who="compile_all").report()
     except BaseException:     # Ctrl-C: a plain shutdown would run every compile still queued
         stop_compiles(pool)
         raise
@@ -303,10 +301,11 @@ def stop_compiles(pool):
         process.terminate()
 
 
-def start_compiles(ops, archs, pool, select=None):
+def start_compiles(ops, archs, pool, select=None, *, who="start_compiles"):
     """compile_all's builds submitted to `pool` (a concurrent.futures executor) without waiting:
-    `.report()` of the result waits for them. Several calls may share one pool."""
-    pending = PendingCompiles(ops, archs, select, who="start_compiles")
+    `.report()` of the result waits for them. Several calls may share one pool. `who`: the
+    public function its argument errors name."""
+    pending = PendingCompiles(ops, archs, select, who=who)
     pending.futures = [pool.submit(_compile_worker, w) for w in pending.work]
     return pending
 
