@@ -26,7 +26,6 @@
 import functools
 import math
 import numbers
-import operator
 from types import SimpleNamespace
 
 import cuda.tile as ct
@@ -1392,9 +1391,7 @@ def _check_max(op, name, n):
     if isinstance(n, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a Python int, got a tensor (pass int(t), read "
                         "once where the lengths are made)")
-    if isinstance(n, bool) or not hasattr(type(n), "__index__"):
-        raise TypeError(f"{op}: {name} must be an int, got {type(n).__name__}")
-    n = operator.index(n)
+    n = validate.integer(op, name, n)
     if not 0 <= n <= MAX_SEQ:
         raise ValueError(f"{op}: {name} must be in [0, {MAX_SEQ}] (the kernels' grid), got {n}")
     return n

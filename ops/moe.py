@@ -25,7 +25,6 @@
 # Every sum is float32; each output element is written by one CTA (no atomics: deterministic).
 #
 # No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
-import operator
 from types import SimpleNamespace
 
 import cuda.tile as ct
@@ -332,13 +331,7 @@ def _check_permute(x, topk_ids, num_experts):
     op = "moe_permute"
     validate.is_tensor(op, "x", x)
     validate.is_tensor(op, "topk_ids", topk_ids)
-    if num_experts.__class__ is not int:
-        # (a tensor is refused: reading it would sync the host)
-        if isinstance(num_experts, (bool, torch.Tensor)) or \
-                not hasattr(type(num_experts), "__index__"):
-            raise TypeError(f"{op}: num_experts must be an int, got "
-                            f"{type(num_experts).__name__}")
-        num_experts = operator.index(num_experts)
+    num_experts = validate.integer(op, "num_experts", num_experts)
     if not 1 <= num_experts < INT32_MAX:   # int32 offsets, and num_experts marks stray ids
         raise ValueError(f"{op}: num_experts must be in [1, 2^31 - 2], got {num_experts}")
     validate.dims(op, "x", x, 2, "(tokens, hidden)")

@@ -6,7 +6,6 @@
 # backward of the rotation is the forward with (sin1, sin2) -> (-sin2, -sin1) (BACKWARD).
 #
 # No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
-import operator
 
 import cuda.tile as ct
 import torch
@@ -140,11 +139,8 @@ def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
     if cos.dim() != 3 or cos.shape[0] not in (1, B):
         raise ValueError(f"{op}: cos/sin must be (S, R), (1, S, R) or ({B}, S, R), got "
                          f"{tuple(cos.shape)}")
-    if rotary_dim is not None and (isinstance(rotary_dim, (bool, torch.Tensor)) or
-                                   not hasattr(type(rotary_dim), "__index__")):
-        raise TypeError(f"{op}: rotary_dim must be an int or None, got "
-                        f"{type(rotary_dim).__name__}")
-    rot = cos.shape[-1] if rotary_dim is None else operator.index(rotary_dim)
+    rot = cos.shape[-1] if rotary_dim is None else \
+        validate.integer(op, "rotary_dim", rotary_dim, "an int or None")
     if rot <= 0 or rot % 2 or rot > D:
         raise ValueError(f"{op}: rotary width must be even and in [2, head_dim={D}], got {rot}")
     if cos.shape[-1] < rot:

@@ -161,14 +161,11 @@ def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rot
     head_dim, width = q.shape[-1], cos.shape[-1]
     if rotary_dim is None:
         rotary_dim = min(width, head_dim)
-    elif isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral):
-        raise TypeError(f"{op}: rotary_dim must be an int or None, got "
-                        f"{type(rotary_dim).__name__}")
-    elif rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-        raise ValueError(f"{op}: rotary_dim must be even and in (0, head_dim={head_dim}], got "
-                         f"{rotary_dim}")
     else:
-        rotary_dim = int(rotary_dim)    # (numpy's integers too, as Liger takes them)
+        rotary_dim = validate.integer(op, "rotary_dim", rotary_dim, "an int or None")
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"{op}: rotary_dim must be even and in (0, head_dim={head_dim}], "
+                             f"got {rotary_dim}")
     half = rotary_dim // 2
     if width < half:
         raise ValueError(f"{op}: cos/sin need at least rotary_dim / 2 = {half} columns, got "

@@ -2,6 +2,7 @@
 argument; and what a tensor written in place must satisfy (no leaf that requires grad, no
 overlapping memory)."""
 import numbers
+import operator
 
 import torch
 
@@ -38,6 +39,16 @@ def pair(op, name, t, other_name, other, dtypes=FLOAT_DTYPES):
         return
     tensor(op, name, t, dtypes=dtypes)
     tensor(op, other_name, other, dtypes=dtypes, like=t)
+
+
+def integer(op, name, value, what="an int"):
+    """value as a Python int: any integer type (Python's, numpy's, a SymInt). A bool, a float or
+    a tensor (reading it would sync the host) is a TypeError naming `op` and the argument."""
+    if value.__class__ is int:
+        return value
+    if isinstance(value, (bool, torch.Tensor)) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{op}: {name} must be {what}, got {type(value).__name__}")
+    return operator.index(value)
 
 
 def is_tensor(op, name, t):
