@@ -119,3 +119,49 @@ def rotate_half(x):
     """HF's rotate_half: (-second half, first half) of the last dim."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), -1)
+
+
+def assert_rows_close(out, ref, tol, what="output"):
+    """Each row (the last dim) of `out` within `tol` of `ref`'s, relative to that row's norm or,
+    for rows much smaller than the others, to the typical row's norm (a near-zero row is measured
+    against the scale of its neighbours, not its own). A whole-tensor relative norm hides one
+    wrong row or tile among thousands (one wrong row of 20011 moves it by 0.007); per row, a
+    wrong row reads about 1. NaN or inf anywhere fails."""
+    o = out.detach().double().reshape(-1, out.shape[-1]) if out.dim() else out.double().view(1, 1)
+    r = ref.detach().double().reshape(-1, o.shape[-1])
+    assert o.shape == r.shape, (tuple(out.shape), tuple(ref.shape))
+    if o.numel() == 0:
+        return
+    bad = ~torch.isfinite(o)
+    assert not bad.any(), f"{what}: {int(bad.sum())} non-finite values, first at row " \
+                          f"{int(bad.any(1).nonzero()[0])}"
+    scale = r.norm(dim=1)
+    scale = torch.maximum(scale, r.norm() / o.shape[0] ** 0.5 * 0.5)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    err = (o - r).norm(dim=1) / scale
+    worst = int(err.argmax())
+    assert err[worst] < tol, f"{what}: row {worst} of {o.shape[0]} off by {err[worst]:.3g} " \
+                             f"(tolerance {tol}); the median row {err.median():.3g}"
+
+
+_MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
+
+
+def assert_rounded_once(out, ref, max_off=0.01, what="output"):
+    """`out` is `ref` (float64, exact) rounded once to out's dtype, to nearest: every element
+    within one unit in the last place of the correctly rounded value, and at most `max_off` of
+    them not equal to it (a float32 intermediate lands on the other side of a rounding boundary
+    now and then). A kernel that truncates, or rounds twice through a narrower type, misses
+    about half the elements, which the element-wise ops' relative tolerances let pass."""
+    want = ref.detach().to(out.dtype)
+    o, w = out.detach().double(), want.double()
+    assert torch.isfinite(o).all(), f"{what}: non-finite values"
+    tiny = torch.finfo(out.dtype).tiny
+    ulp = torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(tiny)))
+                     - _MANTISSA_BITS[out.dtype])
+    far = (o - w).abs() > ulp * 1.0001
+    assert not far.any(), f"{what}: {int(far.sum())} elements more than one ulp from the " \
+                          f"correctly rounded value, e.g. {o[far][0]:.6g} for {w[far][0]:.6g}"
+    off = float((o != w).double().mean()) if o.numel() else 0.0
+    assert off <= max_off, f"{what}: {off:.3%} of the elements differ from the correctly " \
+                           f"rounded value (at most {max_off:.1%} for one rounding to nearest)"
