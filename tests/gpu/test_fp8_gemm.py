@@ -1,10 +1,13 @@
 """fp8_mm and quantize_fp8 on the GPU. fp8_mm against a float64 dequantize-then-matmul reference
-with DeepGEMM's measure (1 - 2 sum(xy) / sum(x^2 + y^2) < 1e-3) in every scaling mode, both
-accumulation modes, odd M and N, K not a multiple of 128, both B layouts, e5m2 on either side,
-every out dtype, tuned and DISABLE_AUTOTUNE, outputs poisoned first; every config of every
-space; against torch._scaled_mm where it takes the mode. quantize_fp8 bit-exact against its
-torch reference for every granularity, format and input dtype; quantize_fp8_pair against it for
-x and x.t(). out=, torch.compile, the AOT
+with DeepGEMM's measure (1 - 2 sum(xy) / sum(x^2 + y^2)) of each output row and each 128x128
+tile, under a bound per out dtype (its rounding and the tensor cores' sums) or fast
+accumulation's, in every scaling mode, both accumulation modes, odd M and N, K not a multiple of
+128, both B layouts, e5m2 on either side, every out dtype (the 16-bit ones the float32 output
+rounded once), tuned and DISABLE_AUTOTUNE, outputs poisoned first; every config of every space;
+against torch._scaled_mm where it takes the mode. quantize_fp8 bit-exact against its torch
+reference for every granularity, format and input dtype; quantize_fp8_pair against it for x and
+x.t(). fp8_linear's training step against its recipe's own quantized operands (every input
+dtype, with and without bias) and against unquantized float64. out=, torch.compile, the AOT
 signatures against the JIT's."""
 import pytest
 import torch
@@ -14,15 +17,29 @@ from tiletune.ops import fp8_gemm as F8
 from tiletune.ops.fp8_gemm import fp8_mm, quantize_fp8, quantize_fp8_reference
 from tiletune.space import cdiv
 
-from .conftest import assert_each_cta_loops, disable_autotune, each_config, poison_allocator
+from .conftest import (assert_each_cta_loops, assert_rounded_once, disable_autotune, each_config,
+                       poison_allocator)
 
 E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
-# DeepGEMM's measure against the float64 product of the dequantized operands. With float32
-# accumulation a correct kernel's error is the bf16 output's rounding: 1.4e-6 on an H200
-# (every config, K 784 and 1040); 4e-6 leaves room for that and nothing like a lost block.
-# Fast accumulation keeps fewer accumulator bits, an error that grows with K: DeepGEMM's own
-# bound for FP8 GEMMs.
-LIMIT, FAST_LIMIT = 4e-6, 1e-3
+FP16, FP32 = torch.float16, torch.float32
+# DeepGEMM's measure of each output row and 128x128 tile (`worst`) against the float64 product
+# of the dequantized operands, per out dtype. Exact accumulation has two errors:
+# - the output's rounding: about 0.09 * 4^-p for p significant bits (bf16 1.38e-6, fp16
+#   2.2e-8, float32 3e-16);
+# - the tensor cores' sums: each 128-K slice is four k32 QGMMAs chained from zero, each summing
+#   with about 13 mantissa bits, rounded toward zero (published probes of the H100's QGMMA;
+#   DeepSeek-V3's report), before the float32 promotion. Emulated with 12 bits (pessimistic:
+#   that model puts fast accumulation at 4096^3 at 2.2e-5 where an H200 measured 1.1e-5), they
+#   add at most 7e-8 to a row or tile of the suite's shapes (1.7e-7 to a 33-wide row, which is
+#   measured by tile); emulated so on the CPU, every exact check here read at most 0.53 of its
+#   bound.
+# So bf16 keeps 4e-6 (1.4e-6 measured on an H200, every config, K 784 and 1040), and the others
+# bound their rounding plus 1e-7 of tensor-core sums, three times over: a bf16 intermediate on
+# their path reads about 1.4e-6 in every row. Fast accumulation keeps fewer accumulator bits
+# over the whole K, an error that grows with K: DeepGEMM's own bound for FP8 GEMMs.
+LIMITS = {BF16: 4e-6, FP16: 4e-7, FP32: 3e-7}
+FAST_LIMIT = 1e-3
+TILE = 128
 # scaling -> (granularity of a, granularity of the (N, K) weight whose transpose is b)
 SCALINGS = {"tensorwise": ("tensor", "tensor"), "rowwise": ("row", "row"),
             "block 1x128 x 128x128": ("block1x128", "block128x128"),
@@ -36,6 +53,48 @@ def diff(x, y):
     x, y = x.double(), y.double()
     assert torch.isfinite(x).all()
     return (1 - 2 * (x * y).sum() / (x * x + y * y).sum().clamp_min(1e-300)).item()
+
+
+def worst(x, y):
+    """The largest of DeepGEMM's measure over each row of the 2-D x against y and each 128x128
+    tile (edge tiles ragged). A whole-tensor measure dilutes one wrong row or tile among all the
+    others: at 999x1999x784 one 128x128 tile missing one of the seven K blocks moves it by 9e-5
+    (the 16-deep last block) to 7e-4 and one wrong row by 4e-4, all under fast accumulation's
+    1e-3, where that tile reads 0.009-0.09 on its own (its rows 0.001-0.008: rows alone miss
+    the short block) and that row about 1. Rows narrower than a tile are measured in their tiles
+    only (33 values a row are too few for these bounds); each row's or tile's sum of squares is
+    floored at a quarter of the mean one's, so that a sliver of a tile at an edge or a small row
+    is held to the scale of its neighbours (as conftest's assert_rows_close does)."""
+    x, y = x.double(), y.double()
+    assert torch.isfinite(x).all()
+    err, squares = (x - y) ** 2, x * x + y * y
+    M, N = x.shape
+
+    def tiles(t):
+        t = torch.nn.functional.pad(t, (0, -N % TILE, 0, -M % TILE))
+        return t.reshape(t.shape[0] // TILE, TILE, t.shape[1] // TILE, TILE).sum((1, 3)).flatten()
+    units = [(tiles(err), tiles(squares))]
+    if N >= TILE:
+        units.append((err.sum(1), squares.sum(1)))
+    return max((e / torch.maximum(s, s.mean() / 4).clamp_min(1e-300)).max().item()
+               for e, s in units)
+
+
+def limit(out_dtype, fast=False):
+    return FAST_LIMIT if fast else LIMITS[out_dtype]
+
+
+def assert_one_rounding(outs, what=""):
+    """Outputs of one config in each out dtype ({dtype: c}): the float32 one carries more bits
+    than a 16-bit float (a bf16 or fp16 intermediate on its path would not, and reads within
+    the norm bounds where it is fp16), the 16-bit ones are it rounded once to nearest (the
+    kernel's accumulator is the same whatever it stores)."""
+    c32 = outs[FP32]
+    narrow = (c32 == c32.to(FP16).float()) | (c32 == c32.to(BF16).float())
+    assert narrow.double().mean() < 0.01, (what, narrow.double().mean().item())
+    for dt, c in outs.items():
+        if dt != FP32:
+            assert_rounded_once(c, c32, what=f"{what} {dt}")
 
 
 def expand(s, rows, cols):
@@ -77,9 +136,10 @@ def check(M, N, K, scaling, *, fast=False, out_dtype=BF16, label="", **kw):
     poison_allocator(torch)
     c = fp8_mm(a, b, sa, sb, out_dtype=out_dtype, fast_accum=fast)
     assert c.shape == (M, N) and c.dtype == out_dtype
-    d = diff(c, reference(a, b, sa, sb))
-    DIFFS[f"{scaling} {M}x{N}x{K} {'fast' if fast else 'exact'} {label}".strip()] = d
-    assert d < (FAST_LIMIT if fast else LIMIT), (scaling, M, N, K, fast, d)
+    d = worst(c, reference(a, b, sa, sb))
+    name = f"{scaling} {M}x{N}x{K} {'fast' if fast else 'exact'} {label}".strip()
+    DIFFS[name if out_dtype == BF16 else f"{name} {str(out_dtype)[6:]}"] = d
+    assert d < limit(out_dtype, fast), (scaling, M, N, K, fast, out_dtype, d)
     return c
 
 
@@ -111,11 +171,14 @@ def test_one_e5m2_operand(fresh, monkeypatch, scaling, dts):
               label=f"{dts[0]} x {dts[1]}".replace("torch.float8_", ""))
 
 
-@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32], ids=str)
-def test_out_dtypes(fresh, monkeypatch, out_dtype):
+def test_out_dtypes(fresh, monkeypatch):
+    """Each out dtype within its own bound; with the default config (one for every out dtype)
+    the float32 output carries more bits than a 16-bit float and the 16-bit outputs are it
+    rounded once to nearest."""
     monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
     for scaling in ("rowwise", "block 1x128 x 128x128"):
-        check(300, 500, 512, scaling, out_dtype=out_dtype)
+        outs = {dt: check(300, 500, 512, scaling, out_dtype=dt) for dt in (BF16, FP16, FP32)}
+        assert_one_rounding(outs, scaling)
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast_accum"])
@@ -141,8 +204,8 @@ def test_every_config_is_correct(fresh, monkeypatch, fast):
         for cfg in each_config(monkeypatch, tuner, cfgs):
             for sa_i in scales_a:
                 poison_allocator(torch)
-                d = diff(fp8_mm(a, b, sa_i, sb, fast_accum=fast), ref)
-                assert d < (FAST_LIMIT if fast else LIMIT), (scaling, vars(cfg), sa_i.stride(), d)
+                d = worst(fp8_mm(a, b, sa_i, sb, fast_accum=fast), ref)
+                assert d < limit(BF16, fast), (scaling, vars(cfg), sa_i.stride(), d)
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast_accum"])
@@ -162,8 +225,8 @@ def test_persistent_configs_loop_over_many_tiles(fresh, monkeypatch, fast):
         assert cfgs
         for cfg in each_config(monkeypatch, tuner, cfgs):
             poison_allocator(torch)
-            d = diff(fp8_mm(a, b, sa, sb, fast_accum=fast), ref)
-            assert d < (FAST_LIMIT if fast else LIMIT), (scaling, vars(cfg), d)
+            d = worst(fp8_mm(a, b, sa, sb, fast_accum=fast), ref)
+            assert d < limit(BF16, fast), (scaling, vars(cfg), d)
             assert_each_cta_loops(cdiv(M, cfg.tm) * cdiv(N, cfg.tn), cfg)
 
 
@@ -173,7 +236,8 @@ def test_persistent_configs_loop_over_many_tiles(fresh, monkeypatch, fast):
 def test_split_k_every_split_scaling_and_output(fresh, monkeypatch, scaling, fast):
     """Each split-K config (partials, then their sum, scaled there or, in block mode, block by
     block in the partials) at a skinny shape whose K tiles do not divide evenly among the splits
-    (K 1040: 9 tiles, the last partial), with each output dtype and a mixed e4m3 x e5m2 pair."""
+    (K 1040: 9 tiles, the last partial), with each output dtype (the 16-bit ones the float32
+    one rounded once) and a mixed e4m3 x e5m2 pair."""
     M, N, K = 100, 300, 1040
     block = scaling.startswith("block")
     tuner, gen = (F8._block_tuner, F8.fp8_block_configs) if block else (F8._scaled_tuner,
@@ -182,8 +246,9 @@ def test_split_k_every_split_scaling_and_output(fresh, monkeypatch, scaling, fas
     splits = [c for c in shape_cfgs if F8.split_of(c) > 1]
     assert {c.split for c in splits} == {2, 4}
     for cfg in each_config(monkeypatch, tuner, splits):
-        for out_dtype in (BF16, torch.float16, torch.float32):
-            check(M, N, K, scaling, fast=fast, out_dtype=out_dtype, label=f"split {cfg.split}")
+        outs = {dt: check(M, N, K, scaling, fast=fast, out_dtype=dt, label=f"split {cfg.split}")
+                for dt in (BF16, FP16, FP32)}
+        assert_one_rounding(outs, vars(cfg))
         check(M, N, K, scaling, fast=fast, b_dt=E5M2, label=f"split {cfg.split} e5m2")
 
 
@@ -209,10 +274,12 @@ def test_against_torch_scaled_mm(fresh, monkeypatch, scaling, fast):
     ours = fp8_mm(a, b, sa, sb, fast_accum=fast)
     ref = reference(a, b, sa, sb)
     d_ours, d_theirs = diff(ours, ref), diff(theirs, ref)
-    DIFFS[f"{scaling} {M}x{N}x{K} {'fast' if fast else 'exact'} ours, torch"] = (d_ours, d_theirs)
-    limit = FAST_LIMIT if fast else LIMIT
-    assert d_ours < limit and d_ours <= 4 * d_theirs + 1e-6, (d_ours, d_theirs)
-    assert diff(ours, theirs) < limit
+    worst_ours = worst(ours, ref)
+    DIFFS[f"{scaling} {M}x{N}x{K} {'fast' if fast else 'exact'} ours, torch (whole)"] = \
+        (worst_ours, d_ours, d_theirs)
+    bound = limit(BF16, fast)
+    assert worst_ours < bound and d_ours <= 4 * d_theirs + 1e-6, (worst_ours, d_ours, d_theirs)
+    assert diff(ours, theirs) < bound
 
 
 @pytest.mark.parametrize("tuned", [False, True], ids=["fixed", "tuned"])
@@ -224,7 +291,7 @@ def test_block_scaling_has_one_accumulation_mode(fresh, monkeypatch, tuned):
     a, b, sa, sb = operands(300, 512, 1008, "block 1x128 x 128x128")   # a partial last block
     exact = fp8_mm(a, b, sa, sb)
     assert torch.equal(fp8_mm(a, b, sa, sb, fast_accum=True), exact)
-    assert diff(exact, reference(a, b, sa, sb)) < LIMIT
+    assert worst(exact, reference(a, b, sa, sb)) < LIMITS[BF16]
     assert len(F8._block_tuner.cache) == 1 and F8._block_tuner.searches == int(tuned)
 
 
@@ -235,7 +302,7 @@ def test_fast_accumulation_at_long_k_is_measured(fresh, monkeypatch):
     for scaling in ("tensorwise", "rowwise", "block 1x128 x 128x128"):
         for fast in (False, True):
             check(512, 512, 16384, scaling, fast=fast, label="long K")
-    print("\nfp8_mm accuracy (1 - 2 sum(xy) / sum(x^2 + y^2)):")
+    print("\nfp8_mm accuracy (1 - 2 sum(xy) / sum(x^2 + y^2), the worst row or 128x128 tile):")
     for k, v in sorted(DIFFS.items()):
         print(f"  {k}: {v}")
 
@@ -244,10 +311,10 @@ def test_out_and_second_call(fresh, monkeypatch):
     a, b, sa, sb = operands(300, 256, 512, "rowwise")
     ref = reference(a, b, sa, sb)
     out = torch.empty(256, 300, device="cuda", dtype=BF16).t()     # any strides
-    assert fp8_mm(a, b, sa, sb, out=out) is out and diff(out, ref) < LIMIT
+    assert fp8_mm(a, b, sa, sb, out=out) is out and worst(out, ref) < LIMITS[BF16]
     assert F8._scaled_tuner.searches == 1
     a2, b2, sa2, sb2 = operands(400, 256, 512, "rowwise", seed=1)    # same M bucket
-    assert diff(fp8_mm(a2, b2, sa2, sb2), reference(a2, b2, sa2, sb2)) < LIMIT
+    assert worst(fp8_mm(a2, b2, sa2, sb2), reference(a2, b2, sa2, sb2)) < LIMITS[BF16]
     assert F8._scaled_tuner.searches == 1
     with pytest.raises(ValueError, match="fp8_mm: out overlaps a in memory"):
         fp8_mm(a, b, sa, sb, out=a.view(BF16))       # (300, 512) fp8 seen as (300, 256) bf16
@@ -601,9 +668,70 @@ def test_bad_input():
 
 
 # ---------------------------------------------------------------------------------------------
-# fp8_linear: a training step against the same linear in float64.
+# fp8_linear: a training step against its GEMMs on the operands its recipe quantizes, and against
+# the same linear in float64.
 
 LINEAR_LIMIT = 2e-3                             # fp8_linear's stated bound (its docstring)
+# The recipes as fp8_linear's docstring states them: (forward and input gradient: the
+# activation-like operand's groups, the weight's), (weight gradient: both operands' groups),
+# every operand quantized along its GEMM's reduction dim.
+RECIPES = {"rowwise": (("row", "row"), ("row", "row")),
+           "block": (("block1x128", "block128x128"), ("block1x128", "block1x128"))}
+
+
+def linear_inputs(lead, K, N, dtype, bias=True):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(*lead, K, device="cuda", generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(N, K, device="cuda", generator=gen) / K ** 0.5).to(dtype).requires_grad_()
+    b = torch.randn(N, device="cuda", generator=gen).to(dtype).requires_grad_()
+    dy = torch.randn(*lead, N, device="cuda", generator=gen).to(dtype)
+    return x, w, b if bias else None, dy
+
+
+def linear_step(x, w, b, dy, recipe):
+    """fp8_linear's y and its gradients dx, dw, db (None without a bias), outputs poisoned
+    first."""
+    poison_allocator(torch)
+    y = F8.fp8_linear(x, w, b, recipe=recipe)
+    grads = torch.autograd.grad(y, (x, w) if b is None else (x, w, b), dy)
+    return (y, *grads) if b is not None else (y, *grads, None)
+
+
+def quantized_products(x, w, dy, recipe):
+    """fp8_linear's three GEMMs in float64 on its recipe's quantized operands: x @ w^T,
+    dy @ w and dy^T @ x, each operand quantized with quantize_fp8 along the GEMM's reduction
+    dim (in the layouts fp8_linear passes, so the keys are those it tuned: no search) and
+    dequantized; the weight gradient's token dim padded with zero rows to a multiple of 16,
+    which no group's amax sees."""
+    N, K = w.shape
+    x2, dy2, w = x.detach().reshape(-1, K), dy.reshape(-1, N), w.detach()
+    groups, wgrad_groups = RECIPES[recipe]
+
+    def product(a, b_t, granularities):       # a (M, K) @ b_t (N, K)^T
+        qa, sa = quantize_fp8(a, granularities[0])
+        qb, sb = quantize_fp8(b_t, granularities[1])
+        return reference(qa, qb.t(), sa, sb.t())
+
+    def padded(t):
+        return torch.cat([t, t.new_zeros(-t.shape[0] % 16, t.shape[1])])
+    return (product(x2, w, groups), product(dy2, w.t(), groups),
+            product(padded(dy2).t(), padded(x2).t(), wgrad_groups))
+
+
+def check_linear_exact(x, w, b, dy, y, dx, dw, recipe):
+    """y, dx and dw within their dtypes' bounds (fp8_mm's, per row and tile) of the GEMMs on
+    the recipe's quantized operands: what is left is fp8_mm's rounding and the tensor cores'
+    sums, and for y the bias added after the product's rounding (a second rounding, twice the
+    bound). Returns the measures."""
+    with torch.no_grad():
+        xw, dyw, dyx = quantized_products(x, w, dy, recipe)
+    y_ref = xw if b is None else xw + b.double()
+    got = {"y": worst(y.reshape(y_ref.shape), y_ref), "dx": worst(dx.reshape(dyw.shape), dyw),
+           "dw": worst(dw, dyx)}
+    bounds = {"y": LIMITS[y.dtype] * (1 if b is None else 2), "dx": LIMITS[dx.dtype],
+              "dw": LIMITS[dw.dtype]}
+    assert all(got[k] < bounds[k] for k in got), (got, bounds)
+    return got
 
 
 @pytest.mark.parametrize("shape", [(77, 272, 144), (2, 300, 512, 1024)], ids=str)
@@ -611,29 +739,52 @@ LINEAR_LIMIT = 2e-3                             # fp8_linear's stated bound (its
 @pytest.mark.parametrize("disable", [False, True], ids=["tuned", "DISABLE_AUTOTUNE"])
 def test_fp8_linear_step_against_float64(fresh, monkeypatch, recipe, shape, disable):
     """Odd token counts (77; 600 in a 3-D batch): the weight gradient pads them; bias; y, dx,
-    dw against float64 with DeepGEMM's measure, db exact; no-grad forward equals the step's."""
+    dw against the GEMMs on the recipe's quantized operands (fp8_mm's bounds) and against
+    float64 with DeepGEMM's measure, db exact; no-grad forward equals the step's."""
     if disable:
         disable_autotune(monkeypatch)
     *lead, K, N = shape
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(*lead, K, device="cuda", generator=gen).to(BF16).requires_grad_()
-    w = (torch.randn(N, K, device="cuda", generator=gen) / K ** 0.5).to(BF16).requires_grad_()
-    b = torch.randn(N, device="cuda", generator=gen).to(BF16).requires_grad_()
-    dy = torch.randn(*lead, N, device="cuda", generator=gen).to(BF16)
-    poison_allocator(torch)
-    y = F8.fp8_linear(x, w, b, recipe=recipe)
-    dx, dw, db = torch.autograd.grad(y, (x, w, b), dy)
+    x, w, b, dy = linear_inputs(lead, K, N, BF16)
+    y, dx, dw, db = linear_step(x, w, b, dy, recipe)
     assert (y.shape, dx.shape, dw.shape) == ((*lead, N), x.shape, w.shape)
+    exact = check_linear_exact(x, w, b, dy, y, dx, dw, recipe)
     x64, w64, dy64 = x.double().reshape(-1, K), w.double(), dy.double().reshape(-1, N)
     got = {"y": diff(y.reshape(-1, N), x64 @ w64.t() + b.double()),
            "dx": diff(dx.reshape(-1, K), dy64 @ w64), "dw": diff(dw, dy64.t() @ x64)}
     for name, d in got.items():
         DIFFS[f"fp8_linear {recipe} {shape} {name}"] = d
+        DIFFS[f"fp8_linear {recipe} {shape} {name} on its quantized operands"] = exact[name]
     assert all(d < LINEAR_LIMIT for d in got.values()), got
     torch.testing.assert_close(db, dy.float().reshape(-1, N).sum(0).to(BF16))
     with torch.no_grad():
         assert torch.equal(F8.fp8_linear(x, w, b, recipe=recipe), y)
     print(f"\nfp8_linear {recipe} {shape}: " + ", ".join(f"{k} {v:.2e}" for k, v in got.items()))
+
+
+@pytest.mark.parametrize("dtype, bias", [(BF16, False), (FP16, True), (FP16, False),
+                                         (FP32, True), (FP32, False)], ids=str)
+@pytest.mark.parametrize("recipe", ["rowwise", "block"])
+def test_fp8_linear_dtypes_and_no_bias(fresh, monkeypatch, recipe, dtype, bias):
+    """The input dtypes fp8_linear takes besides bf16 with a bias (the test above), with and
+    without a bias, at one small shape: y in x's dtype and each gradient in its input's, within
+    that dtype's bound of the GEMMs on the recipe's quantized operands, and within the recipe's
+    bound of float64."""
+    disable_autotune(monkeypatch)
+    M, K, N = 77, 272, 144
+    x, w, b, dy = linear_inputs((M,), K, N, dtype, bias)
+    y, dx, dw, db = linear_step(x, w, b, dy, recipe)
+    assert (y.dtype, dx.dtype, dw.dtype) == (dtype,) * 3
+    assert (y.shape, dx.shape, dw.shape) == ((M, N), x.shape, w.shape)
+    check_linear_exact(x, w, b, dy, y, dx, dw, recipe)
+    x64, w64, dy64 = x.double(), w.double(), dy.double()
+    y64 = x64 @ w64.t() + (0 if b is None else b.double())
+    assert max(diff(y, y64), diff(dx, dy64 @ w64), diff(dw, dy64.t() @ x64)) < LINEAR_LIMIT
+    if bias:
+        torch.testing.assert_close(db, dy.float().sum(0).to(dtype))
+    else:
+        assert db is None
+    with torch.no_grad():
+        assert torch.equal(F8.fp8_linear(x, w, b, recipe=recipe), y)
 
 
 def test_example_pair_runs_and_agrees():
