@@ -5,8 +5,10 @@ layouts, tuned and DISABLE_AUTOTUNE=1, every config, torch.compile and CUDA grap
 Tolerances (`TOL`, per dtype): the kernels compute in float32 and round once to the dtype, so
 bfloat16/float16 results are within a few of their rounding steps (2^-9, 2^-11 relative) of the
 float64 reference; float32 results within the float32 exp/division error. Each result is checked
-twice: its relative norm error, and element by element (rtol TOL, atol TOL x the mean |ref|,
-for values where terms cancel)."""
+per row (relative to the row's norm: a whole-tensor norm hides one wrong row or tile among
+thousands) and element by element (rtol TOL, atol TOL x the mean |ref|, for values where terms
+cancel). SwiGLU's bfloat16/float16 results are also checked for the one rounding itself
+(`assert_rounded_once`), which the relative tolerances pass for a kernel that truncates."""
 import cuda.tile as ct
 import cuda.tile.tune
 import pytest
@@ -17,7 +19,8 @@ import tiletune
 from tiletune.ops import swiglu as S
 from tiletune.ops.swiglu import geglu, swiglu
 
-from .conftest import disable_autotune, each_config, poison_allocator
+from .conftest import (assert_rounded_once, assert_rows_close, disable_autotune, each_config,
+                       poison_allocator)
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 DTYPES = [F32, F16, BF16]
@@ -33,14 +36,22 @@ def pair(*tensors):
     return tensors
 
 
-def close(out, ref, dt, what):
-    out, ref = out.double(), ref.double()
+def close(out, ref, dt, what, once=False):
+    """out against the float64 ref per row and element by element; with `once`, also that out
+    is ref rounded once to dt (bfloat16/float16 only: a float32 result carries the float32
+    exp/reciprocal error itself). For `once`, ref must be exact (silu's float64 is; torch's
+    float64 gelu forms cancel in the negative tail, which only the tolerances absorb)."""
     assert out.shape == ref.shape, what
     assert torch.isfinite(out).all(), f"{what}: non-finite values (unwritten output?)"
     if not ref.numel():
         return
-    scale = ref.norm().clamp_min(1e-30)
-    assert ((out - ref).norm() / scale).item() < TOL[dt], what
+    assert_rows_close(out, ref, TOL[dt], what)
+    if once and dt != F32:
+        # The approximate exp and reciprocal move the float32 value by a few of its ulps: up to
+        # about 0.1% of the elements land on the other side of a rounding boundary (truncation:
+        # 50%); a tensor of a few elements may have one or two of them.
+        assert_rounded_once(out, ref, max_off=max(0.01, 4 / out.numel()), what=what)
+    out, ref = out.double(), ref.double()
     torch.testing.assert_close(out, ref, rtol=TOL[dt], atol=TOL[dt] * ref.abs().mean().item(),
                                msg=lambda m: f"{what}: {m}")
 
@@ -66,14 +77,20 @@ def check(act, leaves, split=pair, grad=True):
     refs = [t.detach().double().requires_grad_(grad) for t in leaves]
     rgate, rup = split(*refs)
     ref = torch_act(rgate) * rup
-    close(y, ref, dt, f"{act} forward")
+    close(y, ref, dt, f"{act} forward", once=act == "swiglu")
     if grad:
         dy = torch.randn_like(y)
         grads = torch.autograd.grad(y, xs, dy)
         ref_grads = torch.autograd.grad(ref, refs, dy.double())
         for i, (a, b) in enumerate(zip(grads, ref_grads)):
             assert a.dtype == dt
-            close(a, b, dt, f"{act} gradient of leaf {i}")
+            # With the leaves passed as they are, leaf 0's gradient is the kernel's dgate and
+            # leaf 1's its dup, each rounded once. Not float16's dgate: silu'(g) = s (1 + g (1 -
+            # s)) cancels near its zero (g = -1.2785), and the float16 gate -1.2783 sits so
+            # close that the float32 sum there can be off by two float16 ulps (bfloat16's
+            # error there is a hundredth of its ulp)
+            once = act == "swiglu" and split is pair and (i == 1 or dt == BF16)
+            close(a, b, dt, f"{act} gradient of leaf {i}", once=once)
     for x, leaf in zip(xs, leaves):
         assert torch.equal(x.detach(), leaf)      # inputs untouched
     return y
@@ -216,7 +233,7 @@ def test_gradient_of_only_one_input(fresh, monkeypatch):
     (dg,) = torch.autograd.grad(y, gr, torch.ones_like(y))
     g64 = g.double().requires_grad_()
     (ref,) = torch.autograd.grad((F.silu(g64) * u.double()).sum(), g64)
-    close(dg, ref, BF16, "dgate")
+    close(dg, ref, BF16, "dgate", once=True)
 
 
 @pytest.mark.slow
@@ -286,7 +303,7 @@ def test_cuda_graph_replay(fresh):
     g.copy_(make((256, 4096), BF16, seed=1)[0])
     graph.replay()
     torch.cuda.synchronize()
-    close(y, F.silu(g.double()) * u.double(), BF16, "replayed forward")
+    close(y, F.silu(g.double()) * u.double(), BF16, "replayed forward", once=True)
 
 
 def test_bad_input():
@@ -313,7 +330,8 @@ def test_more_than_2_31_elements(fresh, monkeypatch):
     g, u = gu.chunk(2, dim=-1)
     y = swiglu(g, u)
     for rows in (slice(0, 8), slice(M // 2 - 4, M // 2 + 4), slice(M - 8, M)):
-        close(y[rows], F.silu(g[rows].double()) * u[rows].double(), BF16, f"rows {rows}")
+        close(y[rows], F.silu(g[rows].double()) * u[rows].double(), BF16, f"rows {rows}",
+              once=True)
     del gu, g, u, y
 
 
