@@ -11,7 +11,11 @@ A row may also time each candidate replayed from a CUDA graph (`BenchCase.graph`
 for every row). A replay costs the kernels' time alone, which is what a caller that replays
 graphs sees (a serving loop's decode). The eager time includes the host's only where a call's
 host work outlasts the L2 flush queued before it (a 256 MiB write) plus its kernels: the host
-prepares the call while the flush runs. A call's host cost alone is `--host`'s table.
+prepares the call while the flush runs. Every row also gives the tuned call's host time
+(`host_us`: calls back to back with their kernels left queued); a row whose host time reaches
+HOST_BOUND of its eager time is marked `host_bound`: its eager times, the fixed default's
+included, read the host more than the kernels. A call's host cost at a tiny shape is `--host`'s
+table.
 
 With `sustained` (`--sustained`) each candidate's turn is a 100 ms block, the first half untimed,
 so that every kernel is timed at the clock its own load settles at (the power limit, for heavy
@@ -31,6 +35,11 @@ import torch
 
 from tiletune import autotune, env, precompile, registry, store
 from tiletune.timing import SUSTAINED_BLOCK_MS, time_interleaved
+
+
+# A row whose tuned call costs the host at least this fraction of its eager time is host-bound
+HOST_BOUND = 0.8
+HOST_TIMING_US = 20000.0    # host_us_behind's calls: about this much device time, 3 to 20 calls
 
 
 @dataclass
@@ -68,6 +77,25 @@ def host_in_turns(fns, n=300, rounds=7):
             torch.cuda.synchronize()
             best[label] = min(best[label], (time.perf_counter() - t0) / n * 1e6)
     return best
+
+
+def host_us_behind(fn):
+    """Host microseconds per call of fn with its kernels left queued behind the host: calls back
+    to back with no synchronization between them, as a training or serving loop makes them
+    (about HOST_TIMING_US of queued work by one synchronized call's time, 3 to 20 calls). Where
+    this reaches a row's eager time, that time is the host's."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one_us = (time.perf_counter() - t0) * 1e6
+    n = max(3, min(20, int(HOST_TIMING_US / max(one_us, 1.0))))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
 
 
 def leaves(*tensors):
@@ -217,11 +245,15 @@ def run_case(case, skip_peers=(), seen_peers=None, sustained=False):
     except Exception as e:            # reported in the row; the tuned and peer numbers stand
         row["fixed_error"] = _error(e)
     candidates += [(label, fn, None) for label, fn in case.baselines.items()]
+    host_us = host_us_behind(case.ours)
     ceiling = [(case.ceiling[0], case.ceiling[1], None)] if case.ceiling else []
     us = time_interleaved(candidates + ceiling, **timing)
     if isinstance(us["tuned"], Exception):
         raise us["tuned"]
     row["tuned_us"] = us["tuned"]
+    row["host_us"] = host_us
+    if host_us >= HOST_BOUND * row["tuned_us"]:
+        row["host_bound"] = True
     if isinstance(us.get("fixed"), Exception):
         row["fixed_error"] = _error(us["fixed"])
     elif "fixed" in us:
@@ -281,6 +313,8 @@ def progress_line(row):
              else "fixed failed"]
     if "tuned_graph_us" in row:
         parts.append(f"{row['tuned_graph_us']:.2f} us from a CUDA graph")
+    if row.get("host_bound"):
+        parts.append(f"host-bound ({row['host_us']:.2f} us of host time a call)")
     for label in _peers(row):
         v = row.get(f"vs_{label}")
         parts.append(f"{v:.2f}x {label}" if v is not None else f"{label} failed")
@@ -312,6 +346,9 @@ def _columns(rows):
         cols.append(("GB/s", num("tuned_GBps", "{:.0f}")))
     if any("tuned_TFLOPs" in r for r in rows):
         cols.append(("TFLOP/s", num("tuned_TFLOPs", "{:.1f}")))
+    if any("host_us" in r for r in rows):
+        cols.append(("host us", lambda r: "-" if "host_us" not in r else
+                     f"{r['host_us']:.2f}" + (" bound" if r.get("host_bound") else "")))
     cols.append(("tuning s", num("first_call_s", "{:.2f}")))
     return cols
 

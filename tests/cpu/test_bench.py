@@ -53,6 +53,31 @@ def test_run_case_times_every_candidate_in_turns(clock):
     assert blocks == (turn + turn[::-1]) * 2 + turn
 
 
+def test_a_row_whose_call_costs_the_host_its_eager_time_is_marked_host_bound(clock,
+                                                                             monkeypatch):
+    """Each row gives the tuned call's host time, calls back to back; where it reaches
+    HOST_BOUND of the eager time the row says its times read the host (a forward+backward step
+    in a loaded process: its speedup over the fixed default is then the host's noise)."""
+    host = {"s": 0.0}
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: host["s"])
+
+    def call(host_us, device_us):
+        def f():
+            host["s"] += host_us / 1e6
+            clock.run("tuned", device_us)
+        return f
+
+    row = bench.run_case(bench.BenchCase("op", "step", "fwd+bwd", call(90.0, 100.0), {}))
+    assert row["host_us"] == pytest.approx(90.0) and row["host_bound"] is True
+    assert "host-bound (90.00 us of host time a call)" in bench.progress_line(row)
+    quick = bench.run_case(bench.BenchCase("op", "big", "fwd", call(10.0, 100.0), {}))
+    assert quick["host_us"] == pytest.approx(10.0) and "host_bound" not in quick
+    assert "host-bound" not in bench.progress_line(quick)
+    cols = bench._columns([row, quick])
+    cell = dict(cols)["host us"]
+    assert cell(row) == "90.00 bound" and cell(quick) == "10.00"
+
+
 def _heating(clock):
     """A kernel that runs 10 us until it has run 200 us back to back, then 20 us (its power
     limit), and a host-bound neighbour during whose gaps the card cools."""
