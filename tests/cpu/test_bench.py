@@ -10,6 +10,8 @@ import torch
 
 from tiletune import bench, timing
 
+HOST_US_BEHIND = bench.host_us_behind
+
 
 def test_a_row_whose_setup_ran_ours_first_reports_that_calls_time(clock):
     """A training-step row steps every model in its setup (for their memory), ours first, so
@@ -60,6 +62,7 @@ def test_a_row_whose_call_costs_the_host_its_eager_time_is_marked_host_bound(clo
     in a loaded process: its speedup over the fixed default is then the host's noise)."""
     host = {"s": 0.0}
     monkeypatch.setattr(bench.time, "perf_counter", lambda: host["s"])
+    monkeypatch.setattr(bench, "host_us_behind", HOST_US_BEHIND)    # (the clock's stands in)
 
     def call(host_us, device_us):
         def f():

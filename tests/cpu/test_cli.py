@@ -338,7 +338,7 @@ def test_bench_prints_a_line_per_row_before_the_tables(ops, clock, monkeypatch, 
     tables = out.index("alpha:")
     assert tables > 2 and out[tables + 1].split() == [
         "case", "mode", "tuned", "us", "fixed", "us", "vs", "fixed", "vs", "peer", "vs", "broken",
-        "%", "of", "copy", "GB/s", "tuning", "s"]
+        "%", "of", "copy", "GB/s", "host", "us", "tuning", "s"]
     assert out[tables + 2].split()[:9] == ["n1024", "fwd", "20.00", "30.00", "1.50x", "1.25x",
                                            "failed", "80%", "200"]
     assert "beta:" in out[tables:] and "TFLOP/s" in out[out.index("beta:") + 1]
