@@ -274,6 +274,7 @@ def _number(value):
 def _entry_lines(key, e, verbose):
     """The lines `cache show` prints for one stored entry: a malformed entry is one line that
     says so; malformed timings or failures inside a good one are one line each."""
+    from tiletune.autotune import message_lines
     if not isinstance(e, dict):
         return [f"  {key}\n    malformed entry skipped (a {type(e).__name__}, not a dict)"]
     try:
@@ -306,7 +307,6 @@ def _entry_lines(key, e, verbose):
                     continue
                 message = f.get("message")
                 # (a compiler error's first line is "Return code 1": its lines follow)
-                from tiletune.autotune import message_lines
                 text = message_lines(message) if isinstance(message, str) else []
                 lines.append(f"       FAILED {_dumps(f.get('config'))}: {f.get('error', '?')}: "
                              f"{text[0] if text else ''}")

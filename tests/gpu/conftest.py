@@ -121,12 +121,13 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), -1)
 
 
-def assert_rows_close(out, ref, tol, what="output"):
+def assert_rows_close(out, ref, tol, what="output", row_scale=None):
     """Each row (the last dim) of `out` within `tol` of `ref`'s, relative to that row's norm or,
     for rows much smaller than the others, to the typical row's norm (a near-zero row is measured
-    against the scale of its neighbours, not its own). A whole-tensor relative norm hides one
-    wrong row or tile among thousands (one wrong row of 20011 moves it by 0.007); per row, a
-    wrong row reads about 1. NaN or inf anywhere fails."""
+    against the scale of its neighbours, not its own); `row_scale` (one value a row), where the
+    errors scale with something other than the result (a difference of larger terms). A
+    whole-tensor relative norm hides one wrong row or tile among thousands (one wrong row of
+    20011 moves it by 0.007); per row, a wrong row reads about 1. NaN or inf anywhere fails."""
     o = out.detach().double().reshape(-1, out.shape[-1]) if out.dim() else out.double().view(1, 1)
     r = ref.detach().double().reshape(-1, o.shape[-1])
     assert o.shape == r.shape, (tuple(out.shape), tuple(ref.shape))
@@ -135,9 +136,12 @@ def assert_rows_close(out, ref, tol, what="output"):
     bad = ~torch.isfinite(o)
     assert not bad.any(), f"{what}: {int(bad.sum())} non-finite values, first at row " \
                           f"{int(bad.any(1).nonzero()[0])}"
-    scale = r.norm(dim=1)
-    scale = torch.maximum(scale, r.norm() / o.shape[0] ** 0.5 * 0.5)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if row_scale is not None:
+        scale = row_scale.detach().double().reshape(-1).clamp_min(1e-30)
+    else:
+        scale = r.norm(dim=1)
+        scale = torch.maximum(scale, r.norm() / o.shape[0] ** 0.5 * 0.5)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     err = (o - r).norm(dim=1) / scale
     worst = int(err.argmax())
     assert err[worst] < tol, f"{what}: row {worst} of {o.shape[0]} off by {err[worst]:.3g} " \
