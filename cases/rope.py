@@ -49,6 +49,15 @@ def compile_cases():
                         f32=False)
         yield CompileCase("rope", R._rope_inplace.build(cfg), _inplace_params(p),
                           f"rope_inplace 32/8 D128 bf16, bf16 math {vars(cfg)}")
+    for heads in (64, 128):    # the 8-warp entries of many heads a position
+        for cfg in R.rope_tile_configs("sm_90", heads, 128):
+            if getattr(cfg, "num_worker_warps", None):
+                p = _out_params(torch.bfloat16, torch.bfloat16, 1, heads, 8, S, 128, 128, False,
+                                False, cfg)
+                yield CompileCase("rope", R._rope.build(cfg), p,
+                                  f"rope {heads}/8 D128 bf16 {vars(cfg)}")
+                yield CompileCase("rope", R._rope_inplace.build(cfg), _inplace_params(p),
+                                  f"rope_inplace {heads}/8 D128 bf16 {vars(cfg)}")
     cfg = next(R.rope_tile_configs("sm_90", 32, 128))
     wide = list(R.rope_tile_configs("sm_90", 8, 64))[-1]       # largest TILE_S, ragged S
     f16, f32, bf16 = torch.float16, torch.float32, torch.bfloat16

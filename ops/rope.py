@@ -97,7 +97,8 @@ def rope_inplace_kernel(q, k, cos, sin, pos, half: ct.Constant[int],
 MAX_TILE_ELEMS = 16384     # fp32 elements of one q tile (both halves)
 MAX_RESIDENT_ELEMS = 32768  # tile elements x occupancy: beyond this, sm_90 cubins spill 150+ B
 MAX_MULTI_POSITION = 512    # TILE_S > 1 up to this many q elements a position (padded)
-FIELDS = ("occupancy", "persistent", "tile_s", "latency")
+EIGHT_WARPS = 8192          # from this many q elements a position (padded): 8-warp CTAs
+FIELDS = ("occupancy", "persistent", "tile_s", "latency", "num_worker_warps")
 
 
 def rope_tile_configs(arch, heads, rot, has_pos=False):
@@ -105,6 +106,16 @@ def rope_tile_configs(arch, heads, rot, has_pos=False):
     yield from table(FIELDS, ((4, True, 1, 1), (4, True, 1, 5), (4, True, 1, 10), (2, True, 1, 5),
                               (8, True, 1, 1), (8, True, 1, 5), (2, False, 1, 1)))
     per_position = next_pow2(heads) * 2 * next_pow2(max(rot // 2, 1))
+    # Many heads a position: two 8-warp CTAs an SM hold as many threads as four 4-warp ones with
+    # room for twice the registers a thread. sm_90 builds (tileiras 13.4): 64 heads at D128, out
+    # of place, spill 24 bytes at 4 warps and occupancy 4 and take 106 registers, no stack, at 8
+    # warps and occupancy 2; 128 heads spill 464 bytes against none at 8 warps (exactly 128
+    # registers). Where 8 warps at occupancy 2 spill too (64 heads at D256: 24 bytes), one
+    # 8-warp CTA an SM does not.
+    if per_position >= EIGHT_WARPS:
+        yield from table(FIELDS, ((2, True, 1, 1, 8),))
+    if per_position >= 2 * EIGHT_WARPS:
+        yield from table(FIELDS, ((1, True, 1, 1, 8),))
     if per_position > MAX_MULTI_POSITION:
         return
     for tile_s in (2, 4, 8, 16):

@@ -106,7 +106,8 @@ def test_forward_backward(fresh, monkeypatch, case, dt, disable):
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
 @pytest.mark.parametrize("shape", [(2, 8, 2, 423, 80, 40), (1, 32, 8, 77, 128, 128),
-                                   (4, 32, 8, 2047, 128, 128)], ids=str)
+                                   (4, 32, 8, 2047, 128, 128), (2, 64, 8, 301, 128, 128),
+                                   (1, 128, 16, 97, 128, 128)], ids=str)
 def test_every_config_is_correct(fresh, monkeypatch, shape, inplace):
     """Not only the winner: each config of the space (positions per tile over a ragged S,
     persistent grids; at 4 x 2047 positions each persistent CTA makes 7 or more trips of its
@@ -119,6 +120,8 @@ def test_every_config_is_correct(fresh, monkeypatch, shape, inplace):
     space = list(R.rope_tile_configs("sm_90", Hq, R_))
     few = next_pow2(Hq) * 2 * next_pow2(R_ // 2) <= R.MAX_MULTI_POSITION   # the first shape
     assert (len({c.tile_s for c in space}) > 1) == few
+    many = next_pow2(Hq) * 2 * next_pow2(R_ // 2) >= R.EIGHT_WARPS      # the last two shapes
+    assert any(getattr(c, "num_worker_warps", 4) == 8 for c in space) == many
     for cfg in each_config(monkeypatch, tuner, space):
         qi, ki = q.clone(), k.clone()           # HF-layout strides kept by clone
         poison_allocator(torch)                 # out of place: unwritten outputs show as NaN
@@ -329,7 +332,9 @@ def test_inplace_position_ids_per_batch_row(fresh, monkeypatch, dt, every):
 
 @pytest.mark.parametrize("shape,with_pos", [((2, 8, 2, 423, 80, 40), False),
                                             ((2, 8, 2, 423, 80, 40), True),
-                                            ((4, 32, 8, 2047, 128, 128), False)], ids=str)
+                                            ((4, 32, 8, 2047, 128, 128), False),
+                                            ((2, 64, 8, 301, 128, 128), False),
+                                            ((1, 128, 16, 97, 128, 128), True)], ids=str)
 def test_every_config_backward_is_correct(fresh, monkeypatch, shape, with_pos):
     """The out-of-place backward (the rotation with BACKWARD) under each config of the space,
     forward and gradients from poisoned memory (unwritten elements show as NaN); with (B, S)
