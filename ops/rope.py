@@ -84,7 +84,8 @@ def rope_inplace_kernel(q, k, cos, sin, pos, half: ct.Constant[int],
 
 
 # ---------------------------------------------------------------------------------------------
-# Configs: grid shape x occupancy x ct.load latency hint on the q/k loads x positions per tile.
+# Configs: grid shape x occupancy x ct.load latency hint on the q/k loads x positions per tile,
+# and 8-warp CTAs where a position holds many heads (EIGHT_WARPS).
 # Default: persistent grid (SMs x occupancy CTAs), occupancy 4, latency 1, the winner at B4 Hq32
 # Hkv8 S4096 D128 bf16. One CTA per position at occupancy 2 wins with many heads or narrow ones
 # (B1 Hq64 Hkv8 S16384, B4 Hq16 Hkv16 S8192 D64). TILE_S > 1 only where one position is little
