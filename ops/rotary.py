@@ -146,12 +146,15 @@ def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
     if cos.shape[-1] < rot:
         raise ValueError(f"{op}: cos/sin have {cos.shape[-1]} columns, fewer than the rotary "
                          f"width {rot}")
-    cos, sin = cos[..., :rot], sin[..., :rot]
+    # (views made only where they change something: each costs about 1 us of host time)
+    if cos.shape[-1] != rot:
+        cos, sin = cos[..., :rot], sin[..., :rot]
     # unit column strides, each table on its own (the kernels' row loads use TMA where it
     # applies; contiguous() leaves a table that has one as it is)
     if cos.stride(-1) != 1 or sin.stride(-1) != 1:
         cos, sin = cos.contiguous(), sin.contiguous()
-    cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
+    if cos.shape[0] != B:
+        cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
     pos = None
     if position_ids is not None:
         if not isinstance(position_ids, torch.Tensor) or \
