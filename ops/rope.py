@@ -112,7 +112,8 @@ def rope_tile_configs(arch, heads, rot, has_pos=False):
     # of place, spill 24 bytes at 4 warps and occupancy 4 and take 106 registers, no stack, at 8
     # warps and occupancy 2; 128 heads spill 464 bytes against none at 8 warps (exactly 128
     # registers). Where 8 warps at occupancy 2 spill too (64 heads at D256: 24 bytes), one
-    # 8-warp CTA an SM does not.
+    # 8-warp CTA an SM does not. Out of place at B1 Hq64 S16384 the 8-warp entry ran 1.12x the
+    # default (H100); at 32 heads it lost (parameter-space-design.md, "RoPE").
     if per_position >= EIGHT_WARPS:
         yield from table(FIELDS, ((2, True, 1, 1, 8),))
     if per_position >= 2 * EIGHT_WARPS:
