@@ -116,6 +116,22 @@ def test_cos_and_sin_may_take_different_documented_forms(host_only):
         prepare("apply_rope", q, k, cos, sin[:, :4], None, None)
 
 
+def test_tables_reach_the_kernels_as_batch_by_rotary_width_views(host_only):
+    """(B, S', rot) views of the tables: a shared table expanded over the batch (stride 0), a
+    wider one narrowed to the rotary width; a table already in that form is passed as it is (no
+    view made: about 1 us of host time each)."""
+    from tiletune.ops.rotary import prepare
+    q, k = _qk()
+    shared = torch.randn(5, 8)
+    c, s_, _, rot = prepare("apply_rope", q, k, shared, shared, None, None)
+    assert c.shape == (2, 5, 8) and c.stride() == (0, 8, 1) and rot == 8
+    wide = torch.randn(2, 5, 8)
+    c, s_, _, rot = prepare("apply_rope", q, k, wide, wide, None, 4)
+    assert c.shape == s_.shape == (2, 5, 4) and rot == 4 and torch.equal(c, wide[..., :4])
+    c, s_, _, rot = prepare("apply_rope", q, k, wide, wide, None, None)
+    assert c is wide and s_ is wide and rot == 8
+
+
 @pytest.mark.parametrize("strided", ["cos", "sin", "both"])
 def test_cos_and_sin_reach_the_kernels_with_unit_column_strides(host_only, strided):
     """Each table is checked on its own: a transposed sin next to a contiguous cos (or the
