@@ -118,10 +118,11 @@ def test_every_config_is_correct(fresh, monkeypatch, shape, inplace):
     rq, rk = reference(q, k, cos, sin, None, R_)
     tuner = R._rope_inplace if inplace else R._rope
     space = list(R.rope_tile_configs("sm_90", Hq, R_))
-    few = next_pow2(Hq) * 2 * next_pow2(R_ // 2) <= R.MAX_MULTI_POSITION   # the first shape
-    assert (len({c.tile_s for c in space}) > 1) == few
-    many = next_pow2(Hq) * 2 * next_pow2(R_ // 2) >= R.EIGHT_WARPS      # the last two shapes
-    assert any(getattr(c, "num_worker_warps", 4) == 8 for c in space) == many
+    per_position = next_pow2(Hq) * 2 * next_pow2(R_ // 2)      # q elements a position, padded
+    # multi-position tiles at the first shape only; 8-warp entries at the last two
+    assert (len({c.tile_s for c in space}) > 1) == (per_position <= R.MAX_MULTI_POSITION)
+    assert any(getattr(c, "num_worker_warps", 4) == 8 for c in space) == \
+        (per_position >= R.EIGHT_WARPS)
     for cfg in each_config(monkeypatch, tuner, space):
         qi, ki = q.clone(), k.clone()           # HF-layout strides kept by clone
         poison_allocator(torch)                 # out of place: unwritten outputs show as NaN
