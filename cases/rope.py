@@ -30,12 +30,13 @@ def _out_params(dt, cdt, B, Hq, Hk, S, D, R_, has_pos, backward, cfg, f32=True):
     pos = jit_array(torch.int32, (B, S), (0, 1)) if has_pos else c
     return [q, k, c, c, pos, _hf_view(dt, B, Hq, S, D), _hf_view(dt, B, Hk, S, D), R_ // 2,
             next_pow2(Hq), next_pow2(Hk), cfg.tile_s, next_pow2(R_ // 2),
-            next_pow2(max(D - R_, 1)), has_pos, R_ < D, backward, cfg.latency, f32]
+            next_pow2(max(D - R_, 1)), has_pos, R_ < D, backward, cfg.latency, f32,
+            R._halves_as_tiles(cfg, R_ // 2)]
 
 
 def _inplace_params(p):
     """rope_inplace_kernel's arguments from rope_kernel's: no outputs, TILE_P or COPY_REST."""
-    return p[:5] + p[7:12] + [p[13], p[15], p[16], p[17]]
+    return p[:5] + p[7:12] + [p[13], p[15], p[16], p[17], p[18]]
 
 
 def compile_cases():

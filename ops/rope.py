@@ -28,19 +28,35 @@ ZERO = ct.PaddingMode.ZERO
 # The cos/sin gathering is shared with rms_norm_rope (ops/rotary.py).
 
 
+def _halves(x, b, st, half, shape, LATENCY, HALVES_AS_TILES):
+    """The two rotary halves of x[b, :, st*TILE_S : (st+1)*TILE_S, :] as tiles of `shape`.
+    HALVES_AS_TILES (a half fills its tile): tiles 0 and 1 of x along D, else slices of x."""
+    if HALVES_AS_TILES:
+        return (ct.load(x, (b, 0, st, 0), shape, padding_mode=ZERO, latency=LATENCY),
+                ct.load(x, (b, 0, st, 1), shape, padding_mode=ZERO, latency=LATENCY))
+    return (ct.load(x.slice(3, 0, half), (b, 0, st, 0), shape, padding_mode=ZERO,
+                    latency=LATENCY),
+            ct.load(x.slice(3, half, 2 * half), (b, 0, st, 0), shape, padding_mode=ZERO,
+                    latency=LATENCY))
+
+
 def _rotate(x, out, b, st, half, c1, c2, s1, s2, TILE_H, TILE_S, TILE_R, TILE_P, COPY_REST,
-            LATENCY, MATH_F32):
+            LATENCY, MATH_F32, HALVES_AS_TILES):
     """Rotate the first 2*half dims of x[b, :, st*TILE_S : (st+1)*TILE_S, :] into out; copy the
     rest. Positions past S load as zeros and their stores are dropped. LATENCY is ct.load's
     DRAM-latency hint (1-10) for the q/k loads; MATH_F32: the arithmetic in float32 (one
-    rounding at the store), else in x's dtype."""
+    rounding at the store), else in x's dtype. HALVES_AS_TILES: each half read and written as a
+    whole tile of x itself, not of a slice of it (see `rope_tile_configs`)."""
     shape = (1, TILE_H, TILE_S, TILE_R)
-    x1 = math_tile(ct.load(x.slice(3, 0, half), (b, 0, st, 0), shape, padding_mode=ZERO,
-                           latency=LATENCY), x, MATH_F32)
-    x2 = math_tile(ct.load(x.slice(3, half, 2 * half), (b, 0, st, 0), shape, padding_mode=ZERO,
-                           latency=LATENCY), x, MATH_F32)
-    ct.store(out.slice(3, 0, half), (b, 0, st, 0), (x1 * c1 - x2 * s1).astype(out.dtype))
-    ct.store(out.slice(3, half, 2 * half), (b, 0, st, 0), (x2 * c2 + x1 * s2).astype(out.dtype))
+    x1, x2 = _halves(x, b, st, half, shape, LATENCY, HALVES_AS_TILES)
+    x1, x2 = math_tile(x1, x, MATH_F32), math_tile(x2, x, MATH_F32)
+    y1, y2 = (x1 * c1 - x2 * s1).astype(out.dtype), (x2 * c2 + x1 * s2).astype(out.dtype)
+    if HALVES_AS_TILES:
+        ct.store(out, (b, 0, st, 0), y1)
+        ct.store(out, (b, 0, st, 1), y2)
+    else:
+        ct.store(out.slice(3, 0, half), (b, 0, st, 0), y1)
+        ct.store(out.slice(3, half, 2 * half), (b, 0, st, 0), y2)
     if COPY_REST:
         rest = ct.load(x.slice(3, 2 * half, x.shape[3]), (b, 0, st, 0), (1, TILE_H, TILE_S, TILE_P),
                        padding_mode=ZERO, latency=LATENCY)
@@ -52,7 +68,8 @@ def rope_kernel(q, k, cos, sin, pos, q_out, k_out, half: ct.Constant[int],
                 TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int], TILE_S: ct.Constant[int],
                 TILE_R: ct.Constant[int], TILE_P: ct.Constant[int], HAS_POS: ct.Constant[bool],
                 COPY_REST: ct.Constant[bool], BACKWARD: ct.Constant[bool],
-                LATENCY: ct.Constant[int], MATH_F32: ct.Constant[bool]):
+                LATENCY: ct.Constant[int], MATH_F32: ct.Constant[bool],
+                HALVES_AS_TILES: ct.Constant[bool]):
     """Out of place: q_out, k_out = rope(q), rope(k). cos/sin (Bc, S', R) with Bc in {1, B}
     (a stride-0 batch dim when shared); pos (B, S) int32 rows of cos/sin when HAS_POS."""
     S = q.shape[2]
@@ -60,9 +77,9 @@ def rope_kernel(q, k, cos, sin, pos, q_out, k_out, half: ct.Constant[int],
         b, st, c1, c2, s1, s2 = position_tile_at(t, S, cos, sin, pos, half, TILE_S, TILE_R,
                                                  HAS_POS, BACKWARD, q, MATH_F32)
         _rotate(q, q_out, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, TILE_P, COPY_REST,
-                LATENCY, MATH_F32)
+                LATENCY, MATH_F32, HALVES_AS_TILES)
         _rotate(k, k_out, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, TILE_P, COPY_REST,
-                LATENCY, MATH_F32)
+                LATENCY, MATH_F32, HALVES_AS_TILES)
 
 
 @ct.kernel
@@ -70,7 +87,8 @@ def rope_inplace_kernel(q, k, cos, sin, pos, half: ct.Constant[int],
                         TILE_HQ: ct.Constant[int], TILE_HK: ct.Constant[int],
                         TILE_S: ct.Constant[int], TILE_R: ct.Constant[int],
                         HAS_POS: ct.Constant[bool], BACKWARD: ct.Constant[bool],
-                        LATENCY: ct.Constant[int], MATH_F32: ct.Constant[bool]):
+                        LATENCY: ct.Constant[int], MATH_F32: ct.Constant[bool],
+                        HALVES_AS_TILES: ct.Constant[bool]):
     """In place: q, k = rope(q), rope(k) (each element is read before it is written, by the
     same CTA; pass-through dims are left alone)."""
     S = q.shape[2]
@@ -78,9 +96,9 @@ def rope_inplace_kernel(q, k, cos, sin, pos, half: ct.Constant[int],
         b, st, c1, c2, s1, s2 = position_tile_at(t, S, cos, sin, pos, half, TILE_S, TILE_R,
                                                  HAS_POS, BACKWARD, q, MATH_F32)
         _rotate(q, q, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, 1, False, LATENCY,
-                MATH_F32)
+                MATH_F32, HALVES_AS_TILES)
         _rotate(k, k, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, 1, False, LATENCY,
-                MATH_F32)
+                MATH_F32, HALVES_AS_TILES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,13 +117,21 @@ MAX_TILE_ELEMS = 16384     # fp32 elements of one q tile (both halves)
 MAX_RESIDENT_ELEMS = 32768  # tile elements x occupancy: beyond this, sm_90 cubins spill 150+ B
 MAX_MULTI_POSITION = 512    # TILE_S > 1 up to this many q elements a position (padded)
 EIGHT_WARPS = 8192          # from this many q elements a position (padded): 8-warp CTAs
-FIELDS = ("occupancy", "persistent", "tile_s", "latency", "num_worker_warps")
+FIELDS = ("occupancy", "persistent", "tile_s", "latency", "num_worker_warps", "halves_as_tiles")
 
 
 def rope_tile_configs(arch, heads, rot, has_pos=False):
     """heads: q heads; rot: rotary width. Default first: the best measured config."""
     yield from table(FIELDS, ((4, True, 1, 1), (4, True, 1, 5), (4, True, 1, 10), (2, True, 1, 5),
                               (8, True, 1, 1), (8, True, 1, 5), (2, False, 1, 1)))
+    # Halves as tiles (where a half fills its tile): each half loaded and stored as tile 0 or 1 of
+    # q or k itself. Through slices of one array tileiras 13.4 cannot tell the slices' stores
+    # from the next loads and fences them: 5 barriers a position in the in-place sm_90 build
+    # (bf16 math) against 2, and every load of the position then issues before the first
+    # store. One CTA a position in place: 1.5-3.6% faster at 32/8 heads, D128 (H100), level at
+    # 64 heads, behind at D64 and on persistent grids; out of place, level or behind.
+    if rot // 2 == next_pow2(max(rot // 2, 1)):
+        yield from table(FIELDS, ((2, False, 1, 1, None, True),))
     per_position = next_pow2(heads) * 2 * next_pow2(max(rot // 2, 1))
     # Many heads a position: two 8-warp CTAs an SM hold as many threads as four 4-warp ones with
     # room for twice the registers a thread. sm_90 builds (tileiras 13.4): 64 heads at D128, out
@@ -149,19 +175,24 @@ def _grid(c, dev, q, *rest):
     return (ctas(c, q.shape[0] * cdiv(q.shape[2], c.tile_s), dev),)
 
 
+def _halves_as_tiles(c, half):
+    """The config's halves_as_tiles where a half fills its tile (half a power of two)."""
+    return getattr(c, "halves_as_tiles", False) and half == next_pow2(half)
+
+
 def _out_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):
     half = rot // 2
     return (q, k, cos, sin, cos if pos is None else pos, q_out, k_out, half,   # pos unused: cos
             next_pow2(q.shape[1]), next_pow2(k.shape[1]), c.tile_s, next_pow2(half),
             next_pow2(max(q.shape[3] - rot, 1)), pos is not None, rot < q.shape[3], backward,
-            c.latency, f32)
+            c.latency, f32, _halves_as_tiles(c, half))
 
 
 def _inplace_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):
     half = rot // 2
     return (q, k, cos, sin, cos if pos is None else pos, half, next_pow2(q.shape[1]),
             next_pow2(k.shape[1]), c.tile_s, next_pow2(half), pos is not None, backward, c.latency,
-            f32)
+            f32, _halves_as_tiles(c, half))
 
 
 def _scratch_copies(q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):

@@ -29,13 +29,14 @@ def grid(cfg, dev, q, *rest):
 
 def args(cfg, q, k, cos, sin, q_out, k_out):
     """The in-place kernel's arguments; with scratch outputs (the search), its twin's. The whole
-    head rotates (half = D/2), no position_ids (cos stands in for them), forward, float32
-    arithmetic."""
+    head rotates (half = D/2, a power of two: the halves-as-tiles entry applies), no
+    position_ids (cos stands in for them), forward, float32 arithmetic."""
+    as_tiles = getattr(cfg, "halves_as_tiles", False)
     if q_out is None:
         return (q, k, cos, sin, cos, D // 2, HQ, HK, cfg.tile_s, D // 2, False, False,
-                cfg.latency, True)
+                cfg.latency, True, as_tiles)
     return (q, k, cos, sin, cos, q_out, k_out, D // 2, HQ, HK, cfg.tile_s, D // 2, 1, False,
-            False, False, cfg.latency, True)
+            False, False, cfg.latency, True, as_tiles)
 
 
 tuner = Autotuner(
