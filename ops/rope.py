@@ -176,8 +176,9 @@ def _grid(c, dev, q, *rest):
 
 
 def _halves_as_tiles(c, half):
-    """The config's halves_as_tiles where a half fills its tile (half a power of two)."""
-    return getattr(c, "halves_as_tiles", False) and half == next_pow2(half)
+    """The config's halves_as_tiles where a half fills its tile (half a power of two; the space
+    offers it only there)."""
+    return getattr(c, "halves_as_tiles", False) and not half & (half - 1)
 
 
 def _out_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):
