@@ -1495,3 +1495,20 @@ def test_a_failed_key_gives_a_few_distinct_messages_in_full():
     assert [f"smem {t} KB" in text for t in range(5)] == [True] * 3 + [False] * 2
     assert text.count("(the rest in .failures)") == 2
     assert TuningFailedError("op", ("k",), failures).failures == failures
+
+
+@pytest.mark.parametrize("default_us, picked", [
+    (8.0 * (1 + autotune.KEEP_DEFAULT_MARGIN), 1),   # within the margin: the default stays
+    (8.0 * (1 + autotune.KEEP_DEFAULT_MARGIN) + 0.01, 4),    # past it: the fastest wins
+])
+def test_the_default_keeps_its_place_within_the_final_rounds_margin(env, default_us, picked):
+    env.fake.best_occ = 4          # search: occ 4 10 us, occ 2 12 us, occ 1 (the default) 13 us
+    env.final.times = {0: 8.0, 1: default_us}
+    t = env.make()
+    cfg, _ = resolve(t, ("k", 21))
+    assert env.final.calls == [[0, 1]]
+    assert cfg.occupancy == picked
+    rec = t.records[("k", 21)]
+    assert rec.config["occupancy"] == picked
+    assert rec.best_us == (default_us if picked == 1 else 8.0)
+    assert [f["config"]["occupancy"] for f in rec.final] == [4, 1]   # the round as timed
