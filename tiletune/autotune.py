@@ -94,9 +94,10 @@ FINAL_MARGIN = 0.05
 FINALISTS = 4
 # The default keeps its place unless a finalist leads it in the final round by more than
 # KEEP_DEFAULT_MARGIN: one config timed twice in one process reads up to ~2% apart, and a pick
-# that leads by less than that is as often behind the default in the rows that time it again
-# (grouped GEMM on an H100: picks 0.1-1.1% ahead in their final rounds ran 2-7% behind or level
-# with the default in turns, level sustained; references/search-strategies.md, The final round).
+# that leads by less than that need not lead when timed again (grouped GEMM on an H100: picks
+# 0.1-1.1% ahead of the default in their sustained final rounds ran level with it sustained and
+# under do_bench, and from 2% behind to 7% ahead of it in turns; references/search-strategies.md,
+# The final round).
 KEEP_DEFAULT_MARGIN = 0.02
 # Tensor-core keys of at least SUSTAINED_FINAL_US run their final round sustained: each finalist
 # in blocks of timing.SUSTAINED_BLOCK_MS, so its clock settles at its own power draw, as in a
