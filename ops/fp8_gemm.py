@@ -634,9 +634,9 @@ def fp8_block_configs(arch, m, n, k):
 # Quantizer configs: memory-bound tiles of 2-16k elements on persistent grids (SMs x occupancy
 # CTAs striding over the tiles), occupancy and worker warps searched; the default first.
 
-# tileiras 13.4 builds this transposed-view entry of the rowwise space in 15-19 s (the space's
-# others in 0.5-4 s: references/hardware-constraints.md), and a cold search waits for its
-# slowest build: 16.2 s for the 16384x4096 key on an H100 (the goal: 3 s). It was not a
+# tileiras 13.4 builds this two-pass transposed-view entry of the rowwise space in 15-19 s
+# (the space's others in 0.5-4 s: references/hardware-constraints.md), and a cold search waits
+# for its slowest build: 16.2 s for the 16384x4096 key on an H100 (the goal: 3 s). It was not a
 # finalist (the search's best four, within 5%) at either H100 key (16384x4096 and 4096x14336,
 # `bench fp8_gemm --full --match quantize`, 2026-12-06): left out.
 SLOW_COL_BUILD = dict(tr=16, tc=512, num_worker_warps=4, occupancy=4)
@@ -658,7 +658,8 @@ def row_configs(arch, m, k, col=False):
     With the IEEE division per element it led the space at K 14336 on an H200; with the
     one-reciprocal cast the one-pass 1 x 16384 tile at occupancy 2 runs at K 14336 1.35x
     faster than it (references/kernel-type-templates.md), so it serves rows past 16384 columns.
-    The transposed view leaves out its 16 x 512 tile at 4 warps and occupancy 4 (SLOW_COL_BUILD)."""
+    The transposed view leaves out its two-pass 16 x 512 tile at 4 warps and occupancy 4
+    (SLOW_COL_BUILD)."""
     whole = next_pow2(k)
     if col:
         tiles = [(32, 256), (16, 512), (32, 512), (16, 1024)]

@@ -205,3 +205,19 @@ def test_tables_that_require_grad_are_taken_in_inference_mode(host_only):
     assert [kernel for _, kernel, _ in host_only] == ["rope kernel"]
     with pytest.raises(ValueError, match=r"^apply_rope: cos and sin must not require grad"):
         RP.apply_rope(q, k, cos, sin)
+
+
+@pytest.mark.parametrize("rot", [2, 32, 40, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("heads", [1, 8, 32, 64])
+def test_halves_as_tiles_only_where_a_half_fills_its_tile(rot, heads):
+    """A half of 20 in a 32-wide tile would read and write tile 1 from column 32, not 20: the
+    entry is offered only where half is a power of two, and the flag reaches a kernel only
+    there."""
+    half = rot // 2
+    fills = half & (half - 1) == 0
+    space = list(RP.rope_tile_configs("sm_90", heads, rot))
+    as_tiles = [c for c in space if getattr(c, "halves_as_tiles", False)]
+    assert len(as_tiles) == (1 if fills else 0)
+    for c in space:
+        assert RP._halves_as_tiles(c, half) == (fills and c in as_tiles)
+        assert RP._halves_as_tiles(c, 20) is False
