@@ -51,6 +51,8 @@ def _rotate(x, out, b, st, half, c1, c2, s1, s2, TILE_H, TILE_S, TILE_R, TILE_P,
     x1, x2 = _halves(x, b, st, half, shape, LATENCY, HALVES_AS_TILES)
     x1, x2 = math_tile(x1, x, MATH_F32), math_tile(x2, x, MATH_F32)
     y1, y2 = (x1 * c1 - x2 * s1).astype(out.dtype), (x2 * c2 + x1 * s2).astype(out.dtype)
+    # (both forms written out: through a helper returning (array, tile index) for either, the
+    # sm_90 in-place build of the tile form had 7 barriers a position against these 5, f32 math)
     if HALVES_AS_TILES:
         ct.store(out, (b, 0, st, 0), y1)
         ct.store(out, (b, 0, st, 1), y2)
