@@ -122,6 +122,12 @@ EIGHT_WARPS = 8192          # from this many q elements a position (padded): 8-w
 FIELDS = ("occupancy", "persistent", "tile_s", "latency", "num_worker_warps", "halves_as_tiles")
 
 
+def half_fills_tile(half):
+    """A rotary half of this width fills its tile (a power of two), so tile 1 along D is the
+    second half: where the halves-as-tiles entry applies."""
+    return half > 0 and not half & (half - 1)
+
+
 def rope_tile_configs(arch, heads, rot, has_pos=False):
     """heads: q heads; rot: rotary width. Default first: the best measured config."""
     yield from table(FIELDS, ((4, True, 1, 1), (4, True, 1, 5), (4, True, 1, 10), (2, True, 1, 5),
@@ -132,7 +138,7 @@ def rope_tile_configs(arch, heads, rot, has_pos=False):
     # (bf16 math) against 2, and every load of the position then issues before the first
     # store. One CTA a position in place: 1.5-3.6% faster at 32/8 heads, D128 (H100), level at
     # 64 heads, behind at D64 and on persistent grids; out of place, level or behind.
-    if rot // 2 == next_pow2(max(rot // 2, 1)):
+    if half_fills_tile(rot // 2):
         yield from table(FIELDS, ((2, False, 1, 1, None, True),))
     per_position = next_pow2(heads) * 2 * next_pow2(max(rot // 2, 1))
     # Many heads a position: two 8-warp CTAs an SM hold as many threads as four 4-warp ones with
@@ -178,9 +184,9 @@ def _grid(c, dev, q, *rest):
 
 
 def _halves_as_tiles(c, half):
-    """The config's halves_as_tiles where a half fills its tile (half a power of two; the space
-    offers it only there)."""
-    return getattr(c, "halves_as_tiles", False) and not half & (half - 1)
+    """The config's halves_as_tiles where a half fills its tile (the space offers it only
+    there)."""
+    return getattr(c, "halves_as_tiles", False) and half_fills_tile(half)
 
 
 def _out_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):
