@@ -436,8 +436,9 @@ class Search:
     partly_timed: cfg -> bool, True where the search's time leaves out part of the config's
              launch sequence (split-K's sum kernel). Such times are lower bounds, so the final
              round's margin counts from the fastest fully timed config, which always joins it.
-    timed_by_run: cfg -> bool, True for configs whose kernel cannot run alone (it reads what an
-             earlier kernel of run_fn writes): the search times them through run_fn.
+    timed_by_run: cfg -> bool, True for configs the search times through run_fn: a kernel that
+             cannot run alone (it reads what an earlier kernel of run_fn writes), or one whose
+             later launches cost too unevenly across configs for a lower bound to rank them.
     """
     shape: dict
     grid_fn: Callable
@@ -516,8 +517,10 @@ class Autotuner:
              (without `tune_key`, `run` launches it, its buffer None).
     partly_timed(cfg) -> bool: True where the search's time of the kernel leaves out part of
              `run` (so it is a lower bound: the final round decides).
-    timed_by_run(cfg) -> bool: True where the kernel reads what an earlier kernel of `run`
-             writes (a schedule), so it cannot be timed alone: the search times `run`.
+    timed_by_run(cfg) -> bool: True where the search times `run` instead of the kernel: the
+             kernel reads what an earlier kernel of `run` writes (a schedule), so it cannot be
+             timed alone, or the rest of `run` costs so unevenly across configs (the decode
+             combine's share grows with the split count) that a lower bound would misrank them.
     work(*inputs) -> Work: bytes/FLOPs of one launch, for the record's achieved rate.
     search_inputs(*inputs) -> inputs: what the search launches instead (built once per miss):
              in-place kernels search their split-buffer twin (`search_kernel`, same body and

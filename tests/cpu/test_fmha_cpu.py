@@ -357,6 +357,10 @@ def test_decode_space(arch):
             assert transposed == set(FM.DECODE_KEYS_M_TILES) and row_major == {(64, 2)}
         else:
             assert not transposed and row_major == set(FM.DECODE_TILES)
+        # the search times a split entry with its combine; the kernel alone is no measure
+        assert all(FM._decode._timed_by_run(c) == (c.kind == "split" and c.splits > 1)
+                   for c in cfgs)
+    assert FM._decode._partly_timed is None
     assert FM.decode_rows(32, 1) == (32, 2) and FM.decode_rows(7, 3) == (8, 4)
     assert FM.decode_rows(1, 1) == (1, 16) and FM.decodes(32, 16, 128) is False
     assert FM.decode_rows(4, 1, keys_m=True) == (4, 2) and FM.decode_rows(1, 1, True) == (1, 8)
