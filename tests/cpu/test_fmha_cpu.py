@@ -61,7 +61,18 @@ def test_aot_covers_every_sm90_and_sm100_config_at_d128():
             for cfg in gen(arch, 128, causal=True):
                 assert any(f"fmha {kind} " in lb and str(vars(cfg)) in lb for lb in labels), \
                     (kind, arch, vars(cfg))
-    assert len(labels) <= 87, "keep the CI's FMHA compiles near 170 (two archs)"
+    assert len(labels) <= 88, "keep the CI's FMHA compiles near 170 (two archs)"
+
+
+def test_d64_forward_offers_four_ctas_an_sm_on_sm90_only():
+    # 64 registers a thread let four 256-thread CTAs share an SM: the entry that won the D64
+    # forwards (spilling 16 bytes); at D128 the O accumulator alone takes 64 registers
+    four = SimpleNamespace(tm=64, tn=64, occupancy=4, num_worker_warps=4, num_ctas=1)
+    assert four in list(FM.fwd_configs("sm_90", 64)) and four in list(FM.fwd_configs("sm_90", 32))
+    assert four not in list(FM.fwd_configs("sm_90", 128))
+    assert four not in list(FM.fwd_configs("sm_100", 64))
+    labels = [c.label for c in FC.compile_cases()]
+    assert any("fmha fwd D64" in lb and str(vars(four)) in lb for lb in labels)
 
 
 def test_causal_forward_runs_heaviest_tiles_first_with_one_space():
