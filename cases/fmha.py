@@ -134,13 +134,14 @@ def compile_cases():
                    if getattr(c, "pair", False))
         yield CompileCase("fmha", FM._fwd.build(cfg), _params("fwd", cfg, *shape),
                           f"fmha fwd {label} pair {vars(cfg)}")
-    shape = (f16, 8, 16, 16, 2048, 2048, 64, True)     # sm_90 forward entries of D64 alone
-    d128 = list(FM.fwd_configs("sm_90", 128))
-    for cfg in FM.fwd_configs("sm_90", 64):
-        if cfg.occupancy > 2 and cfg not in d128:
-            yield CompileCase("fmha", FM._fwd.build(cfg), _params("fwd", cfg, *shape),
-                              f"fmha fwd D64 fp16 causal sm_90 space {vars(cfg)}",
-                              spaces=("sm_90",))
+    shape = (f16, 8, 16, 16, 2048, 2048, 64, True)     # the sm_90 entries of D64 alone
+    for kind, gen in GENS.items():
+        d128 = list(gen("sm_90", 128, causal=True))
+        for cfg in gen("sm_90", 64, causal=True):
+            if cfg not in d128:
+                yield CompileCase("fmha", TUNERS[kind].build(cfg), _params(kind, cfg, *shape),
+                                  f"fmha {kind} D64 fp16 causal sm_90 space {vars(cfg)}",
+                                  spaces=("sm_90",))
     for label, kinds, shape in [
             ("packed B8 T8000 H32/8 D128 causal", ("fwd", "dq", "dkdv"),
              (bf, 8, 32, 8, 8000, 8000, 128, True)),

@@ -20,7 +20,8 @@ KNOWN_FRAMES = (
     "grouped_mm x transposed",                     # a column-major x: no row TMA
     "fp8_mm block e4m3 x e5m2",                    # mixed formats widened to float16 in registers
     "fmha decode causal Sq5 GQA 32/8 row-major",   # row-major decode at 32 rows a CTA
-    "fmha fwd D64 fp16 causal sm_90 space",        # four CTAs an SM: 64 registers, 16 B stack
+    "fmha fwd D64 fp16 causal sm_90 space {'tm': 64, 'tn': 64, 'occupancy': 4",  # four CTAs an
+                                                   # SM: 64 registers, 16 B stack
     "quantize ",                                   # FP8 quantizers: small frames, searched
 )
 
