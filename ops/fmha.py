@@ -560,7 +560,8 @@ def fmha_decode_combine_kernel(o_part, lse_part, o, lse, GROUP: ct.Constant[int]
 # `cuobjdump -res-usage`), per kernel and head-dim tile (64 stands for every TD <= 64), but one:
 # the D64 forward's 64x64 tile at occupancy 4 (64 registers, 16 bytes of stack at some
 # signatures), whose four CTAs an SM hide the latency of the MMA -> softmax -> MMA chain that
-# bounds two (1.04-1.14x the best other entry on an H100 where it wins). Spills
+# bounds two (1.04-1.14x the best other entry on an H100 where it wins). The D64 dK/dV space's
+# 32x64 at occupancy 3 (80 registers) is there for short sequences (1.04x at 1024 tokens). Spills
 # removed 128x128 with 4 warps (D128 forward) or any warps (D256 forward, dK/dV), 256-row tiles
 # at D256 and 128x64 at occupancy 2 with 8 warps (D64 forward/dQ, causal). Measured and dropped:
 # forward key tiles of 256 and 128x128 in a 2-CTA cluster; 256x128 in a cluster (128-row CTAs

@@ -70,9 +70,7 @@ def test_d64_forward_offers_four_ctas_an_sm_on_sm90_only():
     four = SimpleNamespace(tm=64, tn=64, occupancy=4, num_worker_warps=4, num_ctas=1)
     assert four in list(FM.fwd_configs("sm_90", 64)) and four in list(FM.fwd_configs("sm_90", 32))
     assert four not in list(FM.fwd_configs("sm_90", 128))
-    assert four not in list(FM.fwd_configs("sm_100", 64))
-    labels = [c.label for c in FC.compile_cases()]
-    assert any("fmha fwd D64" in lb and str(vars(four)) in lb for lb in labels)
+    assert four not in list(FM.fwd_configs("sm_100", 64))   # (compiled: the AOT-coverage test)
 
 
 def test_causal_forward_runs_heaviest_tiles_first_with_one_space():
