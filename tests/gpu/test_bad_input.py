@@ -4,7 +4,7 @@ aliased, overlapping or expanded q/k; matmul's `out` of another shape, dtype or 
 scaled_dot_product_attention with a CausalBias of other sizes; rms_norm rows over 2^31 - 1
 elements. And what must still work: in-place RoPE on disjoint views of one fused buffer and on a
 plain leaf q beside a non-leaf k that requires grad; rms_norm rows of 2^28 elements (chunks of
-fewer than 16 rows)."""
+fewer than 16 rows), and a backward past 2^31 elements in row chunks."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -174,3 +174,31 @@ def test_rms_norm_rows_of_2_28_elements(monkeypatch):
         want = (xr * torch.rsqrt(xr.square().mean() + 1e-6) * w.float()).bfloat16()
         torch.testing.assert_close(y[r], want, atol=2e-2, rtol=2e-2)
         del xr, want
+
+
+def test_rms_norm_backward_past_int32_rows(monkeypatch):
+    """524289 rows of 4096 bf16 (2^31 + 4096 elements): the backward runs in row chunks too;
+    dx on both sides of the chunk boundary and dweight (summed over every chunk) against
+    float32."""
+    M, N, eps = 2**19 + 1, 4096, 1e-6
+    if torch.cuda.mem_get_info()[0] < 24 * 2**30:
+        pytest.skip("needs 24 GiB of free GPU memory")
+    disable_autotune(monkeypatch)
+    x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    w = (torch.rand(N, device="cuda", dtype=torch.bfloat16) + 0.5).requires_grad_()
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    dx, dw = torch.autograd.grad(rms_norm(x, w, eps), (x, w), dy)
+    xd, wf = x.detach(), w.detach().float()
+    want_dw = torch.zeros(N, device="cuda", dtype=torch.float64)
+    for s in range(0, M, 2**16):
+        xs = xd[s:s + 2**16].float()
+        r = torch.rsqrt(xs.square().mean(-1, keepdim=True) + eps)
+        want_dw += (dy[s:s + 2**16].float() * xs * r).sum(0).double()
+    for row in (0, M - 18, M - 17, M - 1):               # chunks of M - 17 rows and 17 rows
+        xr, g = xd[row].float(), dy[row].float() * wf
+        r = torch.rsqrt(xr.square().mean() + eps)
+        want = g * r - xr * (r ** 3) * (g * xr).mean()
+        torch.testing.assert_close(dx[row].float(), want, atol=2e-2, rtol=2e-2)
+    assert torch.isfinite(dx[M // 2].float()).all()
+    torch.testing.assert_close(dw.double(), want_dw, rtol=1e-2,
+                               atol=1e-2 * want_dw.abs().mean().item())

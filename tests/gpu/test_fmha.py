@@ -16,7 +16,8 @@ from tiletune.ops.fmha import fmha, scaled_dot_product_attention
 from .conftest import (assert_rows_close, disable_autotune, each_config, poison_allocator,
                        tuned_or_disabled)
 
-TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}     # relative Frobenius error
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+BF, FP = torch.bfloat16, torch.float16     # relative Frobenius error
 
 
 def rel(a, b):
@@ -221,20 +222,23 @@ def test_frozen_keys_and_values_get_no_gradient_and_q_the_right_one(fresh, monke
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tuner,d,sq,sk,causal", [
-    ("fmha_fwd", 128, 200, 333, True), ("fmha_fwd", 64, 333, 200, True),
-    ("fmha_bwd_dq", 128, 200, 333, True), ("fmha_bwd_dkdv", 128, 200, 333, True),
-    ("fmha_bwd_dq", 64, 333, 200, True), ("fmha_bwd_dkdv", 64, 200, 333, False),
+@pytest.mark.parametrize("tuner,d,sq,sk,causal,dt", [
+    ("fmha_fwd", 128, 200, 333, True, BF), ("fmha_fwd", 64, 333, 200, True, BF),
+    ("fmha_bwd_dq", 128, 200, 333, True, BF), ("fmha_bwd_dkdv", 128, 200, 333, True, BF),
+    ("fmha_bwd_dq", 64, 333, 200, True, BF), ("fmha_bwd_dkdv", 64, 200, 333, False, BF),
     # lengths the searches ran at: each CTA's loop over key (or query) tiles makes 32-129
     # trips (fewer under the causal mask), where the short cases make 2-14
-    ("fmha_fwd", 128, 4097, 4033, False), ("fmha_fwd", 64, 4033, 4097, True),
-    ("fmha_bwd_dq", 128, 4033, 4097, False), ("fmha_bwd_dkdv", 128, 4097, 4033, True)])
-def test_every_config_is_correct(fresh, monkeypatch, tuner, d, sq, sk, causal):
+    ("fmha_fwd", 128, 4097, 4033, False, BF), ("fmha_fwd", 64, 4033, 4097, True, BF),
+    ("fmha_bwd_dq", 128, 4033, 4097, False, BF), ("fmha_bwd_dkdv", 128, 4097, 4033, True, BF),
+    # fp16 builds its own kernels: each space once more, short, causal and not
+    ("fmha_fwd", 128, 333, 200, False, FP), ("fmha_bwd_dq", 128, 200, 333, True, FP),
+    ("fmha_bwd_dkdv", 128, 333, 200, False, FP)], ids=str)
+def test_every_config_is_correct(fresh, monkeypatch, tuner, d, sq, sk, causal, dt):
     """Each sm_90 config of one kernel (the other two on their defaults), not only the ones
     searches picked: GQA 2:1, ragged lengths, causal bottom-right; at D 64 (its own spaces)
     also with Sq > Sk (the first 133 rows see no key)."""
     t = next(x for x in FM.TUNERS if x.name == tuner)
-    q, k, v = make(1, 4, 2, sq, sk, d, torch.bfloat16)
+    q, k, v = make(1, 4, 2, sq, sk, d, dt)
     for _ in each_config(monkeypatch, t, list(t.configs("sm_90", d, sq, sk, causal=causal))):
         check(q, k, v, causal)
 

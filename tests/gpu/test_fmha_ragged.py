@@ -242,6 +242,23 @@ def test_decode_backward(fresh, monkeypatch, disable):
     expect_searches(disable)
 
 
+
+@pytest.mark.parametrize("case", [
+    (2, 4, 2, 1, 1000, 256, True, torch.bfloat16),      # D 256: past the decode kernel's 128
+    (1, 8, 2, 3, 333, 256, False, torch.float16),
+    (1, 64, 1, 4, 1000, 128, True, torch.bfloat16),     # 64 heads x 4 rows a kv head
+    (2, 48, 1, 3, 500, 64, False, torch.float16),       # group of 48: 64 x 4 rows padded
+], ids=str)
+def test_short_queries_the_decode_kernel_does_not_take(fresh, monkeypatch, case):
+    """Sq <= 16 with a head dim over 128 or more than DECODE_MAX_ROWS query rows a kv head
+    runs the dense kernels, forward and backward, and computes the same attention."""
+    B, hq, hkv, sq, sk, d, causal, dt = case
+    assert not FM.decodes(hq // hkv, sq, FM.head_tile(d))
+    disable_autotune(monkeypatch)
+    q, k, v = make(B, hq, hkv, sq, sk, d, dt, hf_layout=sq % 2 == 1)
+    check(q, k, v, causal)
+    assert not FM._decode.cache and FM._fwd.cache and FM._dq.cache and FM._dkdv.cache
+
 def test_decode_example_pair_runs_and_agrees():
     """assets/examples/07: same result; the tuned split-KV step is not slower than the unsplit
     one (5% timing slack); its graph, replayed after the cache grew by a token, matches SDPA."""

@@ -117,6 +117,26 @@ def test_batched_and_gradients(fresh, monkeypatch):
     assert rel(ga, ea) < TOL[torch.bfloat16] and rel(gb, eb) < TOL[torch.bfloat16]
 
 
+def test_tuned_gradients(fresh):
+    """Tuned: the forward, dA (dC @ B^T, a transposed view) and dB (A^T @ dC) each search their
+    own key once and give the float32 gradients; a second step searches nothing."""
+    a = torch.randn(300, 500, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(200, 500, device="cuda", dtype=torch.bfloat16).t().requires_grad_()
+    ref_a, ref_b = a.detach().float().requires_grad_(), b.detach().float().requires_grad_()
+    ref = ref_a @ ref_b
+    for step in range(2):
+        dc = torch.randn(300, 200, device="cuda", dtype=torch.bfloat16)
+        poison_allocator(torch)
+        c = matmul(a, b)
+        ga, gb = torch.autograd.grad(c, (a, b), dc)
+        ea, eb = torch.autograd.grad(ref, (ref_a, ref_b), dc.float(), retain_graph=True)
+        assert rel(c, ref) < TOL[torch.bfloat16]
+        assert rel(ga, ea) < TOL[torch.bfloat16] and rel(gb, eb) < TOL[torch.bfloat16]
+        assert MM._matmul.searches == 3, step
+    assert len(MM._matmul.records) == 3
+    assert all(r.source == "search" for r in MM._matmul.records.values())
+
+
 def test_batch_past_the_grid_cap(fresh, monkeypatch):
     """A batch of more than MAX_BATCH products (a grid's second axis) runs in launches of at most
     MAX_BATCH, every product written (outputs poisoned first), the last chunk ragged."""
