@@ -231,6 +231,29 @@ def test_hf_functional_form(fresh):
     assert_rows_close(ko, rk, TOL[torch.bfloat16], "k_embed")
 
 
+@pytest.mark.parametrize("layout", ["transposed", "every_other_column", "batch_expanded"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
+def test_cos_sin_tables_of_any_strides(fresh, monkeypatch, layout, inplace):
+    """cos/sin as views whose column stride is not 1 (a transposed (R, S) table, every other
+    column of a wider one) or a stride-0 batch: the same rotation as the contiguous table."""
+    disable_autotune(monkeypatch)
+    B, Hq, Hk, S, D = 2, 8, 2, 77, 128
+    q, k, cos, sin = make(B, Hq, Hk, S, D, D, torch.bfloat16)
+    if layout == "transposed":
+        view = lambda t: t[0].t().contiguous().t()               # (S, R), strides (1, S)
+    elif layout == "every_other_column":
+        view = lambda t: torch.stack((t, -t), -1).flatten(-2)[..., ::2]
+    else:
+        view = lambda t: t.expand(B, S, D)
+    cv, sv = view(cos), view(sin)
+    assert cv.stride(-1) != 1 or cv.stride(0) == 0
+    torch.testing.assert_close(cv.expand(B, S, D), cos.expand(B, S, D), rtol=0, atol=0)
+    rq, rk = reference(q, k, cos, sin, None, D)
+    qo, ko = apply_rope(q.clone(), k.clone(), cv, sv, inplace=inplace)
+    assert_rotated(qo, rq, torch.bfloat16, what="q_embed")
+    assert_rotated(ko, rk, torch.bfloat16, what="k_embed")
+
+
 def test_bad_input():
     q, k, cos, sin = make(1, 8, 2, 16, 64, 64, torch.float32)
     with pytest.raises(ValueError, match="head_dim"):
