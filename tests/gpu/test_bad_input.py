@@ -2,15 +2,17 @@
 function and the argument, before any kernel runs (inputs left as they were). In-place RoPE on
 aliased, overlapping or expanded q/k; matmul's `out` of another shape, dtype or device;
 scaled_dot_product_attention with a CausalBias of other sizes; rms_norm rows over 2^31 - 1
-elements. And what must still work: in-place RoPE on disjoint views of one fused buffer and on a
-plain leaf q beside a non-leaf k that requires grad; rms_norm rows of 2^28 elements (chunks of
-fewer than 16 rows), and a backward past 2^31 elements in row chunks."""
+elements; nested tensors to matmul and grouped_mm. And what must still work: in-place RoPE on
+disjoint views of one fused buffer and on a plain leaf q beside a non-leaf k that requires grad;
+rms_norm rows of 2^28 elements (chunks of fewer than 16 rows), and a backward past 2^31
+elements in row chunks."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from tiletune.ops.fmha import scaled_dot_product_attention
+from tiletune.ops.grouped_gemm import grouped_mm
 from tiletune.ops.matmul import matmul
 from tiletune.ops.rms_norm import rms_norm
 from tiletune.ops.rope import apply_rope
@@ -202,3 +204,20 @@ def test_rms_norm_backward_past_int32_rows(monkeypatch):
     assert torch.isfinite(dx[M // 2].float()).all()
     torch.testing.assert_close(dw.double(), want_dw, rtol=1e-2,
                                atol=1e-2 * want_dw.abs().mean().item())
+
+
+def test_nested_tensors_are_refused_by_name():
+    """CUDA nested (jagged) tensors, as matmul's and grouped_mm's operands: a TypeError naming
+    the function and the argument, on the device the checks really run on."""
+    jagged = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)],
+                                        layout=torch.jagged, dtype=torch.bfloat16, device="cuda")
+    a = torch.randn(2, 4, 8, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(2, 8, 6, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"^matmul: a is a nested tensor"):
+        matmul(jagged, b)
+    with pytest.raises(TypeError, match=r"^matmul: b is a nested tensor"):
+        matmul(a, jagged.transpose(1, 2))
+    with pytest.raises(TypeError, match=r"^grouped_mm: x is a nested tensor"):
+        grouped_mm(jagged, b)
+    with pytest.raises(TypeError, match=r"^grouped_mm: w is a nested tensor"):
+        grouped_mm(a, jagged.transpose(1, 2))
