@@ -102,8 +102,8 @@ def test_two_d_and_batch_of_one_share_a_key(fresh):
 
 
 def test_batched_and_gradients(fresh, monkeypatch):
-    # default configs: the three searches this needs (forward, dA, dB layouts) took 236 s on
-    # the H200 machine and tuning is covered above; this test is about batching and gradients
+    # default configs: this test is about batching and gradients (tuned gradients, 2-D:
+    # test_tuned_gradients)
     monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
     a = torch.randn(3, 130, 70, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     b = torch.randn(3, 70, 90, device="cuda", dtype=torch.bfloat16, requires_grad=True)
