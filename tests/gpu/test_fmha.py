@@ -16,8 +16,8 @@ from tiletune.ops.fmha import fmha, scaled_dot_product_attention
 from .conftest import (assert_rows_close, disable_autotune, each_config, poison_allocator,
                        tuned_or_disabled)
 
-TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
-BF, FP = torch.bfloat16, torch.float16     # relative Frobenius error
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}     # relative Frobenius error
+BF, FP = torch.bfloat16, torch.float16
 
 
 def rel(a, b):

@@ -242,7 +242,6 @@ def test_decode_backward(fresh, monkeypatch, disable):
     expect_searches(disable)
 
 
-
 @pytest.mark.parametrize("case", [
     (2, 4, 2, 1, 1000, 256, True, torch.bfloat16),      # D 256: past the decode kernel's 128
     (1, 8, 2, 3, 333, 256, False, torch.float16),
@@ -258,6 +257,7 @@ def test_short_queries_the_decode_kernel_does_not_take(fresh, monkeypatch, case)
     q, k, v = make(B, hq, hkv, sq, sk, d, dt, hf_layout=sq % 2 == 1)
     check(q, k, v, causal)
     assert not FM._decode.cache and FM._fwd.cache and FM._dq.cache and FM._dkdv.cache
+
 
 def test_decode_example_pair_runs_and_agrees():
     """assets/examples/07: same result; the tuned split-KV step is not slower than the unsplit
