@@ -393,6 +393,39 @@ def test_quantize_is_bit_exact(fresh, monkeypatch, shape, xdt, granularity, dtyp
         assert (s.stride(0) * 4) % 16 == 0           # 16-byte rows
 
 
+
+@pytest.mark.parametrize("expanded", ["rows", "columns"])
+@pytest.mark.parametrize("granularity", F8.GRANULARITIES)
+def test_quantize_an_expanded_input(fresh, monkeypatch, granularity, expanded):
+    """x with a stride-0 dim (one row, or one column, expanded): the bytes and scales of its
+    contiguous copy."""
+    disable_autotune(monkeypatch)
+    M, K = 257, 4096 if granularity == "row" else 1040
+    src = quant_input(M, K, BF16)
+    x = src[:1].expand(M, K) if expanded == "rows" else src[:, :1].expand(M, K)
+    assert 0 in x.stride()
+    poison_allocator(torch)
+    q, s = quantize_fp8(x, granularity)
+    rq, rs = quantize_fp8_reference(x.contiguous(), granularity)
+    assert s.shape == rs.shape and torch.equal(s, rs), (s - rs).abs().max()
+    assert q.shape == x.shape and q.is_contiguous() and same_bits(q, rq)
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_expanded_a(fresh, monkeypatch, scaling):
+    """fp8_mm of an a whose rows are one row expanded (stride 0), against the float64 product
+    of the operands as given."""
+    disable_autotune(monkeypatch)
+    M, N, K = 999, 1999, 784
+    a, b, sa, sb = operands(M, N, K, scaling)
+    a = a[5:6].expand(M, K)
+    if sa.numel() > 1:
+        sa = sa[5:6].expand(M, 1).contiguous()
+    poison_allocator(torch)
+    c = fp8_mm(a, b, sa, sb)
+    d = worst(c, reference(a, b, sa, sb))
+    assert d < limit(BF16), d
+
 def every_finite_value(dt):
     """Every finite value of a 16-bit float dtype (both zeros included)."""
     bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32, device="cuda")

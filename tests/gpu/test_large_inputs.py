@@ -12,7 +12,7 @@ from tiletune.ops.grouped_gemm import grouped_mm
 from tiletune.ops.matmul import matmul
 from tiletune.ops.rope import apply_rope
 
-from .conftest import disable_autotune, rotate_half
+from .conftest import disable_autotune, poison_allocator, rotate_half
 from .test_fmha import TOL, rel
 
 INT32 = 2**31
@@ -98,6 +98,26 @@ def test_grouped_weight_gradient_of_a_strided_x(monkeypatch):
         want = x[rows].t().float() @ dy[rows].float()
         torch.testing.assert_close(dw[g].float(), want, atol=0.5, rtol=2e-2)
 
+
+
+def test_grouped_forward_of_a_sliced_weight_past_2_31_elements(monkeypatch):
+    """w = W[:, :, :N] of an (E, K, 2N) W: under 2^31 elements, but its last groups lie past
+    element 2^31 of W. The M-grouped kernel reads w[g] at g's offset."""
+    if _free_gib() < 10:
+        pytest.skip("needs 10 GiB of free GPU memory")
+    disable_autotune(monkeypatch)
+    E, K, N, rows = 8, 4096, 40000, 64
+    W = torch.empty(E, K, 2 * N, device="cuda", dtype=torch.bfloat16).normal_().div_(K ** 0.5)
+    w = W[:, :, :N]
+    assert w.numel() < INT32 < (E - 1) * w.stride(0)
+    x = torch.randn(E * rows, K, device="cuda", dtype=torch.bfloat16)
+    offs = torch.arange(1, E + 1, device="cuda", dtype=torch.int32) * rows
+    poison_allocator(torch)
+    out = grouped_mm(x, w, offs)
+    for g in (0, E - 2, E - 1):
+        r = slice(g * rows, (g + 1) * rows)
+        torch.testing.assert_close(out[r].float(), x[r].float() @ w[g].float(), atol=2e-2,
+                                   rtol=2e-2)
 
 def test_packed_attention_past_2_31_elements(monkeypatch):
     """fmha_varlen over 264 sequences of 1000 tokens, Hq 64 / Hkv 8, D 128: q holds 2.16e9
