@@ -634,12 +634,14 @@ def fp8_block_configs(arch, m, n, k):
 # Quantizer configs: memory-bound tiles of 2-16k elements on persistent grids (SMs x occupancy
 # CTAs striding over the tiles), occupancy and worker warps searched; the default first.
 
-# tileiras 13.4 builds this two-pass transposed-view entry of the rowwise space in 15-19 s
-# (the space's others in 0.5-4 s: references/hardware-constraints.md), and a cold search waits
-# for its slowest build: 16.2 s for the 16384x4096 key on an H100 (the goal: 3 s). It was not a
-# finalist (the search's best four, within 5%) at either H100 key (16384x4096 and 4096x14336,
-# `bench fp8_gemm --full --match quantize`, 2026-12-06): left out.
-SLOW_COL_BUILD = dict(tr=16, tc=512, num_worker_warps=4, occupancy=4)
+# Two-pass transposed-view entries of the rowwise space left out for their builds: a cold search
+# waits for its slowest build (references/hardware-constraints.md). tileiras 13.4 builds the
+# first in 15-19 s (16.2 s of search at 16384x4096 on an H100), the second in 2.7 s on a 2-core
+# CPU host, where the rest build in 0.6-2.0 s. Neither reached the final round at any H100 key
+# timed: the first at 16384x4096 and 4096x14336, the second at those and at 8192x8192,
+# 2048x7168 and 32768x2048 (1.10-1.92x the best entry's time).
+SLOW_COL_BUILDS = (dict(tr=16, tc=512, num_worker_warps=4, occupancy=4),
+                   dict(tr=16, tc=1024, num_worker_warps=4, occupancy=2))
 
 
 def row_configs(arch, m, k, col=False):
@@ -658,8 +660,8 @@ def row_configs(arch, m, k, col=False):
     With the IEEE division per element it led the space at K 14336 on an H200; with the
     one-reciprocal cast the one-pass 1 x 16384 tile at occupancy 2 runs at K 14336 1.35x
     faster than it (references/kernel-type-templates.md), so it serves rows past 16384 columns.
-    The transposed view leaves out its two-pass 16 x 512 tile at 4 warps and occupancy 4
-    (SLOW_COL_BUILD)."""
+    The transposed view leaves out two of its two-pass entries for their builds
+    (SLOW_COL_BUILDS)."""
     whole = next_pow2(k)
     if col:
         tiles = [(32, 256), (16, 512), (32, 512), (16, 1024)]
@@ -674,7 +676,8 @@ def row_configs(arch, m, k, col=False):
     first = shapes[0] if col or k <= tiles[0][1] else shapes[1]      # two-pass: 4 warps
     default = SimpleNamespace(**first, occupancy=2 if first["tr"] * first["tc"] >= 16384 else 4)
     yield from (c for c in product(default, tiles=shapes, occupancy=(2, 4))
-                if not (col and vars(c) == {**SLOW_COL_BUILD, "one_pass": False}))
+                if not (col and any(vars(c) == {**slow, "one_pass": False}
+                                    for slow in SLOW_COL_BUILDS)))
     for shape in shapes:
         if shape["one_pass"] and not col:
             yield SimpleNamespace(**{**shape, "num_worker_warps": 4}, occupancy=2)
