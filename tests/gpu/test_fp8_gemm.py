@@ -5,10 +5,10 @@ accumulation's, in every scaling mode, both accumulation modes, odd M and N, K n
 128, both B layouts, e5m2 on either side, every out dtype (the 16-bit ones the float32 output
 rounded once), tuned and DISABLE_AUTOTUNE, outputs poisoned first; every config of every space;
 against torch._scaled_mm where it takes the mode. quantize_fp8 bit-exact against its torch
-reference for every granularity, format and input dtype; quantize_fp8_pair against it for x and
-x.t(). fp8_linear's training step against its recipe's own quantized operands (every input
-dtype, with and without bias) and against unquantized float64. out=, torch.compile, the AOT
-signatures against the JIT's."""
+reference for every granularity, format and input dtype, also of an expanded (stride-0) x;
+quantize_fp8_pair against it for x and x.t(). fp8_linear's training step against its recipe's
+own quantized operands (every input dtype, with and without bias) and against unquantized
+float64. out=, torch.compile, the AOT signatures against the JIT's."""
 import pytest
 import torch
 

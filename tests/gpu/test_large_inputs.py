@@ -1,7 +1,7 @@
 """Inputs past 2^31 elements: RoPE, matmul and attention give the reference's result in the rows
-that lie beyond element 2^31 (cuTile indexes such arrays with 64-bit integers); so does the
-grouped weight gradient of a strided x whose offsets pass 2^31 while its size does not, and a
-packed attention batch whose later sequences start past element 2^31. rms_norm's
+that lie beyond element 2^31 (cuTile indexes such arrays with 64-bit integers); so do the
+grouped weight gradient of a strided x whose offsets pass 2^31 while its size does not, the
+grouped forward of a weight sliced likewise, and a packed attention batch whose later sequences start past element 2^31. rms_norm's
 own row chunks: tests/gpu/test_bad_input.py. Each test needs 8-18 GiB of GPU memory."""
 import pytest
 import torch
