@@ -393,7 +393,6 @@ def test_quantize_is_bit_exact(fresh, monkeypatch, shape, xdt, granularity, dtyp
         assert (s.stride(0) * 4) % 16 == 0           # 16-byte rows
 
 
-
 @pytest.mark.parametrize("expanded", ["rows", "columns"])
 @pytest.mark.parametrize("granularity", F8.GRANULARITIES)
 def test_quantize_an_expanded_input(fresh, monkeypatch, granularity, expanded):
@@ -425,6 +424,7 @@ def test_expanded_a(fresh, monkeypatch, scaling):
     c = fp8_mm(a, b, sa, sb)
     d = worst(c, reference(a, b, sa, sb))
     assert d < limit(BF16), d
+
 
 def every_finite_value(dt):
     """Every finite value of a 16-bit float dtype (both zeros included)."""

@@ -1,8 +1,9 @@
 """Inputs past 2^31 elements: RoPE, matmul and attention give the reference's result in the rows
 that lie beyond element 2^31 (cuTile indexes such arrays with 64-bit integers); so do the
 grouped weight gradient of a strided x whose offsets pass 2^31 while its size does not, the
-grouped forward of a weight sliced likewise, and a packed attention batch whose later sequences start past element 2^31. rms_norm's
-own row chunks: tests/gpu/test_bad_input.py. Each test needs 8-18 GiB of GPU memory."""
+grouped forward of a weight sliced likewise, and a packed attention batch whose later
+sequences start past element 2^31. rms_norm's own row chunks: tests/gpu/test_bad_input.py.
+Each test needs 8-18 GiB of GPU memory."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -99,7 +100,6 @@ def test_grouped_weight_gradient_of_a_strided_x(monkeypatch):
         torch.testing.assert_close(dw[g].float(), want, atol=0.5, rtol=2e-2)
 
 
-
 def test_grouped_forward_of_a_sliced_weight_past_2_31_elements(monkeypatch):
     """w = W[:, :, :N] of an (E, K, 2N) W: under 2^31 elements, but its last groups lie past
     element 2^31 of W. The M-grouped kernel reads w[g] at g's offset."""
@@ -118,6 +118,7 @@ def test_grouped_forward_of_a_sliced_weight_past_2_31_elements(monkeypatch):
         r = slice(g * rows, (g + 1) * rows)
         torch.testing.assert_close(out[r].float(), x[r].float() @ w[g].float(), atol=2e-2,
                                    rtol=2e-2)
+
 
 def test_packed_attention_past_2_31_elements(monkeypatch):
     """fmha_varlen over 264 sequences of 1000 tokens, Hq 64 / Hkv 8, D 128: q holds 2.16e9
