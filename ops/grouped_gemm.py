@@ -7,6 +7,9 @@
 #   2-D x 2-D (weight gradient): out[g] = a[:, rows_g] @ b[rows_g]    "K-grouped"
 #   3-D x 3-D: batched matmul (tiletune.ops.matmul)
 #
+# `gmm(a, b, batch_sizes, trans_b)` takes Megatron's grouped GEMM call (rows per group, which may
+# be on the host) to the 2-D x 3-D form.
+#
 # Both grouped kernels are persistent: SMs x occupancy CTAs each take every num_blocks-th work
 # item. The M-grouped kernel derives its work items from offs on the device (each group has
 # cdiv(rows, TM) x cdiv(N, TN) tiles): each CTA reads the E offsets as it walks, or (the table
@@ -644,3 +647,56 @@ def grouped_mm(x, w, offs=None, *, out=None):
         validate.not_nested("grouped_mm", {"x": x, "w": w, "offs": offs})
         raise
     return c if out is None else out.copy_(c)
+
+
+def _gmm_offsets(a, b, batch_sizes, trans_b):
+    """gmm's checks (each error names gmm and the argument), then (offs on a's device, the
+    (E, K, N) weight)."""
+    validate.is_tensor("gmm", "a", a)
+    validate.is_tensor("gmm", "b", b)
+    validate.is_tensor("gmm", "batch_sizes", batch_sizes)
+    if not isinstance(trans_b, bool):
+        raise TypeError(f"gmm: trans_b must be a bool, got {type(trans_b).__name__}")
+    validate.dims("gmm", "a", a, 2, "(tokens, K)")
+    validate.dims("gmm", "b", b, 3, "(groups, N, K)" if trans_b else "(groups, K, N)")
+    if a.dtype not in DTYPES:
+        raise TypeError(f"gmm: a dtype {a.dtype} is not supported (bfloat16, float16)")
+    if b.dtype != a.dtype:
+        raise TypeError(f"gmm: a is {a.dtype} but b is {b.dtype}")
+    if batch_sizes.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"gmm: batch_sizes must be int32 or int64 (rows per group), got "
+                        f"{batch_sizes.dtype}")
+    validate.dims("gmm", "batch_sizes", batch_sizes, 1, "(groups,)")
+    if batch_sizes.shape[0] != b.shape[0]:
+        raise ValueError(f"gmm: batch_sizes has {batch_sizes.shape[0]} entries but b has "
+                         f"{b.shape[0]} groups")
+    w = b.transpose(-2, -1) if trans_b else b
+    if a.shape[1] != w.shape[1]:
+        raise ValueError(f"gmm: inner dims differ: a {tuple(a.shape)} @ b {tuple(b.shape)}"
+                         + (" (trans_b)" if trans_b else ""))
+    if batch_sizes.device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool((batch_sizes < 0).any()):
+            raise ValueError("gmm: batch_sizes must not be negative")
+        total = int(batch_sizes.sum())
+        if total != a.shape[0]:
+            raise ValueError(f"gmm: batch_sizes sum to {total} rows but a has {a.shape[0]}")
+    validate.pair("gmm", "a", a, "b", b, dtypes=DTYPES)
+    offs = batch_sizes.cumsum(0, dtype=torch.int32)
+    return (offs if offs.device == a.device else offs.to(a.device)), w
+
+
+def gmm(a, b, batch_sizes, trans_b=False):
+    """The `gmm` of Megatron's grouped GEMM (the `grouped_gemm` package): a (T, K) with rows
+    sorted by group, b (E, K, N), or (E, N, K) with trans_b, batch_sizes (E,) rows per group
+    (int32 or int64). Returns (T, N), group g's rows times b[g] (or b[g]^T), as
+    `grouped_mm(a, b, cumsum(batch_sizes))`, differentiable in a and b.
+
+    batch_sizes may stay on the CPU, as that package takes them: their sum is then checked
+    against T and they are copied to a's device with each call. On a's device they are never
+    read on the host (CUDA-graph capturable, unchecked as grouped_mm's offs are)."""
+    try:
+        offs, w = _gmm_offsets(a, b, batch_sizes, trans_b)
+    except Exception:
+        validate.not_nested("gmm", {"a": a, "b": b, "batch_sizes": batch_sizes})
+        raise
+    return grouped_mm(a, w, offs)

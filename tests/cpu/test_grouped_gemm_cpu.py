@@ -369,3 +369,67 @@ def test_out_may_be_a_leaf_that_requires_grad_in_inference_mode(kernels, monkeyp
     with pytest.raises(ValueError, match=r"^grouped_mm: out is a leaf tensor that requires "
                                          r"grad"):
         grouped_mm(x, w, offs, out=out)
+
+
+# ---------------------------------------------------------------------------------------------
+# gmm: Megatron's call (rows per group, possibly on the host) as the 2-D x 3-D form.
+
+def sizes(*counts, dtype=torch.int64):
+    return torch.tensor(counts, dtype=dtype)
+
+
+GMM_BAD = [
+    ((t(8, 4), t(2, 4, 6), [4, 4]), TypeError, "batch_sizes must be a torch.Tensor"),
+    ((t(8, 4), t(2, 4, 6), sizes(4, 4, dtype=torch.float32)), TypeError,
+     "batch_sizes must be int32 or int64"),
+    ((t(8, 4), t(2, 4, 6), sizes(4, 4)[None]), ValueError, "batch_sizes must be 1-D"),
+    ((t(8, 4), t(2, 4, 6), sizes(4, 2, 2)), ValueError,
+     "batch_sizes has 3 entries but b has 2 groups"),
+    ((t(8, 4), t(2, 4, 6), sizes(4, 3)), ValueError, "batch_sizes sum to 7 rows but a has 8"),
+    ((t(8, 4), t(2, 4, 6), sizes(9, -1)), ValueError, "batch_sizes must not be negative"),
+    ((t(8, 4), t(2, 6, 4), sizes(4, 4)), ValueError, "inner dims differ"),
+    ((t(8, 4, 1), t(2, 4, 6), sizes(4, 4)), ValueError, "a must be 2-D"),
+    ((t(8, 4), t(4, 6), sizes(4, 4)), ValueError, "b must be 3-D"),
+    ((t(8, 4, dtype=torch.float32), t(2, 4, 6, dtype=torch.float32), sizes(4, 4)), TypeError,
+     "a dtype torch.float32 is not supported"),
+    ((t(8, 4), t(2, 4, 6, dtype=torch.float16), sizes(4, 4)), TypeError,
+     "a is torch.bfloat16 but b is torch.float16"),
+]
+
+
+@pytest.mark.parametrize("args,error,message", GMM_BAD, ids=[b[2] for b in GMM_BAD])
+def test_gmm_bad_input_is_refused_naming_the_argument(args, error, message):
+    with pytest.raises(error, match="^gmm: .*" + re.escape(message)):
+        GG.gmm(*args)
+
+
+def test_gmm_checks_trans_b_and_then_the_device():
+    with pytest.raises(TypeError, match="^gmm: trans_b must be a bool, got int"):
+        GG.gmm(t(8, 4), t(2, 6, 4), sizes(4, 4), trans_b=1)
+    with pytest.raises(ValueError, match="^gmm: inner dims differ: .* \\(trans_b\\)"):
+        GG.gmm(t(8, 4), t(2, 4, 6), sizes(4, 4), trans_b=True)
+    with pytest.raises(ValueError, match="^gmm: a must be a CUDA tensor"):
+        GG.gmm(t(8, 4), t(2, 4, 6), sizes(4, 4))
+
+
+@pytest.mark.parametrize("trans_b", [False, True], ids=["b", "trans_b"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_gmm_is_each_groups_product_with_its_gradients(kernels, monkeypatch, trans_b, dtype):
+    """gmm against per-group torch products (an empty group among them): the result, and the
+    gradients of a and b, in b's layout. The device check stubbed (CPU tensors)."""
+    monkeypatch.setattr(GG.validate, "tensor", lambda op, name, t, **kw: t)
+    torch.manual_seed(0)
+    counts = [3, 0, 6, 3]
+    a = torch.randn(12, 5, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(4, *((7, 5) if trans_b else (5, 7)), dtype=torch.bfloat16,
+                    requires_grad=True)
+    y = GG.gmm(a, b, sizes(*counts, dtype=dtype), trans_b=trans_b)
+    want = torch.cat([a[s:s + c] @ (b[g].t() if trans_b else b[g])
+                      for g, (s, c) in enumerate(zip([0, 3, 3, 9], counts))])
+    assert torch.equal(y, want)
+    dy = torch.randn(12, 7, dtype=torch.bfloat16)
+    ga, gb = torch.autograd.grad(y, (a, b), dy)
+    ea, eb = torch.autograd.grad(want, (a, b), dy)
+    torch.testing.assert_close(ga, ea, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(gb, eb, atol=2e-2, rtol=2e-2)
+    assert gb.shape == b.shape and gb[1].abs().sum() == 0          # the empty group's

@@ -2,7 +2,7 @@
 groups, one group with every row and rows past the last offset; E from 1 to 256, T = 1, odd K
 and N; both weight layouts; bf16 and fp16; every config of both kernels (both load styles); one
 tuned key per kernel (the rest under DISABLE_AUTOTUNE: searches are expensive); gradients;
-torch.compile; a CUDA graph replayed with new offsets; bad input."""
+torch.compile; a CUDA graph replayed with new offsets; bad input; Megatron's gmm."""
 import cuda.tile as ct
 import pytest
 import torch
@@ -272,6 +272,30 @@ def test_gradients(fresh, monkeypatch, w_t):
     ea, eb = torch.autograd.grad(k_reference(af, bf, c), (af, bf), d.float())
     assert rel(ga, ea) < TOL[torch.bfloat16] and rel(gb, eb) < TOL[torch.bfloat16]
 
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+@pytest.mark.parametrize("trans_b", [False, True], ids=["b", "trans_b"])
+def test_gmm(fresh, monkeypatch, trans_b, where):
+    """Megatron's gmm(a, b, batch_sizes, trans_b): int64 rows per group on the host (as that
+    package passes them) or on the device, against the float32 loop, with gradients."""
+    monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
+    E, T, K, N = 6, 900, 200, 300
+    c = counts(T, E, "zipf")
+    sizes = torch.tensor(c, device="cpu" if where == "host" else "cuda")
+    a = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = weight(E, K, N, torch.bfloat16, False)
+    b = (b.transpose(-2, -1).contiguous() if trans_b else b).requires_grad_()
+    poison_allocator(torch)
+    y = GG.gmm(a, b, sizes, trans_b=trans_b)
+    dy = torch.randn(T, N, device="cuda", dtype=torch.bfloat16)
+    ga, gb = torch.autograd.grad(y, (a, b), dy)
+    af, bf = a.detach().float().requires_grad_(), b.detach().float().requires_grad_()
+    want = reference(af, bf.transpose(-2, -1) if trans_b else bf, c)
+    ea, eb = torch.autograd.grad(want, (af, bf), dy.float())
+    assert rel(y, want) < TOL[torch.bfloat16]
+    assert rel(ga, ea) < TOL[torch.bfloat16] and rel(gb, eb) < TOL[torch.bfloat16]
+    assert gb.shape == b.shape
 
 def test_batched_3d_and_out(fresh, monkeypatch):
     monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
