@@ -687,9 +687,10 @@ def _gmm_offsets(a, b, batch_sizes, trans_b):
 
 def gmm(a, b, batch_sizes, trans_b=False):
     """The `gmm` of Megatron's grouped GEMM (the `grouped_gemm` package): a (T, K) with rows
-    sorted by group, b (E, K, N), or (E, N, K) with trans_b, batch_sizes (E,) rows per group
-    (int32 or int64). Returns (T, N), group g's rows times b[g] (or b[g]^T), as
-    `grouped_mm(a, b, cumsum(batch_sizes))`, differentiable in a and b.
+    sorted by group, b (E, K, N), or (E, N, K) with trans_b, bf16 or fp16 alike, batch_sizes
+    (E,) rows per group (int32 or int64). Returns (T, N), group g's rows times b[g] (or
+    b[g]^T), as `grouped_mm(a, b, cumsum(batch_sizes))`, differentiable in a and b. Bad input
+    raises a ValueError or TypeError naming gmm and the argument.
 
     batch_sizes may stay on the CPU, as that package takes them: their sum is then checked
     against T and they are copied to a's device with each call. On a's device they are never
