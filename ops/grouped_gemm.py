@@ -542,52 +542,53 @@ _k_grouped_op = TrainableOp(
 # Host side: checks in the order shapes, dtypes, devices (so that everything but the device can
 # be checked on CPU tensors), then the mode.
 
-def _check(x, w, offs):
-    """The mode, "2d3d", "2d2d" or "3d3d", or a ValueError / TypeError naming the argument."""
-    validate.is_tensor("grouped_mm", "x", x)
-    validate.is_tensor("grouped_mm", "w", w)
+def _check(x, w, offs, op="grouped_mm", names=("x", "w")):
+    """The mode, "2d3d", "2d2d" or "3d3d", or a ValueError / TypeError naming `op` and the
+    argument (x and w as `names` call them)."""
+    xn, wn = names
+    validate.is_tensor(op, xn, x)
+    validate.is_tensor(op, wn, w)
     mode = f"{x.dim()}d{w.dim()}d"
     if mode not in ("2d3d", "2d2d", "3d3d"):
-        raise ValueError(f"grouped_mm: x and w must be 2-D x 3-D (x (T, K), w (E, K, N)), "
+        raise ValueError(f"{op}: {xn} and {wn} must be 2-D x 3-D ({xn} (T, K), {wn} (E, K, N)), "
                          f"2-D x 2-D (a (M, T), b (T, N)) or 3-D x 3-D; got {x.dim()}-D x "
                          f"{w.dim()}-D")
-    for name, t in (("x", x), ("w", w)):
+    for name, t in ((xn, x), (wn, w)):
         if t.dtype not in DTYPES:
-            raise TypeError(f"grouped_mm: {name} dtype {t.dtype} is not supported "
+            raise TypeError(f"{op}: {name} dtype {t.dtype} is not supported "
                             "(bfloat16, float16)")
     if x.dtype != w.dtype:
-        raise TypeError(f"grouped_mm: x is {x.dtype} but w is {w.dtype}")
+        raise TypeError(f"{op}: {xn} is {x.dtype} but {wn} is {w.dtype}")
     if x.shape[-1] != w.shape[-2]:
-        raise ValueError(f"grouped_mm: inner dims differ: x {tuple(x.shape)} @ w "
+        raise ValueError(f"{op}: inner dims differ: {xn} {tuple(x.shape)} @ {wn} "
                          f"{tuple(w.shape)}")
     if mode == "3d3d":
         if offs is not None:
-            raise ValueError("grouped_mm: offs must be None for 3-D x 3-D (a batched matmul)")
+            raise ValueError(f"{op}: offs must be None for 3-D x 3-D (a batched matmul)")
         if x.shape[0] != w.shape[0]:
-            raise ValueError(f"grouped_mm: batch sizes differ ({x.shape[0]} vs {w.shape[0]})")
+            raise ValueError(f"{op}: batch sizes differ ({x.shape[0]} vs {w.shape[0]})")
     else:
         if offs is None:
-            raise ValueError(f"grouped_mm: offs is required for {mode[0]}-D x {mode[2]}-D")
-        validate.is_tensor("grouped_mm", "offs", offs)
+            raise ValueError(f"{op}: offs is required for {mode[0]}-D x {mode[2]}-D")
+        validate.is_tensor(op, "offs", offs)
         if offs.dtype != torch.int32:
-            raise TypeError(f"grouped_mm: offs must be int32 (cumulative end offsets), got "
+            raise TypeError(f"{op}: offs must be int32 (cumulative end offsets), got "
                             f"{offs.dtype}")
-        validate.dims("grouped_mm", "offs", offs, 1, "(groups,)")
+        validate.dims(op, "offs", offs, 1, "(groups,)")
         if mode == "2d3d" and offs.shape[0] != w.shape[0]:
-            raise ValueError(f"grouped_mm: offs has {offs.shape[0]} entries but w has "
+            raise ValueError(f"{op}: offs has {offs.shape[0]} entries but {wn} has "
                              f"{w.shape[0]} groups")
-    for name, t in (("x", x), ("w", w), ("offs", offs)):
+    for name, t in ((xn, x), (wn, w), ("offs", offs)):
         if t is not None:
-            validate.tensor("grouped_mm", name, t, like=x,
-                            dtypes=(*DTYPES, torch.int32))
+            validate.tensor(op, name, t, like=x, dtypes=(*DTYPES, torch.int32))
     if mode != "3d3d":                    # (the batched product is matmul's: any size)
-        for name, n in (("x", x.numel()), ("w", w.numel()),
+        for name, n in ((xn, x.numel()), (wn, w.numel()),
                         ("the result", math.prod(_result_shape(mode, x, w, offs)))):
             if n > INT32_MAX:
                 # the array with a dim per group (w of 2-D x 3-D, the result of 2-D x 2-D)
                 # shrinks with fewer groups per call, the others with fewer tokens
-                per_group = name == ("w" if mode == "2d3d" else "the result")
-                raise ValueError(f"grouped_mm: {name} has {n} elements, more than the kernels "
+                per_group = name == (wn if mode == "2d3d" else "the result")
+                raise ValueError(f"{op}: {name} has {n} elements, more than the kernels "
                                  "index (2^31 - 1); split the "
                                  + ("groups" if per_group else "tokens"))
     return mode
@@ -650,8 +651,9 @@ def grouped_mm(x, w, offs=None, *, out=None):
 
 
 def _gmm_offsets(a, b, batch_sizes, trans_b):
-    """gmm's checks (each error names gmm and the argument), then (offs on a's device, the
-    (E, K, N) weight)."""
+    """gmm's own checks (the row counts, trans_b, the 2-D x 3-D form; grouped_mm's `_check`
+    does the rest under gmm's names), then (offs (E,) int32 on a's device, the (E, K, N)
+    weight)."""
     validate.is_tensor("gmm", "a", a)
     validate.is_tensor("gmm", "b", b)
     validate.is_tensor("gmm", "batch_sizes", batch_sizes)
@@ -659,10 +661,6 @@ def _gmm_offsets(a, b, batch_sizes, trans_b):
         raise TypeError(f"gmm: trans_b must be a bool, got {type(trans_b).__name__}")
     validate.dims("gmm", "a", a, 2, "(tokens, K)")
     validate.dims("gmm", "b", b, 3, "(groups, N, K)" if trans_b else "(groups, K, N)")
-    if a.dtype not in DTYPES:
-        raise TypeError(f"gmm: a dtype {a.dtype} is not supported (bfloat16, float16)")
-    if b.dtype != a.dtype:
-        raise TypeError(f"gmm: a is {a.dtype} but b is {b.dtype}")
     if batch_sizes.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"gmm: batch_sizes must be int32 or int64 (rows per group), got "
                         f"{batch_sizes.dtype}")
@@ -670,19 +668,17 @@ def _gmm_offsets(a, b, batch_sizes, trans_b):
     if batch_sizes.shape[0] != b.shape[0]:
         raise ValueError(f"gmm: batch_sizes has {batch_sizes.shape[0]} entries but b has "
                          f"{b.shape[0]} groups")
-    w = b.transpose(-2, -1) if trans_b else b
-    if a.shape[1] != w.shape[1]:
-        raise ValueError(f"gmm: inner dims differ: a {tuple(a.shape)} @ b {tuple(b.shape)}"
-                         + (" (trans_b)" if trans_b else ""))
     if batch_sizes.device.type == "cpu" and not torch.compiler.is_compiling():
         if bool((batch_sizes < 0).any()):
             raise ValueError("gmm: batch_sizes must not be negative")
         total = int(batch_sizes.sum())
         if total != a.shape[0]:
             raise ValueError(f"gmm: batch_sizes sum to {total} rows but a has {a.shape[0]}")
-    validate.pair("gmm", "a", a, "b", b, dtypes=DTYPES)
+    w = b.transpose(-2, -1) if trans_b else b
     offs = batch_sizes.cumsum(0, dtype=torch.int32)
-    return (offs if offs.device == a.device else offs.to(a.device)), w
+    offs = offs if offs.device == a.device else offs.to(a.device)
+    _check(a, w, offs, "gmm", ("a", "b" + ("^T" if trans_b else "")))
+    return offs, w
 
 
 def gmm(a, b, batch_sizes, trans_b=False):
@@ -700,4 +696,4 @@ def gmm(a, b, batch_sizes, trans_b=False):
     except Exception:
         validate.not_nested("gmm", {"a": a, "b": b, "batch_sizes": batch_sizes})
         raise
-    return grouped_mm(a, w, offs)
+    return _grouped_op(a, w, offs)
