@@ -273,7 +273,6 @@ def test_gradients(fresh, monkeypatch, w_t):
     assert rel(ga, ea) < TOL[torch.bfloat16] and rel(gb, eb) < TOL[torch.bfloat16]
 
 
-
 @pytest.mark.parametrize("where", ["host", "device"])
 @pytest.mark.parametrize("trans_b", [False, True], ids=["b", "trans_b"])
 def test_gmm(fresh, monkeypatch, trans_b, where):
@@ -296,6 +295,7 @@ def test_gmm(fresh, monkeypatch, trans_b, where):
     assert rel(y, want) < TOL[torch.bfloat16]
     assert rel(ga, ea) < TOL[torch.bfloat16] and rel(gb, eb) < TOL[torch.bfloat16]
     assert gb.shape == b.shape
+
 
 def test_batched_3d_and_out(fresh, monkeypatch):
     monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
