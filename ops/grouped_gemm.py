@@ -671,12 +671,15 @@ def _gmm_offsets(a, b, batch_sizes, trans_b):
     if batch_sizes.device.type == "cpu" and not torch.compiler.is_compiling():
         if bool((batch_sizes < 0).any()):
             raise ValueError("gmm: batch_sizes must not be negative")
-        total = int(batch_sizes.sum())
+        ends = batch_sizes.cumsum(0)           # in batch_sizes' own dtype: the check's sum
+        total = int(ends[-1]) if len(ends) else 0
         if total != a.shape[0]:
             raise ValueError(f"gmm: batch_sizes sum to {total} rows but a has {a.shape[0]}")
+        offs = ends.to(a.device, torch.int32)  # (at most T, which _check bounds by int32)
+    else:
+        offs = batch_sizes.cumsum(0, dtype=torch.int32)
+        offs = offs if offs.device == a.device else offs.to(a.device)
     w = b.transpose(-2, -1) if trans_b else b
-    offs = batch_sizes.cumsum(0, dtype=torch.int32)
-    offs = offs if offs.device == a.device else offs.to(a.device)
     _check(a, w, offs, "gmm", ("a", "b" + ("^T" if trans_b else "")))
     return offs, w
 
