@@ -31,12 +31,12 @@ def _out_params(dt, cdt, B, Hq, Hk, S, D, R_, has_pos, backward, cfg, f32=True):
     return [q, k, c, c, pos, _hf_view(dt, B, Hq, S, D), _hf_view(dt, B, Hk, S, D), R_ // 2,
             next_pow2(Hq), next_pow2(Hk), cfg.tile_s, next_pow2(R_ // 2),
             next_pow2(max(D - R_, 1)), has_pos, R_ < D, backward, cfg.latency, f32,
-            R._halves_as_tiles(cfg, R_ // 2)]
+            R._halves_as_tiles(cfg, R_ // 2), R._whole(cfg, Hq, Hk, S, R_ // 2)]
 
 
 def _inplace_params(p):
     """rope_inplace_kernel's arguments from rope_kernel's: no outputs, TILE_P or COPY_REST."""
-    return p[:5] + p[7:12] + [p[13], p[15], p[16], p[17], p[18]]
+    return p[:5] + p[7:12] + [p[13], p[15], p[16], p[17], p[18], p[19]]
 
 
 def compile_cases():
@@ -50,6 +50,11 @@ def compile_cases():
                         f32=False)
         yield CompileCase("rope", R._rope_inplace.build(cfg), _inplace_params(p),
                           f"rope_inplace 32/8 D128 bf16, bf16 math {vars(cfg)}")
+    for cfg in R.rope_tile_configs("sm_90", 40, 128):   # tiles past the heads: bounds checked
+        p = _out_params(torch.bfloat16, torch.bfloat16, B, 40, 8, S, 128, 128, False, False, cfg)
+        yield CompileCase("rope", R._rope.build(cfg), p, f"rope 40/8 D128 bf16 {vars(cfg)}")
+        yield CompileCase("rope", R._rope_inplace.build(cfg), _inplace_params(p),
+                          f"rope_inplace 40/8 D128 bf16 {vars(cfg)}")
     for heads in (64, 128):    # the 8-warp entries of many heads a position
         for cfg in R.rope_tile_configs("sm_90", heads, 128):
             if getattr(cfg, "num_worker_warps", None):

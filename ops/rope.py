@@ -12,7 +12,7 @@ import torch
 
 from tiletune import validate
 from tiletune.autotune import Autotuner, Work, bucket
-from tiletune.ops.rotary import ctas, math_tile, position_tile_at, prepare
+from tiletune.ops.rotary import ctas, load_tile, math_tile, position_tile_at, prepare, store_tile
 from tiletune.space import cdiv, next_pow2, table
 from tiletune.torch_op import TrainableOp, records_graph, tracing
 
@@ -28,37 +28,36 @@ ZERO = ct.PaddingMode.ZERO
 # The cos/sin gathering is shared with rms_norm_rope (ops/rotary.py).
 
 
-def _halves(x, b, st, half, shape, LATENCY, HALVES_AS_TILES):
+def _halves(x, b, st, half, shape, LATENCY, HALVES_AS_TILES, WHOLE):
     """The two rotary halves of x[b, :, st*TILE_S : (st+1)*TILE_S, :] as tiles of `shape`.
     HALVES_AS_TILES (a half fills its tile): tiles 0 and 1 of x along D, else slices of x."""
     if HALVES_AS_TILES:
-        return (ct.load(x, (b, 0, st, 0), shape, padding_mode=ZERO, latency=LATENCY),
-                ct.load(x, (b, 0, st, 1), shape, padding_mode=ZERO, latency=LATENCY))
-    return (ct.load(x.slice(3, 0, half), (b, 0, st, 0), shape, padding_mode=ZERO,
-                    latency=LATENCY),
-            ct.load(x.slice(3, half, 2 * half), (b, 0, st, 0), shape, padding_mode=ZERO,
-                    latency=LATENCY))
+        return (load_tile(x, (b, 0, st, 0), shape, WHOLE, LATENCY),
+                load_tile(x, (b, 0, st, 1), shape, WHOLE, LATENCY))
+    return (load_tile(x.slice(3, 0, half), (b, 0, st, 0), shape, WHOLE, LATENCY),
+            load_tile(x.slice(3, half, 2 * half), (b, 0, st, 0), shape, WHOLE, LATENCY))
 
 
 def _rotate(x, out, b, st, half, c1, c2, s1, s2, TILE_H, TILE_S, TILE_R, TILE_P, COPY_REST,
-            LATENCY, MATH_F32, HALVES_AS_TILES):
+            LATENCY, MATH_F32, HALVES_AS_TILES, WHOLE):
     """Rotate the first 2*half dims of x[b, :, st*TILE_S : (st+1)*TILE_S, :] into out; copy the
     rest. Positions past S load as zeros and their stores are dropped. LATENCY is ct.load's
     DRAM-latency hint (1-10) for the q/k loads; MATH_F32: the arithmetic in float32 (one
     rounding at the store), else in x's dtype. HALVES_AS_TILES: each half read and written as a
-    whole tile of x itself, not of a slice of it (see `rope_tile_configs`)."""
+    whole tile of x itself, not of a slice of it (see `rope_tile_configs`). WHOLE: every tile
+    of the halves lies inside x and out (no bounds checks: ops/rotary.py, load_tile)."""
     shape = (1, TILE_H, TILE_S, TILE_R)
-    x1, x2 = _halves(x, b, st, half, shape, LATENCY, HALVES_AS_TILES)
+    x1, x2 = _halves(x, b, st, half, shape, LATENCY, HALVES_AS_TILES, WHOLE)
     x1, x2 = math_tile(x1, x, MATH_F32), math_tile(x2, x, MATH_F32)
     y1, y2 = (x1 * c1 - x2 * s1).astype(out.dtype), (x2 * c2 + x1 * s2).astype(out.dtype)
     # (both forms written out: through a helper returning (array, tile index) for either, the
     # sm_90 in-place build of the tile form had 7 barriers a position against these 5, f32 math)
     if HALVES_AS_TILES:
-        ct.store(out, (b, 0, st, 0), y1)
-        ct.store(out, (b, 0, st, 1), y2)
+        store_tile(out, (b, 0, st, 0), y1, WHOLE)
+        store_tile(out, (b, 0, st, 1), y2, WHOLE)
     else:
-        ct.store(out.slice(3, 0, half), (b, 0, st, 0), y1)
-        ct.store(out.slice(3, half, 2 * half), (b, 0, st, 0), y2)
+        store_tile(out.slice(3, 0, half), (b, 0, st, 0), y1, WHOLE)
+        store_tile(out.slice(3, half, 2 * half), (b, 0, st, 0), y2, WHOLE)
     if COPY_REST:
         rest = ct.load(x.slice(3, 2 * half, x.shape[3]), (b, 0, st, 0), (1, TILE_H, TILE_S, TILE_P),
                        padding_mode=ZERO, latency=LATENCY)
@@ -71,17 +70,18 @@ def rope_kernel(q, k, cos, sin, pos, q_out, k_out, half: ct.Constant[int],
                 TILE_R: ct.Constant[int], TILE_P: ct.Constant[int], HAS_POS: ct.Constant[bool],
                 COPY_REST: ct.Constant[bool], BACKWARD: ct.Constant[bool],
                 LATENCY: ct.Constant[int], MATH_F32: ct.Constant[bool],
-                HALVES_AS_TILES: ct.Constant[bool]):
+                HALVES_AS_TILES: ct.Constant[bool], WHOLE: ct.Constant[bool]):
     """Out of place: q_out, k_out = rope(q), rope(k). cos/sin (Bc, S', R) with Bc in {1, B}
-    (a stride-0 batch dim when shared); pos (B, S) int32 rows of cos/sin when HAS_POS."""
+    (a stride-0 batch dim when shared); pos (B, S) int32 rows of cos/sin when HAS_POS. WHOLE:
+    every tile of the rotary halves and of their cos/sin rows lies inside its array (`_whole`)."""
     S = q.shape[2]
     for t in range(ct.bid(0), q.shape[0] * ct.cdiv(S, TILE_S), ct.num_blocks(0)):
         b, st, c1, c2, s1, s2 = position_tile_at(t, S, cos, sin, pos, half, TILE_S, TILE_R,
-                                                 HAS_POS, BACKWARD, q, MATH_F32)
+                                                 HAS_POS, BACKWARD, q, MATH_F32, WHOLE)
         _rotate(q, q_out, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, TILE_P, COPY_REST,
-                LATENCY, MATH_F32, HALVES_AS_TILES)
+                LATENCY, MATH_F32, HALVES_AS_TILES, WHOLE)
         _rotate(k, k_out, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, TILE_P, COPY_REST,
-                LATENCY, MATH_F32, HALVES_AS_TILES)
+                LATENCY, MATH_F32, HALVES_AS_TILES, WHOLE)
 
 
 @ct.kernel
@@ -90,25 +90,26 @@ def rope_inplace_kernel(q, k, cos, sin, pos, half: ct.Constant[int],
                         TILE_S: ct.Constant[int], TILE_R: ct.Constant[int],
                         HAS_POS: ct.Constant[bool], BACKWARD: ct.Constant[bool],
                         LATENCY: ct.Constant[int], MATH_F32: ct.Constant[bool],
-                        HALVES_AS_TILES: ct.Constant[bool]):
+                        HALVES_AS_TILES: ct.Constant[bool], WHOLE: ct.Constant[bool]):
     """In place: q, k = rope(q), rope(k) (each element is read before it is written, by the
     same CTA; pass-through dims are left alone)."""
     S = q.shape[2]
     for t in range(ct.bid(0), q.shape[0] * ct.cdiv(S, TILE_S), ct.num_blocks(0)):
         b, st, c1, c2, s1, s2 = position_tile_at(t, S, cos, sin, pos, half, TILE_S, TILE_R,
-                                                 HAS_POS, BACKWARD, q, MATH_F32)
+                                                 HAS_POS, BACKWARD, q, MATH_F32, WHOLE)
         _rotate(q, q, b, st, half, c1, c2, s1, s2, TILE_HQ, TILE_S, TILE_R, 1, False, LATENCY,
-                MATH_F32, HALVES_AS_TILES)
+                MATH_F32, HALVES_AS_TILES, WHOLE)
         _rotate(k, k, b, st, half, c1, c2, s1, s2, TILE_HK, TILE_S, TILE_R, 1, False, LATENCY,
-                MATH_F32, HALVES_AS_TILES)
+                MATH_F32, HALVES_AS_TILES, WHOLE)
 
 
 # ---------------------------------------------------------------------------------------------
 # Configs: grid shape x occupancy x ct.load latency hint on the q/k loads x positions per tile,
 # and 8-warp CTAs where a position holds many heads (EIGHT_WARPS).
-# Default: persistent grid (SMs x occupancy CTAs), occupancy 4, latency 1, the winner at B4 Hq32
-# Hkv8 S4096 D128 bf16. One CTA per position at occupancy 2 wins with many heads or narrow ones
-# (B1 Hq64 Hkv8 S16384, B4 Hq16 Hkv16 S8192 D64). TILE_S > 1 only where one position is little
+# Default: one CTA per position at occupancy 2 where a position's tiles are whole (heads and
+# the rotary half powers of two), else a persistent grid (SMs x occupancy CTAs), occupancy 4,
+# latency 1, the winner at B4 Hq32 Hkv8 S4096 D128 bf16 while every tile checked its bounds.
+# TILE_S > 1 only where one position is little
 # work (at most MAX_MULTI_POSITION elements of q: 8 heads at D64, 4 at D128), bounded by
 # registers: from 16 heads at D64 up, multi-position tiles won no search (H100: 32/8 heads at D64
 # and D128, 1024-8192 tokens, their best 12-37% behind; H200 at the three bench shapes: 20-35%
@@ -122,16 +123,34 @@ EIGHT_WARPS = 8192          # from this many q elements a position (padded): 8-w
 FIELDS = ("occupancy", "persistent", "tile_s", "latency", "num_worker_warps", "halves_as_tiles")
 
 
+def _power_of_two(n):
+    return n > 0 and not n & (n - 1)
+
+
 def half_fills_tile(half):
     """A rotary half of this width fills its tile (a power of two), so tile 1 along D is the
     second half: where the halves-as-tiles entry applies."""
-    return half > 0 and not half & (half - 1)
+    return _power_of_two(half)
+
+
+BASE_ROWS = ((4, True, 1, 1), (4, True, 1, 5), (4, True, 1, 10), (2, True, 1, 5), (8, True, 1, 1),
+             (8, True, 1, 5), (2, False, 1, 1))
+ONE_CTA_A_POSITION = (2, False, 1, 1)
 
 
 def rope_tile_configs(arch, heads, rot, has_pos=False):
     """heads: q heads; rot: rotary width. Default first: the best measured config."""
-    yield from table(FIELDS, ((4, True, 1, 1), (4, True, 1, 5), (4, True, 1, 10), (2, True, 1, 5),
-                              (8, True, 1, 1), (8, True, 1, 5), (2, False, 1, 1)))
+    # Where the heads and the half are powers of two a position's tiles are whole (no bounds
+    # checks, `_whole`), and one CTA a position at occupancy 2 led every entry or came within
+    # 0.8% of the best at 32 and 64 heads (D128) and 16 (D64), in place and out (H100); at 128
+    # heads out of place it took 1.37x the 8-warp entry's time, so there the persistent default
+    # stays first.
+    per_position = next_pow2(heads) * 2 * next_pow2(max(rot // 2, 1))
+    rows = BASE_ROWS
+    if _power_of_two(heads) and half_fills_tile(rot // 2) and \
+            MAX_MULTI_POSITION < per_position < 2 * EIGHT_WARPS:
+        rows = (ONE_CTA_A_POSITION,) + tuple(r for r in BASE_ROWS if r != ONE_CTA_A_POSITION)
+    yield from table(FIELDS, rows)
     # Halves as tiles (where a half fills its tile): each half loaded and stored as tile 0 or 1 of
     # q or k itself. Through slices of one array tileiras 13.4 cannot tell the slices' stores
     # from the next loads and fences them: 5 barriers a position in the in-place sm_90 build
@@ -140,7 +159,6 @@ def rope_tile_configs(arch, heads, rot, has_pos=False):
     # 64 heads, behind at D64 and on persistent grids; out of place, level or behind.
     if half_fills_tile(rot // 2):
         yield from table(FIELDS, ((2, False, 1, 1, None, True),))
-    per_position = next_pow2(heads) * 2 * next_pow2(max(rot // 2, 1))
     # Many heads a position: two 8-warp CTAs an SM hold as many threads as four 4-warp ones with
     # room for twice the registers a thread. sm_90 builds (tileiras 13.4): 64 heads at D128, out
     # of place, spill 24 bytes at 4 warps and occupancy 4 and take 106 registers, no stack, at 8
@@ -163,7 +181,7 @@ def rope_tile_configs(arch, heads, rot, has_pos=False):
         yield from table(FIELDS, rows)
 
 
-DEFAULT = next(rope_tile_configs("sm_90", 32, 128))
+DEFAULT = next(table(FIELDS, BASE_ROWS))
 
 # ---------------------------------------------------------------------------------------------
 # Launches. Both tuners take the inputs (q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):
@@ -189,19 +207,29 @@ def _halves_as_tiles(c, half):
     return getattr(c, "halves_as_tiles", False) and half_fills_tile(half)
 
 
+def _whole(c, q_heads, k_heads, S, half):
+    """Every tile of the rotary halves lies inside q and k (head counts and the half powers of
+    two, S a multiple of the position tile), and so do the tiles' cos/sin rows where no
+    position ids pick them (`prepare` checks that cos/sin hold S rows)."""
+    return (half_fills_tile(half) and _power_of_two(q_heads) and _power_of_two(k_heads)
+            and S % c.tile_s == 0)
+
+
 def _out_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):
     half = rot // 2
+    Hq, Hk, S = q.shape[1], k.shape[1], q.shape[2]
     return (q, k, cos, sin, cos if pos is None else pos, q_out, k_out, half,   # pos unused: cos
-            next_pow2(q.shape[1]), next_pow2(k.shape[1]), c.tile_s, next_pow2(half),
+            next_pow2(Hq), next_pow2(Hk), c.tile_s, next_pow2(half),
             next_pow2(max(q.shape[3] - rot, 1)), pos is not None, rot < q.shape[3], backward,
-            c.latency, f32, _halves_as_tiles(c, half))
+            c.latency, f32, _halves_as_tiles(c, half), _whole(c, Hq, Hk, S, half))
 
 
 def _inplace_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):
     half = rot // 2
-    return (q, k, cos, sin, cos if pos is None else pos, half, next_pow2(q.shape[1]),
-            next_pow2(k.shape[1]), c.tile_s, next_pow2(half), pos is not None, backward, c.latency,
-            f32, _halves_as_tiles(c, half))
+    Hq, Hk, S = q.shape[1], k.shape[1], q.shape[2]
+    return (q, k, cos, sin, cos if pos is None else pos, half, next_pow2(Hq), next_pow2(Hk),
+            c.tile_s, next_pow2(half), pos is not None, backward, c.latency, f32,
+            _halves_as_tiles(c, half), _whole(c, Hq, Hk, S, half))
 
 
 def _scratch_copies(q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):

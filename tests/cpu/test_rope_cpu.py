@@ -221,3 +221,40 @@ def test_halves_as_tiles_only_where_a_half_fills_its_tile(rot, heads):
     for c in space:
         assert RP._halves_as_tiles(c, half) == (fills and c in as_tiles)
         assert RP._halves_as_tiles(c, 20) is False
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
+@pytest.mark.parametrize("heads,kv_heads,S,D,rot,whole", [
+    (4, 2, 5, 8, 8, True), (4, 2, 5, 8, 4, True), (6, 2, 5, 8, 8, False), (4, 1, 5, 8, 8, True),
+    (4, 2, 5, 12, 12, False), (4, 2, 5, 12, 8, True)])
+def test_bounds_checks_are_dropped_only_where_every_tile_is_whole(host_only, inplace, heads,
+                                                                  kv_heads, S, D, rot, whole):
+    """WHOLE (no bounds checks on the rotary halves' loads and stores, nor on their cos/sin
+    rows) reaches the kernel only where head counts and the half are powers of two: with 6
+    heads an 8-head tile reads past q, with a half of 6 an 8-wide tile past it."""
+    q, k = torch.randn(2, heads, S, D), torch.randn(2, kv_heads, S, D)
+    cos = sin = torch.randn(S, rot)
+    RP.apply_rope(q, k, cos, sin, inplace=inplace)
+    ((_, _, args),) = host_only
+    assert args[-1] is whole
+
+
+def test_whole_tiles_need_positions_that_fill_the_position_tile():
+    """A tile of several positions over an S that is not a multiple of it reaches past S."""
+    from types import SimpleNamespace
+    for tile_s, S, whole in ((1, 423, True), (4, 423, False), (4, 424, True), (16, 4096, True)):
+        assert RP._whole(SimpleNamespace(tile_s=tile_s), 4, 1, S, 32) is whole
+    assert RP._whole(SimpleNamespace(tile_s=1), 4, 3, 64, 32) is False
+    assert RP._whole(SimpleNamespace(tile_s=1), 4, 1, 64, 20) is False
+
+
+@pytest.mark.parametrize("heads,rot,first_is_one_cta", [
+    (32, 128, True), (64, 128, True), (16, 64, True), (8, 128, True), (128, 128, False),
+    (40, 128, False), (32, 80, False), (4, 64, False)])
+def test_one_cta_a_position_leads_where_tiles_are_whole(heads, rot, first_is_one_cta):
+    """The default (the space's first row) is one CTA a position at occupancy 2 where the
+    tiles are whole and a position is neither a multi-position tile's nor a 128-head one's."""
+    first = next(RP.rope_tile_configs("sm_90", heads, rot))
+    one_cta = (first.occupancy, first.persistent, first.tile_s) == (2, False, 1)
+    assert one_cta is first_is_one_cta
+    assert first == RP.DEFAULT or first_is_one_cta

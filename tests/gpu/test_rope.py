@@ -107,12 +107,15 @@ def test_forward_backward(fresh, monkeypatch, case, dt, disable):
 @pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
 @pytest.mark.parametrize("shape", [(2, 8, 2, 423, 80, 40), (1, 32, 8, 77, 128, 128),
                                    (4, 32, 8, 2047, 128, 128), (2, 64, 8, 301, 128, 128),
-                                   (1, 128, 16, 97, 128, 128)], ids=str)
+                                   (1, 128, 16, 97, 128, 128), (2, 40, 8, 301, 128, 128),
+                                   (2, 4, 1, 423, 64, 64), (1, 4, 1, 512, 64, 64)], ids=str)
 def test_every_config_is_correct(fresh, monkeypatch, shape, inplace):
     """Not only the winner: each config of the space (positions per tile over a ragged S,
     persistent grids; at 4 x 2047 positions each persistent CTA makes 7 or more trips of its
     loop, where tileiras 13.4 built TMA variants of this kernel that went wrong:
-    references/hardware-constraints.md) rotates correctly."""
+    references/hardware-constraints.md) rotates correctly. Whole tiles (no bounds checks) at
+    the power-of-two head counts, and for positions tiles where S fills them (4 heads over 512
+    positions, not over 423); bounds checked at 40 heads and at a half of 20."""
     B, Hq, Hk, S, D, R_ = shape
     q, k, cos, sin = make(B, Hq, Hk, S, D, R_, torch.bfloat16)
     rq, rk = reference(q, k, cos, sin, None, R_)
@@ -358,7 +361,8 @@ def test_inplace_position_ids_per_batch_row(fresh, monkeypatch, dt, every):
                                             ((2, 8, 2, 423, 80, 40), True),
                                             ((4, 32, 8, 2047, 128, 128), False),
                                             ((2, 64, 8, 301, 128, 128), False),
-                                            ((1, 128, 16, 97, 128, 128), True)], ids=str)
+                                            ((1, 128, 16, 97, 128, 128), True),
+                                            ((2, 40, 8, 301, 128, 128), False)], ids=str)
 def test_every_config_backward_is_correct(fresh, monkeypatch, shape, with_pos):
     """The out-of-place backward (the rotation with BACKWARD) under each config of the space,
     forward and gradients from poisoned memory (unwritten elements show as NaN); with (B, S)

@@ -30,13 +30,16 @@ def grid(cfg, dev, q, *rest):
 def args(cfg, q, k, cos, sin, q_out, k_out):
     """The in-place kernel's arguments; with scratch outputs (the search), its twin's. The whole
     head rotates (half = D/2, a power of two: the halves-as-tiles entry applies), no
-    position_ids (cos stands in for them), forward, float32 arithmetic."""
+    position_ids (cos stands in for them), forward, float32 arithmetic. The head counts and the
+    half are powers of two, so the tiles are whole (no bounds checks) where S is a multiple of
+    the position tile."""
     as_tiles = getattr(cfg, "halves_as_tiles", False)
+    whole = S % cfg.tile_s == 0
     if q_out is None:
         return (q, k, cos, sin, cos, D // 2, HQ, HK, cfg.tile_s, D // 2, False, False,
-                cfg.latency, True, as_tiles)
+                cfg.latency, True, as_tiles, whole)
     return (q, k, cos, sin, cos, q_out, k_out, D // 2, HQ, HK, cfg.tile_s, D // 2, 1, False,
-            False, False, cfg.latency, True, as_tiles)
+            False, False, cfg.latency, True, as_tiles, whole)
 
 
 tuner = Autotuner(

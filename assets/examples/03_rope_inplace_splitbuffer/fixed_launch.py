@@ -16,8 +16,8 @@ sin = torch.cat((ang.sin(), ang.sin()), -1).to(torch.bfloat16)[None].expand(B, S
 
 kernel = rope_inplace_kernel.replace_hints(occupancy=4)      # fixed choice
 # q, k, cos, sin, (unused) position ids, half, TILE_HQ, TILE_HK, TILE_S, TILE_R, HAS_POS, BACKWARD,
-# LATENCY, MATH_F32, HALVES_AS_TILES
-args = (q, k, cos, sin, cos, D // 2, HQ, HK, 1, D // 2, False, False, 1, True, False)
+# LATENCY, MATH_F32, HALVES_AS_TILES, WHOLE (heads and half powers of two: no bounds checks)
+args = (q, k, cos, sin, cos, D // 2, HQ, HK, 1, D // 2, False, False, 1, True, False, True)
 
 
 def run():
