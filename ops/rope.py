@@ -320,9 +320,11 @@ def apply_rope(q, k, cos, sin, *, position_ids=None, rotary_dim=None, inplace=Fa
     rotate, the rest pass through. Wider cos/sin: their first R columns serve (so a table built
     for a wider rotation does not rotate the first R dims correctly: build it R wide). Row s of
     cos/sin serves position s, or position_ids[b, s] when `position_ids` (B, S) / (1, S) / (S,)
-    is given (range checked on the host: one sync; not under CUDA graph capture or
-    torch.compile, where ids in [0, rows of cos/sin) are the caller's contract: an id outside
-    gives unspecified values in its position's rotated dims).
+    is given (range checked on the host: one sync the first time a tensor is passed, and again
+    after torch writes it in place, so layers sharing one position_ids tensor sync once; not
+    under CUDA graph capture or torch.compile, nor after writes torch does not count, such as
+    a graph replay's: there ids in [0, rows of cos/sin) are the caller's contract, and an id
+    outside gives unspecified values in its position's rotated dims).
     inplace=False returns new (q_embed, k_embed) laid out like q and k where those are dense
     (HF's transposed views), else contiguous; inplace=True writes q and
     k in place (marked dirty for autograd) and returns them; in place, q and k must not share

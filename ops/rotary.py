@@ -9,6 +9,7 @@
 
 import cuda.tile as ct
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from tiletune import validate
 from tiletune.device import persistent_ctas
@@ -128,6 +129,27 @@ def _as_3d(t):
     return t[None] if t.dim() == 2 else t
 
 
+_ID_RANGES = WeakTensorKeyDictionary()   # position_ids -> ((version, address), lo, hi)
+
+
+def _id_range(position_ids):
+    """(lo, hi) of an eager call's position_ids. Reading them is a device sync; a model passes
+    one position_ids tensor to every layer, so the range is kept per tensor and reused while
+    its version counter and address are unchanged (torch's in-place writes bump the counter).
+    Inference tensors count no versions: read every call. (Only the range is kept, never the
+    ids: a write torch does not count, such as a CUDA graph's replay, would leave a kept copy
+    stale. A stale range can only miss a bad id, which then reads zeros from the bounds-checked
+    cos/sin loads, as under torch.compile.)"""
+    if position_ids.is_inference():
+        return torch.stack(torch.aminmax(position_ids)).tolist()
+    stamp = (position_ids._version, position_ids.data_ptr())
+    seen = _ID_RANGES.get(position_ids)
+    if seen is None or seen[0] != stamp:
+        seen = stamp, *torch.stack(torch.aminmax(position_ids)).tolist()
+        _ID_RANGES[position_ids] = seen
+    return seen[1], seen[2]
+
+
 def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
     """Validate; return (cos, sin, pos, rot): cos/sin as (B, S', rot) views (stride-0 batch when
     shared), pos as (B, S) int32 or None, rot the rotary width."""
@@ -178,6 +200,7 @@ def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
         if not isinstance(position_ids, torch.Tensor) or \
                 position_ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{op}: position_ids must be an int32/int64 tensor")
+        given = position_ids        # (the range is kept per given tensor)
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
         if position_ids.dim() != 2 or position_ids.shape[1] != S or \
@@ -186,12 +209,11 @@ def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
                              f"S={S}, got {tuple(position_ids.shape)}")
         if position_ids.device != q.device:
             raise ValueError(f"{op}: position_ids is on {position_ids.device}, q on {q.device}")
-        # Out-of-range rows would read outside cos/sin: checked here (one device sync: both
-        # bounds come back in one read), except under CUDA graph capture or torch.compile, where
-        # it is the caller's contract.
+        # Out-of-range rows would read outside cos/sin: checked here, except under CUDA graph
+        # capture or torch.compile, where it is the caller's contract.
         if position_ids.numel() and not tracing() and \
                 not torch.cuda.is_current_stream_capturing():
-            lo, hi = torch.stack(torch.aminmax(position_ids)).tolist()
+            lo, hi = _id_range(given)
             if lo < 0 or hi >= cos.shape[1]:
                 raise ValueError(f"{op}: position_ids range [{lo}, {hi}] is outside the "
                                  f"{cos.shape[1]} rows of cos/sin")

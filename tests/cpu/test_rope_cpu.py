@@ -150,9 +150,10 @@ def test_cos_and_sin_reach_the_kernels_with_unit_column_strides(host_only, strid
 
 
 def test_position_ids_range_check_reads_the_device_once(host_only, monkeypatch):
-    """Both bounds of position_ids come back to the host in one read (one sync a call, as
-    documented; min and max read one at a time would be two), and ids outside cos/sin are
-    still refused by name."""
+    """Both bounds of position_ids come back to the host in one read (min and max read one at
+    a time would be two), once per tensor: later calls with the same tensor (a model's layers
+    share one) read nothing until it is written in place; inference tensors, which count no
+    versions, are read every call. Ids outside cos/sin are refused by name on every call."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     reads = []
     for name in ("__int__", "__index__", "__bool__", "__float__", "item", "tolist"):
@@ -164,15 +165,47 @@ def test_position_ids_range_check_reads_the_device_once(host_only, monkeypatch):
     cos, w = torch.randn(9, 8), torch.ones(8)
     for pos in (torch.tensor([3, 1, 0, 8, 2]), torch.tensor([[0, 1, 2, 3, 4]] * 2,
                                                             dtype=torch.int32)):
-        for call in (lambda: RP.apply_rope(q, k, cos, cos, position_ids=pos),
-                     lambda: RR.rms_norm_rope(q, k, w, w, cos, cos, position_ids=pos)):
+        calls = (lambda: RP.apply_rope(q, k, cos, cos, position_ids=pos),
+                 lambda: RR.rms_norm_rope(q, k, w, w, cos, cos, position_ids=pos))
+        for n, call in enumerate(calls * 2):
             reads.clear()
             call()
-            assert len(reads) == 1, reads
+            assert len(reads) == (1 if n == 0 else 0), reads
+        pos[..., 0] = 4                 # written in place: read again
+        reads.clear()
+        calls[0]()
+        assert len(reads) == 1, reads
+    with torch.inference_mode():
+        pos = torch.tensor([3, 1, 0, 8, 2])
+    for _ in range(2):
+        reads.clear()
+        RP.apply_rope(q, k, cos, cos, position_ids=pos)
+        assert len(reads) == 1, reads
     for bad, bounds in (([-1, 0, 1, 2, 3], r"\[-1, 3\]"), ([0, 1, 9, 2, 3], r"\[0, 9\]")):
-        with pytest.raises(ValueError, match=rf"^apply_rope: position_ids range {bounds} is "
-                                             r"outside the 9 rows of cos/sin"):
-            RP.apply_rope(q, k, cos, cos, position_ids=torch.tensor(bad))
+        ids = torch.tensor(bad)
+        for _ in range(2):
+            with pytest.raises(ValueError, match=rf"^apply_rope: position_ids range {bounds} is "
+                                                 r"outside the 9 rows of cos/sin"):
+                RP.apply_rope(q, k, cos, cos, position_ids=ids)
+
+
+def test_position_ids_reach_the_kernels_as_they_are_now(host_only, monkeypatch):
+    """The ids a call passes are position_ids' values at that call (only their range is kept
+    between calls): written in place after a first call, or by a write torch does not count,
+    the next call passes the new values."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    q, k = _qk()
+    cos = torch.randn(9, 8)
+    ids = torch.tensor([3, 1, 0, 8, 2])
+    for expect in ([3, 1, 0, 8, 2], [7, 1, 0, 8, 2], [6, 1, 0, 8, 2]):
+        host_only.clear()
+        RP.apply_rope(q, k, cos, cos, position_ids=ids)
+        ((_, _, args),) = host_only
+        assert args[4].dtype == torch.int32 and args[4].tolist() == [expect, expect]
+        if expect[0] == 3:
+            ids[0] = 7
+        else:
+            ids.data[0] = 6             # (.data: a write autograd's version counter misses)
 
 
 def test_in_place_rotation_of_tensors_that_require_grad_in_inference_mode(host_only):
