@@ -170,6 +170,11 @@ def rope_tile_configs(arch, heads, rot, has_pos=False):
         yield from table(FIELDS, ((2, True, 1, 1, 8),))
     if per_position >= 2 * EIGHT_WARPS:
         yield from table(FIELDS, ((1, True, 1, 1, 8),))
+        # One 8-warp CTA a position at occupancy 2, halves as tiles: in place at B1 Hq128 Hkv8
+        # S8192 D128 (whole tiles, H100) 196.4 us against the persistent 8-warp entry's 204.6
+        # (a copy of q and k 195.5); out of place level with the 8-warp entries.
+        if half_fills_tile(rot // 2):
+            yield from table(FIELDS, ((2, False, 1, 1, 8, True),))
     if per_position > MAX_MULTI_POSITION:
         return
     for tile_s in (2, 4, 8, 16):
