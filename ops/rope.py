@@ -109,12 +109,12 @@ def rope_inplace_kernel(q, k, cos, sin, pos, half: ct.Constant[int],
 # Default: one CTA per position at occupancy 2 where a position's tiles are whole (heads and
 # the rotary half powers of two), else a persistent grid (SMs x occupancy CTAs), occupancy 4,
 # latency 1, the winner at B4 Hq32 Hkv8 S4096 D128 bf16 while every tile checked its bounds.
-# TILE_S > 1 only where one position is little
-# work (at most MAX_MULTI_POSITION elements of q: 8 heads at D64, 4 at D128), bounded by
-# registers: from 16 heads at D64 up, multi-position tiles won no search (H100: 32/8 heads at D64
-# and D128, 1024-8192 tokens, their best 12-37% behind; H200 at the three bench shapes: 20-35%
-# behind) while making up most of the space. Measurements:
-# references/parameter-space-design.md ("RoPE").
+# TILE_S > 1 only where one position is little work (at most MAX_MULTI_POSITION elements of q:
+# 8 heads at D64, 4 at D128), bounded by registers: from 16 heads at D64 up, multi-position
+# tiles won no search (H100: 32/8 heads at D64 and D128, 1024-8192 tokens, their best 12-37%
+# behind; H200 at the three bench shapes: 20-35% behind; with whole tiles 0.3-51% behind one
+# CTA a position) while making up most of the space. Measurements:
+# references/parameter-space-design.md ("RoPE") and kernel-type-templates.md ("Whole tiles").
 
 MAX_TILE_ELEMS = 16384     # fp32 elements of one q tile (both halves)
 MAX_RESIDENT_ELEMS = 32768  # tile elements x occupancy: beyond this, sm_90 cubins spill 150+ B

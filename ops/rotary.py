@@ -32,8 +32,8 @@ def math_tile(t, like, MATH_F32):
 def load_tile(a, index, shape, WHOLE, LATENCY=None):
     """Tile `index` of `a`; WHOLE: the tile lies inside a, so the load checks no bounds, else
     what lies outside reads as zero. Without the checks the RoPE kernels build without the
-    branch that guards each load (sm_90, tileiras 13.4: 1288 -> 840 instructions, 29 -> 4
-    branches, out of place): 1.8-2.2x faster out of place at one CTA a position (H100,
+    branch that guards each load (sm_90, tileiras 13.4, out of place at one CTA a position:
+    1376 -> 816 instructions, 25 -> 4 branches), and there ran about 2x faster at D128 (H100,
     references/kernel-type-templates.md, "Whole tiles"). (tileiras 13.4 fails on a load with
     a padding mode and no bounds check, so WHOLE loads name none.)"""
     if WHOLE:
