@@ -357,6 +357,27 @@ def test_inplace_position_ids_per_batch_row(fresh, monkeypatch, dt, every):
         assert_rotated(ko, rk, dt, what=f"k {vars(cfg)}")
 
 
+def test_position_ids_written_between_calls(fresh):
+    """position_ids' range is kept per tensor and version between calls: ids written in place
+    after a first call rotate by their new values, a written id outside cos/sin is refused by
+    name, and ids written where torch counts no version (.data) still reach the kernel as they
+    are (only the range is kept, not the ids)."""
+    B, Hq, Hk, S, D, R_ = 2, 32, 8, 301, 128, 128
+    q, k, cos, sin = make(B, Hq, Hk, S, D, R_, torch.bfloat16, rows=S + 9)
+    ids = torch.randint(0, S + 9, (B, S), device="cuda")
+    for write in (None, lambda: ids.copy_(torch.randint(0, S + 9, (B, S), device="cuda")),
+                  lambda: ids.data.copy_(torch.randint(0, S + 9, (B, S), device="cuda"))):
+        if write is not None:
+            write()
+        rq, rk = reference(q, k, cos, sin, ids, R_)
+        qo, ko = apply_rope(q, k, cos, sin, position_ids=ids)
+        assert_rotated(qo, rq, torch.bfloat16, what="q_embed")
+        assert_rotated(ko, rk, torch.bfloat16, what="k_embed")
+    ids[1, 7] = S + 9
+    with pytest.raises(ValueError, match=r"^apply_rope: position_ids range .* is outside"):
+        apply_rope(q, k, cos, sin, position_ids=ids)
+
+
 @pytest.mark.parametrize("shape,with_pos", [((2, 8, 2, 423, 80, 40), False),
                                             ((2, 8, 2, 423, 80, 40), True),
                                             ((4, 32, 8, 2047, 128, 128), False),
