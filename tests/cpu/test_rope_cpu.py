@@ -1,5 +1,7 @@
 """RoPE's host side on CPU tensors, ct.launch stubbed (nothing is computed): what reaches the
 kernels, and what autograd is told."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -275,7 +277,6 @@ def test_bounds_checks_are_dropped_only_where_every_tile_is_whole(host_only, inp
 
 def test_whole_tiles_need_positions_that_fill_the_position_tile():
     """A tile of several positions over an S that is not a multiple of it reaches past S."""
-    from types import SimpleNamespace
     for tile_s, S, whole in ((1, 423, True), (4, 423, False), (4, 424, True), (16, 4096, True)):
         assert RP._whole(SimpleNamespace(tile_s=tile_s), 4, 1, S, 32) is whole
     assert RP._whole(SimpleNamespace(tile_s=1), 4, 3, 64, 32) is False
