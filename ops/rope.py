@@ -133,6 +133,12 @@ def half_fills_tile(half):
     return _power_of_two(half)
 
 
+def _heads_fill_tiles(heads, half):
+    """The heads and the rotary half fill their tiles (powers of two): the position's tiles are
+    whole (`_whole`)."""
+    return _power_of_two(heads) and half_fills_tile(half)
+
+
 BASE_ROWS = ((4, True, 1, 1), (4, True, 1, 5), (4, True, 1, 10), (2, True, 1, 5), (8, True, 1, 1),
              (8, True, 1, 5), (2, False, 1, 1))
 ONE_CTA_A_POSITION = (2, False, 1, 1)
@@ -147,8 +153,7 @@ def rope_tile_configs(arch, heads, rot, has_pos=False):
     # stays first.
     per_position = next_pow2(heads) * 2 * next_pow2(max(rot // 2, 1))
     rows = BASE_ROWS
-    if _power_of_two(heads) and half_fills_tile(rot // 2) and \
-            MAX_MULTI_POSITION < per_position < 2 * EIGHT_WARPS:
+    if _heads_fill_tiles(heads, rot // 2) and MAX_MULTI_POSITION < per_position < 2 * EIGHT_WARPS:
         rows = (ONE_CTA_A_POSITION,) + tuple(r for r in BASE_ROWS if r != ONE_CTA_A_POSITION)
     yield from table(FIELDS, rows)
     # Halves as tiles (where a half fills its tile): each half loaded and stored as tile 0 or 1 of
@@ -216,8 +221,7 @@ def _whole(c, q_heads, k_heads, S, half):
     """Every tile of the rotary halves lies inside q and k (head counts and the half powers of
     two, S a multiple of the position tile), and so do the tiles' cos/sin rows where no
     position ids pick them (`prepare` checks that cos/sin hold S rows)."""
-    return (half_fills_tile(half) and _power_of_two(q_heads) and _power_of_two(k_heads)
-            and S % c.tile_s == 0)
+    return _heads_fill_tiles(q_heads, half) and _power_of_two(k_heads) and S % c.tile_s == 0
 
 
 def _out_args(c, q, k, cos, sin, pos, q_out, k_out, rot, backward, f32):

@@ -140,12 +140,14 @@ def _id_range(position_ids):
     ids: a write torch does not count, such as a CUDA graph's replay, would leave a kept copy
     stale. A stale range can only miss a bad id, which then reads zeros from the bounds-checked
     cos/sin loads, as under torch.compile.)"""
-    if position_ids.is_inference():
+    def read():     # both bounds in one read back (min and max one at a time would be two)
         return torch.stack(torch.aminmax(position_ids)).tolist()
+    if position_ids.is_inference():
+        return read()
     stamp = (position_ids._version, position_ids.data_ptr())
     seen = _ID_RANGES.get(position_ids)
     if seen is None or seen[0] != stamp:
-        seen = stamp, *torch.stack(torch.aminmax(position_ids)).tolist()
+        seen = stamp, *read()
         _ID_RANGES[position_ids] = seen
     return seen[1], seen[2]
 
