@@ -88,8 +88,7 @@ def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
 
 
 def _params(kind, cfg, *shape, packed=False, offset=None):
-    params = aot_params(kind, cfg.tm, cfg.tn, *shape, packed=packed, offset=offset)
-    return params + [cfg.split] if getattr(cfg, "pair", False) else params
+    return aot_params(kind, cfg.tm, cfg.tn, *shape, packed=packed, offset=offset)
 
 
 def compile_cases():

@@ -235,7 +235,7 @@ def fmha_fwd_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.Consta
 @ct.kernel
 def fmha_fwd_pair_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.Constant[int],
                          TN: ct.Constant[int], TD: ct.Constant[int], CAUSAL: ct.Constant[bool],
-                         PACKED: ct.Constant[bool], SPLIT: ct.Constant[bool]):
+                         PACKED: ct.Constant[bool]):
     """fmha_fwd_kernel's result with one CTA per two neighbouring query tiles (2p, 2p + 1).
     cdiv(cdiv(Sq, TM), 2) tiles x B*Hq heads. Each K and V tile is loaded once for both, so
     K/V cross L2 once per 2 * TM query rows, and the two online softmaxes are independent
@@ -266,14 +266,12 @@ def fmha_fwd_pair_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.C
     m_1 = ct.full((TM, 1), NEG_INF, ct.float32)
     l_1 = ct.zeros((TM, 1), ct.float32)
     acc1 = ct.zeros((TM, TD), ct.float32)
-    # Under a causal mask tile 1 sees key tiles [end0, end1) that tile 0 does not (end0 <=
-    # end1). SPLIT: a second loop runs them for tile 1 alone; otherwise one loop runs both
-    # tiles over all of them, tile 0's extra ones fully masked (P = 0). Their sm_90 builds
-    # differ (tileiras 13.4): SPLIT's causal build takes more shared memory (200 against 133 KB
-    # at D128 64x128) and ran 1.04-1.10x the one loop at D128 on an H100; at D64 it spills and
-    # at D256 it takes 232 KB (references/parameter-space-design.md, FMHA). Without a mask the
-    # two forms build the same code.
-    both = min(end0, end1) if SPLIT else max(end0, end1)
+    # Key tiles [0, end0) serve both tiles; under a causal mask tile 1 alone sees [end0, end1)
+    # (end0 <= end1), which a second loop runs. Built this way (sm_90, tileiras 13.4) the
+    # causal kernel takes more shared memory (200 against 133 KB at 64x128) and ran 1.04-1.09x
+    # one loop over both ranges, where tile 0 computed its extra tiles fully masked (H100,
+    # references/parameter-space-design.md, FMHA).
+    both = min(end0, end1)
     for n in range(both):
         kt = _keys_t(k, b, hk, n, TN, TD)
         s0 = ct.mma(qt0, kt, ct.zeros((TM, TN), ct.float32))
@@ -287,14 +285,13 @@ def fmha_fwd_pair_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.C
         acc0 = ct.mma(p0.astype(v.dtype), vt, acc0 * alpha0)
         m_1, l_1, p1, alpha1 = _online_softmax(s1, m_1, l_1, qk_scale)
         acc1 = ct.mma(p1.astype(v.dtype), vt, acc1 * alpha1)
-    if SPLIT:
-        for n in range(both, end1):
-            kt = _keys_t(k, b, hk, n, TN, TD)
-            s1 = _masked(ct.mma(qt1, kt, ct.zeros((TM, TN), ct.float32)), n, cols, sk, last1,
-                         TN, CAUSAL)
-            vt = _tile(v, b, hk, n, TN, TD)
-            m_1, l_1, p1, alpha1 = _online_softmax(s1, m_1, l_1, qk_scale)
-            acc1 = ct.mma(p1.astype(v.dtype), vt, acc1 * alpha1)
+    for n in range(both, end1):
+        kt = _keys_t(k, b, hk, n, TN, TD)
+        s1 = _masked(ct.mma(qt1, kt, ct.zeros((TM, TN), ct.float32)), n, cols, sk, last1, TN,
+                     CAUSAL)
+        vt = _tile(v, b, hk, n, TN, TD)
+        m_1, l_1, p1, alpha1 = _online_softmax(s1, m_1, l_1, qk_scale)
+        acc1 = ct.mma(p1.astype(v.dtype), vt, acc1 * alpha1)
     _store_rows(o, lse, b, h, bh, m0, acc0, m_0, l_0, TM, TD)
     _store_rows(o, lse, b, h, bh, m1, acc1, m_1, l_1, TM, TD)
 
@@ -664,11 +661,8 @@ def _entries(kind, arch, td, sq, sk):
 # warpgroup, 128 registers, no spill) halves K/V's L2 traffic and still overlaps one CTA's
 # prologue and epilogue with another's loop: it leads where each CTA's loop is short (1024
 # tokens: 0.92x cuDNN against 0.80x for the best one-tile entry, H100).
-# Fields (tm, tn, occupancy, worker warps, split: tile 1's own causal key tiles in a loop of
-# their own, fmha_fwd_pair_kernel's SPLIT).
-PAIR_FIELDS = ("tm", "tn", "occupancy", "num_worker_warps", "split")
-PAIR_ENTRIES = {64: [(64, 128, 1, 4, False)], 128: [(64, 128, 1, 4, True), (64, 64, 2, 4, True)],
-                256: [(64, 64, 1, 4, False)]}
+PAIR_ENTRIES = {64: [(64, 128, 1, 4)], 128: [(64, 128, 1, 4), (64, 64, 2, 4)],
+                256: [(64, 64, 1, 4)]}
 
 
 def fwd_configs(arch, td, sq=4096, sk=4096, causal=False, packed=False):
@@ -676,7 +670,7 @@ def fwd_configs(arch, td, sq=4096, sk=4096, causal=False, packed=False):
     if major(arch) == 9 and not packed:
         cap_m, cap_n = _tile_caps(sq, sk)
         cfgs += [SimpleNamespace(**vars(c), pair=True) for c in
-                 table(PAIR_FIELDS, PAIR_ENTRIES[64 if td <= 64 else td], num_ctas=1)
+                 table(FIELDS, PAIR_ENTRIES[64 if td <= 64 else td], num_ctas=1)
                  if 2 * c.tm <= cap_m and c.tn <= cap_n]
     yield from cfgs
 
@@ -855,9 +849,8 @@ def _key_grid(c, dev, q, k, *rest):
 
 
 def _fwd_args(c, q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, td, causal, packed):
-    args = (q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, c.tm, c.tn, td, causal,
+    return (q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, c.tm, c.tn, td, causal,
             packed is not None)
-    return args + (c.split,) if getattr(c, "pair", False) else args
 
 
 def _dq_args(c, q, k, v, o, do, lse, delta, dq, cu_q, cu_k, qk_scale, scale, offset, td, causal,
