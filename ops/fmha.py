@@ -240,9 +240,9 @@ def fmha_fwd_pair_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.C
     cdiv(cdiv(Sq, TM), 2) tiles x B*Hq heads. Each K and V tile is loaded once for both, so
     K/V cross L2 once per 2 * TM query rows, and the two online softmaxes are independent
     chains: on sm_90 at occupancy 1 tileiras runs them on two consumer warpgroups beside the TMA
-    producer (384 threads), the structure of cuDNN's forward. A second tile past Sq computes on zero padding
-    and its stores are clipped. Dense batches only: with PACKED's sliced views the sm_90 build
-    puts both chains in one warpgroup and spills, so packed keys never choose it."""
+    producer (384 threads), the structure of cuDNN's forward. A second tile past Sq computes on
+    zero padding and its stores are clipped. Dense batches only: with PACKED's sliced views the
+    sm_90 build puts both chains in one warpgroup and spills, so packed keys never choose it."""
     ct.static_assert(not PACKED, "fmha_fwd_pair_kernel takes dense batches only")
     p, b, h, hk, bh, _, _ = _query_block(q, k, cu_q, CAUSAL, False)
     m0 = 2 * p
@@ -647,7 +647,7 @@ def _entries(kind, arch, td, sq, sk):
 # keys leave it out. The D128 entry at occupancy 2 (64-key tiles: 256 threads, both chains in one
 # warpgroup, 128 registers, no spill) halves K/V's L2 traffic and still overlaps one CTA's
 # prologue and epilogue with another's loop: it leads where each CTA's loop is short (1024
-# tokens: 0.92x cuDNN against 0.80x for the best one-tile entry, H100).
+# tokens: 0.90-0.93x cuDNN against 0.80-0.81x for the best one-tile entry, H100).
 PAIR_ENTRIES = {64: [(64, 128, 1, 4)], 128: [(64, 128, 1, 4), (64, 64, 2, 4)],
                 256: [(64, 64, 1, 4)]}
 
