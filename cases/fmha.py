@@ -88,7 +88,8 @@ def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
 
 
 def _params(kind, cfg, *shape, packed=False, offset=None):
-    return aot_params(kind, cfg.tm, cfg.tn, *shape, packed=packed, offset=offset)
+    params = aot_params(kind, cfg.tm, cfg.tn, *shape, packed=packed, offset=offset)
+    return params + [cfg.split] if getattr(cfg, "pair", False) else params
 
 
 def compile_cases():

@@ -235,7 +235,7 @@ def fmha_fwd_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.Consta
 @ct.kernel
 def fmha_fwd_pair_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.Constant[int],
                          TN: ct.Constant[int], TD: ct.Constant[int], CAUSAL: ct.Constant[bool],
-                         PACKED: ct.Constant[bool]):
+                         PACKED: ct.Constant[bool], SPLIT: ct.Constant[bool]):
     """fmha_fwd_kernel's result with one CTA per two neighbouring query tiles (2p, 2p + 1).
     cdiv(cdiv(Sq, TM), 2) tiles x B*Hq heads. Each K and V tile is loaded once for both, so
     K/V cross L2 once per 2 * TM query rows, and the two online softmaxes are independent
@@ -266,7 +266,11 @@ def fmha_fwd_pair_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.C
     m_1 = ct.full((TM, 1), NEG_INF, ct.float32)
     l_1 = ct.zeros((TM, 1), ct.float32)
     acc1 = ct.zeros((TM, TD), ct.float32)
-    for n in range(max(end0, end1)):       # tile 0's extra tiles are fully masked: P = 0
+    # Under a causal mask tile 1 sees key tiles [end0, end1) that tile 0 does not. SPLIT runs
+    # them for tile 1 alone in a second loop; without it one loop runs them for both, tile 0's
+    # fully masked (P = 0): fewer instructions, but twice the MMAs on those tiles.
+    both = min(end0, end1) if SPLIT else max(end0, end1)
+    for n in range(both):
         kt = _keys_t(k, b, hk, n, TN, TD)
         s0 = ct.mma(qt0, kt, ct.zeros((TM, TN), ct.float32))
         s1 = ct.mma(qt1, kt, ct.zeros((TM, TN), ct.float32))
@@ -279,6 +283,10 @@ def fmha_fwd_pair_kernel(q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, TM: ct.C
         acc0 = ct.mma(p0.astype(v.dtype), vt, acc0 * alpha0)
         m_1, l_1, p1, alpha1 = _online_softmax(s1, m_1, l_1, qk_scale)
         acc1 = ct.mma(p1.astype(v.dtype), vt, acc1 * alpha1)
+    if SPLIT:
+        for n in range(both, end1):
+            s1 = _masked(_scores(qt1, k, b, hk, n, TN, TD), n, cols, sk, last1, TN, CAUSAL)
+            m_1, l_1, acc1 = _softmax_step(s1, m_1, l_1, acc1, v, b, hk, n, qk_scale, TN, TD)
     _store_rows(o, lse, b, h, bh, m0, acc0, m_0, l_0, TM, TD)
     _store_rows(o, lse, b, h, bh, m1, acc1, m_1, l_1, TM, TD)
 
@@ -648,8 +656,10 @@ def _entries(kind, arch, td, sq, sk):
 # warpgroup, 128 registers, no spill) halves K/V's L2 traffic and still overlaps one CTA's
 # prologue and epilogue with another's loop: it leads where each CTA's loop is short (1024
 # tokens: 0.90-0.93x cuDNN against 0.80-0.81x for the best one-tile entry, H100).
-PAIR_ENTRIES = {64: [(64, 128, 1, 4)], 128: [(64, 128, 1, 4), (64, 64, 2, 4)],
-                256: [(64, 64, 1, 4)]}
+PAIR_FIELDS = ("tm", "tn", "occupancy", "num_worker_warps", "split")
+PAIR_ENTRIES = {64: [(64, 128, 1, 4, False)],
+                128: [(64, 128, 1, 4, True), (64, 64, 2, 4, True)],
+                256: [(64, 64, 1, 4, False)]}
 
 
 def fwd_configs(arch, td, sq=4096, sk=4096, causal=False, packed=False):
@@ -657,7 +667,7 @@ def fwd_configs(arch, td, sq=4096, sk=4096, causal=False, packed=False):
     if major(arch) == 9 and not packed:
         cap_m, cap_n = _tile_caps(sq, sk)
         cfgs += [SimpleNamespace(**vars(c), pair=True) for c in
-                 table(FIELDS, PAIR_ENTRIES[64 if td <= 64 else td], num_ctas=1)
+                 table(PAIR_FIELDS, PAIR_ENTRIES[64 if td <= 64 else td], num_ctas=1)
                  if 2 * c.tm <= cap_m and c.tn <= cap_n]
     yield from cfgs
 
@@ -836,8 +846,9 @@ def _key_grid(c, dev, q, k, *rest):
 
 
 def _fwd_args(c, q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, td, causal, packed):
+    pair = (c.split,) if getattr(c, "pair", False) else ()
     return (q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, c.tm, c.tn, td, causal,
-            packed is not None)
+            packed is not None, *pair)
 
 
 def _dq_args(c, q, k, v, o, do, lse, delta, dq, cu_q, cu_k, qk_scale, scale, offset, td, causal,

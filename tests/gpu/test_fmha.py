@@ -250,6 +250,7 @@ def test_every_config_is_correct(fresh, monkeypatch, tuner, d, sq, sk, causal, d
     (1, 4, 4, 1000, 4097, 64, False, torch.float16),
     (1, 2, 2, 333, 333, 256, True, torch.bfloat16),
     (1, 4, 4, 4097, 1000, 128, True, torch.bfloat16),     # 3097 rows see no key
+    (2, 4, 2, 1000, 4097, 128, True, torch.float16),      # causal bottom-right, Sq < Sk
 ], ids=str)
 def test_pair_forward(fresh, monkeypatch, case):
     """The two-tile forward (heaviest pair first under a causal mask) against the reference:
@@ -393,6 +394,14 @@ def test_aot_signature_matches_jit():
                                                    CallingConvention.cutile_python_v2())
             mine = signature(FC.aot_params(kind, 64, 64, dt, B, hq, hkv, sq, sk, d, True))
             assert jit.parameters == mine.parameters, (kind, B, hq, hkv, sq, sk, d)
+        for pair in FM.fwd_configs("sm_90", td, causal=True):     # the two-tile forward's
+            if getattr(pair, "pair", False):
+                jit = KernelSignature.from_kernel_args(
+                    FM.fmha_fwd_pair_kernel, FM._fwd_args(pair, q, k, v, o, lse, cu, cu, 0.1, 0,
+                                                          td, True, None),
+                    CallingConvention.cutile_python_v2())
+                mine = signature(FC._params("fwd", pair, dt, B, hq, hkv, sq, sk, d, True))
+                assert jit.parameters == mine.parameters, (vars(pair), B, hq, hkv, sq, sk, d)
 
 
 def test_lse_stand_in_has_the_signature_of_the_rows():
