@@ -656,19 +656,23 @@ def _entries(kind, arch, td, sq, sk):
 # warpgroup, 128 registers, no spill) halves K/V's L2 traffic and still overlaps one CTA's
 # prologue and epilogue with another's loop: it leads where each CTA's loop is short (1024
 # tokens: 0.90-0.93x cuDNN against 0.80-0.81x for the best one-tile entry, H100).
-PAIR_FIELDS = ("tm", "tn", "occupancy", "num_worker_warps", "split")
-PAIR_ENTRIES = {64: [(64, 128, 1, 4, False)],
-                128: [(64, 128, 1, 4, True), (64, 64, 2, 4, True)],
-                256: [(64, 64, 1, 4, False)]}
+PAIR_ENTRIES = {64: [(64, 128, 1, 4)], 128: [(64, 128, 1, 4), (64, 64, 2, 4)],
+                256: [(64, 64, 1, 4)]}
+# Causal keys at these head-dim tiles also get each pair entry in its two-loop form (`split`):
+# its best entry ran 1.04-1.10x the one-loop form's best on one H100 and 0.99-1.03x on another,
+# so the search chooses. (At D64 its build spills, at D256 it overflows shared memory; without
+# a mask it is the one-loop build.)
+SPLIT_TDS = (128,)
 
 
 def fwd_configs(arch, td, sq=4096, sk=4096, causal=False, packed=False):
     cfgs = list(_entries("fwd", arch, td, sq, sk))
     if major(arch) == 9 and not packed:
         cap_m, cap_n = _tile_caps(sq, sk)
-        cfgs += [SimpleNamespace(**vars(c), pair=True) for c in
-                 table(PAIR_FIELDS, PAIR_ENTRIES[64 if td <= 64 else td], num_ctas=1)
-                 if 2 * c.tm <= cap_m and c.tn <= cap_n]
+        splits = (False, True) if causal and td in SPLIT_TDS else (False,)
+        cfgs += [SimpleNamespace(**vars(c), pair=True, split=split) for c in
+                 table(FIELDS, PAIR_ENTRIES[64 if td <= 64 else td], num_ctas=1)
+                 if 2 * c.tm <= cap_m and c.tn <= cap_n for split in splits]
     yield from cfgs
 
 

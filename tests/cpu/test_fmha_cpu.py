@@ -61,7 +61,7 @@ def test_aot_covers_every_sm90_and_sm100_config_at_d128_and_every_sm90_one_at_d6
             for cfg in gen(arch, td, causal=True):
                 assert any(f"fmha {kind} " in lb and str(vars(cfg)) in lb for lb in labels), \
                     (kind, arch, td, vars(cfg))
-    assert len(labels) <= 105, "keep the CI's FMHA builds near 145 (two archs)"
+    assert len(labels) <= 106, "keep the CI's FMHA builds near 145 (two archs)"
 
 
 def test_d64_forward_offers_four_ctas_an_sm_on_sm90_only():
@@ -75,10 +75,13 @@ def test_d64_forward_offers_four_ctas_an_sm_on_sm90_only():
 
 def test_causal_forward_runs_heaviest_tiles_first_with_one_space():
     """The query-tile order is no config field: a causal forward runs each head's heaviest tile
-    first (the kernel derives the order from CAUSAL), and causal keys search the same configs."""
+    first (the kernel derives the order from CAUSAL), and causal keys search the same configs
+    (and, on sm_90, the two-tile entries' two-loop forms)."""
     for arch in ("sm_90", "sm_100"):
         plain = [vars(c) for c in FM.fwd_configs(arch, 128)]
-        assert [vars(c) for c in FM.fwd_configs(arch, 128, causal=True)] == plain
+        causal = [vars(c) for c in FM.fwd_configs(arch, 128, causal=True)]
+        assert [c for c in causal if not c.get("split")] == plain
+        assert len(causal) - len(plain) == (2 if arch == "sm_90" else 0)
         assert not any("heavy_first" in c for c in plain)
     q, k, v = _qkv(sq=100, sk=100, d=64)
     lse2 = FM._flat(torch.empty(2, 4, 100))
@@ -97,10 +100,13 @@ def test_pair_forward_on_sm90_dense_keys_only():
         pairs = [c for c in FM.fwd_configs("sm_90", td) if getattr(c, "pair", False)]
         assert len(pairs) == (2 if td == 128 else 1)
         assert all(FM.fwd_kernel_for(c) is FM.fmha_fwd_pair_kernel for c in pairs)
-        # the two-loop form only where its build was measured (D64 spills, D256 overflows
-        # shared memory), passed as the kernel's last constant
-        assert [c.split for c in pairs] == [td == 128] * len(pairs)
-        assert all(FM._fwd_args(c, *[None] * 12)[-1] is c.split for c in pairs)
+        # each entry also in its two-loop form for causal keys where that build was measured
+        # (D64 spills, D256 overflows shared memory), passed as the kernel's last constant
+        assert not any(c.split for c in pairs)
+        causal = [c for c in FM.fwd_configs("sm_90", td, causal=True) if getattr(c, "pair", False)]
+        assert [c.split for c in causal] == [False, True] * len(pairs) if td == 128 else \
+            [False] * len(pairs)
+        assert all(FM._fwd_args(c, *[None] * 12)[-1] is c.split for c in causal)
         assert not any(getattr(c, "pair", False) for c in FM.fwd_configs(
             "sm_90", td, packed=True, causal=True))
     assert FM.fwd_kernel_for(next(FM.fwd_configs("sm_90", 128))) is FM.fmha_fwd_kernel

@@ -260,7 +260,8 @@ def test_pair_forward(fresh, monkeypatch, case):
     td = FM.head_tile(d)
     pairs = [c for c in FM.fwd_configs("sm_90", td, sq, sk, causal=causal)
              if getattr(c, "pair", False)]
-    assert len(pairs) == len(FM.PAIR_ENTRIES[64 if td <= 64 else td])  # every one fits here
+    forms = 2 if causal and td in FM.SPLIT_TDS else 1         # one loop, and two (split)
+    assert len(pairs) == forms * len(FM.PAIR_ENTRIES[64 if td <= 64 else td])  # all fit here
     for _ in each_config(monkeypatch, FM._fwd, pairs):
         o, _grads = check(q, k, v, causal)
         dead = min(max(sq - sk, 0), sq) if causal else 0
