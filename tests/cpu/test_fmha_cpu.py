@@ -104,8 +104,7 @@ def test_pair_forward_on_sm90_dense_keys_only():
         # (D64 spills, D256 overflows shared memory), passed as the kernel's last constant
         assert not any(c.split for c in pairs)
         causal = [c for c in FM.fwd_configs("sm_90", td, causal=True) if getattr(c, "pair", False)]
-        assert [c.split for c in causal] == [False, True] * len(pairs) if td == 128 else \
-            [False] * len(pairs)
+        assert [c.split for c in causal] == ([False, True] if td == 128 else [False]) * len(pairs)
         assert all(FM._fwd_args(c, *[None] * 12)[-1] is c.split for c in causal)
         assert not any(getattr(c, "pair", False) for c in FM.fwd_configs(
             "sm_90", td, packed=True, causal=True))
