@@ -88,8 +88,8 @@ def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
 
 
 def _params(kind, cfg, *shape, packed=False, offset=None):
-    params = aot_params(kind, cfg.tm, cfg.tn, *shape, packed=packed, offset=offset)
-    return params + [cfg.split] if getattr(cfg, "pair", False) else params
+    return (aot_params(kind, cfg.tm, cfg.tn, *shape, packed=packed, offset=offset)
+            + list(FM.pair_constants(cfg)))
 
 
 def compile_cases():

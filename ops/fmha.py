@@ -849,10 +849,15 @@ def _key_grid(c, dev, q, k, *rest):
     return _round_grid(tiles, heads, sm_count(dev) * c.occupancy, causal)
 
 
+def pair_constants(c):
+    """The two-tile forward's constants after those of the one-tile kernels (none for a one-tile
+    config): the launch and the CI's compile signatures both append them."""
+    return (c.split,) if getattr(c, "pair", False) else ()
+
+
 def _fwd_args(c, q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, td, causal, packed):
-    pair = (c.split,) if getattr(c, "pair", False) else ()
     return (q, k, v, o, lse, cu_q, cu_k, qk_scale, offset, c.tm, c.tn, td, causal,
-            packed is not None, *pair)
+            packed is not None, *pair_constants(c))
 
 
 def _dq_args(c, q, k, v, o, do, lse, delta, dq, cu_q, cu_k, qk_scale, scale, offset, td, causal,
