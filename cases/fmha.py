@@ -44,12 +44,14 @@ def hf_array(dt, B, H, S, d, packed=False):
     return jit_array(dt, (B, H, S, d), (S * H * d, d, H * d, 1))
 
 
-def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, packed=False, offset=None):
+def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, packed=False, offset=None,
+               fused=False):
     """The signature the JIT specializes `kind`'s kernel on for inputs in HF's layout (outputs
     laid out like their inputs, LSE2/delta (B*Hq, Sq) float32 rows padded to 16 bytes), constants
     in place. packed: a packed batch of B sequences, sq and sk tokens in all, contiguous
     (T, H, D) tensors seen as (1, H, T, D); the unread offsets of a dense launch are (2,).
-    offset: the causal diagonal's (None: bottom-right, as `fmha` aligns it)."""
+    offset: the causal diagonal's (None: bottom-right, as `fmha` aligns it). fused: the fused
+    backward's kernel (kind "dkdv"), its float32 dQ contiguous."""
     q, kv = hf_array(dt, B, hq, sq, d, packed), hf_array(dt, B, hkv, sk, d, packed)
     rows = stat_rows(hq if packed else B * hq, sq)
     cu = jit_array(torch.int32, (B + 1,) if packed else (2,))
@@ -60,7 +62,20 @@ def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, packed=False, of
         offset = sk - sq if offset is None else offset
         return ([q, kv, kv, q, q, rows, rows, q, cu, cu, F32, F32, I32] + tail
                 + [packed, causal and not packed and offset + sq > sk])
+    if fused:
+        offset = sk - sq if offset is None else offset
+        dq32 = jit_array(torch.float32, (B, hq, sq, d))
+        return ([q, kv, kv, q, rows, rows, kv, kv, dq32, F32, F32, I32] + tail
+                + [not causal or offset + sq > sk])
     return [q, kv, kv, q, rows, rows, kv, kv, cu, cu, F32, F32, I32] + tail + [packed]
+
+
+def fused_helper_params(dt, B, hq, sq, d):
+    """The fused backward's prep and cast kernels' signatures (o, dO and dq in HF's layout)."""
+    q, rows = hf_array(dt, B, hq, sq, d), stat_rows(B * hq, sq)
+    dq32, td = jit_array(torch.float32, (B, hq, sq, d)), FM.head_tile(d)
+    return ([q, q, rows, dq32, FM.FUSED_PREP_TM, td],
+            [dq32, q, F32, FM.FUSED_PREP_TM, td])
 
 
 def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
@@ -88,7 +103,8 @@ def decode_params(cfg, dt, B, hq, hkv, sq, sk, d, causal, lengths):
 
 
 def _params(kind, cfg, *shape, packed=False, offset=None):
-    return (aot_params(kind, cfg.tm, cfg.tn, *shape, packed=packed, offset=offset)
+    return (aot_params(kind, cfg.tm, cfg.tn, *shape, packed=packed, offset=offset,
+                       fused=getattr(cfg, "fused", False))
             + list(FM.pair_constants(cfg)))
 
 
@@ -135,6 +151,19 @@ def compile_cases():
                    if getattr(c, "pair", False))
         yield CompileCase("fmha", FM._fwd.build(cfg), _params("fwd", cfg, *shape),
                           f"fmha fwd {label} pair {vars(cfg)}")
+    # the fused backward without a causal mask (keys past Sk masked) and at a ragged GQA
+    # shape, fp16; its prep and cast kernels
+    for label, shape in [("non-causal", (bf, 4, 32, 32, 4096, 4096, 128, False)),
+                         ("ragged GQA Sq1000 fp16", (f16, 2, 8, 2, 1000, 1000, 128, True))]:
+        dt, B, hq, hkv, sq, sk, d, causal = shape
+        cfg = next(c for c in FM.dkdv_configs("sm_90", 128, bucket(sq), bucket(sk), causal)
+                   if getattr(c, "fused", False))
+        yield CompileCase("fmha", FM._dkdv.build(cfg), _params("dkdv", cfg, *shape),
+                          f"fmha dkdv {label} fused {vars(cfg)}")
+    for name, kernel, params in zip(("prep", "cast"),
+                                    (FM.fmha_bwd_prep_kernel, FM.fmha_bwd_cast_kernel),
+                                    fused_helper_params(bf, *head[1:3], *head[4:5], 128)):
+        yield CompileCase("fmha", kernel, params, f"fmha fused backward {name} B4 H32 S4096 D128")
     shape = (f16, 8, 16, 16, 2048, 2048, 64, True)     # the sm_90 entries of D64 alone
     for kind, gen in GENS.items():
         d128 = list(gen("sm_90", 128, causal=True))

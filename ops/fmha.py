@@ -406,6 +406,89 @@ def fmha_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, 
     ct.store(dv, (b, hk, n, 0), ct.reshape(dv_acc.astype(dv.dtype), (1, 1, TN, TD)))
 
 
+# The fused backward (dense batches): delta and a zeroed float32 dQ first, then one kernel on
+# the dK/dV grid that also adds each (query tile, key tile) pair's dQ share, dS K, into that dQ
+# with a TMA reduce-add (5 MMAs a pair against the split kernels' 7), then dQ scaled and cast.
+
+@ct.kernel
+def fmha_bwd_prep_kernel(o, do, delta, dq32, TM: ct.Constant[int], TD: ct.Constant[int]):
+    """delta (B*Hq, Sq) = rowsum(dO * O) and the float32 dQ zeroed, for one query tile of one
+    head: cdiv(Sq, TM) x B*Hq CTAs."""
+    m, bh = ct.bid(0), ct.bid(1)
+    b, h = _unflatten(bh, o.shape[1])
+    ot = _tile(o, b, h, m, TM, TD).astype(ct.float32)
+    dot = _tile(do, b, h, m, TM, TD).astype(ct.float32)
+    ct.store(delta, (bh, m), ct.reshape(ct.sum(ot * dot, axis=1), (1, TM)))
+    ct.store(dq32, (b, h, m, 0), ct.zeros((1, 1, TM, TD), ct.float32))
+
+
+@ct.kernel
+def fmha_bwd_cast_kernel(dq32, dq, scale, TM: ct.Constant[int], TD: ct.Constant[int]):
+    """dq = scale * dq32 in dq's dtype, one query tile of one head (the prep kernel's grid)."""
+    m, bh = ct.bid(0), ct.bid(1)
+    b, h = _unflatten(bh, dq.shape[1])
+    t = ct.load(dq32, (b, h, m, 0), (1, 1, TM, TD), padding_mode=ZERO)
+    ct.store(dq, (b, h, m, 0), (t * scale).astype(dq.dtype))
+
+
+@ct.kernel
+def fmha_bwd_fused_kernel(q, k, v, do, lse, delta, dk, dv, dq32, qk_scale, scale, offset,
+                          TM: ct.Constant[int], TN: ct.Constant[int], TD: ct.Constant[int],
+                          CAUSAL: ct.Constant[bool], SEES_PAST_SK: ct.Constant[bool]):
+    """The dK/dV kernel's work for one key tile of one kv head (its grid and loop), plus each
+    query tile's share of dQ (unscaled) added into dq32 (B, Hq, Sq, D) float32. SEES_PAST_SK:
+    some row's visible keys reach past Sk (no causal mask, or a top-left diagonal with Sq > Sk):
+    the last key tile's padded keys are masked in P, since 2^-LSE2 can overflow dS there and
+    the reduce-add would carry inf x 0 into dQ (dK/dV alone drop those rows on store)."""
+    n, bhk = _block()
+    hkv = k.shape[1]
+    hq = q.shape[1]
+    group = hq // hkv
+    b, hk = _unflatten(bhk, hkv)
+    sq = q.shape[2]
+    sk = k.shape[2]
+    dq_tiles = dq32.tiled_view((1, 1, TM, TD))
+    kt = _tile(k, b, hk, n, TN, TD)                                    # [TN, TD]
+    vt = _tile(v, b, hk, n, TN, TD)
+    num_m = ct.cdiv(sq, TM)
+    if CAUSAL:
+        m_start = min(max(n * TN - offset, 0) // TM, num_m)
+        m_full = ct.cdiv(max((n + 1) * TN - 1 - offset, 0), TM)
+    else:
+        m_start = 0
+        m_full = 0
+    per_head = num_m - m_start
+    keys = n * TN + ct.arange(TN, dtype=ct.int32)[:, None]            # [TN, 1]
+    rows = ct.arange(TM, dtype=ct.int32)[None, :] + offset            # [1, TM]
+    dk_acc = ct.zeros((TN, TD), ct.float32)
+    dv_acc = ct.zeros((TN, TD), ct.float32)
+    for t in range(group * per_head):
+        g = t // per_head
+        mi = m_start + (t - g * per_head)
+        h = hk * group + g
+        bh = b * hq + h
+        qt = _tile(q, b, h, mi, TM, TD)                                # [TM, TD]
+        dot = _tile(do, b, h, mi, TM, TD)
+        lse2 = _row(lse, bh, mi, TM)                                   # [1, TM]
+        dl = _row(delta, bh, mi, TM)
+        s_t = ct.mma(kt, ct.transpose(qt), ct.zeros((TN, TM), ct.float32))   # [TN, TM]
+        p_t = ct.exp2(s_t * qk_scale - lse2, flush_to_zero=True)
+        if CAUSAL:
+            if mi < m_full:
+                p_t = ct.where(keys <= mi * TM + rows, p_t, 0.0)
+        if SEES_PAST_SK:
+            if (n + 1) * TN > sk:
+                p_t = ct.where(keys < sk, p_t, 0.0)
+        dv_acc = ct.mma(p_t.astype(q.dtype), dot, dv_acc)
+        dp_t = ct.mma(vt, ct.transpose(dot), ct.zeros((TN, TM), ct.float32))
+        ds_t = (p_t * (dp_t - dl)).astype(q.dtype)
+        dk_acc = ct.mma(ds_t, qt, dk_acc)
+        dq_part = ct.mma(ct.transpose(ds_t), kt, ct.zeros((TM, TD), ct.float32))
+        dq_tiles.atomic_store_add((b, h, mi, 0), ct.reshape(dq_part, (1, 1, TM, TD)))
+    ct.store(dk, (b, hk, n, 0), ct.reshape((dk_acc * scale).astype(dk.dtype), (1, 1, TN, TD)))
+    ct.store(dv, (b, hk, n, 0), ct.reshape(dv_acc.astype(dv.dtype), (1, 1, TN, TD)))
+
+
 # Decode (Sq <= 16): one CTA owns the Sq query rows of every q head of one kv head's group
 # (rows packed g-major: row r = g * TQ + i, head g of the group, query i) and one of `splits`
 # slices of the key range, so a GQA group reads its K/V once and short queries still fill the
@@ -680,8 +763,20 @@ def dq_configs(arch, td, sq=4096, sk=4096, causal=False, packed=False):
     yield from _entries("dq", arch, td, sq, sk)
 
 
+# sm_90, dense batches: the fused backward (dK/dV with dQ added in, `fused`) beside the split
+# kernels, per head-dim tile; its search times the whole backward either way (`_dkdv_run`).
+# 64x128 at 8 warps: 168 registers, no stack; 64x64 at occupancy 2 spills. Against the tuned
+# split kernels at B4 H32 S4096 D128 causal it ran 1.03-1.06x on two H100s and 0.89x on a third.
+FUSED_ENTRIES = {128: [(64, 128, 1, 8)]}
+
+
 def dkdv_configs(arch, td, sq=4096, sk=4096, causal=False, packed=False):
-    yield from _entries("dkdv", arch, td, sq, sk)
+    cfgs = list(_entries("dkdv", arch, td, sq, sk))
+    if major(arch) == 9 and not packed and td in FUSED_ENTRIES:
+        cap_n = _tile_caps(sq, sk)[1]
+        cfgs += [SimpleNamespace(**vars(c), fused=True)
+                 for c in table(FIELDS, FUSED_ENTRIES[td], num_ctas=1) if c.tn <= cap_n]
+    yield from cfgs
 
 
 
@@ -872,10 +967,58 @@ def _sees_past_sk(causal, offset, q, k, packed):
     return causal and packed is None and offset + q.shape[2] > k.shape[2]
 
 
-def _dkdv_args(c, q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, scale, offset, td,
-               causal, packed):
+# The dK/dV tuner's inputs: (q, k, v, o, do, lse, delta, dq, dk, dv, cu_q, cu_k, qk_scale,
+# scale, offset, td, causal, packed), then its scratch: a fused config's float32 dQ (None for
+# the split kernel, which reads the delta the dQ kernel wrote).
+
+def dkdv_kernel_for(c):
+    return fmha_bwd_fused_kernel if getattr(c, "fused", False) else fmha_bwd_dkdv_kernel
+
+
+def _dkdv_args(c, q, k, v, o, do, lse, delta, dq, dk, dv, cu_q, cu_k, qk_scale, scale, offset,
+               td, causal, packed, dq32):
+    if dq32 is not None:
+        return (q, k, v, do, lse, delta, dk, dv, dq32, qk_scale, scale, offset, c.tm, c.tn, td,
+                causal, _past_sk(causal, offset, q, k))
     return (q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, scale, offset, c.tm, c.tn, td,
             causal, packed is not None)
+
+
+def _past_sk(causal, offset, q, k):
+    """Whether some row of a dense batch sees keys past Sk: no causal mask, or a diagonal that
+    ends past the keys."""
+    return not causal or offset + q.shape[2] > k.shape[2]
+
+
+def _dkdv_grid(c, dev, *inputs):
+    return _key_grid(c, dev, *inputs[:-1])
+
+
+def _dkdv_scratch(c, dev, q, *rest):
+    return (tuple(q.shape), torch.float32) if getattr(c, "fused", False) else None
+
+
+FUSED_PREP_TM = 64     # the prep and cast kernels' query tile (a row of 64 x TD per CTA)
+
+
+def _dkdv_run(c, kernel, stream, dev, q, k, v, o, do, lse, delta, dq, dk, dv, cu_q, cu_k,
+              qk_scale, scale, offset, td, causal, packed, dq32):
+    """The whole backward, as the search times it and a key's first launch runs it: a split
+    config's dQ launch (tuned on its miss) then its kernel; a fused config's prep, its kernel
+    and the cast of dQ. Later launches of a split plan take its kernel alone (launch_bwd
+    launches dQ before it)."""
+    inputs = (q, k, v, o, do, lse, delta, dq, dk, dv, cu_q, cu_k, qk_scale, scale, offset, td,
+              causal, packed, dq32)
+    grid, args = _dkdv_grid(c, dev, *inputs), _dkdv_args(c, *inputs)
+    if dq32 is None:
+        _dq.launch(_key(q, k, causal, offset, dev, packed), dev, q, k, v, o, do, lse, delta, dq,
+                   cu_q, cu_k, qk_scale, scale, offset, td, causal, packed)
+        ct.launch(stream, grid, kernel, args)
+        return
+    rows = (cdiv(q.shape[2], FUSED_PREP_TM), q.shape[0] * q.shape[1])
+    ct.launch(stream, rows, fmha_bwd_prep_kernel, (o, do, delta, dq32, FUSED_PREP_TM, td))
+    ct.launch(stream, grid, kernel, args)
+    ct.launch(stream, rows, fmha_bwd_cast_kernel, (dq32, dq, scale, FUSED_PREP_TM, td))
 
 
 # Launch keys: (B * Hq, Sq, Sk, D, diagonal, group, dtype, device), for a packed batch with the
@@ -885,8 +1028,9 @@ _fwd = Autotuner("fmha_fwd", fwd_kernel_for, fwd_configs, default=DEFAULT, space
                  grid=_query_grid, args=_fwd_args, work=_pair_work(4.0), tune_key=_BY_SIZES)
 _dq = Autotuner("fmha_bwd_dq", fmha_bwd_dq_kernel, dq_configs, default=DEFAULT, space=_shape,
                 grid=_query_grid, args=_dq_args, work=_pair_work(6.0), tune_key=_BY_SIZES)
-_dkdv = Autotuner("fmha_bwd_dkdv", fmha_bwd_dkdv_kernel, dkdv_configs, default=DEFAULT,
-                  space=_shape, grid=_key_grid, args=_dkdv_args, work=_pair_work(8.0),
+_dkdv = Autotuner("fmha_bwd_dkdv", dkdv_kernel_for, dkdv_configs, default=DEFAULT,
+                  space=_shape, grid=_dkdv_grid, args=_dkdv_args, scratch=_dkdv_scratch,
+                  run=_dkdv_run, timed_by_run=lambda c: True, work=_pair_work(10.0),
                   tune_key=_BY_SIZES)
 
 
@@ -1014,18 +1158,22 @@ def launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale, pa
                cu_q=None, cu_k=None):
     """dq, dk, dv and delta (B*Hq, Sq) float32 written in place (a packed batch as in
     launch_fwd); dk and dv None: keys and values that need no gradient, no dK/dV launch. The
-    dQ kernel runs (and on a miss is tuned) first: it writes delta, which the dK/dV kernel
-    reads."""
+    dK/dV tuner decides the plan: split (the dQ kernel, which writes delta, then dK/dV) or fused
+    (one launch writes all three). A key's first dK/dV launch goes through `_dkdv_run`, which
+    launches (and on a miss tunes) the dQ kernel itself for a split config; after it, a split
+    plan launches dQ here first."""
     dev = q.get_device()
     if packed is None:
         cu_q = cu_k = _unread(q, dev)
     key = _key(q, k, causal, offset, dev, packed)
     lse2, qk_scale, td = _flat(lse), scale * LOG2E, head_tile(q.shape[3])
-    _dq.launch(key, dev, q, k, v, o, do, lse2, delta, dq, cu_q, cu_k, qk_scale, scale, offset, td,
-               causal, packed)
+    plan = None if dk is None else _dkdv.planned_config(key)
+    if dk is None or (plan is not None and not getattr(plan, "fused", False)):
+        _dq.launch(key, dev, q, k, v, o, do, lse2, delta, dq, cu_q, cu_k, qk_scale, scale,
+                   offset, td, causal, packed)
     if dk is not None:
-        _dkdv.launch(key, dev, q, k, v, do, lse2, delta, dk, dv, cu_q, cu_k, qk_scale, scale,
-                     offset, td, causal, packed)
+        _dkdv.launch(key, dev, q, k, v, o, do, lse2, delta, dq, dk, dv, cu_q, cu_k, qk_scale,
+                     scale, offset, td, causal, packed)
 
 
 

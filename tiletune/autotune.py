@@ -745,6 +745,12 @@ class Autotuner:
                 self._plans.pop(key, None)
         return result
 
+    def planned_config(self, key):
+        """The config a launch key has launched with in this process, or None before its first
+        launch (an op whose plan depends on the winner asks before it launches)."""
+        plan = self._plans.get(key)
+        return None if plan is None else plan[2]
+
     def _planned(self, cfg, dev, inputs):
         """(grid, scratch spec) a launch key's plan keeps; grid None: both computed on every
         call. Planned where the op's keys are exact (`tune_key`) for a config that launches its

@@ -61,7 +61,7 @@ def test_aot_covers_every_sm90_and_sm100_config_at_d128_and_every_sm90_one_at_d6
             for cfg in gen(arch, td, causal=True):
                 assert any(f"fmha {kind} " in lb and str(vars(cfg)) in lb for lb in labels), \
                     (kind, arch, td, vars(cfg))
-    assert len(labels) <= 106, "keep the CI's FMHA builds near 145 (two archs)"
+    assert len(labels) <= 111, "keep the CI's FMHA builds near 150 (two archs)"
 
 
 def test_d64_forward_offers_four_ctas_an_sm_on_sm90_only():
@@ -555,3 +555,43 @@ def test_buffers_made_under_a_fake_tensor_mode_are_not_kept(monkeypatch):
     unread, lse = FM._unread(q, 0), FM._lse_rows(None, q, 0, 4, 64)
     assert type(unread) is torch.Tensor and type(lse) is torch.Tensor
     assert FM._unread(q, 0) is unread and FM._lse_rows(None, q, 0, 4, 64) is lse
+
+
+def test_fused_backward_entries_are_dense_d128_sm90_only():
+    """The fused backward joins the dK/dV space where it was measured: sm_90, dense, D128."""
+    fused = [c for c in FM.dkdv_configs("sm_90", 128, causal=True) if getattr(c, "fused", False)]
+    assert [(c.tm, c.tn, c.occupancy, c.num_worker_warps) for c in fused] == [(64, 128, 1, 8)]
+    assert FM.dkdv_kernel_for(fused[0]) is FM.fmha_bwd_fused_kernel
+    assert FM.dkdv_kernel_for(next(FM.dkdv_configs("sm_90", 128))) is FM.fmha_bwd_dkdv_kernel
+    for arch, td, packed in (("sm_90", 64, False), ("sm_90", 256, False), ("sm_90", 128, True),
+                             ("sm_100", 128, False)):
+        assert not any(getattr(c, "fused", False)
+                       for c in FM.dkdv_configs(arch, td, causal=True, packed=packed))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_backward_plan(stubbed_launch, monkeypatch, causal):
+    """A fused dK/dV winner is the whole backward: prep (delta, the float32 dQ zeroed), the
+    fused kernel adding into that dQ, the cast into dq; the dQ kernel never runs, on a key's
+    first call or later. Without a causal mask the padded keys past Sk are masked."""
+    fused = next(c for c in FM.dkdv_configs("sm_90", 128, causal=causal)
+                 if getattr(c, "fused", False))
+    monkeypatch.setattr(FM._dkdv, "configs", lambda *a, **kw: iter([fused]))
+    qg, kg, vg = (t.detach().requires_grad_() for t in _qkv(sq=100, sk=100, d=128))
+    for _ in range(2):
+        stubbed_launch.clear()
+        o = FM._fmha(qg, kg, vg, causal, 0, 0.5)
+        do = torch.randn_like(o)
+        dq, dk, dv = torch.autograd.grad(o, (qg, kg, vg), do)
+        names = [n for n, _, _ in stubbed_launch]
+        assert names == ["fmha_fwd_kernel", "fmha_bwd_prep_kernel", "fmha_bwd_fused_kernel",
+                         "fmha_bwd_cast_kernel"]
+        (_, pgrid, p), (_, fgrid, f), (_, cgrid, c) = stubbed_launch[1:]
+        assert pgrid == cgrid == (2, 8)
+        assert p["dq32"] is f["dq32"] is c["dq32"]
+        assert p["dq32"].shape == qg.shape and p["dq32"].dtype == torch.float32
+        assert p["delta"] is f["delta"] and p["o"].data_ptr() == o.data_ptr() and p["do"] is do
+        assert c["dq"].data_ptr() == dq.data_ptr() and c["scale"] == 0.5
+        assert f["dk"].data_ptr() == dk.data_ptr() and f["dv"].data_ptr() == dv.data_ptr()
+        assert (f["TM"], f["TN"], f["CAUSAL"], f["SEES_PAST_SK"]) == (64, 128, causal, not causal)
+        assert fgrid == FM._key_grid(fused, 0, qg, kg, causal, None)

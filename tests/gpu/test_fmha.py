@@ -5,6 +5,7 @@ compared per row over D (assert_close): a CPU emulation of a correct kernel (flo
 P and dS rounded to the input dtype before their products, delta from the stored O) read at most
 about 0.45 of the tolerance on any row of these tests' shapes."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -161,15 +162,20 @@ def test_forward_backward(fresh, monkeypatch, case, disable):
         assert all(r.source == "search" for t in DENSE for r in t.records.values())
 
 
+@pytest.mark.parametrize("plan", ["split", "fused"])
 @pytest.mark.parametrize("dt,score", [(torch.float16, -20.0), (torch.bfloat16, -120.0)], ids=str)
-def test_rows_of_far_negative_scores_give_finite_gradients(fresh, monkeypatch, dt, score):
+def test_rows_of_far_negative_scores_give_finite_gradients(fresh, monkeypatch, dt, score, plan):
     """Every score of every row far below zero (LSE < -11 nats overflows fp16's dS, < -88 bf16's
     for a key past Sk) with Sk not a multiple of the key tile, not causal and top-left causal
     with Sq > Sk: dq is finite and matches float64 (keys past Sk are masked in the dQ
-    kernel's P)."""
+    kernel's P, and in the fused backward's, at D128 where it is offered)."""
     disable_autotune(monkeypatch)
     g = torch.Generator(device="cuda").manual_seed(3)
     d = 64
+    if plan == "fused":
+        d = 128
+        fused = next(c for c in FM.dkdv_configs("sm_90", d) if getattr(c, "fused", False))
+        monkeypatch.setattr(FM._dkdv, "configs", lambda *a, **kw: iter([fused]))
     # q.k / sqrt(d) about `score`, from q's first dim (score * sqrt(d)) against keys' first dim
     # 1 +- 5% (so each row's softmax is not flat and its LSE stays far below zero: about -15
     # nats in fp16, -100 in bf16). The keys' common part sits in that one dim at size 1, small
@@ -266,6 +272,20 @@ def test_pair_forward(fresh, monkeypatch, case):
         o, _grads = check(q, k, v, causal)
         dead = min(max(sq - sk, 0), sq) if causal else 0
         assert (o[:, :, :dead] == 0).all()
+
+
+def test_backward_plans_search_each_kernel_once(fresh):
+    """At D128 the dK/dV search times each plan's whole backward (split: the dQ kernel, searched
+    on its miss from inside that search, then dK/dV; fused: one kernel between its prep and
+    cast): each tuner searches once, the gradients match, and later calls search nothing and
+    launch the winner's plan."""
+    q, k, v = make(1, 4, 2, 1000, 1000, 128, torch.bfloat16)
+    check(q, k, v, True)
+    assert [t.searches for t in DENSE] == [1, 1, 1]
+    assert any(getattr(c, "fused", False) for c in FM._dkdv.configs("sm_90", 128, 1024, 1024))
+    q2, k2, v2 = make(1, 4, 2, 1000, 1000, 128, torch.bfloat16, seed=1)
+    check(q2, k2, v2, True)
+    assert [t.searches for t in DENSE] == [1, 1, 1]
 
 
 def test_second_call_does_not_search(fresh):
@@ -403,6 +423,23 @@ def test_aot_signature_matches_jit():
                     CallingConvention.cutile_python_v2())
                 mine = signature(FC._params("fwd", pair, dt, B, hq, hkv, sq, sk, d, True))
                 assert jit.parameters == mine.parameters, (vars(pair), B, hq, hkv, sq, sk, d)
+        # the fused backward, its float32 dQ allocated as the engine's scratch, and its helpers
+        dq32 = q.new_empty(*q.shape, dtype=torch.float32)
+        for causal in (True, False):
+            fused = SimpleNamespace(tm=64, tn=128, fused=True)
+            jit = KernelSignature.from_kernel_args(
+                FM.fmha_bwd_fused_kernel,
+                FM._dkdv_args(fused, q, k, v, o, do, lse, delta, dq, dk, dv, cu, cu, 0.1, 0.1,
+                              sk - sq, td, causal, None, dq32),
+                CallingConvention.cutile_python_v2())
+            mine = signature(FC._params("dkdv", fused, dt, B, hq, hkv, sq, sk, d, causal))
+            assert jit.parameters == mine.parameters, ("fused", causal, B, hq, sq, sk, d)
+        prep, cast = FC.fused_helper_params(dt, B, hq, sq, d)
+        for kernel, a, params in [
+                (FM.fmha_bwd_prep_kernel, (o, do, delta, dq32, FM.FUSED_PREP_TM, td), prep),
+                (FM.fmha_bwd_cast_kernel, (dq32, dq, 0.1, FM.FUSED_PREP_TM, td), cast)]:
+            jit = KernelSignature.from_kernel_args(kernel, a, CallingConvention.cutile_python_v2())
+            assert jit.parameters == signature(params).parameters, (kernel, B, hq, sq, d)
 
 
 def test_lse_stand_in_has_the_signature_of_the_rows():
