@@ -766,7 +766,7 @@ def dq_configs(arch, td, sq=4096, sk=4096, causal=False, packed=False):
 # sm_90, dense batches: the fused backward (dK/dV with dQ added in, `fused`) beside the split
 # kernels, per head-dim tile; its search times the whole backward either way (`_dkdv_run`).
 # 64x128 at 8 warps: 168 registers, no stack; 64x64 at occupancy 2 spills. Against the tuned
-# split kernels at B4 H32 S4096 D128 causal it ran 1.03-1.06x on two H100s and 0.89x on a third.
+# split kernels at B4 H32 S4096 D128 it ran 1.03-1.06x on two H100s and 0.88-0.95x on two others.
 FUSED_ENTRIES = {128: [(64, 128, 1, 8)]}
 
 
