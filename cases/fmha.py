@@ -50,24 +50,21 @@ def aot_params(kind, tm, tn, dt, B, hq, hkv, sq, sk, d, causal, packed=False, of
     laid out like their inputs, LSE2/delta (B*Hq, Sq) float32 rows padded to 16 bytes), constants
     in place. packed: a packed batch of B sequences, sq and sk tokens in all, contiguous
     (T, H, D) tensors seen as (1, H, T, D); the unread offsets of a dense launch are (2,).
-    offset: the causal diagonal's (None: bottom-right, as `fmha` aligns it). fused: the fused
-    backward's kernel (kind "dkdv"), its float32 dQ contiguous."""
+    offset: the causal diagonal's (None: bottom-right, as `fmha` aligns it). fused: the dK/dV
+    kernel as the fused backward launches it, its float32 dQ contiguous."""
     q, kv = hf_array(dt, B, hq, sq, d, packed), hf_array(dt, B, hkv, sk, d, packed)
     rows = stat_rows(hq if packed else B * hq, sq)
     cu = jit_array(torch.int32, (B + 1,) if packed else (2,))
     tail = [tm, tn, FM.head_tile(d), causal]
     if kind == "fwd":
         return [q, kv, kv, q, rows, cu, cu, F32, I32] + tail + [packed]
+    offset = sk - sq if offset is None else offset
     if kind == "dq":
-        offset = sk - sq if offset is None else offset
         return ([q, kv, kv, q, q, rows, rows, q, cu, cu, F32, F32, I32] + tail
                 + [packed, causal and not packed and offset + sq > sk])
-    if fused:
-        offset = sk - sq if offset is None else offset
-        dq32 = jit_array(torch.float32, (B, hq, sq, d))
-        return ([q, kv, kv, q, rows, rows, kv, kv, dq32, F32, F32, I32] + tail
-                + [not causal or offset + sq > sk])
-    return [q, kv, kv, q, rows, rows, kv, kv, cu, cu, F32, F32, I32] + tail + [packed]
+    dq = jit_array(torch.float32, (B, hq, sq, d)) if fused else q   # the split kernel's unread
+    return ([q, kv, kv, q, rows, rows, kv, kv, cu, cu, F32, F32, I32, dq] + tail
+            + [packed, fused, fused and (not causal or offset + sq > sk)])
 
 
 def fused_helper_params(dt, B, hq, sq, d):

@@ -345,12 +345,19 @@ def fmha_bwd_dq_kernel(q, k, v, o, do, lse, delta, dq, cu_q, cu_k, qk_scale, sca
 
 @ct.kernel
 def fmha_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, scale, offset,
-                         TM: ct.Constant[int], TN: ct.Constant[int], TD: ct.Constant[int],
-                         CAUSAL: ct.Constant[bool], PACKED: ct.Constant[bool]):
+                         dq32, TM: ct.Constant[int], TN: ct.Constant[int], TD: ct.Constant[int],
+                         CAUSAL: ct.Constant[bool], PACKED: ct.Constant[bool],
+                         ADD_DQ: ct.Constant[bool], SEES_PAST_SK: ct.Constant[bool]):
     """dk = scale * dS^T q and dv = P^T dO for one key tile of one kv head, summed over the query
     tiles of every q head in its group (one flat loop over (head, query tile)).
     cdiv(Sk, TN) tiles x B*Hkv heads (key tile 0, the heaviest under a causal mask, first).
-    Keys with no query (an empty query sequence) get zeros."""
+    Keys with no query (an empty query sequence) get zeros.
+    ADD_DQ (the fused backward, dense batches): each pair's share of dQ, dS K unscaled, is also
+    added into dq32 (B, Hq, Sq, D) float32 with a TMA reduce-add (not read otherwise).
+    SEES_PAST_SK: some row's visible keys reach past Sk (no causal mask, or a top-left diagonal
+    with Sq > Sk): the last key tile's padded keys are masked in P, since 2^-LSE2 can overflow
+    dS there and the reduce-add would carry inf x 0 into dQ (dK/dV alone drop those rows on
+    store)."""
     n, bhk = _block()
     hkv = k.shape[1]
     hq = q.shape[1]
@@ -398,16 +405,23 @@ def fmha_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, 
         if CAUSAL:
             if mi < m_full:
                 p_t = ct.where(keys <= mi * TM + rows, p_t, 0.0)
+        if SEES_PAST_SK:
+            if (n + 1) * TN > k.shape[2]:
+                p_t = ct.where(keys < k.shape[2], p_t, 0.0)
         dv_acc = ct.mma(p_t.astype(q.dtype), dot, dv_acc)
         dp_t = ct.mma(vt, ct.transpose(dot), ct.zeros((TN, TM), ct.float32))
-        ds_t = p_t * (dp_t - dl)
-        dk_acc = ct.mma(ds_t.astype(q.dtype), qt, dk_acc)
+        ds_t = (p_t * (dp_t - dl)).astype(q.dtype)
+        dk_acc = ct.mma(ds_t, qt, dk_acc)
+        if ADD_DQ:
+            dq_part = ct.mma(ct.transpose(ds_t), kt, ct.zeros((TM, TD), ct.float32))
+            dq32.tiled_view((1, 1, TM, TD)).atomic_store_add(
+                (b, h, mi, 0), ct.reshape(dq_part, (1, 1, TM, TD)))
     ct.store(dk, (b, hk, n, 0), ct.reshape((dk_acc * scale).astype(dk.dtype), (1, 1, TN, TD)))
     ct.store(dv, (b, hk, n, 0), ct.reshape(dv_acc.astype(dv.dtype), (1, 1, TN, TD)))
 
 
-# The fused backward (dense batches): delta and a zeroed float32 dQ first, then one kernel on
-# the dK/dV grid that also adds each (query tile, key tile) pair's dQ share, dS K, into that dQ
+# The fused backward (dense batches): delta and a zeroed float32 dQ first, then the dK/dV kernel
+# under ADD_DQ, which also adds each (query tile, key tile) pair's dQ share, dS K, into that dQ
 # with a TMA reduce-add (5 MMAs a pair against the split kernels' 7), then dQ scaled and cast.
 
 @ct.kernel
@@ -429,64 +443,6 @@ def fmha_bwd_cast_kernel(dq32, dq, scale, TM: ct.Constant[int], TD: ct.Constant[
     b, h = _unflatten(bh, dq.shape[1])
     t = ct.load(dq32, (b, h, m, 0), (1, 1, TM, TD), padding_mode=ZERO)
     ct.store(dq, (b, h, m, 0), (t * scale).astype(dq.dtype))
-
-
-@ct.kernel
-def fmha_bwd_fused_kernel(q, k, v, do, lse, delta, dk, dv, dq32, qk_scale, scale, offset,
-                          TM: ct.Constant[int], TN: ct.Constant[int], TD: ct.Constant[int],
-                          CAUSAL: ct.Constant[bool], SEES_PAST_SK: ct.Constant[bool]):
-    """The dK/dV kernel's work for one key tile of one kv head (its grid and loop), plus each
-    query tile's share of dQ (unscaled) added into dq32 (B, Hq, Sq, D) float32. SEES_PAST_SK:
-    some row's visible keys reach past Sk (no causal mask, or a top-left diagonal with Sq > Sk):
-    the last key tile's padded keys are masked in P, since 2^-LSE2 can overflow dS there and
-    the reduce-add would carry inf x 0 into dQ (dK/dV alone drop those rows on store)."""
-    n, bhk = _block()
-    hkv = k.shape[1]
-    hq = q.shape[1]
-    group = hq // hkv
-    b, hk = _unflatten(bhk, hkv)
-    sq = q.shape[2]
-    sk = k.shape[2]
-    dq_tiles = dq32.tiled_view((1, 1, TM, TD))
-    kt = _tile(k, b, hk, n, TN, TD)                                    # [TN, TD]
-    vt = _tile(v, b, hk, n, TN, TD)
-    num_m = ct.cdiv(sq, TM)
-    if CAUSAL:
-        m_start = min(max(n * TN - offset, 0) // TM, num_m)
-        m_full = ct.cdiv(max((n + 1) * TN - 1 - offset, 0), TM)
-    else:
-        m_start = 0
-        m_full = 0
-    per_head = num_m - m_start
-    keys = n * TN + ct.arange(TN, dtype=ct.int32)[:, None]            # [TN, 1]
-    rows = ct.arange(TM, dtype=ct.int32)[None, :] + offset            # [1, TM]
-    dk_acc = ct.zeros((TN, TD), ct.float32)
-    dv_acc = ct.zeros((TN, TD), ct.float32)
-    for t in range(group * per_head):
-        g = t // per_head
-        mi = m_start + (t - g * per_head)
-        h = hk * group + g
-        bh = b * hq + h
-        qt = _tile(q, b, h, mi, TM, TD)                                # [TM, TD]
-        dot = _tile(do, b, h, mi, TM, TD)
-        lse2 = _row(lse, bh, mi, TM)                                   # [1, TM]
-        dl = _row(delta, bh, mi, TM)
-        s_t = ct.mma(kt, ct.transpose(qt), ct.zeros((TN, TM), ct.float32))   # [TN, TM]
-        p_t = ct.exp2(s_t * qk_scale - lse2, flush_to_zero=True)
-        if CAUSAL:
-            if mi < m_full:
-                p_t = ct.where(keys <= mi * TM + rows, p_t, 0.0)
-        if SEES_PAST_SK:
-            if (n + 1) * TN > sk:
-                p_t = ct.where(keys < sk, p_t, 0.0)
-        dv_acc = ct.mma(p_t.astype(q.dtype), dot, dv_acc)
-        dp_t = ct.mma(vt, ct.transpose(dot), ct.zeros((TN, TM), ct.float32))
-        ds_t = (p_t * (dp_t - dl)).astype(q.dtype)
-        dk_acc = ct.mma(ds_t, qt, dk_acc)
-        dq_part = ct.mma(ct.transpose(ds_t), kt, ct.zeros((TM, TD), ct.float32))
-        dq_tiles.atomic_store_add((b, h, mi, 0), ct.reshape(dq_part, (1, 1, TM, TD)))
-    ct.store(dk, (b, hk, n, 0), ct.reshape((dk_acc * scale).astype(dk.dtype), (1, 1, TN, TD)))
-    ct.store(dv, (b, hk, n, 0), ct.reshape(dv_acc.astype(dv.dtype), (1, 1, TN, TD)))
 
 
 # Decode (Sq <= 16): one CTA owns the Sq query rows of every q head of one kv head's group
@@ -971,17 +927,12 @@ def _sees_past_sk(causal, offset, q, k, packed):
 # scale, offset, td, causal, packed), then its scratch: a fused config's float32 dQ (None for
 # the split kernel, which reads the delta the dQ kernel wrote).
 
-def dkdv_kernel_for(c):
-    return fmha_bwd_fused_kernel if getattr(c, "fused", False) else fmha_bwd_dkdv_kernel
-
-
 def _dkdv_args(c, q, k, v, o, do, lse, delta, dq, dk, dv, cu_q, cu_k, qk_scale, scale, offset,
                td, causal, packed, dq32):
-    if dq32 is not None:
-        return (q, k, v, do, lse, delta, dk, dv, dq32, qk_scale, scale, offset, c.tm, c.tn, td,
-                causal, _past_sk(causal, offset, q, k))
-    return (q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, scale, offset, c.tm, c.tn, td,
-            causal, packed is not None)
+    fused = dq32 is not None             # (the split kernel takes dq, unread, in its place)
+    return (q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, scale, offset,
+            dq32 if fused else dq, c.tm, c.tn, td, causal, packed is not None, fused,
+            fused and _past_sk(causal, offset, q, k))
 
 
 def _past_sk(causal, offset, q, k):
@@ -1028,7 +979,7 @@ _fwd = Autotuner("fmha_fwd", fwd_kernel_for, fwd_configs, default=DEFAULT, space
                  grid=_query_grid, args=_fwd_args, work=_pair_work(4.0), tune_key=_BY_SIZES)
 _dq = Autotuner("fmha_bwd_dq", fmha_bwd_dq_kernel, dq_configs, default=DEFAULT, space=_shape,
                 grid=_query_grid, args=_dq_args, work=_pair_work(6.0), tune_key=_BY_SIZES)
-_dkdv = Autotuner("fmha_bwd_dkdv", dkdv_kernel_for, dkdv_configs, default=DEFAULT,
+_dkdv = Autotuner("fmha_bwd_dkdv", fmha_bwd_dkdv_kernel, dkdv_configs, default=DEFAULT,
                   space=_shape, grid=_dkdv_grid, args=_dkdv_args, scratch=_dkdv_scratch,
                   run=_dkdv_run, timed_by_run=lambda c: True, work=_pair_work(10.0),
                   tune_key=_BY_SIZES)

@@ -228,6 +228,9 @@ def test_host_launches(stubbed_launch):
     assert same(g["dq"], dq) and same(h["dk"], dk) and same(h["dv"], dv)
     assert g["lse"].data_ptr() == f["lse"].data_ptr() == h["lse"].data_ptr()
     assert g["delta"].shape == (8, 100) and g["delta"].dtype == torch.float32
+    # the split plan: dK/dV adds nothing into a dQ (its dq32 slot holds dq, unread)
+    assert (h["ADD_DQ"], h["SEES_PAST_SK"], h["PACKED"]) == (False, False, False)
+    assert same(h["dq32"], dq)
 
 
 @pytest.mark.parametrize("sq,sk,offset,past", [
@@ -561,8 +564,6 @@ def test_fused_backward_entries_are_dense_d128_sm90_only():
     """The fused backward joins the dK/dV space where it was measured: sm_90, dense, D128."""
     fused = [c for c in FM.dkdv_configs("sm_90", 128, causal=True) if getattr(c, "fused", False)]
     assert [(c.tm, c.tn, c.occupancy, c.num_worker_warps) for c in fused] == [(64, 128, 1, 8)]
-    assert FM.dkdv_kernel_for(fused[0]) is FM.fmha_bwd_fused_kernel
-    assert FM.dkdv_kernel_for(next(FM.dkdv_configs("sm_90", 128))) is FM.fmha_bwd_dkdv_kernel
     for arch, td, packed in (("sm_90", 64, False), ("sm_90", 256, False), ("sm_90", 128, True),
                              ("sm_100", 128, False)):
         assert not any(getattr(c, "fused", False)
@@ -584,7 +585,7 @@ def test_fused_backward_plan(stubbed_launch, monkeypatch, causal):
         do = torch.randn_like(o)
         dq, dk, dv = torch.autograd.grad(o, (qg, kg, vg), do)
         names = [n for n, _, _ in stubbed_launch]
-        assert names == ["fmha_fwd_kernel", "fmha_bwd_prep_kernel", "fmha_bwd_fused_kernel",
+        assert names == ["fmha_fwd_kernel", "fmha_bwd_prep_kernel", "fmha_bwd_dkdv_kernel",
                          "fmha_bwd_cast_kernel"]
         (_, pgrid, p), (_, fgrid, f), (_, cgrid, c) = stubbed_launch[1:]
         assert pgrid == cgrid == (2, 8)
@@ -593,5 +594,6 @@ def test_fused_backward_plan(stubbed_launch, monkeypatch, causal):
         assert p["delta"] is f["delta"] and p["o"].data_ptr() == o.data_ptr() and p["do"] is do
         assert c["dq"].data_ptr() == dq.data_ptr() and c["scale"] == 0.5
         assert f["dk"].data_ptr() == dk.data_ptr() and f["dv"].data_ptr() == dv.data_ptr()
-        assert (f["TM"], f["TN"], f["CAUSAL"], f["SEES_PAST_SK"]) == (64, 128, causal, not causal)
+        assert (f["TM"], f["TN"], f["CAUSAL"], f["PACKED"], f["ADD_DQ"], f["SEES_PAST_SK"]) \
+            == (64, 128, causal, False, True, not causal)
         assert fgrid == FM._key_grid(fused, 0, qg, kg, causal, None)

@@ -406,8 +406,9 @@ def test_aot_signature_matches_jit():
         args = {"fwd": (q, k, v, o, lse, cu, cu, 0.1, 0, 64, 64, td, True, False),
                 "dq": (q, k, v, o, do, lse, delta, dq, cu, cu, 0.1, 0.1, 0, 64, 64, td, True,
                        False, False),
-                "dkdv": (q, k, v, do, lse, delta, dk, dv, cu, cu, 0.1, 0.1, 0, 64, 64, td, True,
-                         False)}
+                "dkdv": FM._dkdv_args(SimpleNamespace(tm=64, tn=64), q, k, v, o, do, lse,
+                                      delta, dq, dk, dv, cu, cu, 0.1, 0.1, 0, td, True, None,
+                                      None)}
         kernels = {"fwd": FM.fmha_fwd_kernel, "dq": FM.fmha_bwd_dq_kernel,
                    "dkdv": FM.fmha_bwd_dkdv_kernel}
         for kind, a in args.items():
@@ -423,12 +424,13 @@ def test_aot_signature_matches_jit():
                     CallingConvention.cutile_python_v2())
                 mine = signature(FC._params("fwd", pair, dt, B, hq, hkv, sq, sk, d, True))
                 assert jit.parameters == mine.parameters, (vars(pair), B, hq, hkv, sq, sk, d)
-        # the fused backward, its float32 dQ allocated as the engine's scratch, and its helpers
+        # the fused backward (the dK/dV kernel adding into a float32 dQ allocated as the
+        # engine's scratch) and its helpers
         dq32 = q.new_empty(*q.shape, dtype=torch.float32)
         for causal in (True, False):
             fused = SimpleNamespace(tm=64, tn=128, fused=True)
             jit = KernelSignature.from_kernel_args(
-                FM.fmha_bwd_fused_kernel,
+                FM.fmha_bwd_dkdv_kernel,
                 FM._dkdv_args(fused, q, k, v, o, do, lse, delta, dq, dk, dv, cu, cu, 0.1, 0.1,
                               sk - sq, td, causal, None, dq32),
                 CallingConvention.cutile_python_v2())
