@@ -932,13 +932,7 @@ def _dkdv_args(c, q, k, v, o, do, lse, delta, dq, dk, dv, cu_q, cu_k, qk_scale, 
     fused = dq32 is not None             # (the split kernel takes dq, unread, in its place)
     return (q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, qk_scale, scale, offset,
             dq32 if fused else dq, c.tm, c.tn, td, causal, packed is not None, fused,
-            fused and _past_sk(causal, offset, q, k))
-
-
-def _past_sk(causal, offset, q, k):
-    """Whether some row of a dense batch sees keys past Sk: no causal mask, or a diagonal that
-    ends past the keys."""
-    return not causal or offset + q.shape[2] > k.shape[2]
+            fused and (not causal or _sees_past_sk(causal, offset, q, k, packed)))
 
 
 def _dkdv_grid(c, dev, *inputs):
