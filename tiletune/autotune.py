@@ -9,8 +9,8 @@ wrapper then makes one call per launch:
 That call is the whole fast path: one dict lookup of the key's launch plan (kernel, grid,
 config), the arguments, `ct.launch`. A miss maps the key to its tuning key (dynamic sizes
 bucketed) and, where that misses too, goes through `tune`: DISABLE_AUTOTUNE=1 -> the first
-config; else the persistent store; else `exhaustive_search` over the op's configs (compiled in
-parallel first, see tiletune/precompile.py), then a final round that times its close finishers
+config; else the persistent store; else a search over the op's configs
+(`timing.search_kernels`, compiled in parallel first, see tiletune/precompile.py), then a final round that times its close finishers
 and the default in turns (sustained blocks for long tensor-core kernels); then `replace_hints`
 once and cache.
 """
@@ -86,7 +86,7 @@ _configure_logging()
 
 MAX_CONFIGS = 30
 # The final round: the search's configs within FINAL_MARGIN of its best (at most FINALISTS) and
-# the default are timed again, in turns, over a longer stretch. exhaustive_search takes a few
+# the default are timed again, in turns, over a longer stretch. The search takes a few
 # samples per config one config after another; on an H200 under sustained load its ranking of
 # heavy GEMMs did not hold (a config 1% ahead in the search ran 7% behind the default when timed
 # in turns): the final round decides.
@@ -830,10 +830,9 @@ class Autotuner:
         return built
 
     def _search_kernels(self, dev):
-        """What the search asks for each config's kernel: cuTile's exhaustive_search calls
-        `replace_hints(**hints_fn(cfg))` on it (no hints_fn: no hints), which here hands back
-        the shared object."""
-        return lambda cfg: _Built(self._with_hints(self.search_kernel(cfg), cfg, dev))
+        """Each config's kernel as the search launches it: the object the final round and the
+        launch share."""
+        return lambda cfg: self._with_hints(self.search_kernel(cfg), cfg, dev)
 
     def config_list(self, arch, shape):
         cfgs = list(self.configs(arch, **shape))
@@ -1022,7 +1021,6 @@ class Autotuner:
         fails, each is launched alone for its own error. ahead: configs that a later call may
         time, compiled in this call's batch; compiled: {i: the compiler's rejection or None}
         across the calls of one search (configs in it are not compiled again)."""
-        from cuda.tile.tune import exhaustive_search
         indices = list(indices)
         subset = [cfgs[i] for i in indices]
         stream = torch.cuda.current_stream(dev)
@@ -1061,14 +1059,14 @@ class Autotuner:
         if candidates:
             try:
                 with _compile_timeout():
-                    result = exhaustive_search([c for _, c in candidates], stream, search.grid_fn,
-                                               self._search_kernels(dev), search.args_fn,
-                                               quiet=True)
+                    result = timing.search_kernels([c for _, c in candidates], stream,
+                                                   search.grid_fn, self._search_kernels(dev),
+                                                   search.args_fn)
             except ValueError as e:
                 if "No valid config" not in str(e):
                     raise
         if result is None:
-            # exhaustive_search keeps only the first error when all fail: find each one's error
+            # the search raises with the first error only when all fail: find each one's error
             # (compiling again, under the timeout too: a config whose compile timed out in the
             # search would compile here for as long as it takes)
             with _compile_timeout():
@@ -1516,18 +1514,6 @@ def _shared_scratch(scratch, inputs, dev, cfgs):
 
 def _pick(kernel, cfg):
     return kernel if isinstance(kernel, ct.kernel) else kernel(cfg)
-
-
-class _Built:
-    """A kernel already built with its hints, as exhaustive_search takes one: it asks it for
-    `replace_hints()` and gets the same object back."""
-    __slots__ = ("kernel",)
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def replace_hints(self, **hints):
-        return self.kernel
 
 
 def tuners():

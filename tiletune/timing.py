@@ -147,3 +147,93 @@ def time_us(fn, reps=50, warmup=10):
     if isinstance(us, Exception):
         raise us
     return us
+
+
+# The search's sampling of kernel-only configs (`search_kernels`).
+SEARCH_WARMUP = 3            # untimed runs before a config's first samples (the first compiles)
+SEARCH_BATCH = 5             # samples a config takes at a time, and at least
+SEARCH_LEADERS = 5           # the fastest this many are sampled until their means settle
+SEARCH_MAX_SAMPLES = 1000
+# A config stops once its samples add up to this: at 10-15 ms a run, a settled mean needs far
+# fewer than the 400 samples a 5 s budget allows under a power-capped clock's noise.
+SEARCH_MAX_SAMPLING_US = 1_000_000
+
+
+class _Sampled:
+    """One config's samples: a running mean and the half-width of its 95% confidence interval
+    (Welford's update)."""
+    __slots__ = ("config", "kernel", "grid", "n", "mean", "m2", "half")
+
+    def __init__(self, config, kernel, grid):
+        self.config, self.kernel, self.grid = config, kernel, grid
+        self.n, self.mean, self.m2, self.half = 0, 0.0, 0.0, 0.0
+
+    def add(self, us):
+        self.n += 1
+        delta = us - self.mean
+        self.mean += delta / self.n
+        self.m2 += delta * (us - self.mean)
+        if self.n > 1:
+            self.half = 1.96 * math.sqrt(self.m2 / (self.n - 1) / self.n)
+
+    def settled(self):
+        return self.n >= SEARCH_BATCH and (
+            self.half <= 0.01 * self.mean or self.half <= 0.5 or
+            self.n >= SEARCH_MAX_SAMPLES or self.mean * self.n >= SEARCH_MAX_SAMPLING_US)
+
+
+def search_kernels(configs, stream, grid_fn, kernel_fn, args_fn):
+    """Time each config's kernel alone, as cuTile's `exhaustive_search` does (its benchmark
+    primitive: one launch, L2 flushed before it, device time): SEARCH_WARMUP untimed runs, then
+    samples in batches of SEARCH_BATCH until the mean settles (the 95% interval within 1% of it
+    or 0.5 us, or SEARCH_MAX_SAMPLES samples, or SEARCH_MAX_SAMPLING_US of them). Only the
+    SEARCH_LEADERS fastest must settle; another config samples on only while its interval
+    reaches below the slowest of those. (cuTile's search counts any settled config among its
+    leaders, a slow one that settled in its first batch too, and then samples every other
+    config to the end of its budget: 6-11 s of a 15 s search at 10 ms GEMMs.)
+    kernel_fn(config) gives the kernel to launch. Returns cuTile's `TuningResult`; raises
+    ValueError("No valid config ...") when every config failed, as cuTile's search does."""
+    from cuda.tile._cext import _benchmark
+    from cuda.tile.tune import Measurement, TuningResult
+    sampled, failures, failed = [], [], set()
+
+    def sample(s, runs):
+        for _ in range(min(runs, SEARCH_MAX_SAMPLES - s.n)):
+            s.add(_benchmark(stream, s.grid, s.kernel, args_fn(s.config), True))
+
+    def sample_or_fail(s, runs):
+        try:
+            sample(s, runs)
+        except Exception as e:
+            failures.append((s.config, type(e), str(e)))
+            failed.add(id(s))
+    for cfg in configs:
+        try:
+            s = _Sampled(cfg, kernel_fn(cfg), grid_fn(cfg))
+            for _ in range(SEARCH_WARMUP):
+                _benchmark(stream, s.grid, s.kernel, args_fn(cfg), True)
+            sample(s, SEARCH_BATCH)
+        except Exception as e:
+            failures.append((cfg, type(e), str(e)))
+            continue
+        sampled.append(s)
+    while True:         # the leaders until each is settled (a batch can change who leads)
+        live = [s for s in sampled if id(s) not in failed]
+        leaders = sorted(live, key=lambda s: s.mean)[:SEARCH_LEADERS]
+        unsettled = [s for s in leaders if not s.settled()]
+        if not unsettled:
+            break
+        sample_or_fail(unsettled[0], SEARCH_BATCH)
+    if leaders:
+        cutoff = leaders[-1].mean
+        for s in live:
+            while id(s) not in failed and not s.settled() and s.mean - s.half < cutoff:
+                sample_or_fail(s, SEARCH_BATCH)
+    done = [Measurement(config=s.config, mean_us=s.mean, error_margin_us=s.half,
+                        num_samples=s.n) for s in sampled if id(s) not in failed]
+    if not done:
+        cfg, etype, msg = failures[0]
+        raise ValueError(f"No valid config found in search space.\nConfig: {cfg}\n"
+                         f"{etype.__name__}: {msg}")
+    return TuningResult(best=min(done, key=lambda m: m.mean_us), successes=tuple(done),
+                        failures=tuple(failures))

@@ -430,12 +430,12 @@ def engine(monkeypatch, tmp_path):
     launches, searched = [], []
     monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args: launches.append(kernel))
 
-    def search(space, stream, grid_fn, kernel, args_fn, hints_fn=None, **kw):
+    def search(space, stream, grid_fn, kernel, args_fn):
         searched.append([c.occupancy for c in space])
         ok = [cuda.tile.tune.Measurement(config=c, mean_us=10.0 + abs(c.occupancy - 2),
                                          num_samples=5, error_margin_us=0.1) for c in space]
         return cuda.tile.tune.TuningResult(best=ok[0], successes=ok, failures=[])
-    monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", search)
+    monkeypatch.setattr(timing, "search_kernels", search)
     # the final round (the winner and the default) agrees with the search
     monkeypatch.setattr(timing, "time_interleaved", lambda c, **kw: {i: 10.0 + i for i, _, _ in c})
     monkeypatch.setattr(distributed, "_agreement", None)
@@ -545,7 +545,7 @@ def test_a_job_decision_failed_for_the_moment_opens_the_keys_next_round(engine, 
     next call, as a single process searches again, instead of raising it for the job's life.
     A failure of the configs' own stays decided."""
     x, t = torch.zeros(4), engine.tuner
-    real_search = cuda.tile.tune.exhaustive_search
+    real_search = timing.search_kernels
 
     def out_of_memory(stream, grid, kernel, args):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
@@ -559,11 +559,11 @@ def test_a_job_decision_failed_for_the_moment_opens_the_keys_next_round(engine, 
                 monkeypatch.setattr(ct, "launch", error)
             def nothing_timed(*a, **k):
                 raise ValueError("No valid config")
-            monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", nothing_timed)
+            monkeypatch.setattr(timing, "search_kernels", nothing_timed)
             with pytest.raises(autotune.TuningFailedError):
                 t.launch(key, 0, x, key[0])
             monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args: None)
-            monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", real_search)
+            monkeypatch.setattr(timing, "search_kernels", real_search)
             searched = len(engine.searched)
             if again:
                 t.launch(key, 0, x, key[0])

@@ -23,6 +23,7 @@ from tiletune.autotune import Autotuner, Search, TuningFailedError, Work, bucket
 
 from tests.cpu.stand_ins import fork, stand_in_gpu, wait_child
 
+REAL_SEARCH = timing.search_kernels          # (the fixture stands a fake in for it)
 
 @ct.kernel
 def _k(x, T: ct.Constant[int]):
@@ -35,16 +36,16 @@ def _space(arch, n):
 
 
 class FakeSearch:
-    """Stands in for exhaustive_search: times are a function of the config; counts calls."""
+    """Stands in for timing.search_kernels: times are a function of the config; counts
+    calls."""
 
     def __init__(self, fail=(), delay=0.0, best_occ=2, base_us=10.0):
         self.calls, self.fail, self.delay, self.best_occ = 0, set(fail), delay, best_occ
         self.base_us = base_us
 
-    def __call__(self, space, stream, grid_fn, kernel, args_fn, hints_fn=None, **kw):
+    def __call__(self, space, stream, grid_fn, kernel, args_fn):
         self.calls += 1
-        hints = hints_fn or (lambda c: {})
-        built = [kernel(c).replace_hints(**hints(c)) for c in space]  # what the real search does
+        built = [kernel(c) for c in space]            # what the real search launches
         self.kernels = [k._pyfunc.__name__ for k in built]
         time.sleep(self.delay)
         ok, bad = [], []
@@ -83,7 +84,7 @@ def env(monkeypatch, tmp_path):
     launches = []
     monkeypatch.setattr(ct, "launch", lambda *a, **k: launches.append(a))   # the GPU stand-in
     fake = FakeSearch()
-    monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", fake)
+    monkeypatch.setattr(timing, "search_kernels", fake)
     final = FakeFinalRound()
     monkeypatch.setattr(timing, "time_interleaved", final)
     made = []
@@ -340,7 +341,7 @@ def test_a_search_inside_a_search_on_the_gpu_does_not_wait_for_itself(env, monke
             entered.append(1)
             done.append(resolve(inner, ("inner",)))
         return fake(*a, **kw)
-    monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", search_that_misses)
+    monkeypatch.setattr(timing, "search_kernels", search_that_misses)
     worker = threading.Thread(target=lambda: done.append(resolve(outer, ("outer",))))
     worker.start()
     worker.join(timeout=10)
@@ -379,7 +380,7 @@ def test_a_child_forked_during_a_search_neither_holds_the_gpu_lock_nor_waits(env
             kids.append(None)                   # (set before the fork: the child forks none)
             kids[0] = fork(child, from_thread=True)
         return fake(*a, **kw)
-    monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", search_that_forks)
+    monkeypatch.setattr(timing, "search_kernels", search_that_forks)
     resolve(t, ("k1",))
     start = time.monotonic()
     resolve(t, ("k2",))                         # the child is alive: it holds no lock
@@ -641,7 +642,7 @@ def test_configs_timed_by_run_are_timed_whole_and_the_rest_alone(env):
                timed_by_run=lambda c: c.occupancy == 4)
     cfg, _ = t.tune(("k", 13), 0, s)
     assert env.final.calls[0] == [2] and ran[0] == 4
-    assert len(env.fake.kernels) == 2                  # exhaustive_search saw occ 1 and 2
+    assert len(env.fake.kernels) == 2                  # the search saw occ 1 and 2
     rec = t.records[("k", 13)]
     assert {m["config"]["occupancy"]: m["mean_us"] for m in rec.timings} == {
         4: 5.0, 2: 10.0, 1: 11.0}
@@ -1161,7 +1162,7 @@ def test_searches_on_different_gpus_at_once_each_compile_under_the_timeout(env, 
             first_done.wait(5)           # the other search has ended
             seen.append(default_tile_context.config.compiler_timeout_sec)
         return fake(*a, **kw)
-    monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", search_on_two_gpus)
+    monkeypatch.setattr(timing, "search_kernels", search_on_two_gpus)
 
     def gpu0():
         t.tune(("k", 0), 0, search())
@@ -1320,18 +1321,17 @@ def test_strides_past_int32_on_size_1_dims_are_made_small(env, monkeypatch):
 def test_search_final_round_and_launch_share_each_configs_kernel_object(env, monkeypatch):
     """Each kernel object has its own JIT cache: one per config and device means one trace per
     config and device, whichever stage launches it first."""
-    from cuda.tile.tune import _tune
+    import cuda.tile._cext
     seen = []
 
-    def warmup(self, stream, num_times, timeout):    # cuTile's own search, stopped at launch
-        seen.append(self.kernel)
+    def benchmark(stream, grid, kernel, args, flush_l2):    # the search, stopped at launch
+        seen.append(kernel)
         raise RuntimeError("no GPU here")
-    monkeypatch.setattr(_tune._TimingCandidate, "warmup", warmup)
+    monkeypatch.setattr(cuda.tile._cext, "_benchmark", benchmark)
     t = env.make()
     cfgs = list(_space("sm_90", n=16))
     with pytest.raises(ValueError, match="No valid config"):
-        _tune.exhaustive_search(cfgs, None, lambda c: (1,), t._search_kernels(0), lambda c: (),
-                                quiet=True)
+        REAL_SEARCH(cfgs, None, lambda c: (1,), t._search_kernels(0), lambda c: ())
     shared = [t._with_hints(t.search_kernel(c), c, 0) for c in cfgs]
     assert len(seen) == 3 and all(k is s for k, s in zip(seen, shared))
     assert len({id(k) for k in shared}) == 3
@@ -1512,3 +1512,65 @@ def test_the_default_keeps_its_place_within_the_final_rounds_margin(env, default
     assert rec.config["occupancy"] == picked
     assert rec.best_us == (default_us if picked == 1 else 8.0)
     assert [f["config"]["occupancy"] for f in rec.final] == [4, 1]   # the round as timed
+
+
+# -- the search's sampling -----------------------------------------------------------------------
+
+def _sampling(monkeypatch, configs):
+    """REAL_SEARCH over configs {name: (mean us, spread us)} with a stand-in benchmark: each run
+    takes mean + uniform noise of that spread (seeded); returns (result, samples per name)."""
+    import random
+
+    import cuda.tile._cext
+    rng, runs = random.Random(7), {}
+
+    def benchmark(stream, grid, kernel, args, flush_l2):
+        assert flush_l2
+        runs[kernel] = runs.get(kernel, 0) + 1
+        mean, spread = configs[kernel]
+        if mean is None:
+            raise RuntimeError(f"{kernel} refused")
+        return mean + spread * (rng.random() - 0.5)
+    monkeypatch.setattr(cuda.tile._cext, "_benchmark", benchmark)
+    result = REAL_SEARCH(list(configs), None, lambda c: (1,), lambda c: c, lambda c: ())
+    return result, {m.config: m.num_samples for m in result.successes}, runs
+
+
+def test_the_search_samples_a_clearly_slower_config_no_further(monkeypatch):
+    """Slow configs that settle in their first batch do not count among the leaders (cuTile's
+    search counted them, then sampled every noisy config to its 5 s budget): the five fastest
+    settle, and a noisy config whose interval stays above the slowest of them takes one batch."""
+    fast = {f"fast{i}": (10000.0 + 100 * i, 400.0) for i in range(5)}
+    slow = {f"slow{i}": (30000.0 + 10 * i, 1.0) for i in range(3)}       # settle at once
+    noisy = {f"noisy{i}": (14000.0 + 500 * i, 600.0) for i in range(4)}  # far behind, unsettled
+    result, samples, runs = _sampling(monkeypatch, {**fast, **slow, **noisy})
+    assert result.best.config == "fast0" and not result.failures
+    assert all(samples[n] == timing.SEARCH_BATCH for n in (*slow, *noisy)), samples
+    assert all(runs[n] == timing.SEARCH_WARMUP + timing.SEARCH_BATCH for n in noisy)
+    for m in result.successes:
+        if m.config in fast:         # settled: within 1% or at the sampling budget
+            assert m.error_margin_us <= 0.01 * m.mean_us or \
+                m.mean_us * m.num_samples >= timing.SEARCH_MAX_SAMPLING_US, m
+            assert abs(m.mean_us - fast[m.config][0]) < 150
+
+
+def test_the_search_samples_a_close_config_until_it_is_settled_or_out(monkeypatch):
+    """A sixth config whose interval reaches below the slowest leader samples on; a noisy
+    leader stops at the sampling budget."""
+    configs = {f"lead{i}": (5000.0 + i, 10.0) for i in range(5)}
+    configs["close"] = (5006.0, 1000.0)
+    configs["noisy lead"] = (4990.0, 4990.0)
+    result, samples, _ = _sampling(monkeypatch, configs)
+    assert samples["close"] > timing.SEARCH_BATCH
+    noisy = next(m for m in result.successes if m.config == "noisy lead")
+    assert noisy.error_margin_us > 0.01 * noisy.mean_us          # never settled: the budget
+    assert noisy.mean_us * (noisy.num_samples - timing.SEARCH_BATCH) < \
+        timing.SEARCH_MAX_SAMPLING_US <= noisy.mean_us * noisy.num_samples
+
+
+def test_the_search_reports_each_failed_config_and_raises_when_all_fail(monkeypatch):
+    result, samples, _ = _sampling(monkeypatch, {"ok": (5.0, 0.1), "bad": (None, 0)})
+    assert result.best.config == "ok" and set(samples) == {"ok"}
+    assert [(c, t) for c, t, _ in result.failures] == [("bad", RuntimeError)]
+    with pytest.raises(ValueError, match="No valid config.*\n.*\nRuntimeError: bad refused"):
+        _sampling(monkeypatch, {"bad": (None, 0), "worse": (None, 0)})

@@ -31,9 +31,9 @@ def fresh(monkeypatch, tmp_path):
 
 def disable_autotune(monkeypatch):
     """DISABLE_AUTOTUNE=1 for one test, and any search at all fails it."""
-    import cuda.tile.tune
+    from tiletune import timing
     monkeypatch.setenv("DISABLE_AUTOTUNE", "1")
-    monkeypatch.setattr(cuda.tile.tune, "exhaustive_search", lambda *a, **k: pytest.fail("search"))
+    monkeypatch.setattr(timing, "search_kernels", lambda *a, **k: pytest.fail("search"))
 
 
 def tuned_or_disabled(monkeypatch, disable, case, tuned):
