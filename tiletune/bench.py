@@ -2,7 +2,7 @@
 
 The ops come from tiletune.registry: each case module's `bench_cases(full=False)` -> list of
 BenchCase (its headline rows; `full=True`: every row it has) and optionally `bench_host()`.
-Times are medians of CUDA-event timings with L2 flushed before every run (as exhaustive_search
+Times are medians of CUDA-event timings with L2 flushed before every run (as the search
 does), after warm-up; every number in a row comes from the same process and card, and the row's
 candidates (tuned, fixed, baselines, ceiling) are timed in turns, so that clock drift during the
 row does not favour one of them.

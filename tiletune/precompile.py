@@ -1,6 +1,6 @@
 """Compile a search's configs in parallel before the search times them.
 
-`exhaustive_search` JIT-compiles its configs one after another, and cuTile holds one global lock
+A search JIT-compiles its configs one after another, and cuTile holds one global lock
 per process around every compile: a 28-config matmul search on ragged shapes spent 67-86 s of
 its wall time compiling (H200 machine, 16 cores, measured). Before a search, the engine hands
 each config's kernel and JIT signature (read off the search's real arguments) to worker
