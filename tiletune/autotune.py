@@ -10,9 +10,9 @@ That call is the whole fast path: one dict lookup of the key's launch plan (kern
 config), the arguments, `ct.launch`. A miss maps the key to its tuning key (dynamic sizes
 bucketed) and, where that misses too, goes through `tune`: DISABLE_AUTOTUNE=1 -> the first
 config; else the persistent store; else a search over the op's configs
-(`timing.search_kernels`, compiled in parallel first, see tiletune/precompile.py), then a final round that times its close finishers
-and the default in turns (sustained blocks for long tensor-core kernels); then `replace_hints`
-once and cache.
+(`timing.search_kernels`, compiled in parallel first, see tiletune/precompile.py), then a final
+round that times its close finishers and the default in turns (sustained blocks for long
+tensor-core kernels); then `replace_hints` once and cache.
 """
 import contextlib
 import dataclasses

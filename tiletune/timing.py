@@ -1,5 +1,6 @@
-"""Device timing shared by the engine's final round and the benchmarks: CUDA events, L2 flushed
-before every run, candidates timed in turns."""
+"""Device timing shared by the engine's search and final round and the benchmarks: L2 flushed
+before every run; a search's configs sampled one after another (`search_kernels`), a final
+round's and a bench row's candidates timed in turns with CUDA events (`time_interleaved`)."""
 import contextlib
 import math
 
@@ -190,7 +191,8 @@ def search_kernels(configs, stream, grid_fn, kernel_fn, args_fn):
     SEARCH_LEADERS fastest must settle; another config samples on only while its interval
     reaches below the slowest of those. (cuTile's search counts any settled config among its
     leaders, a slow one that settled in its first batch too, and then samples every other
-    config to the end of its budget: 6-11 s of a 15 s search at 10 ms GEMMs.)
+    config until it settles or has 5 s of samples: 12-14 s of 15 s searches at 10-15 ms GEMM
+    keys, by their records; references/search-strategies.md.)
     kernel_fn(config) gives the kernel to launch. Returns cuTile's `TuningResult`; raises
     ValueError("No valid config ...") when every config failed, as cuTile's search does."""
     from cuda.tile._cext import _benchmark

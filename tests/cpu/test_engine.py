@@ -25,6 +25,7 @@ from tests.cpu.stand_ins import fork, stand_in_gpu, wait_child
 
 REAL_SEARCH = timing.search_kernels          # (the fixture stands a fake in for it)
 
+
 @ct.kernel
 def _k(x, T: ct.Constant[int]):
     ct.store(x, (ct.bid(0),), ct.load(x, (ct.bid(0),), (T,)))
