@@ -178,6 +178,30 @@ def test_new_m_in_same_bucket_does_not_search(fresh):
     assert MM._matmul.searches == 1
 
 
+def test_the_search_settles_its_leaders_and_no_config_past_them(fresh):
+    """Through cuTile's benchmark primitive on the GPU: the five fastest configs of a search end
+    settled (their 95% interval within 1% of the mean or 0.5 us, or at the sampling budget), and
+    every other config is settled too or its interval lies above the fifth fastest mean; at
+    4096^3 some configs are far enough behind to stop at their first batch."""
+    from tiletune import timing
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    assert rel(matmul(a, b), a.float() @ b.float()) < TOL[torch.bfloat16]
+    (rec,) = MM._matmul.records.values()
+    ts = sorted(rec.timings, key=lambda t: t["mean_us"])
+    assert len(ts) > timing.SEARCH_LEADERS
+
+    def settled(t):
+        return t["samples"] >= timing.SEARCH_BATCH and (
+            t["error_us"] <= 0.01 * t["mean_us"] or t["error_us"] <= 0.5 or
+            t["samples"] >= timing.SEARCH_MAX_SAMPLES or
+            t["mean_us"] * t["samples"] >= timing.SEARCH_MAX_SAMPLING_US)
+    cutoff = ts[timing.SEARCH_LEADERS - 1]["mean_us"]
+    assert all(settled(t) for t in ts[:timing.SEARCH_LEADERS]), ts
+    assert all(settled(t) or t["mean_us"] - t["error_us"] >= cutoff for t in ts), ts
+    assert any(t["samples"] == timing.SEARCH_BATCH for t in ts[timing.SEARCH_LEADERS:]), ts
+
+
 def test_bad_input():
     a = torch.randn(8, 16, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="inner dims"):
