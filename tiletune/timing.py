@@ -210,8 +210,8 @@ def search_kernels(configs, stream, grid_fn, kernel_fn, args_fn):
             failures.append((s.config, type(e), str(e)))
             failed.add(id(s))
     for cfg in configs:
+        s = _Sampled(cfg, kernel_fn(cfg), grid_fn(cfg))    # (raising here: the op's error)
         try:
-            s = _Sampled(cfg, kernel_fn(cfg), grid_fn(cfg))
             for _ in range(SEARCH_WARMUP):
                 _benchmark(stream, s.grid, s.kernel, args_fn(cfg), True)
             sample(s, SEARCH_BATCH)
