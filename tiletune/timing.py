@@ -197,6 +197,8 @@ def search_kernels(configs, stream, grid_fn, kernel_fn, args_fn):
     ValueError("No valid config ...") when every config failed, as cuTile's search does."""
     from cuda.tile._cext import _benchmark
     from cuda.tile.tune import Measurement, TuningResult
+    if not configs:
+        raise ValueError("Search space is empty.")
     sampled, failures, failed = [], [], set()
 
     def sample(s, runs):

@@ -1526,14 +1526,15 @@ def _sampling(monkeypatch, configs):
     rng, runs = random.Random(7), {}
 
     def benchmark(stream, grid, kernel, args, flush_l2):
-        assert flush_l2
+        assert flush_l2 and stream == "stream" and grid == (1,) and args == ("args", kernel)
         runs[kernel] = runs.get(kernel, 0) + 1
-        mean, spread = configs[kernel]
-        if mean is None:
+        mean, spread, *fails_at = configs[kernel]
+        if mean is None or fails_at and runs[kernel] >= fails_at[0]:
             raise RuntimeError(f"{kernel} refused")
         return mean + spread * (rng.random() - 0.5)
     monkeypatch.setattr(cuda.tile._cext, "_benchmark", benchmark)
-    result = REAL_SEARCH(list(configs), None, lambda c: (1,), lambda c: c, lambda c: ())
+    result = REAL_SEARCH(list(configs), "stream", lambda c: (1,), lambda c: c,
+                         lambda c: ("args", c))
     return result, {m.config: m.num_samples for m in result.successes}, runs
 
 
@@ -1575,3 +1576,19 @@ def test_the_search_reports_each_failed_config_and_raises_when_all_fail(monkeypa
     assert [(c, t) for c, t, _ in result.failures] == [("bad", RuntimeError)]
     with pytest.raises(ValueError, match="No valid config.*\n.*\nRuntimeError: bad refused"):
         _sampling(monkeypatch, {"bad": (None, 0), "worse": (None, 0)})
+
+
+def test_a_config_failing_while_sampled_leaves_the_leaders(monkeypatch):
+    """A leader that raises in a later batch is a failure, sampled no more; the next fastest
+    takes its place among the leaders and settles."""
+    configs = {f"lead{i}": (1000.0 + i, 100.0) for i in range(5)}
+    configs["lead0"] = (990.0, 100.0, 12)           # its 12th run raises (the 4th sample)
+    configs["sixth"] = (1010.0, 100.0)
+    configs["far"] = (5000.0, 1.0)
+    result, samples, runs = _sampling(monkeypatch, configs)
+    assert [c for c, _, _ in result.failures] == ["lead0"] and "lead0" not in samples
+    assert runs["lead0"] == 12
+    sixth = next(m for m in result.successes if m.config == "sixth")
+    assert sixth.num_samples > timing.SEARCH_BATCH and sixth.error_margin_us <= 0.01 * sixth.mean_us
+    with pytest.raises(ValueError, match="empty"):
+        REAL_SEARCH([], "stream", lambda c: (1,), lambda c: c, lambda c: ())
