@@ -802,9 +802,26 @@ def key_facts(key):
     return parts[-5], parts[-4], parts[-3][len("cuda-tile "):], parts[-2][len("tileiras "):]
 
 
+# Decimal places a shipped entry keeps of its numbers (microseconds, seconds, rates): CUDA
+# event timings resolve about 0.5 us, so the digits past the second were noise, and more than
+# half of a compressed file.
+SHIPPED_DECIMALS = 2
+
+
+def _rounded(value):
+    if isinstance(value, float):
+        return round(value, SHIPPED_DECIMALS)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
 def write_shipped(path, rows, header=None):
     """Write rows [(op, key, entry)] to `path` as a shipped file (one row a line, sorted;
-    gzip-compressed where `path` ends in .gz; the file is replaced at once). Rows already in a
+    gzip-compressed where `path` ends in .gz; the file is replaced at once; every number in an
+    entry to SHIPPED_DECIMALS places, `_rounded`). Rows already in a
     shipped file at `path` are kept unless a new row has their op and key. Returns (rows
     written, rows kept from the file). Raises ValueError where `path` holds something else than
     a shipped file, OSError where it cannot be read or written."""
@@ -815,7 +832,7 @@ def write_shipped(path, rows, header=None):
     kept = sum(1 for k in merged if k not in new)
     merged.update(new)
     head = json.dumps({"format": SHIPPED_FORMAT, **(header or {})}, indent=1)
-    lines = [json.dumps({"op": op, "key": key, "entry": entry}, sort_keys=True)
+    lines = [json.dumps({"op": op, "key": key, "entry": _rounded(entry)}, sort_keys=True)
              for (op, key), entry in sorted(merged.items(), key=lambda r: r[0])]
     text = head[:-2] + ',\n "rows": [' + ",".join("\n  " + line for line in lines) + "\n ]\n}\n"
     folder = os.path.dirname(os.path.abspath(path))

@@ -287,6 +287,22 @@ def test_export_merges_and_writes_one_row_a_line(shipped, tmp_path):
     assert bad.read_text() == '{"a": 1}'
 
 
+def test_an_export_keeps_two_decimals_of_every_number(shipped, tmp_path):
+    """Times, rates and seconds to 0.01 (the digits past it are timer noise); integers, strings
+    and the config as they are."""
+    path = tmp_path / "out" / "h100.json"
+    row = dict(entry(64), best_us=9.876543, rates={"tflop_per_s": 701.23456},
+               timings=[{"config": {"tile": 64, "occupancy": 2}, "mean_us": 12.3456789,
+                         "error_us": 0.0049, "samples": 5}])
+    store.write_shipped(str(path), [(OP, skey(), row)])
+    (_, key, got), = store.read_shipped(str(path))[1]
+    assert key == skey() and got["config"] == {"tile": 64}
+    assert got["best_us"] == 9.88 and got["rates"] == {"tflop_per_s": 701.23}
+    assert got["timings"] == [{"config": {"tile": 64, "occupancy": 2}, "mean_us": 12.35,
+                               "error_us": 0.0, "samples": 5}]
+    assert got["failures"] == row["failures"]
+
+
 def test_a_gz_export_is_compressed_reproducible_and_read_back(shipped, tmp_path, monkeypatch):
     """A path ending in .gz is written gzip-compressed, with no name or time in its header (the
     same rows give the same bytes), read back as the plain file would be, merged on a second
