@@ -1056,6 +1056,11 @@ class Autotuner:
         failures += more
         candidates = [(i, c) for i, c in candidates if not by_run(c)]
         result = None
+        ids = {id(c): i for i, c in candidates}
+
+        def where(c):        # the search hands back the configs it was given
+            i = ids.get(id(c))
+            return i if i is not None else next(i for i, d in candidates if d == c)
         if candidates:
             try:
                 with _compile_timeout():
@@ -1065,8 +1070,11 @@ class Autotuner:
             except ValueError as e:
                 if "No valid config" not in str(e):
                     raise
+                if getattr(e, "failures", None):     # every config's error, as sampled
+                    return timings, failures + [{"i": where(c), "error": t.__name__,
+                                                 "message": msg} for c, t, msg in e.failures]
         if result is None:
-            # the search raises with the first error only when all fail: find each one's error
+            # a search that raises with the first error only: find each one's error
             # (compiling again, under the timeout too: a config whose compile timed out in the
             # search would compile here for as long as it takes)
             with _compile_timeout():
@@ -1074,11 +1082,6 @@ class Autotuner:
                     etype, msg = self._probe(c, search, dev)
                     failures.append({"i": i, "error": etype, "message": msg})
             return timings, failures
-        ids = {id(c): i for i, c in candidates}
-
-        def where(c):        # the search hands back the configs it was given
-            i = ids.get(id(c))
-            return i if i is not None else next(i for i, d in candidates if d == c)
         timings += [{"i": where(m.config), "mean_us": m.mean_us, "error_us": m.error_margin_us,
                      "samples": m.num_samples} for m in result.successes]
         failures += [{"i": where(c), "error": t.__name__, "message": msg}

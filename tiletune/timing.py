@@ -160,6 +160,14 @@ SEARCH_MAX_SAMPLES = 1000
 SEARCH_MAX_SAMPLING_US = 1_000_000
 
 
+class NoValidConfig(ValueError):
+    """Every config of a search failed; `failures` holds each one's (config, type, message)."""
+
+    def __init__(self, message, failures):
+        super().__init__(message)
+        self.failures = failures
+
+
 class _Sampled:
     """One config's samples: a running mean and the half-width of its 95% confidence interval
     (Welford's update)."""
@@ -194,7 +202,8 @@ def search_kernels(configs, stream, grid_fn, kernel_fn, args_fn):
     config until it settles or has 5 s of samples: 12-14 s of 15 s searches at 10-15 ms GEMM
     keys, by their records; references/search-strategies.md.)
     kernel_fn(config) gives the kernel to launch. Returns cuTile's `TuningResult`; raises
-    ValueError("No valid config ...") when every config failed, as cuTile's search does."""
+    NoValidConfig (a ValueError "No valid config ..." with the first error, as cuTile's search
+    raises, and every config's in `failures`) when every config failed."""
     from cuda.tile._cext import _benchmark
     from cuda.tile.tune import Measurement, TuningResult
     if not configs:
@@ -237,7 +246,7 @@ def search_kernels(configs, stream, grid_fn, kernel_fn, args_fn):
                         num_samples=s.n) for s in sampled if id(s) not in failed]
     if not done:
         cfg, etype, msg = failures[0]
-        raise ValueError(f"No valid config found in search space.\nConfig: {cfg}\n"
-                         f"{etype.__name__}: {msg}")
+        raise NoValidConfig(f"No valid config found in search space.\nConfig: {cfg}\n"
+                            f"{etype.__name__}: {msg}", tuple(failures))
     return TuningResult(best=min(done, key=lambda m: m.mean_us), successes=tuple(done),
                         failures=tuple(failures))

@@ -259,9 +259,9 @@ def test_all_configs_failing_raises_with_every_error(env, monkeypatch):
 
 
 def test_configs_probed_for_their_errors_compile_under_the_timeout(env, monkeypatch):
-    """When every config failed, each is launched alone for its own error, which compiles it
-    again: under the search's compile timeout too (a config whose compile timed out in the
-    search compiled there for as long as it took)."""
+    """When every config failed in a search that gives only the first error, each is launched
+    alone for its own, which compiles it again: under the search's compile timeout too (a
+    config whose compile timed out in the search compiled there for as long as it took)."""
     from cuda.tile._cext import default_tile_context
     monkeypatch.setattr(default_tile_context.config, "compiler_timeout_sec", None)
     env.fake.fail = {1, 2, 4}
@@ -1574,8 +1574,29 @@ def test_the_search_reports_each_failed_config_and_raises_when_all_fail(monkeypa
     result, samples, _ = _sampling(monkeypatch, {"ok": (5.0, 0.1), "bad": (None, 0)})
     assert result.best.config == "ok" and set(samples) == {"ok"}
     assert [(c, t) for c, t, _ in result.failures] == [("bad", RuntimeError)]
-    with pytest.raises(ValueError, match="No valid config.*\n.*\nRuntimeError: bad refused"):
+    with pytest.raises(timing.NoValidConfig,
+                       match="No valid config.*\n.*\nRuntimeError: bad refused") as e:
         _sampling(monkeypatch, {"bad": (None, 0), "worse": (None, 0)})
+    assert [(c, t, m) for c, t, m in e.value.failures] == [
+        ("bad", RuntimeError, "bad refused"), ("worse", RuntimeError, "worse refused")]
+
+
+def test_when_every_config_fails_the_engine_keeps_the_searchs_errors(env, monkeypatch):
+    """The search records every config's error: none is launched again to find it."""
+    import cuda.tile._cext
+    t = env.make()
+    occupancy = {id(t._with_hints(t.search_kernel(c), c, 0)): c.occupancy
+                 for c in _space("sm_90", n=16)}
+
+    def benchmark(stream, grid, kernel, args, flush_l2):
+        raise RuntimeError(f"refused at occupancy {occupancy[id(kernel)]}")
+    monkeypatch.setattr(cuda.tile._cext, "_benchmark", benchmark)
+    monkeypatch.setattr(timing, "search_kernels", REAL_SEARCH)
+    monkeypatch.setattr(t, "_probe", lambda *a: pytest.fail("probed again"))
+    with pytest.raises(TuningFailedError) as e:
+        resolve(t, ("k", 16))
+    assert sorted(msg for _, _, msg in e.value.failures) == [
+        f"refused at occupancy {o}" for o in (1, 2, 4)]
 
 
 def test_a_config_failing_while_sampled_leaves_the_leaders(monkeypatch):
