@@ -21,6 +21,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -92,6 +93,13 @@ MAX_CONFIGS = 30
 # in turns): the final round decides.
 FINAL_MARGIN = 0.05
 FINALISTS = 4
+# A sustained final round (below) takes the FINALISTS fastest whatever their distance: kernel
+# times sampled one config after another rank heavy GEMMs against their sustained clocks
+# coarsely. H100, gated_mlp_dx 16384 x 4096 -> 14336: one search put the 2-CTA 256x256 config
+# 6.0% behind its best, out of the 5% margin, and kept a config that an earlier search's
+# sustained round (another H100; that config 1.1% behind there) had timed 9% slower (5949.95
+# against 5405.60 us); in the H100 shipped file 5 sustained winners stood 5.1-20.1% behind
+# their searches' best. A finalist costs about SUSTAINED_FINAL_ROUNDS blocks of 100 ms.
 # The default keeps its place unless a finalist leads it in the final round by more than
 # KEEP_DEFAULT_MARGIN: one config timed twice in one process reads up to ~2% apart, and a pick
 # that leads by less than that need not lead when timed again (grouped GEMM on an H100: picks
@@ -1137,9 +1145,10 @@ class Autotuner:
         anchor = next((m for m in ranked
                        if not (search.partly_timed and search.partly_timed(m.config))), ranked[0])
         best, best_us, final = anchor.config, anchor.mean_us, []
-        finalists = self._finalists(ranked, anchor, cfgs[0])
         regime = ("sustained" if search.work and search.work.flops and best_us >= SUSTAINED_FINAL_US
                   else "turns")
+        finalists = self._finalists(ranked, anchor, cfgs[0],
+                                    None if regime == "sustained" else FINAL_MARGIN)
         if len(finalists) > 1:
             stream = torch.cuda.current_stream(dev)
             try:
@@ -1180,10 +1189,11 @@ class Autotuner:
         return best, record
 
     @staticmethod
-    def _finalists(ranked, anchor, default):
-        """The anchor (the fastest fully timed config), the configs within FINAL_MARGIN of it (at
-        most FINALISTS, fastest first) and the default."""
-        cut = anchor.mean_us * (1 + FINAL_MARGIN)
+    def _finalists(ranked, anchor, default, margin):
+        """The anchor (the fastest fully timed config), the configs within `margin` of it (at
+        most FINALISTS, fastest first; the FINALISTS fastest where margin is None) and the
+        default."""
+        cut = math.inf if margin is None else anchor.mean_us * (1 + margin)
         finalists = [m.config for m in ranked[:FINALISTS] if m.mean_us <= cut]
         if anchor.config not in finalists:
             finalists.append(anchor.config)

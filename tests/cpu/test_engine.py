@@ -558,6 +558,20 @@ def test_long_tensor_core_keys_run_their_final_round_sustained(env, base_us, wor
     assert t.records[("k", 13)].final == rec.final
 
 
+@pytest.mark.parametrize("work, finalists", [
+    (Work(flops=1e12), 4),        # sustained: the four fastest, 7% behind the best too
+    (Work(bytes=1e9), 3),         # in turns: those within FINAL_MARGIN
+])
+def test_a_sustained_final_round_takes_the_fastest_whatever_their_distance(env, work, finalists):
+    env.fake.base_us, env.fake.best_occ = 100.0, 1          # 100, 101, 103, 107, 115 us
+    t = env.make(configs=lambda arch, n: (SimpleNamespace(tile=n, occupancy=o)
+                                          for o in (1, 2, 4, 8, 16)))
+    t.tune(("k", 21), 0, Search(shape=dict(n=16), grid_fn=lambda c: (1,), args_fn=lambda c: (),
+                                work=work))
+    assert [f["config"]["occupancy"] for f in t.records[("k", 21)].final] == \
+        [1, 2, 4, 8][:finalists]
+
+
 def test_no_final_round_when_the_default_wins_alone(env):
     env.fake.best_occ = 1          # the default is 1 us ahead of the next: 10% > FINAL_MARGIN
     t = env.make()
