@@ -208,42 +208,35 @@ def search_kernels(configs, stream, grid_fn, kernel_fn, args_fn):
     from cuda.tile.tune import Measurement, TuningResult
     if not configs:
         raise ValueError("Search space is empty.")
-    sampled, failures, failed = [], [], set()
+    sampled, failures = [], []
 
-    def sample(s, runs):
-        for _ in range(min(runs, SEARCH_MAX_SAMPLES - s.n)):
-            s.add(_benchmark(stream, s.grid, s.kernel, args_fn(s.config), True))
-
-    def sample_or_fail(s, runs):
+    def sample(s, runs, warmup=0):
+        """`runs` more samples of s after `warmup` untimed runs; a config that raises is a
+        failure, sampled no more."""
         try:
-            sample(s, runs)
+            for _ in range(warmup):
+                _benchmark(stream, s.grid, s.kernel, args_fn(s.config), True)
+            for _ in range(min(runs, SEARCH_MAX_SAMPLES - s.n)):
+                s.add(_benchmark(stream, s.grid, s.kernel, args_fn(s.config), True))
         except Exception as e:
             failures.append((s.config, type(e), str(e)))
-            failed.add(id(s))
+            sampled.remove(s)
     for cfg in configs:
-        s = _Sampled(cfg, kernel_fn(cfg), grid_fn(cfg))    # (raising here: the op's error)
-        try:
-            for _ in range(SEARCH_WARMUP):
-                _benchmark(stream, s.grid, s.kernel, args_fn(cfg), True)
-            sample(s, SEARCH_BATCH)
-        except Exception as e:
-            failures.append((cfg, type(e), str(e)))
-            continue
-        sampled.append(s)
+        sampled.append(_Sampled(cfg, kernel_fn(cfg), grid_fn(cfg)))  # (raising: the op's error)
+        sample(sampled[-1], SEARCH_BATCH, warmup=SEARCH_WARMUP)
     while True:         # the leaders until each is settled (a batch can change who leads)
-        live = [s for s in sampled if id(s) not in failed]
-        leaders = sorted(live, key=lambda s: s.mean)[:SEARCH_LEADERS]
+        leaders = sorted(sampled, key=lambda s: s.mean)[:SEARCH_LEADERS]
         unsettled = [s for s in leaders if not s.settled()]
         if not unsettled:
             break
-        sample_or_fail(unsettled[0], SEARCH_BATCH)
+        sample(unsettled[0], SEARCH_BATCH)
     if leaders:
         cutoff = leaders[-1].mean
-        for s in live:
-            while id(s) not in failed and not s.settled() and s.mean - s.half < cutoff:
-                sample_or_fail(s, SEARCH_BATCH)
+        for s in list(sampled):
+            while s in sampled and not s.settled() and s.mean - s.half < cutoff:
+                sample(s, SEARCH_BATCH)
     done = [Measurement(config=s.config, mean_us=s.mean, error_margin_us=s.half,
-                        num_samples=s.n) for s in sampled if id(s) not in failed]
+                        num_samples=s.n) for s in sampled]
     if not done:
         cfg, etype, msg = failures[0]
         raise NoValidConfig(f"No valid config found in search space.\nConfig: {cfg}\n"
