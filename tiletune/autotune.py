@@ -424,11 +424,11 @@ def _compiler_gave_no_verdict(error, message):
 
 def _of_the_moment(failures):
     """Every failure of a search ((error type name, message) pairs) says nothing about its
-    config: the GPU's memory was full (the search's buffers), a compile timed out or was
-    killed, or the config ran when probed alone. Such a key is searched again at its next call
-    instead of failing for the process."""
-    return all(error in ("OutOfMemoryError", "NoError")
-               or _compiler_gave_no_verdict(error, message) for error, message in failures)
+    config: the GPU's memory was full (the search's buffers), or a compile timed out or was
+    killed. Such a key is searched again at its next call instead of failing for the
+    process."""
+    return all(error == "OutOfMemoryError" or _compiler_gave_no_verdict(error, message)
+               for error, message in failures)
 
 
 @dataclasses.dataclass
@@ -1025,8 +1025,7 @@ class Autotuner:
 
     def _measure(self, key, dev, cfgs, indices, search, ahead=(), compiled=None):
         """Compile and time the configs at `indices`: ([{i, mean_us, error_us, samples}],
-        [{i, error, message}]), `i` being the config's index in `cfgs`. When every one of them
-        fails, each is launched alone for its own error. ahead: configs that a later call may
+        [{i, error, message}]), `i` being the config's index in `cfgs`. ahead: configs that a later call may
         time, compiled in this call's batch; compiled: {i: the compiler's rejection or None}
         across the calls of one search (configs in it are not compiled again)."""
         indices = list(indices)
@@ -1063,37 +1062,25 @@ class Autotuner:
         timings, more = self._time_runs([(i, c) for i, c in candidates if by_run(c)], search, dev)
         failures += more
         candidates = [(i, c) for i, c in candidates if not by_run(c)]
-        result = None
+        if not candidates:
+            return timings, failures
         ids = {id(c): i for i, c in candidates}
 
         def where(c):        # the search hands back the configs it was given
             i = ids.get(id(c))
             return i if i is not None else next(i for i, d in candidates if d == c)
-        if candidates:
-            try:
-                with _compile_timeout():
-                    result = timing.search_kernels([c for _, c in candidates], stream,
-                                                   search.grid_fn, self._search_kernels(dev),
-                                                   search.args_fn)
-            except ValueError as e:
-                if "No valid config" not in str(e):
-                    raise
-                if getattr(e, "failures", None):     # every config's error, as sampled
-                    return timings, failures + [{"i": where(c), "error": t.__name__,
-                                                 "message": msg} for c, t, msg in e.failures]
-        if result is None:
-            # a search that raises with the first error only: find each one's error
-            # (compiling again, under the timeout too: a config whose compile timed out in the
-            # search would compile here for as long as it takes)
+        try:
             with _compile_timeout():
-                for i, c in candidates:
-                    etype, msg = self._probe(c, search, dev)
-                    failures.append({"i": i, "error": etype, "message": msg})
-            return timings, failures
-        timings += [{"i": where(m.config), "mean_us": m.mean_us, "error_us": m.error_margin_us,
-                     "samples": m.num_samples} for m in result.successes]
-        failures += [{"i": where(c), "error": t.__name__, "message": msg}
-                     for c, t, msg in result.failures]
+                result = timing.search_kernels([c for _, c in candidates], stream,
+                                               search.grid_fn, self._search_kernels(dev),
+                                               search.args_fn)
+            timings += [{"i": where(m.config), "mean_us": m.mean_us,
+                         "error_us": m.error_margin_us, "samples": m.num_samples}
+                        for m in result.successes]
+            failed = result.failures
+        except timing.NoValidConfig as e:        # every config's error, as sampled
+            failed = e.failures
+        failures += [{"i": where(c), "error": t.__name__, "message": msg} for c, t, msg in failed]
         return timings, failures
 
     def _time_runs(self, candidates, search, dev):
@@ -1234,16 +1221,6 @@ class Autotuner:
             return lambda: search.run_fn(c, kernel)
         grid, args = search.grid_fn(c), search.args_fn(c)
         return lambda: ct.launch(stream, grid, kernel, args)
-
-    def _probe(self, cfg, search, dev):
-        """Launch one config once to get its own error (used only when every config failed)."""
-        try:
-            ct.launch(torch.cuda.current_stream(dev), search.grid_fn(cfg),
-                      self._with_hints(self.search_kernel(cfg), cfg, dev), search.args_fn(cfg))
-            torch.cuda.synchronize(dev)
-            return "NoError", "ran when probed alone"
-        except Exception as e:
-            return type(e).__name__, str(e)
 
     def _finish(self, key, cfg, record, search, dev):
         kernel = self._with_hints(self.base_kernel(cfg), cfg, dev)

@@ -56,7 +56,7 @@ def fake_search(space, stream, grid_fn, kernel, args_fn):
         ok.append(cuda.tile.tune.Measurement(config=c, mean_us=us, num_samples=5,
                                              error_margin_us=0.1))
     if not ok:
-        raise ValueError("No valid config found in search space.")
+        raise timing.NoValidConfig("No valid config found in search space.", bad)
     return cuda.tile.tune.TuningResult(best=ok[0], successes=ok, failures=bad)
 
 
@@ -217,7 +217,6 @@ def main():
     # 9. every config fails: every rank raises TuningFailedError
     distributed.set_process_group()
     fail_all.add(16384)
-    t._probe = lambda cfg, s, dev: ("RuntimeError", f"boom {cfg.occupancy}")
     try:
         resolve(t, 16384)
         out["all_fail"] = "no error"

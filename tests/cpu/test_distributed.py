@@ -547,22 +547,20 @@ def test_a_job_decision_failed_for_the_moment_opens_the_keys_next_round(engine, 
     x, t = torch.zeros(4), engine.tuner
     real_search = timing.search_kernels
 
-    def out_of_memory(stream, grid, kernel, args):
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
     distributed.set_process_group(store=dist.HashStore(), rank=0, world_size=1)
     try:
-        for error, again in ((out_of_memory, True), (None, False)):
+        for (etype, message), again in (((torch.cuda.OutOfMemoryError, "CUDA out of memory"),
+                                         True),
+                                        ((type("TileTypeError", (Exception,), {}), "bad"),
+                                         False)):
             key = (16 if again else 32, 0)
-            if error is None:
-                monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: ("TileTypeError", "bad"))
-            else:
-                monkeypatch.setattr(ct, "launch", error)
-            def nothing_timed(*a, **k):
-                raise ValueError("No valid config")
+
+            def nothing_timed(space, *a):
+                raise timing.NoValidConfig("No valid config",
+                                           [(c, etype, message) for c in space])
             monkeypatch.setattr(timing, "search_kernels", nothing_timed)
             with pytest.raises(autotune.TuningFailedError):
                 t.launch(key, 0, x, key[0])
-            monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args: None)
             monkeypatch.setattr(timing, "search_kernels", real_search)
             searched = len(engine.searched)
             if again:

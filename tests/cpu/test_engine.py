@@ -43,6 +43,8 @@ class FakeSearch:
     def __init__(self, fail=(), delay=0.0, best_occ=2, base_us=10.0):
         self.calls, self.fail, self.delay, self.best_occ = 0, set(fail), delay, best_occ
         self.base_us = base_us
+        # cfg -> (error type name, message) of a failing config
+        self.error = lambda c: ("RuntimeError", f"boom {c.occupancy}")
 
     def __call__(self, space, stream, grid_fn, kernel, args_fn):
         self.calls += 1
@@ -52,12 +54,13 @@ class FakeSearch:
         ok, bad = [], []
         for c in space:
             if c.occupancy in self.fail:
-                bad.append((c, RuntimeError, f"boom {c.occupancy}"))
+                name, message = self.error(c)
+                bad.append((c, type(name, (Exception,), {}), message))
             else:
                 ok.append(cuda.tile.tune.Measurement(config=c, mean_us=self.base_us + abs(c.occupancy - self.best_occ),
                                                      num_samples=5, error_margin_us=0.1))
         if not ok:
-            raise ValueError("No valid config found in search space.")
+            raise timing.NoValidConfig("No valid config found in search space.", bad)
         return cuda.tile.tune.TuningResult(best=min(ok, key=lambda m: m.mean_us), successes=ok, failures=bad)
 
 
@@ -251,28 +254,10 @@ def test_store_off(env, monkeypatch):
 def test_all_configs_failing_raises_with_every_error(env, monkeypatch):
     env.fake.fail = {1, 2, 4}
     t = env.make()
-    monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: ("RuntimeError", f"boom {cfg.occupancy}"))
     with pytest.raises(TuningFailedError) as e:
         resolve(t, ("k",))
     assert len(e.value.failures) == 3
     assert all(f"boom {o}" in str(e.value) for o in (1, 2, 4))
-
-
-def test_configs_probed_for_their_errors_compile_under_the_timeout(env, monkeypatch):
-    """When every config failed in a search that gives only the first error, each is launched
-    alone for its own, which compiles it again: under the search's compile timeout too (a
-    config whose compile timed out in the search compiled there for as long as it took)."""
-    from cuda.tile._cext import default_tile_context
-    monkeypatch.setattr(default_tile_context.config, "compiler_timeout_sec", None)
-    env.fake.fail = {1, 2, 4}
-    timeouts = []
-    monkeypatch.setattr(ct, "launch", lambda *a: timeouts.append(
-        default_tile_context.config.compiler_timeout_sec))
-    t = env.make()
-    with pytest.raises(TuningFailedError):
-        resolve(t, ("k",))
-    assert timeouts == [autotune.COMPILE_TIMEOUT_SEC] * 3
-    assert default_tile_context.config.compiler_timeout_sec is None
 
 
 def test_partial_failures_are_recorded_and_logged(env, caplog):
@@ -1076,7 +1061,6 @@ def test_precompile_timeouts_are_no_verdict_and_all_rejected_means_serial(env, m
 def test_a_key_whose_every_config_fails_is_not_searched_again(env, monkeypatch):
     env.fake.fail = {1, 2, 4}
     t = env.make()
-    monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: ("RuntimeError", "boom"))
     errors = []
 
     def work():
@@ -1105,7 +1089,6 @@ def test_a_key_whose_every_config_fails_keeps_no_call_alive(env, monkeypatch):
     env.fake.fail = {1, 2, 4}
     t = _declared(env, monkeypatch, "leak", grid=lambda c, dev, x, n: (1,),
                   args=lambda c, x, n: (x,))
-    monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: ("RuntimeError", "boom"))
     alive, errors = [], []
     for _ in range(3):
         x = torch.zeros(4)
@@ -1121,25 +1104,23 @@ def test_a_key_whose_every_config_fails_keeps_no_call_alive(env, monkeypatch):
 
 @pytest.mark.parametrize("verdict", [("OutOfMemoryError", "CUDA out of memory"),
                                      ("CompilerTimeoutError", "over 60 s"),
-                                     ("CompilerExecutionError", "Return code -9"),
-                                     ("NoError", "ran when probed alone")],
-                         ids=["oom", "compile timeout", "compiler killed", "ran alone"])
+                                     ("CompilerExecutionError", "Return code -9")],
+                         ids=["oom", "compile timeout", "compiler killed"])
 def test_a_key_whose_every_failure_says_nothing_of_its_config_is_searched_again(
         env, monkeypatch, verdict):
     """Out of memory (the search's buffers on a full GPU), a compile that timed out or was
-    killed, a config that ran when probed alone: the call raises, and the next one searches
-    again instead of raising the same error for the rest of the process."""
+    killed: the call raises, and the next one searches again instead of raising the same error
+    for the rest of the process."""
     env.fake.fail = {1, 2, 4}
+    env.fake.error = lambda c: verdict
     t = env.make()
-    monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: verdict)
     with pytest.raises(TuningFailedError, match=verdict[0]):
         resolve(t, ("k",))
     env.fake.fail = set()
     resolve(t, ("k",))
     assert env.fake.calls == 2 and ("k",) in t.records
     env.fake.fail = {1, 2, 4}       # one failure of the config's own: that key stays failed
-    monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: (
-        ("RuntimeError", "boom") if cfg.occupancy == 1 else verdict))
+    env.fake.error = lambda c: ("RuntimeError", "boom") if c.occupancy == 1 else verdict
     for _ in range(2):
         with pytest.raises(TuningFailedError):
             resolve(t, ("other",))
@@ -1441,10 +1422,8 @@ def test_every_config_failing_to_compile_shows_what_the_compiler_said(env, monke
             2: "error: 'cuda_tile.mma' op needs 288 KiB of shared memory, 227 KiB available",
             4: "error: 'cuda_tile.load' op tile of 4096 elements exceeds the register budget"}
 
-    def launch(stream, grid, kernel, args):
-        raise CompilerExecutionError(1, said[kernel._compiler_options.occupancy], Loc.unknown(),
-                                     "-O3", "13.4.92")
-    monkeypatch.setattr(ct, "launch", launch)
+    env.fake.error = lambda c: ("CompilerExecutionError", str(CompilerExecutionError(
+        1, said[c.occupancy], Loc.unknown(), "-O3", "13.4.92")))
     env.fake.fail = {1, 2, 4}
     t = env.make()
     with pytest.raises(TuningFailedError) as e:
@@ -1479,8 +1458,7 @@ def test_a_first_launch_whose_search_failed_for_the_moment_runs_the_default(env,
     t = _declared(env, monkeypatch, "for_now", grid=lambda c, dev, x, n: (1,),
                   args=lambda c, x, n: (x, c.occupancy))
     env.fake.fail = {1, 2, 4}
-    oom = ("OutOfMemoryError", "CUDA out of memory")
-    monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: oom)
+    env.fake.error = lambda c: ("OutOfMemoryError", "CUDA out of memory")
     with pytest.warns(UserWarning, match="failed for the moment .OutOfMemoryError.; the default"):
         t.launch(("k",), "cpu", x, 16)
     cfgs = t.config_list("sm_90", dict(n=16))
@@ -1495,7 +1473,7 @@ def test_a_first_launch_whose_search_failed_for_the_moment_runs_the_default(env,
         with pytest.raises(TuningFailedError, match="OutOfMemoryError"):
             t.launch(("k2",), "cpu", x, 16)
     assert ("k2",) not in t.cache
-    monkeypatch.setattr(t, "_probe", lambda cfg, s, dev: ("RuntimeError", "boom"))
+    env.fake.error = lambda c: ("RuntimeError", "boom")
     with pytest.raises(TuningFailedError, match="boom"):
         t.launch(("other",), "cpu", x, 16)
 
@@ -1596,7 +1574,7 @@ def test_the_search_reports_each_failed_config_and_raises_when_all_fail(monkeypa
 
 
 def test_when_every_config_fails_the_engine_keeps_the_searchs_errors(env, monkeypatch):
-    """The search records every config's error: none is launched again to find it."""
+    """The search records every config's error, each from its own samples."""
     import cuda.tile._cext
     t = env.make()
     occupancy = {id(t._with_hints(t.search_kernel(c), c, 0)): c.occupancy
@@ -1606,9 +1584,9 @@ def test_when_every_config_fails_the_engine_keeps_the_searchs_errors(env, monkey
         raise RuntimeError(f"refused at occupancy {occupancy[id(kernel)]}")
     monkeypatch.setattr(cuda.tile._cext, "_benchmark", benchmark)
     monkeypatch.setattr(timing, "search_kernels", REAL_SEARCH)
-    monkeypatch.setattr(t, "_probe", lambda *a: pytest.fail("probed again"))
     with pytest.raises(TuningFailedError) as e:
         resolve(t, ("k", 16))
+    assert env.launches == []              # no config launched again for its error
     assert sorted(msg for _, _, msg in e.value.failures) == [
         f"refused at occupancy {o}" for o in (1, 2, 4)]
 
