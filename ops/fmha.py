@@ -726,9 +726,11 @@ def dq_configs(arch, td, sq=4096, sk=4096, causal=False, packed=False):
 FUSED_ENTRIES = {128: [(64, 128, 1, 8)]}
 
 
-def dkdv_configs(arch, td, sq=4096, sk=4096, causal=False, packed=False):
+def dkdv_configs(arch, td, sq=4096, sk=4096, causal=False, packed=False, deterministic=False):
+    """deterministic: the split kernels alone (the fused entry's reduce-add into dQ sums each
+    element's shares in whatever order the CTAs reach it)."""
     cfgs = list(_entries("dkdv", arch, td, sq, sk))
-    if major(arch) == 9 and not packed and td in FUSED_ENTRIES:
+    if major(arch) == 9 and not packed and not deterministic and td in FUSED_ENTRIES:
         cap_n = _tile_caps(sq, sk)[1]
         cfgs += [SimpleNamespace(**vars(c), fused=True)
                  for c in table(FIELDS, FUSED_ENTRIES[td], num_ctas=1) if c.tn <= cap_n]
@@ -842,6 +844,24 @@ def _shape(q, k, *rest):
     td, causal, packed = rest[-3:]
     sq, sk = packed[1:] if packed else (q.shape[2], k.shape[2])
     return dict(td=td, sq=bucket(sq), sk=bucket(sk), causal=causal, packed=packed is not None)
+
+
+def _dkdv_shape(*inputs):
+    """_shape, with deterministic=True while torch's deterministic algorithms are on
+    (`torch.use_deterministic_algorithms`): such keys search the split kernels alone, which
+    write every element from one CTA in a fixed order (`_dkdv_key` names them apart)."""
+    shape = _shape(*inputs)
+    if torch.are_deterministic_algorithms_enabled():
+        shape["deterministic"] = True
+    return shape
+
+
+def _dkdv_key(key):
+    """The dK/dV launch key: the dense key, marked before its device index while torch's
+    deterministic algorithms are on (their winner is one of the split plans)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return (*key[:-1], "deterministic", key[-1])
+    return key
 
 
 def _pair_work(flops):
@@ -974,7 +994,7 @@ _fwd = Autotuner("fmha_fwd", fwd_kernel_for, fwd_configs, default=DEFAULT, space
 _dq = Autotuner("fmha_bwd_dq", fmha_bwd_dq_kernel, dq_configs, default=DEFAULT, space=_shape,
                 grid=_query_grid, args=_dq_args, work=_pair_work(6.0), tune_key=_BY_SIZES)
 _dkdv = Autotuner("fmha_bwd_dkdv", fmha_bwd_dkdv_kernel, dkdv_configs, default=DEFAULT,
-                  space=_shape, grid=_dkdv_grid, args=_dkdv_args, scratch=_dkdv_scratch,
+                  space=_dkdv_shape, grid=_dkdv_grid, args=_dkdv_args, scratch=_dkdv_scratch,
                   run=_dkdv_run, timed_by_run=lambda c: True, work=_pair_work(10.0),
                   tune_key=_BY_SIZES)
 
@@ -1106,18 +1126,19 @@ def launch_bwd(do, q, k, v, o, lse, dq, dk, dv, delta, causal, offset, scale, pa
     dK/dV tuner decides the plan: split (the dQ kernel, which writes delta, then dK/dV) or fused
     (one launch writes all three). A key's first dK/dV launch goes through `_dkdv_run`, which
     launches (and on a miss tunes) the dQ kernel itself for a split config; after it, a split
-    plan launches dQ here first."""
+    plan launches dQ here first. Under torch's deterministic algorithms the plan is split."""
     dev = q.get_device()
     if packed is None:
         cu_q = cu_k = _unread(q, dev)
     key = _key(q, k, causal, offset, dev, packed)
     lse2, qk_scale, td = _flat(lse), scale * LOG2E, head_tile(q.shape[3])
-    plan = None if dk is None else _dkdv.planned_config(key)
+    dkdv_key = _dkdv_key(key)
+    plan = None if dk is None else _dkdv.planned_config(dkdv_key)
     if dk is None or (plan is not None and not getattr(plan, "fused", False)):
         _dq.launch(key, dev, q, k, v, o, do, lse2, delta, dq, cu_q, cu_k, qk_scale, scale,
                    offset, td, causal, packed)
     if dk is not None:
-        _dkdv.launch(key, dev, q, k, v, o, do, lse2, delta, dq, dk, dv, cu_q, cu_k, qk_scale,
+        _dkdv.launch(dkdv_key, dev, q, k, v, o, do, lse2, delta, dq, dk, dv, cu_q, cu_k, qk_scale,
                      scale, offset, td, causal, packed)
 
 

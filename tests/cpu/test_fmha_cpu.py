@@ -597,3 +597,36 @@ def test_fused_backward_plan(stubbed_launch, monkeypatch, causal):
         assert (f["TM"], f["TN"], f["CAUSAL"], f["PACKED"], f["ADD_DQ"], f["SEES_PAST_SK"]) \
             == (64, 128, causal, False, True, not causal)
         assert fgrid == FM._key_grid(fused, 0, qg, kg, causal, None)
+
+
+def test_deterministic_algorithms_take_the_split_backward(stubbed_launch, monkeypatch):
+    """Under torch.use_deterministic_algorithms the dK/dV key is a key of its own whose space
+    leaves the fused entry out (its reduce-add into dQ sums in no fixed order): the backward
+    runs the dQ kernel, then dK/dV without ADD_DQ, while the same shape outside that mode keeps
+    its fused winner. Here the fused entry is put first, so it is the untuned winner."""
+    def fused_first(*a, **kw):
+        return iter(sorted(FM.dkdv_configs(*a, **kw), key=lambda c: not getattr(c, "fused", 0)))
+    monkeypatch.setattr(FM._dkdv, "configs", fused_first)
+    qg, kg, vg = (t.detach().requires_grad_() for t in _qkv(sq=100, sk=100, d=128))
+
+    def backward_kernels():
+        stubbed_launch.clear()
+        o = FM._fmha(qg, kg, vg, True, 0, 0.5)
+        torch.autograd.grad(o, (qg, kg, vg), torch.randn_like(o))
+        return [(n, a.get("ADD_DQ")) for n, _, a in stubbed_launch[1:]]
+    fused = [("fmha_bwd_prep_kernel", None), ("fmha_bwd_dkdv_kernel", True),
+             ("fmha_bwd_cast_kernel", None)]
+    split = [("fmha_bwd_dq_kernel", None), ("fmha_bwd_dkdv_kernel", False)]
+    assert backward_kernels() == fused
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert backward_kernels() == split
+        assert backward_kernels() == split          # the key's cached plan, second call
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert backward_kernels() == fused
+    keys = list(FM._dkdv.cache)
+    assert len(keys) == 2 and sum("deterministic" in k for k in keys) == 1
+    assert not any(getattr(c, "fused", False)
+                   for c in FM.dkdv_configs("sm_90", 128, causal=True, deterministic=True))

@@ -201,6 +201,30 @@ def test_rows_of_far_negative_scores_give_finite_gradients(fresh, monkeypatch, d
     assert torch.isfinite(dq).all() and torch.isfinite(dk).all()
 
 
+def test_deterministic_algorithms_give_the_same_gradients_every_run(fresh):
+    """Under torch.use_deterministic_algorithms the dK/dV search times the split plans alone
+    (the fused entry adds into dQ in no fixed order) and three backwards agree bit for bit;
+    the gradients match float64."""
+    q, k, v = make(2, 8, 2, 384, 384, 128, torch.bfloat16)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        o, _ = check(q, k, v, True)
+        do = torch.randn_like(o)
+        runs = []
+        for _ in range(3):
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+            runs.append(torch.autograd.grad(fmha(qg, kg, vg, causal=True), (qg, kg, vg), do))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for other in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], other):
+            assert torch.equal(a, b), name
+    (record,) = FM._dkdv.records.values()
+    assert record.source == "search" and "deterministic" in record.key
+    assert record.timings and not any(t["config"].get("fused") for t in record.timings)
+
+
 def test_frozen_keys_and_values_get_no_gradient_and_q_the_right_one(fresh, monkeypatch):
     """Only q requires grad (cross-attention to a frozen encoder): no dK/dV launch, dq against
     float64; only k and v: all three kernels."""
