@@ -291,3 +291,24 @@ def test_gradient_checkpointing_gives_the_same_step(family):
     torch.testing.assert_close(ck_logits, logits, atol=0, rtol=0)
     for name in grads:
         assert rel(ck_grads[name], grads[name]) < 1e-3, name
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_deterministic_algorithms_give_the_same_step_twice(family, monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) (not warn-only, with the cuBLAS workspace
+    setting torch asks for) the patched model's step runs, no op of ours or of its routing
+    refusing the mode, and two steps give the same logits and gradients bit for bit."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    patched, _ = model_pair(family, layers=2)
+    ids = tokens(1, seed=5)[0]
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        logits, grads = first_step(patched, ids)
+        again_logits, again = first_step(patched, ids)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert torch.equal(logits, again_logits)
+    assert grads.keys() == again.keys() and grads
+    for name in grads:
+        assert torch.equal(grads[name], again[name]), name
