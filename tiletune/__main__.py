@@ -434,12 +434,19 @@ def _tune_job(args, path, rank, world):
         print(f"tuning on {gpus} ({arch}) at batch {', '.join(map(str, batches))} x seq "
               f"{', '.join(map(str, seqs))}, {args.dtype}, "
               f"{'forward only' if args.no_backward else 'forward + backward'}"
-              f"{f', then generating {args.generate} tokens' if args.generate else ''}; "
+              f"{f', then generating {args.generate} tokens' if args.generate else ''}"
+              f"{' under deterministic algorithms' if args.deterministic else ''}; "
               f"store: {path}", flush=True)
         for spec in args.specs:
             print(f"  {spec.describe()}", flush=True)
     report, failed, unsaved = pretune.Report(), None, store.unsaved()
+    was_deterministic = (torch.are_deterministic_algorithms_enabled(),
+                         torch.is_deterministic_algorithms_warn_only_enabled())
     try:
+        if args.deterministic:
+            # cuBLAS refuses that mode without a workspace setting (the model's own GEMMs)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
         report = pretune.run(args.specs, seqs, batches, pretune.DTYPES[args.dtype],
                              not args.no_backward, out=lambda line: print(tag + line, flush=True),
                              share=(rank, world), generate=args.generate)
@@ -449,6 +456,8 @@ def _tune_job(args, path, rank, world):
         if world == 1:
             raise
         failed = f"{type(e).__name__}: {e}"
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic[0], warn_only=was_deterministic[1])
     # every rank takes part in the gather, a failed one too: no rank waits for one that left
     mine = {"failed": failed, "search": report.count("search"), "search_s": report.search_s(),
             "store": report.count("store"), "shipped": report.count(store.SHIPPED),
@@ -594,6 +603,10 @@ def _tune_parser(sub):
                         "the prompt's forward with a KV cache, then one decoding step at each "
                         "cache length where the decode keys change (the first new token, then "
                         "each next power of two up to seq + N)")
+    t.add_argument("--deterministic", action="store_true",
+                   help="step under torch.use_deterministic_algorithms(True), as a training "
+                        "run in that mode does: attention's backward then has keys of its own "
+                        "(searched among its deterministic plans)")
     t.add_argument("--export", metavar="PATH",
                    help="write the winners this run resolved to PATH as a shipped file "
                         "(rows already there are kept unless replaced; a PATH ending in .gz "

@@ -707,3 +707,30 @@ def test_compile_all_refuses_bad_arguments_before_compiling(kwargs, error, messa
         aot.compile_all(**args)
     assert compiled == []
     assert len(aot.compile_all(["alpha", "alpha"], ["sm_90", "sm_90"], jobs=1).ok) == 2
+
+
+def test_tune_deterministic_steps_under_that_mode_and_restores_it(monkeypatch, tmp_path, capsys):
+    """--deterministic: the steps run under torch.use_deterministic_algorithms(True) (where
+    attention's backward has keys of its own) with cuBLAS's workspace setting, and the mode
+    is as it was afterwards; without the flag the steps run as the caller left it."""
+    from tiletune import device, pretune
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("TILETUNE_CACHE_DIR", str(tmp_path / "store"))
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(pretune, "start_job", lambda: (0, 1))
+    monkeypatch.setattr(pretune, "end_job", lambda world: None)
+    monkeypatch.setattr(device, "gpu_name", lambda dev: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(device, "arch", lambda *a: "sm_90")
+    modes = []
+
+    def run(*args, **kwargs):
+        modes.append((torch.are_deterministic_algorithms_enabled(),
+                      os.environ.get("CUBLAS_WORKSPACE_CONFIG")))
+        return pretune.Report()
+    monkeypatch.setattr(pretune, "run", run)
+    assert main(["tune", "--preset", "llama3-8b", "--seq", "1024", "--deterministic"]) == 0
+    assert "under deterministic algorithms" in capsys.readouterr().out
+    assert main(["tune", "--preset", "llama3-8b", "--seq", "1024"]) == 0
+    assert modes == [(True, ":4096:8"), (False, ":4096:8")]
+    assert not torch.are_deterministic_algorithms_enabled()
