@@ -1084,30 +1084,25 @@ class Autotuner:
         return timings, failures
 
     def _time_runs(self, candidates, search, dev):
-        """Time the (index, config) pairs through search.run_fn, in turns: (timings, failures)
-        in `_measure`'s form. A config whose run raises is a failure."""
+        """Time the (index, config) pairs through search.run_fn, each run whole, sampled as
+        the kernels alone are (`timing.search_runs`): (timings, failures) in `_measure`'s
+        form. A config whose run raises is a failure."""
         if not candidates:
             return [], []
         stream = torch.cuda.current_stream(dev)
-        runs = [(i, self._runner(c, search, stream, dev), None) for i, c in candidates]
-        rounds, reps = 3, 10
+        runs = [(i, self._runner(c, search, stream, dev)) for i, c in candidates]
+        timings, failed = [], []
         try:
             with _compile_timeout(), torch.cuda.device(dev):
-                us = timing.time_interleaved(runs, rounds=rounds, reps=reps, warmup=2,
-                                             preheat_ms=0)
-        except Exception as e:          # e.g. no memory for the L2 flush: none of them timed
-            us = {i: e for i, _ in candidates}
+                result = timing.search_runs(runs)
+            timings = [{"i": m.config, "mean_us": m.mean_us, "error_us": m.error_margin_us,
+                        "samples": m.num_samples} for m in result.successes]
+            failed = result.failures
+        except timing.NoValidConfig as e:        # every config's error, as sampled
+            failed = e.failures
         finally:
             timing.release()
-        timings, failures = [], []
-        for i, _ in candidates:
-            if isinstance(us[i], Exception):
-                failures.append({"i": i, "error": type(us[i]).__name__,
-                                 "message": str(us[i])})
-            else:
-                timings.append({"i": i, "mean_us": us[i], "error_us": 0.0,
-                                "samples": rounds * reps})
-        return timings, failures
+        return timings, [{"i": i, "error": t.__name__, "message": msg} for i, t, msg in failed]
 
     def _conclude(self, key, dev, cfgs, timings, failures, search, t0):
         """From the timings of `_measure` (of one process, or merged over a job's ranks): the

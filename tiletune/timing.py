@@ -1,6 +1,7 @@
 """Device timing shared by the engine's search and final round and the benchmarks: L2 flushed
-before every run; a search's configs sampled one after another (`search_kernels`), a final
-round's and a bench row's candidates timed in turns with CUDA events (`time_interleaved`)."""
+before every run; a search's configs sampled one after another (`search_kernels` for kernels
+alone, `search_runs` for configs timed whole), a final round's and a bench row's candidates
+timed in turns with CUDA events (`time_interleaved`)."""
 import contextlib
 import math
 
@@ -170,11 +171,11 @@ class NoValidConfig(ValueError):
 
 class _Sampled:
     """One config's samples: a running mean and the half-width of its 95% confidence interval
-    (Welford's update)."""
-    __slots__ = ("config", "kernel", "grid", "n", "mean", "m2", "half")
+    (Welford's update); `one()` takes a sample."""
+    __slots__ = ("config", "one", "n", "mean", "m2", "half")
 
-    def __init__(self, config, kernel, grid):
-        self.config, self.kernel, self.grid = config, kernel, grid
+    def __init__(self, config, one):
+        self.config, self.one = config, one
         self.n, self.mean, self.m2, self.half = 0, 0.0, 0.0, 0.0
 
     def add(self, us):
@@ -193,18 +194,48 @@ class _Sampled:
 
 def search_kernels(configs, stream, grid_fn, kernel_fn, args_fn):
     """Time each config's kernel alone, as cuTile's `exhaustive_search` does (its benchmark
-    primitive: one launch, L2 flushed before it, device time): SEARCH_WARMUP untimed runs, then
-    samples in batches of SEARCH_BATCH until the mean settles (the 95% interval within 1% of it
-    or 0.5 us, or SEARCH_MAX_SAMPLES samples, or SEARCH_MAX_SAMPLING_US of them). Only the
-    SEARCH_LEADERS fastest must settle; another config samples on only while its interval
-    reaches below the slowest of those. (cuTile's search counts any settled config among its
-    leaders, a slow one that settled in its first batch too, and then samples every other
-    config until it settles or has 5 s of samples: 12-14 s of 15 s searches at 10-15 ms GEMM
-    keys, by their records; references/search-strategies.md.)
-    kernel_fn(config) gives the kernel to launch. Returns cuTile's `TuningResult`; raises
+    primitive: one launch, L2 flushed before it, device time), sampled as `sample_configs`
+    says. kernel_fn(config) gives the kernel to launch. Returns cuTile's `TuningResult`; raises
     NoValidConfig (a ValueError "No valid config ..." with the first error, as cuTile's search
     raises, and every config's in `failures`) when every config failed."""
     from cuda.tile._cext import _benchmark
+
+    def one(cfg):
+        kernel, grid = kernel_fn(cfg), grid_fn(cfg)      # (raising: the op's error)
+        return lambda: _benchmark(stream, grid, kernel, args_fn(cfg), True)
+    return sample_configs([(cfg, one(cfg)) for cfg in configs])
+
+
+def search_runs(runs):
+    """Time each (config, fn) pair's fn whole (a config whose kernel reads what an earlier
+    kernel of its run writes, or whose cost includes its other kernels), one run a sample: the
+    L2 flushed before it, device time by CUDA events. Sampled and returned as
+    `search_kernels`."""
+    return sample_configs([(cfg, lambda fn=fn: _time_one(fn)) for cfg, fn in runs])
+
+
+def _time_one(fn):
+    """Microseconds of device time of one run of fn, the L2 flushed before it."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    _flush_l2()
+    s.record()
+    fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1e3
+
+
+def sample_configs(configs):
+    """Sample each (config, one) pair, one() giving one sample in microseconds:
+    SEARCH_WARMUP untimed runs, then samples in batches of SEARCH_BATCH until the mean settles
+    (the 95% interval within 1% of it or 0.5 us, or SEARCH_MAX_SAMPLES samples, or
+    SEARCH_MAX_SAMPLING_US of them). Only the SEARCH_LEADERS fastest must settle; another
+    config samples on only while its interval reaches below the slowest of those. (cuTile's
+    search counts any settled config among its leaders, a slow one that settled in its first
+    batch too, and then samples every other config until it settles or has 5 s of samples:
+    12-14 s of 15 s searches at 10-15 ms GEMM keys, by their records;
+    references/search-strategies.md.) Returns cuTile's `TuningResult`; raises NoValidConfig
+    when every config failed."""
     from cuda.tile.tune import Measurement, TuningResult
     if not configs:
         raise ValueError("Search space is empty.")
@@ -215,14 +246,14 @@ def search_kernels(configs, stream, grid_fn, kernel_fn, args_fn):
         failure, sampled no more."""
         try:
             for _ in range(warmup):
-                _benchmark(stream, s.grid, s.kernel, args_fn(s.config), True)
+                s.one()
             for _ in range(min(runs, SEARCH_MAX_SAMPLES - s.n)):
-                s.add(_benchmark(stream, s.grid, s.kernel, args_fn(s.config), True))
+                s.add(s.one())
         except Exception as e:
             failures.append((s.config, type(e), str(e)))
             sampled.remove(s)
-    for cfg in configs:
-        sampled.append(_Sampled(cfg, kernel_fn(cfg), grid_fn(cfg)))  # (raising: the op's error)
+    for cfg, one in configs:
+        sampled.append(_Sampled(cfg, one))
         sample(sampled[-1], SEARCH_BATCH, warmup=SEARCH_WARMUP)
     while True:         # the leaders until each is settled (a batch can change who leads)
         leaders = sorted(sampled, key=lambda s: s.mean)[:SEARCH_LEADERS]

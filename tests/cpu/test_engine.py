@@ -82,6 +82,33 @@ class FakeFinalRound:
                 for label, _, _ in candidates}
 
 
+class FakeRuns:
+    """Stands in for timing.search_runs: the config of index i takes times[i] us (default
+    10 * (1 + i)), an exception there being its failure; runs each config's run once, so tests
+    see what the runs launch; records the indices it was given."""
+
+    def __init__(self):
+        self.calls, self.times = [], {}
+
+    def __call__(self, runs):
+        self.calls.append([i for i, _ in runs])
+        ok, bad = [], []
+        for i, fn in runs:
+            us = self.times.get(i, 10.0 * (1 + i))
+            try:
+                fn()
+                if isinstance(us, Exception):
+                    raise us
+                ok.append(cuda.tile.tune.Measurement(config=i, mean_us=us, num_samples=5,
+                                                     error_margin_us=0.1))
+            except Exception as e:
+                bad.append((i, type(e), str(e)))
+        if not ok:
+            raise timing.NoValidConfig("No valid config found in search space.", bad)
+        return cuda.tile.tune.TuningResult(best=min(ok, key=lambda m: m.mean_us),
+                                           successes=ok, failures=bad)
+
+
 @pytest.fixture
 def env(monkeypatch, tmp_path):
     stand_in_gpu(monkeypatch, tmp_path / "store", "Fake H200")
@@ -91,13 +118,15 @@ def env(monkeypatch, tmp_path):
     monkeypatch.setattr(timing, "search_kernels", fake)
     final = FakeFinalRound()
     monkeypatch.setattr(timing, "time_interleaved", final)
+    runs = FakeRuns()
+    monkeypatch.setattr(timing, "search_runs", runs)
     made = []
 
     def make(name="op", configs=_space):
         t = Autotuner(f"{name}{len(made)}_{id(made)}", _k, configs, default=SimpleNamespace(tile=8, occupancy=1))
         made.append(t)
         return t
-    yield SimpleNamespace(fake=fake, final=final, make=make, path=tmp_path / "store",
+    yield SimpleNamespace(fake=fake, final=final, runs=runs, make=make, path=tmp_path / "store",
                           launches=launches)
     for t in made:
         autotune._registry.pop(t.name, None)
@@ -635,13 +664,13 @@ def test_configs_timed_by_run_are_timed_whole_and_the_rest_alone(env):
     cannot be timed alone: the search times `run` for it, the kernel alone for the others,
     and the ranking holds both."""
     ran = []
-    env.final.times = {2: 5.0}       # the run-timed config (index 2 of the space): 5 us
+    env.runs.times = {2: 5.0}        # the run-timed config (index 2 of the space): 5 us
     t = env.make()
     s = Search(shape=dict(n=16), grid_fn=lambda c: (1,), args_fn=lambda c: (),
                run_fn=lambda c, kernel: ran.append(c.occupancy),
                timed_by_run=lambda c: c.occupancy == 4)
     cfg, _ = t.tune(("k", 13), 0, s)
-    assert env.final.calls[0] == [2] and ran[0] == 4
+    assert env.runs.calls == [[2]] and ran[0] == 4
     assert len(env.fake.kernels) == 2                  # the search saw occ 1 and 2
     rec = t.records[("k", 13)]
     assert {m["config"]["occupancy"]: m["mean_us"] for m in rec.timings} == {
@@ -650,7 +679,7 @@ def test_configs_timed_by_run_are_timed_whole_and_the_rest_alone(env):
 
 
 def test_a_run_timed_config_that_raises_is_a_failure(env):
-    env.final.times = {2: RuntimeError("schedule refused")}   # as time_interleaved reports it
+    env.runs.times = {2: RuntimeError("schedule refused")}
     t = env.make()
     s = Search(shape=dict(n=16), grid_fn=lambda c: (1,), args_fn=lambda c: (),
                run_fn=lambda c, kernel: None, timed_by_run=lambda c: c.occupancy == 4)
@@ -686,6 +715,7 @@ def test_the_winners_first_launch_goes_through_its_run(env, monkeypatch):
         if table is not None:
             table.fill_(c.occupancy)                       # the schedule kernel
         ct.launch(stream, (1,), kernel, ("kernel", c.occupancy, table))
+    env.runs.times = {1: 5.0, 2: 5.1}                     # the search's two leaders
     env.final.times = {0: 4.0, 1: 5.0, 2: 5.1}            # the last finalist timed is not the winner
     t = _declared(env, monkeypatch, "by_run",
                   scratch=lambda c, dev, x, n: ((c.occupancy, 3), torch.int32)
@@ -1571,6 +1601,34 @@ def test_the_search_reports_each_failed_config_and_raises_when_all_fail(monkeypa
         _sampling(monkeypatch, {"bad": (None, 0), "worse": (None, 0)})
     assert [(c, t, m) for c, t, m in e.value.failures] == [
         ("bad", RuntimeError, "bad refused"), ("worse", RuntimeError, "worse refused")]
+
+
+def test_configs_timed_whole_are_sampled_as_kernels_are(monkeypatch):
+    """search_runs (configs whose run is timed whole, attention's backward plans): one run a
+    sample, with the kernels' sampling: a config far behind takes its warm-up and one batch,
+    the leaders settle, a run that raises is a failure; NoValidConfig when every run raises."""
+    import random
+    rng, runs = random.Random(3), {}
+    means = {**{n: 3000.0 + 30 * i for i, n in enumerate("abcde")}, "far": 9000.0,
+             "bad": None}
+
+    def time_one(fn):
+        name = fn()
+        runs[name] = runs.get(name, 0) + 1
+        if means[name] is None:
+            raise RuntimeError("run refused")
+        return means[name] + 400 * (rng.random() - 0.5)
+    monkeypatch.setattr(timing, "_time_one", time_one)
+    result = timing.search_runs([(n, lambda n=n: n) for n in means])
+    samples = {m.config: m for m in result.successes}
+    assert result.best.config == "a" and set(samples) == {*"abcde", "far"}
+    assert [(c, t) for c, t, _ in result.failures] == [("bad", RuntimeError)]
+    assert runs["far"] == timing.SEARCH_WARMUP + timing.SEARCH_BATCH and runs["bad"] == 1
+    for name in "abcde":
+        m = samples[name]
+        assert m.error_margin_us <= 0.01 * m.mean_us and abs(m.mean_us - means[name]) < 60
+    with pytest.raises(timing.NoValidConfig, match="run refused"):
+        timing.search_runs([("bad", lambda: "bad")])
 
 
 def test_when_every_config_fails_the_engine_keeps_the_searchs_errors(env, monkeypatch):
