@@ -457,6 +457,20 @@ class Search:
     timed_by_run: Optional[Callable] = None
 
 
+def _sampled(sample, index):
+    """(timings, failures) in `Autotuner._measure`'s form from one of timing's searches:
+    `sample()` returns a TuningResult or raises NoValidConfig with every config's error;
+    index(config) is the config's index in the key's config list."""
+    try:
+        result = sample()
+        successes, failed = result.successes, result.failures
+    except timing.NoValidConfig as e:
+        successes, failed = (), e.failures
+    return ([{"i": index(m.config), "mean_us": m.mean_us, "error_us": m.error_margin_us,
+              "samples": m.num_samples} for m in successes],
+            [{"i": index(c), "error": t.__name__, "message": msg} for c, t, msg in failed])
+
+
 @dataclasses.dataclass
 class TuningRecord:
     """What happened when a key was resolved: where the config came from and what it cost."""
@@ -1069,19 +1083,11 @@ class Autotuner:
         def where(c):        # the search hands back the configs it was given
             i = ids.get(id(c))
             return i if i is not None else next(i for i, d in candidates if d == c)
-        try:
-            with _compile_timeout():
-                result = timing.search_kernels([c for _, c in candidates], stream,
-                                               search.grid_fn, self._search_kernels(dev),
-                                               search.args_fn)
-            timings += [{"i": where(m.config), "mean_us": m.mean_us,
-                         "error_us": m.error_margin_us, "samples": m.num_samples}
-                        for m in result.successes]
-            failed = result.failures
-        except timing.NoValidConfig as e:        # every config's error, as sampled
-            failed = e.failures
-        failures += [{"i": where(c), "error": t.__name__, "message": msg} for c, t, msg in failed]
-        return timings, failures
+        with _compile_timeout():
+            more, failed = _sampled(lambda: timing.search_kernels(
+                [c for _, c in candidates], stream, search.grid_fn, self._search_kernels(dev),
+                search.args_fn), where)
+        return timings + more, failures + failed
 
     def _time_runs(self, candidates, search, dev):
         """Time the (index, config) pairs through search.run_fn, each run whole, sampled as
@@ -1091,18 +1097,11 @@ class Autotuner:
             return [], []
         stream = torch.cuda.current_stream(dev)
         runs = [(i, self._runner(c, search, stream, dev)) for i, c in candidates]
-        timings, failed = [], []
         try:
             with _compile_timeout(), torch.cuda.device(dev):
-                result = timing.search_runs(runs)
-            timings = [{"i": m.config, "mean_us": m.mean_us, "error_us": m.error_margin_us,
-                        "samples": m.num_samples} for m in result.successes]
-            failed = result.failures
-        except timing.NoValidConfig as e:        # every config's error, as sampled
-            failed = e.failures
+                return _sampled(lambda: timing.search_runs(runs), lambda i: i)
         finally:
             timing.release()
-        return timings, [{"i": i, "error": t.__name__, "message": msg} for i, t, msg in failed]
 
     def _conclude(self, key, dev, cfgs, timings, failures, search, t0):
         """From the timings of `_measure` (of one process, or merged over a job's ranks): the
