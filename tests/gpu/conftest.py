@@ -1,5 +1,3 @@
-import zlib
-
 import pytest
 import torch
 
@@ -19,14 +17,6 @@ def no_shipped_winners():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TILETUNE_SHIPPED", "off")
         yield
-
-
-@pytest.fixture(autouse=True)
-def seeded(request):
-    """torch's global generators (CPU and every GPU) start each test from a seed of its own
-    name: its unseeded draws (output gradients, most of them) are the same whichever tests ran
-    before it in the process, so a failing draw fails again when the test is run alone."""
-    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 @pytest.fixture
