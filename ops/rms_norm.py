@@ -363,7 +363,8 @@ def _forward(x, weight, eps, keep_rstd=True):
     # hot paths, where calling host_rows cost 0.25-0.4 us more of a 3.6 us body (CPU host)
     if nd == 2 and strides[1] == 1:
         x2, M, stride = x, shape[0], strides[0]
-    elif nd == 3 and strides[2] == 1 and (shape[0] == 1 or strides[0] == shape[1] * strides[1]):
+    elif nd == 3 and strides[2] == 1 and strides[1] and (shape[0] == 1 or
+                                                         strides[0] == shape[1] * strides[1]):
         x2, M, stride = x, shape[0] * shape[1], strides[1]
     else:
         x2, stride = host_rows(x, N)

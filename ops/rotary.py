@@ -174,13 +174,13 @@ def prepare(op, q, k, cos, sin, position_ids, rotary_dim):
         raise ValueError(f"{op}: cos and sin must not require grad: gradients flow to q and k "
                          "only (detach them; HF's rotary tables are buffers)")
     if cos.shape != sin.shape:      # each in any of the documented forms: compared as (B', S', R)
-        cos, sin = _as_3d(cos), _as_3d(sin)
-        if cos.shape != sin.shape:
+        if _as_3d(cos).shape != _as_3d(sin).shape:
             raise ValueError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
+    given = cos
     cos, sin = _as_3d(cos), _as_3d(sin)
     if cos.dim() != 3 or cos.shape[0] not in (1, B):
-        raise ValueError(f"{op}: cos/sin must be (S, R), (1, S, R) or ({B}, S, R), got "
-                         f"{tuple(cos.shape)}")
+        raise ValueError(f"{op}: cos/sin must be (S, R), (1, S, R), ({B}, S, R) or ({B}, 1, S, "
+                         f"R), got {tuple(given.shape)}")
     rot = cos.shape[-1] if rotary_dim is None else \
         validate.integer(op, "rotary_dim", rotary_dim, "an int or None")
     if rot <= 0 or rot % 2 or rot > D:

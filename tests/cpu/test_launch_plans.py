@@ -267,6 +267,20 @@ def test_rms_norm_of_expanded_rows_chunks_by_the_outputs_span(defaults, monkeypa
         assert (y.shape[0] - 1) * y.stride(0) + 64 <= 40 * 64
 
 
+def test_rms_norm_of_an_expanded_3d_x_reaches_the_kernels_as_2d_rows(defaults):
+    """A (B, S, N) x expanded from one row (strides (0, 0, 1)) has no rows the kernels' own
+    view may take (row_stride 0): the forward's 3-D fast path hands it over as (M, N) rows of
+    row stride 0, as host_rows does, not as the 3-D tensor."""
+    w = torch.ones(64, dtype=BF16)
+    for x in (torch.randn(64, dtype=BF16).expand(3, 5, 64),
+              torch.randn(1, 1, 64, dtype=BF16).expand(1, 7, 64)):
+        defaults.clear()
+        R._forward(x, w, 1e-6)
+        (_, _, fwd), = defaults
+        assert fwd[0].dim() == 2 and fwd[0].shape == (x.numel() // 64, 64)
+        assert fwd[0].stride() == (0, 1) and fwd[0].data_ptr() == x.data_ptr()
+
+
 def test_rms_norm_rows_past_int32_go_in_row_chunks_of_any_shape(defaults, monkeypatch):
     """(B, S, N) tensors reaching past the int32 bound (here made small) go as row chunks of
     (M, N) views, forward and backward, each within the bound."""

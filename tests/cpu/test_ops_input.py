@@ -382,7 +382,9 @@ def test_apply_rotary_pos_emb_names_itself_in_the_checks_it_shares_with_apply_ro
            (ValueError, r"q heads \(4\) must be a positive multiple of k heads \(3\)",
             dict(k=torch.randn(B, 3, S, D))),
            (ValueError, "cos/sin have 4 rows, fewer than S=5", dict(cos=cos[:4], sin=sin[:4])),
-           (ValueError, r"cos \(1, 5, 8\) and sin \(1, 5, 6\) differ", dict(sin=sin[:, :6])),
+           (ValueError, r"cos \(5, 8\) and sin \(5, 6\) differ", dict(sin=sin[:, :6])),
+           (ValueError, r"cos/sin must be \(S, R\), \(1, S, R\), \(2, S, R\) or \(2, 1, S, R\), "
+            r"got \(3, 1, 5, 8\)", dict(cos=cos.expand(3, 1, S, D), sin=sin.expand(3, 1, S, D))),
            (ValueError, r"position_ids range \[1, 5\] is outside the 5 rows of cos/sin",
             dict(position_ids=torch.arange(1, S + 1)))]
     for error, message, change in bad:

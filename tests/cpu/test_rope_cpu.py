@@ -114,7 +114,7 @@ def test_cos_and_sin_may_take_different_documented_forms(host_only):
     cos, sin = torch.randn(5, 8), torch.randn(1, 5, 8)
     c, s_, _, rot = prepare("apply_rope", q, k, cos, sin, None, None)
     assert c.shape == s_.shape == (2, 5, 8) and rot == 8
-    with pytest.raises(ValueError, match=r"apply_rope: cos \(1, 5, 8\) and sin \(1, 4, 8\)"):
+    with pytest.raises(ValueError, match=r"apply_rope: cos \(5, 8\) and sin \(1, 4, 8\)"):
         prepare("apply_rope", q, k, cos, sin[:, :4], None, None)
 
 
