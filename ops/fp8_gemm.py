@@ -1212,6 +1212,10 @@ def fp8_mm(a, b, scale_a, scale_b, *, out_dtype=torch.bfloat16, fast_accum=False
     torch.inference_mode()), is a ValueError (its output would cut the graph); a call inside a
     forward-mode AD dual level or a torch.func transform is a TypeError. Works under
     torch.compile(fullgraph=True).
+
+    Against torch._scaled_mm's call: the arguments after the scales are keywords,
+    use_fast_accum is spelled fast_accum, out_dtype defaults to bfloat16 (no FP8 output), and
+    there is no bias or scale_result (add a bias to the result, or use fp8_linear).
     """
     scaling = _check(a, b, scale_a, scale_b, out_dtype, fast_accum)
     M, N = a.shape[0], b.shape[1]
