@@ -34,7 +34,7 @@ from tiletune.device import major, persistent_ctas
 from tiletune.ops.gemm_tiles import layout, output_tile, slice64, tile_coords, tile_count
 from tiletune.ops.matmul import matmul
 from tiletune.space import INT32_MAX, cdiv, next_pow2, table
-from tiletune.torch_op import TrainableOp
+from tiletune.torch_op import TrainableOp, tracing
 
 ZERO = ct.PaddingMode.ZERO
 DTYPES = (torch.bfloat16, torch.float16)
@@ -668,7 +668,7 @@ def _gmm_offsets(a, b, batch_sizes, trans_b):
     if batch_sizes.shape[0] != b.shape[0]:
         raise ValueError(f"gmm: batch_sizes has {batch_sizes.shape[0]} entries but b has "
                          f"{b.shape[0]} groups")
-    if batch_sizes.device.type == "cpu" and not torch.compiler.is_compiling():
+    if batch_sizes.device.type == "cpu" and not tracing():
         if bool((batch_sizes < 0).any()):
             raise ValueError("gmm: batch_sizes must not be negative")
         ends = batch_sizes.cumsum(0)           # in batch_sizes' own dtype: the check's sum

@@ -455,7 +455,11 @@ def moe_permute(x, topk_ids, num_experts):
     nothing is ever accessed out of bounds. Differentiable in x (dx[t] = sum_j
     dx_sorted[inverse[t, j]], summed in float32, deterministic). Works under
     torch.compile(fullgraph=True). At most 2^31 - 1 elements in x_sorted."""
-    num_experts = _check_permute(x, topk_ids, num_experts)
+    try:
+        num_experts = _check_permute(x, topk_ids, num_experts)
+    except Exception:
+        validate.not_nested("moe_permute", {"x": x, "topk_ids": topk_ids})
+        raise
     return _permute(x, topk_ids, num_experts)
 
 
@@ -474,7 +478,12 @@ def moe_unpermute(y_sorted, inverse, topk_weights):
     scatter, no atomics) and topk_weights (dot(dout[t], y_sorted[inverse[t, j]]) in float32,
     cast to its dtype). Works under torch.compile(fullgraph=True). At most 2^31 - 1 elements in
     y_sorted."""
-    _check_unpermute(y_sorted, inverse, topk_weights)
+    try:
+        _check_unpermute(y_sorted, inverse, topk_weights)
+    except Exception:
+        validate.not_nested("moe_unpermute", {"y_sorted": y_sorted, "inverse": inverse,
+                                                "topk_weights": topk_weights})
+        raise
     return _unpermute_op(y_sorted, inverse, topk_weights, False)
 
 
@@ -495,5 +504,11 @@ def moe_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     varies from run to run (atomics), and rounds silu(gate) before the product; here the weight
     and the sum over the k slots are applied in float32 inside moe_unpermute with one rounding
     per output (deterministic, closer to a float32 reference), and swiglu rounds once."""
-    _check_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    try:
+        _check_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    except Exception:
+        validate.not_nested("moe_experts", dict(
+            hidden_states=hidden_states, top_k_index=top_k_index, top_k_weights=top_k_weights,
+            gate_up_proj=gate_up_proj, down_proj=down_proj))
+        raise
     return _experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)

@@ -413,6 +413,20 @@ def test_gmm_checks_trans_b_and_then_the_device():
         GG.gmm(t(8, 4), t(2, 4, 6), sizes(4, 4))
 
 
+@pytest.mark.parametrize("tracing_mode", ["fake", "symbolic"])
+def test_gmm_with_host_batch_sizes_traces_under_a_fake_tensor_mode(monkeypatch, tracing_mode):
+    """Host batch_sizes are checked by reading them, which a fake-tensor trace (make_fx, a
+    FakeTensorMode memory estimator) cannot do: there the checks are skipped, as under
+    torch.compile, and the trace gives the (T, N) result."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    monkeypatch.setattr(GG.validate, "tensor", lambda op, name, t, **kw: t)
+    a, b = t(12, 5), t(4, 5, 7)
+    graph = make_fx(lambda a, b, bs: GG.gmm(a, b, bs), tracing_mode=tracing_mode)(
+        a, b, sizes(3, 0, 6, 3))
+    out, = [n for n in graph.graph.nodes if n.op == "output"]
+    assert tuple(out.args[0].meta["val"].shape) == (12, 7)
+
+
 @pytest.mark.parametrize("trans_b", [False, True], ids=["b", "trans_b"])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_gmm_is_each_groups_product_with_its_gradients(kernels, monkeypatch, trans_b, dtype):

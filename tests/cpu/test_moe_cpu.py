@@ -493,3 +493,19 @@ def test_the_bench_reference_computes_what_the_ops_compute(kernels):
     x_sorted, our_offs, inverse = M._permute(x, topk_ids, 6)
     assert torch.equal(offs, our_offs.long())
     assert torch.allclose(out, M._unpermute_op(x_sorted, inverse, w, True))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_nested_tensors_are_refused_by_name(layout):
+    """A nested tensor (either layout) to any MoE op: a TypeError naming the op and the
+    argument; a strided one failed inside torch's shape read, naming neither."""
+    nested = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)], layout=layout,
+                                        dtype=torch.bfloat16)
+    ids = torch.zeros(8, 2, dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"^moe_permute: x is a nested tensor"):
+        moe_permute(nested, ids, 4)
+    with pytest.raises(TypeError, match=r"^moe_unpermute: y_sorted is a nested tensor"):
+        moe_unpermute(nested, ids, torch.ones(8, 2))
+    with pytest.raises(TypeError, match=r"^moe_experts: hidden_states is a nested tensor"):
+        moe_experts(nested, ids, torch.ones(8, 2), torch.randn(4, 16, 8), torch.randn(4, 8, 8))
