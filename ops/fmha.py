@@ -20,7 +20,11 @@
 # tile per CTA) and writes it for the second kernel, which saves a separate preprocessing launch
 # and a second read of dO. The dK/dV kernel owns a key tile of one kv head (grid over key tiles x
 # B*Hkv) and loops over the query tiles of every q head of its group, so GQA needs no atomics or
-# reduction over heads. P is recomputed from LSE2 in both.
+# reduction over heads. P is recomputed from LSE2 in both. Or (dense D128 keys on sm_90, where
+# the dK/dV search times whole plans) fused: the dK/dV kernel also adds each tile pair's dQ share
+# into a float32 dQ with a TMA reduce-add (dQ's last bits then depend on the CTAs' order; never
+# under torch's deterministic algorithms), between a kernel that writes delta and zeroes that dQ
+# and one that casts it.
 #
 # No `from __future__ import annotations` here: it would hide the ct.Constant annotations.
 import functools
@@ -1272,7 +1276,11 @@ def _check(op, q, k, v, scale, names=("q", "k", "v")):
         return 1.0 / math.sqrt(d)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"{op}: scale must be a float, got {type(scale).__name__}")
-    if not _F32_TINY < scale * LOG2E < _F32_MAX:    # the kernels take it in float32
+    try:
+        scaled = scale * LOG2E
+    except OverflowError:            # an int past float's range
+        scaled = math.inf
+    if not _F32_TINY < scaled < _F32_MAX:    # the kernels take it in float32
         raise ValueError(f"{op}: scale must be a finite number > 0 (in float32's normal range), "
                          f"got {scale}")
     return float(scale)
@@ -1469,7 +1477,9 @@ def fmha(q, k, v, *, causal=False, scale=None, seqused_k=None):
     dense, q's layout. NaN and inf in the inputs propagate as in torch's math backend, except
     that a row whose every visible score is -inf (an inf in q or k) counts as fully masked and
     returns 0, as FlashAttention does.
-    Differentiable in q, k and v (backward: separate dQ and dK/dV kernels, each tuned).
+    Differentiable in q, k and v (backward: dQ and dK/dV kernels, each tuned, or, where the
+    dK/dV search picks it for a dense D128 key on sm_90, one kernel that also adds dQ in with a
+    reduce-add, whose dQ can differ in its last bits between calls; README, Determinism).
     For torch SDPA semantics (top-left causal) use `scaled_dot_product_attention`.
 
     Decode (Sq <= 16): the key range may be split across CTAs and the partial softmaxes merged;

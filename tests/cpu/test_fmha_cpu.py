@@ -427,7 +427,7 @@ def test_the_public_functions_name_themselves_and_their_arguments_at_the_grid_li
         kw = {"max_seqlen_q": 1, "max_seqlen_k": 1, name: n}
         with pytest.raises(error, match=rf"^fmha_varlen: {name} must be"):
             FM.fmha_varlen(packed, packed, packed, cu[:2], cu[:2], **kw)
-    for tiny_or_huge in (1e-300, 1e300):            # 0 or inf once in float32
+    for tiny_or_huge in (1e-300, 1e300, 10 ** 400):  # 0 or inf once in float32; past float's
         with pytest.raises(ValueError, match="scale must be a finite number > 0"):
             FM._check("fmha", q[:1], q[:1], q[:1], tiny_or_huge)
     assert FM._check_max("x", "n", np.int64(7)) == 7 and FM._check("x", q[:1], q[:1], q[:1],
