@@ -1510,7 +1510,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     must be a finite number > 0 (torch also takes 0 and negative values; ValueError here).
     q, k and v are taken in their own dtype, also under torch.autocast (where torch's SDPA
     casts them to the autocast dtype): float32 or mixed dtypes raise TypeError, so cast them
-    first. Limits as `fmha` (B x Hq at most 65535).
+    first. Limits as `fmha` (B x Hq at most 65535). Where torch is wider: value's head dim
+    must equal key's, and query, key and value one batch size (no broadcasting); ValueError.
     """
     op = "scaled_dot_product_attention"
     if dropout_p:
