@@ -251,6 +251,16 @@ def _take_gpu_lock(path, what):
             if _try_flock(fd):
                 _gpu_lock_fds.add(fd)
                 return fd
+    except OSError as error:
+        # flock itself refused (ENOSYS, ENOLCK, EOPNOTSUPP: a Lustre mount without -o flock,
+        # NFS without its lock daemon): the lock is best effort, so search without it
+        os.close(fd)
+        _gpu_locks_given_up.add(path)
+        env.warn_once(("tiletune.gpu_lock", path),
+                      f"tiletune: {what}: this GPU's search lock ({path}) cannot be taken on "
+                      f"its filesystem ({error}); this process searches without it, so "
+                      "searches of other processes on this GPU may disturb its timings")
+        return None
     except BaseException:
         os.close(fd)
         raise
@@ -695,17 +705,32 @@ class Autotuner:
         config (bad inputs, out of memory, a compile timeout on a busy host) go to the caller
         and leave the store alone."""
         tkey = self.tune_key(key)
-        entry = self.cache.get(tkey) or self._resolve_first(tkey, dev, inputs)
+        # The marker before the entry: a stored entry is marked before it is cached, and
+        # unmarked only after it is dropped (or has launched).
         skey = self._unproven.get(tkey)
+        entry = self.cache.get(tkey)
+        if entry is None:
+            entry = self._resolve_first(tkey, dev, inputs)
+            skey = self._unproven.get(tkey)
         if skey is None:
-            return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
+            try:
+                return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
+            except Exception:
+                if self.cache.get(tkey) is entry:
+                    raise
+                # another thread's first launch of this stored entry failed and dropped it
+                # after this thread read it: launch what replaced it
+                entry = self.cache.get(tkey) or self._resolve_first(tkey, dev, inputs, False)
+                return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
         try:
             result = self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
         except _NOT_THE_CONFIG:
             raise                            # still unproven: a later launch decides
         except Exception as e:
-            if _earlier_fault(e):
-                raise                        # an earlier kernel's fault: the context is lost
+            if _earlier_fault(e) or _compiler_gave_no_verdict(type(e).__name__, str(e)):
+                # an earlier kernel's fault (the context is lost), or a compile killed on a
+                # busy host: nothing said about the config, which stays unproven
+                raise
             # Every thread whose first launch of the entry fails lands here; the first one
             # drops it, the others launch whatever is cached or resolved after.
             with _search_lock(dev):

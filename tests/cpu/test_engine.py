@@ -1,4 +1,5 @@
 """The engine's own logic, driven through its real code; a stand-in replaces only the GPU search."""
+import errno
 import fcntl
 import inspect
 import json
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 
 import cuda.tile as ct
 import cuda.tile.tune
+from cuda.tile._exception import Loc
 import pytest
 import torch
 
@@ -374,6 +376,24 @@ def test_a_gpu_lock_held_past_the_wait_limit_searches_anyway(env, monkeypatch):
     finally:
         os.close(fd)
     assert env.fake.calls == 1
+
+
+def test_a_filesystem_without_flock_searches_without_the_gpu_lock(env, monkeypatch):
+    """flock refused by the store folder's filesystem (ENOSYS: Lustre mounted without -o
+    flock; NFS without its lock daemon gives ENOLCK): the lock is best effort, so the miss
+    searches without it, warned once, and the next key does not try it again."""
+    monkeypatch.setattr(tiletune.env, "_warned", set())
+    tries = []
+
+    def no_flock(fd, how):
+        tries.append(how)
+        raise OSError(errno.ENOSYS, "Function not implemented")
+    monkeypatch.setattr(autotune.fcntl, "flock", no_flock)
+    t = env.make()
+    with pytest.warns(UserWarning, match="cannot be taken on its filesystem"):
+        cfg, _ = resolve(t, ("k",))
+    resolve(t, ("k2",))
+    assert env.fake.calls == 2 and len(tries) == 1 and cfg is not None
 
 
 def test_a_child_forked_during_a_search_neither_holds_the_gpu_lock_nor_waits(env, monkeypatch):
@@ -929,15 +949,63 @@ def test_threads_meeting_a_stored_winner_that_fails_to_launch_all_recover(env, m
     assert env.launches[-2:] == [(x, 4), (x, 4)]
 
 
+def test_a_thread_that_read_a_stored_winner_another_dropped_launches_its_replacement(
+        env, monkeypatch):
+    """Thread B reads the key's stored winner; thread A's first launch of it fails, drops it,
+    searches again and launches the new winner; then B launches the entry it read, which fails
+    too: B launches the replacement instead of raising."""
+    x = torch.zeros(4)
+    t = _declared(env, monkeypatch, "dropped", grid=lambda c, dev, x, n: (1,),
+                  args=lambda c, x, n: (x, c.occupancy))
+    t.launch(("k",), "cpu", x, 32)                  # search: occupancy 2 wins, stored
+    t.clear()
+    env.fake.best_occ = 4
+
+    def launch(stream, grid, kernel, args):
+        if args[1] == 2:
+            raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")
+        env.launches.append(args)
+    monkeypatch.setattr(ct, "launch", launch)
+    t.tune(("k",), "cpu", lambda cfgs: None, shape=dict(n=32))   # the stored winner, unproven
+    assert ("k",) in t._unproven
+    b_read, a_done, errors = threading.Event(), threading.Event(), []
+    entries = t.cache
+
+    class Pausing(dict):
+        def get(self, key, default=None):
+            value = dict.get(self, key, default)
+            if threading.current_thread().name == "B" and not b_read.is_set():
+                b_read.set()
+                a_done.wait(5)       # A drops the entry and recovers between B's reads
+            return value
+    t.cache = Pausing(entries)
+
+    def b():
+        try:
+            t.launch(("k",), "cpu", x, 32)
+        except Exception as e:
+            errors.append(e)
+    thread_b = threading.Thread(target=b, name="B")
+    thread_b.start()
+    assert b_read.wait(5)
+    t.launch(("k",), "cpu", x, 32)                  # A
+    a_done.set()
+    thread_b.join(5)
+    assert errors == [] and env.fake.calls == 2 and env.launches[-2:] == [(x, 4), (x, 4)]
+
+
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"),
                                    ct.TileCompilerTimeoutError("compile timed out", "", "13.4"),
+                                   ct.TileCompilerExecutionError(-9, "Killed", Loc.unknown(),
+                                                                 "", "13.4"),
                                    ValueError("bad input"),
                                    RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory "
                                                 "access was encountered")],
-                         ids=["oom", "compile timeout", "value error", "earlier fault"])
+                         ids=["oom", "compile timeout", "compile killed", "value error",
+                              "earlier fault"])
 def test_a_stored_winner_meeting_a_transient_error_stays_stored(env, monkeypatch, error):
     """An error of the first launch that says nothing about the stored config (out of memory,
-    a compile timeout on a loaded host, bad inputs, an earlier kernel's fault) goes to the
+    a compile timed out or killed on a loaded host, bad inputs, an earlier kernel's fault) goes to the
     caller: the store entry stays, nothing is searched, and the next launch still checks the
     stored winner."""
     x = torch.zeros(4)
