@@ -146,7 +146,7 @@ def kernel_code(fn):
     (made by exec) gives its code object."""
     parts, seen, todo = [], set(), [fn]
     while todo:
-        f = todo.pop()
+        f = inspect.unwrap(todo.pop())        # a @ct.function helper: the function it wraps
         if f in seen:
             continue
         seen.add(f)
@@ -154,11 +154,9 @@ def kernel_code(fn):
             parts.append(inspect.getsource(f).encode())
         except (OSError, TypeError):
             parts.append(marshal.dumps(f.__code__))
-        for name in sorted(_code_names(f.__code__)):
-            obj = f.__globals__.get(name, kernel_code)
+        names = _code_names(f.__code__)
+        for name, obj in _named(names, f.__globals__):
             obj = getattr(obj, "_pyfunc", obj)                  # a ct.kernel's function
-            if obj is kernel_code or inspect.ismodule(obj):
-                continue
             if inspect.isfunction(obj):
                 todo.append(obj)
             else:
@@ -166,6 +164,37 @@ def kernel_code(fn):
                 parts.append(f"{name}={type(obj).__qualname__ if ' at 0x' in text else text}"
                              .encode())
     return tuple(parts)      # (cached per function: a kernel's code does not change in a process)
+
+
+# Modules whose attributes a kernel's fingerprint leaves out: cuTile's own (its version is in
+# the store's key), torch, numpy and the standard library.
+_LIBRARIES = frozenset({"cuda", "torch", "numpy"}) | frozenset(sys.stdlib_module_names)
+
+
+def _named(names, scope):
+    """(name, object) for each of `names` that `scope` (a function's globals) binds to what is
+    not a module, and, for a module of the program's own it binds (`helpers.scale`,
+    `pkg.sub.fn`), each of `names` that the module binds, as `module.name`: in name order."""
+    found, modules = [], []
+    for name in sorted(names):
+        obj = scope.get(name, _named)
+        if inspect.ismodule(obj):
+            modules.append((name, obj))
+        elif obj is not _named:
+            found.append((name, obj))
+    seen = set()
+    while modules:
+        prefix, module = modules.pop()
+        if id(module) in seen or module.__name__.partition(".")[0] in _LIBRARIES:
+            continue
+        seen.add(id(module))
+        for name in sorted(names):
+            obj = vars(module).get(name, _named)
+            if inspect.ismodule(obj):
+                modules.append((f"{prefix}.{name}", obj))
+            elif obj is not _named:
+                found.append((f"{prefix}.{name}", obj))
+    return found
 
 
 def _code_names(code):

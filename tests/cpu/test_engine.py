@@ -1333,6 +1333,54 @@ def test_fingerprint_follows_the_kernel_code_and_nothing_else(tmp_path):
     assert helpers                                      # helpers from ops/rotary.py count
 
 
+_HELPERS_MODULE = """
+import cuda.tile as ct
+LIMIT = {limit}
+def clamp(x):
+    return x * {clamp}
+"""
+
+_USER_KERNEL_MODULE = """
+import cuda.tile as ct
+import {helpers} as helpers
+SCALE = {scale}
+def inner(x):
+    return x * {inner}
+@ct.function
+def tile_helper(x):
+    return inner(x) + SCALE
+def kernel(x):
+    return helpers.clamp(tile_helper(x)) + helpers.LIMIT + ct.bid(0)
+"""
+
+
+def _user_code_of(tmp_path, monkeypatch, tag, **edits):
+    """kernel_code of a kernel that reaches code through a @ct.function helper and through
+    attributes of a module of its own (`helpers.clamp`, `helpers.LIMIT`)."""
+    import importlib
+    values = {"scale": 2, "inner": 3, "limit": 7, "clamp": 5, **edits}
+    helpers = f"helpers_{tag}"
+    (tmp_path / f"{helpers}.py").write_text(_HELPERS_MODULE.format(**values))
+    (tmp_path / f"user_{tag}.py").write_text(
+        _USER_KERNEL_MODULE.format(helpers=helpers, **values))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return precompile.kernel_code(importlib.import_module(f"user_{tag}").kernel)
+
+
+def test_fingerprint_follows_tile_functions_and_the_programs_own_modules(tmp_path, monkeypatch):
+    """A @ct.function helper's own globals and the functions and constants a kernel reads as
+    attributes of a module of the program count (they were left out: an edit there kept the
+    old winners); cuTile's own functions (`ct.bid`) do not."""
+    base = _user_code_of(tmp_path, monkeypatch, "a")
+    assert any(b"def inner" in p for p in base) and b"SCALE=2" in base
+    assert any(b"def clamp" in p for p in base) and b"helpers.LIMIT=7" in base
+    assert not any(b"def bid" in p for p in base)
+    assert _user_code_of(tmp_path, monkeypatch, "f") == base       # the same code, elsewhere
+    for tag, edit in (("b", dict(scale=4)), ("c", dict(inner=6)), ("d", dict(limit=8)),
+                      ("e", dict(clamp=9))):
+        assert _user_code_of(tmp_path, monkeypatch, tag, **edit) != base, edit
+
+
 def test_fingerprints_are_the_same_in_every_process():
     """No address or path in the store key: a fresh process must find the winners."""
     code = ("import hashlib, importlib, pkgutil, tiletune.ops as P\n"
