@@ -148,12 +148,14 @@ class AttentionRoute(NamedTuple):
 
 
 def attention_route(*, q_length, kv_length, head_dim, dtype, on_cuda, has_mask, is_causal,
-                    dropout, has_position_bias=False, rows=0):
+                    dropout, has_position_bias=False, rows=0, v_head_dim=None, same_dtype=True):
     """Which attention serves one call: tiletune's FMHA where it computes exactly what
     transformers' SDPA attention computes, else SDPA itself. A pure function of the call's
     shapes and flags (no device work). The kernel serves: no attention mask (plain causal or,
     at q_length 1 or is_causal False, full attention), dropout 0, bf16/fp16 CUDA tensors,
-    head_dim <= 256, no position bias, `rows` (batch, or packed sequences, x query heads) and
+    head_dim <= 256 for query, key and value alike (`v_head_dim` where the value's differs:
+    multi-head latent attention), no position bias, `rows` (batch, or packed sequences, x query
+    heads) and
     q_length and kv_length (a packed batch's longest sequences) within the kernels' grid
     (MAX_GRID_Y rows, MAX_SEQ tokens). Anything else (a padding / sliding-window /
     packed-sequence mask, attention dropout in training, float32, CPU, a larger batch, a longer
@@ -168,6 +170,11 @@ def attention_route(*, q_length, kv_length, head_dim, dtype, on_cuda, has_mask, 
         reason = "tensors not on a CUDA device"
     elif dtype not in (torch.bfloat16, torch.float16):
         reason = f"dtype {dtype} (the kernel takes bfloat16/float16)"
+    elif not same_dtype:
+        reason = "query, key and value of different dtypes"
+    elif v_head_dim is not None and v_head_dim != head_dim:
+        reason = (f"a value head_dim ({v_head_dim}) other than the query's and key's "
+                  f"({head_dim})")
     elif head_dim > 256:
         reason = f"head_dim {head_dim} > 256"
     elif rows > MAX_GRID_Y:
@@ -253,7 +260,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         dtype=query.dtype, on_cuda=query.is_cuda,
         has_mask=attention_mask is not None and packed is None, is_causal=is_causal,
         dropout=dropout, has_position_bias=kwargs.get("position_bias") is not None,
-        rows=(query.shape[0] if packed is None else packed[0].shape[0] - 1) * query.shape[1])
+        rows=(query.shape[0] if packed is None else packed[0].shape[0] - 1) * query.shape[1],
+        v_head_dim=value.shape[3],
+        same_dtype=query.dtype == key.dtype == value.dtype)
     if not route.use_kernel:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         _log_once(f"tiletune attention: {route.reason}: using transformers' SDPA attention "

@@ -88,5 +88,7 @@ def clock(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", c.event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(timing, "_flush_l2", lambda: None)
+    monkeypatch.setattr(timing, "_flush_times", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(bench, "host_us_behind", lambda fn: 1.0)
     return c

@@ -81,6 +81,28 @@ def test_a_row_whose_call_costs_the_host_its_eager_time_is_marked_host_bound(clo
     assert cell(row) == "90.00 bound" and cell(quick) == "10.00"
 
 
+def test_host_time_the_flush_hides_does_not_mark_a_row_host_bound(clock, monkeypatch):
+    """A timed run's host work overlaps the 80 us L2 flush queued before it, so its eager time
+    holds the host's only past the flush: 90 us of host time a call behind 100 us of kernels is
+    not host-bound; 200 us is."""
+    host = {"s": 0.0}
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: host["s"])
+    monkeypatch.setattr(bench, "host_us_behind", HOST_US_BEHIND)
+    monkeypatch.setattr(timing, "_flush_l2", lambda: clock.run("flush", 80.0))
+
+    def call(host_us, device_us):
+        def f():
+            host["s"] += host_us / 1e6
+            clock.run("tuned", device_us)
+        return f
+
+    hidden = bench.run_case(bench.BenchCase("op", "skinny", "fwd", call(90.0, 100.0), {}))
+    assert hidden["flush_us"] == pytest.approx(80.0) and hidden["tuned_us"] == pytest.approx(100.0)
+    assert hidden["host_us"] == pytest.approx(90.0) and "host_bound" not in hidden
+    bound = bench.run_case(bench.BenchCase("op", "step", "fwd+bwd", call(200.0, 100.0), {}))
+    assert bound["host_bound"] is True
+
+
 def _heating(clock):
     """A kernel that runs 10 us until it has run 200 us back to back, then 20 us (its power
     limit), and a host-bound neighbour during whose gaps the card cools."""

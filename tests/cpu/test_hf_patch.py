@@ -760,6 +760,8 @@ def test_attention_route():
     for kw, reason in ((dict(has_mask=True), "attention mask"), (dict(dropout=0.1), "dropout"),
                        (dict(on_cuda=False), "CUDA"), (dict(dtype=torch.float32), "float32"),
                        (dict(head_dim=288), "head_dim"), (dict(has_position_bias=True), "bias"),
+                       (dict(v_head_dim=64), "value head_dim"),     # latent attention (MLA)
+                       (dict(same_dtype=False), "different dtypes"),
                        (dict(rows=4097 * 16), "grid"),
                        (dict(q_length=1, kv_length=hf.MAX_SEQ + 1), "tokens"),   # long cache
                        (dict(q_length=hf.MAX_SEQ + 1, kv_length=hf.MAX_SEQ + 1), "tokens")):
@@ -767,6 +769,7 @@ def test_attention_route():
         assert not r.use_kernel and reason in r.reason, (kw, r)
     assert not route(has_mask=True, on_cuda=False).use_kernel
     assert route(rows=65535).use_kernel                      # the kernels' grid holds it
+    assert route(v_head_dim=128).use_kernel
     assert route(q_length=1, kv_length=hf.MAX_SEQ).use_kernel
 
 
