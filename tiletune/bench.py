@@ -14,7 +14,9 @@ host work outlasts the L2 flush queued before it (a 256 MiB write) plus its kern
 prepares the call while the flush runs. Every row also gives the tuned call's host time
 (`host_us`: calls back to back with their kernels left queued) and the flush's (`flush_us`); a
 row whose host time past the flush reaches HOST_BOUND of its eager time is marked `host_bound`:
-its eager times, the fixed default's included, read the host more than the kernels. A call's host cost at a tiny shape is `--host`'s
+its eager times, the fixed default's included, read the host more than the kernels. Each
+baseline's host time is given and marked the same way (`<peer>_host_us`, `<peer>_host_bound`):
+a ratio against a host-bound peer compares host costs. A call's host cost at a tiny shape is `--host`'s
 table.
 
 With `sustained` (`--sustained`) each candidate's turn is a 100 ms block, the first half untimed,
@@ -267,6 +269,13 @@ def run_case(case, skip_peers=(), seen_peers=None, sustained=False):
             continue
         row[f"{label}_us"] = us[label]
         row[f"vs_{label}"] = us[label] / row["tuned_us"]      # > 1: we are faster
+        # the peer's host time too: where it passes the flush, the ratio compares host costs
+        try:
+            peer_host = row[f"{label}_host_us"] = host_us_behind(case.baselines[label])
+        except Exception:
+            continue
+        if peer_host - flush >= HOST_BOUND * us[label]:
+            row[f"{label}_host_bound"] = True
     if case.ceiling:
         label = case.ceiling[0]
         if isinstance(us[label], Exception):
@@ -319,7 +328,8 @@ def progress_line(row):
         parts.append(f"host-bound ({row['host_us']:.2f} us of host time a call)")
     for label in _peers(row):
         v = row.get(f"vs_{label}")
-        parts.append(f"{v:.2f}x {label}" if v is not None else f"{label} failed")
+        bound = " (its host-bound)" if row.get(f"{label}_host_bound") else ""
+        parts.append(f"{v:.2f}x {label}{bound}" if v is not None else f"{label} failed")
     parts += [f"{row[k]:.0%} of {k[5:]}" for k in row if k.startswith("frac_")]
     return (f"{row['op']} {row['case']} {row['mode']}: " + ", ".join(parts)
             + f"; tuning {row['first_call_s']:.2f} s")

@@ -101,6 +101,13 @@ def test_host_time_the_flush_hides_does_not_mark_a_row_host_bound(clock, monkeyp
     assert hidden["host_us"] == pytest.approx(90.0) and "host_bound" not in hidden
     bound = bench.run_case(bench.BenchCase("op", "step", "fwd+bwd", call(200.0, 100.0), {}))
     assert bound["host_bound"] is True
+    # each peer's host time too: a ratio against a host-bound peer compares host costs
+    peers = {"slow_host": call(300.0, 100.0), "quick_host": call(50.0, 100.0)}
+    row = bench.run_case(bench.BenchCase("op", "step", "fwd+bwd", call(10.0, 100.0), peers))
+    assert row["slow_host_host_us"] == pytest.approx(300.0) and row["slow_host_host_bound"]
+    assert row["quick_host_host_us"] == pytest.approx(50.0) and "quick_host_host_bound" not in row
+    assert "1.00x slow_host (its host-bound)" in bench.progress_line(row)
+    assert "1.00x quick_host;" in bench.progress_line(row)
 
 
 def _heating(clock):
