@@ -155,8 +155,7 @@ def kernel_code(fn):
             parts.append(inspect.getsource(f).encode())
         except (OSError, TypeError):
             parts.append(marshal.dumps(f.__code__))
-        names = _code_names(f.__code__)
-        for name, obj in _named(names, f.__globals__):
+        for name, obj in _named(f.__code__, f.__globals__):
             obj = getattr(obj, "_pyfunc", obj)                  # a ct.kernel's function
             if inspect.isfunction(obj):
                 todo.append(obj)
@@ -172,30 +171,50 @@ def kernel_code(fn):
 _LIBRARIES = frozenset({"cuda", "torch", "numpy"}) | frozenset(sys.stdlib_module_names)
 
 
-def _named(names, scope):
-    """(name, object) for each of `names` that `scope` (a function's globals) binds to what is
-    not a module, and, for a module of the program's own it binds (`helpers.scale`,
-    `pkg.sub.fn`), each of `names` that the module binds, as `module.name`: in name order."""
-    found, modules = [], []
-    for name in sorted(names):
+def _named(code, scope):
+    """(name, object) for each global name `code` uses (nested code included) that `scope` (a
+    function's globals) binds to what is not a module, in name order; then, for each attribute
+    chain read from a module of the program's own (`helpers.scale`, `pkg.sub.fn`: a global
+    module followed by the attributes read from it), the object it reaches, as
+    `module.name`."""
+    found = []
+    for name in sorted(_code_names(code)):
         obj = scope.get(name, _named)
-        if inspect.ismodule(obj):
-            modules.append((name, obj))
-        elif obj is not _named:
+        if obj is not _named and not inspect.ismodule(obj):
             found.append((name, obj))
-    seen = set()
-    while modules:
-        prefix, module = modules.pop()
-        if id(module) in seen or module.__name__.partition(".")[0] in _LIBRARIES:
-            continue
-        seen.add(id(module))
-        for name in sorted(names):
-            obj = vars(module).get(name, _named)
-            if inspect.ismodule(obj):
-                modules.append((f"{prefix}.{name}", obj))
-            elif obj is not _named:
-                found.append((f"{prefix}.{name}", obj))
+    for chain in sorted(_module_chains(code)):
+        obj = scope.get(chain[0])
+        for i, attr in enumerate(chain[1:], 1):
+            if not inspect.ismodule(obj) or obj.__name__.partition(".")[0] in _LIBRARIES:
+                break
+            obj = vars(obj).get(attr, _named)
+            if obj is not _named and not inspect.ismodule(obj):
+                found.append((".".join(chain[:i + 1]), obj))
+                break
     return found
+
+
+_ATTRIBUTE_READS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+
+
+def _module_chains(code):
+    """Attribute chains `code` reads from a global (nested code included): (global, attr, ...)
+    for each LOAD_GLOBAL followed by attribute loads."""
+    import dis
+    chains, chain = set(), []
+    for ins in dis.get_instructions(code):
+        if chain and ins.opname in _ATTRIBUTE_READS:
+            chain.append(ins.argval)
+            continue
+        if len(chain) > 1:
+            chains.add(tuple(chain))
+        chain = [ins.argval] if ins.opname == "LOAD_GLOBAL" else []
+    if len(chain) > 1:
+        chains.add(tuple(chain))
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            chains |= _module_chains(const)
+    return chains
 
 
 def _code_names(code):

@@ -1381,6 +1381,22 @@ def test_fingerprint_follows_tile_functions_and_the_programs_own_modules(tmp_pat
         assert _user_code_of(tmp_path, monkeypatch, tag, **edit) != base, edit
 
 
+def test_fingerprint_follows_only_attributes_read_from_a_module_of_the_program(tmp_path,
+                                                                           monkeypatch):
+    """`ct.load` reads `load` from cuTile: a module of the program that the kernel's module
+    happens to bind to the global name `load` (`from tiletune import store` beside `ct.store`)
+    is not followed (its state, a frozenset's hash order among it, made the fingerprint differ
+    between processes, and the ranks of a job disagree)."""
+    import importlib
+    (tmp_path / "helpers_g.py").write_text("def bid():\n    return 0\n")
+    (tmp_path / "user_g.py").write_text(
+        "import cuda.tile as ct\nimport helpers_g as load\n"
+        "def kernel(x):\n    return ct.load(x) + ct.bid(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    parts = precompile.kernel_code(importlib.import_module("user_g").kernel)
+    assert not any(b"def bid" in p for p in parts)
+
+
 def test_fingerprints_are_the_same_in_every_process():
     """No address or path in the store key: a fresh process must find the winners."""
     code = ("import hashlib, importlib, pkgutil, tiletune.ops as P\n"
