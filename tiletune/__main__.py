@@ -118,6 +118,11 @@ def _visible_gpus():
 def _prune(d, older_than_days, other_gpus=False):
     gpus = None
     if other_gpus:
+        if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+            # the models this process sees may not be all the machine has
+            print("CUDA_VISIBLE_DEVICES is set: the GPU models this process sees may not be all "
+                  "this machine has; unset it for --other-gpus; nothing pruned")
+            return 1
         gpus = _visible_gpus()
         if not gpus:
             print("no GPU is visible here: --other-gpus would delete every entry; nothing pruned")
@@ -162,6 +167,10 @@ def cmd_cache(args):
         if d is None:
             print(f"store is off (TILETUNE_CACHE_DIR={os.environ.get('TILETUNE_CACHE_DIR', '')}):"
                   f" nothing to {args.action}")
+        elif _unreadable(d):
+            print(f"cannot {args.action} {d}: {_unreadable(d)}; nothing "
+                  f"{'removed' if args.action == 'clear' else 'pruned'}")
+            return 1
         elif args.action == "prune":
             return _prune(d, args.older_than, args.other_gpus)
         else:
@@ -556,7 +565,7 @@ def parser():
                    help="prune: also delete entries saved more than DAYS days ago")
     c.add_argument("--other-gpus", action="store_true",
                    help="prune: also delete entries of GPU models this machine does not have "
-                        "(refused where no GPU is visible)")
+                        "(refused where no GPU is visible or CUDA_VISIBLE_DEVICES is set)")
     t = _tune_parser(sub)
     return p, {"bench": b, "compile": k, "cache": c, "tune": t}
 

@@ -231,6 +231,9 @@ def test_cache_show_of_a_store_it_cannot_read_says_so_and_exits_1(monkeypatch, t
     monkeypatch.setenv("TILETUNE_CACHE_DIR", str(folder / store.DB_NAME))
     assert main(["cache", "show"]) == 1
     assert capsys.readouterr().err.strip().endswith(": not a folder")
+    for action, done in (("clear", "removed"), ("prune", "pruned")):    # (they read 0 entries)
+        assert main(["cache", action]) == 1
+        assert capsys.readouterr().out.strip().endswith(f": not a folder; nothing {done}")
 
 
 def test_cache_show_counts_the_shipped_winners_apart(monkeypatch, tmp_path, capsys):

@@ -232,7 +232,8 @@ def test_clear_and_prune_that_cannot_write_the_store_say_so_and_fail(folder, mon
 
 def test_prune_other_gpus_keeps_the_models_this_machine_has(folder, monkeypatch, capsys):
     """--other-gpus deletes the rows keyed by GPU models no visible device has (a key without
-    the store key's parts is kept); where no GPU is visible it refuses and deletes nothing."""
+    the store key's parts is kept); where no GPU is visible, or CUDA_VISIBLE_DEVICES may hide
+    some, it refuses and deletes nothing."""
     import torch
     import cuda.tile as ct
     from tiletune import autotune, device
@@ -241,9 +242,14 @@ def test_prune_other_gpus_keeps_the_models_this_machine_has(folder, monkeypatch,
     h200 = h100.replace("NVIDIA H100 80GB HBM3", "NVIDIA H200")
     for key in (h100, h200, "no versions in this key"):
         store.save(OP, key, {"config": {}})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["cache", "prune", "--other-gpus"]) == 1
     assert "no GPU is visible here" in capsys.readouterr().out
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")        # may hide this machine's other models
+    assert main(["cache", "prune", "--other-gpus"]) == 1
+    assert "unset it for --other-gpus; nothing pruned" in capsys.readouterr().out
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert len(store.entries()[OP]) == 3
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
