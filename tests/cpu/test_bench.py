@@ -55,11 +55,9 @@ def test_run_case_times_every_candidate_in_turns(clock):
     assert blocks == (turn + turn[::-1]) * 2 + turn
 
 
-def test_a_row_whose_call_costs_the_host_its_eager_time_is_marked_host_bound(clock,
-                                                                             monkeypatch):
-    """Each row gives the tuned call's host time, calls back to back; where it reaches
-    HOST_BOUND of the eager time the row says its times read the host (a forward+backward step
-    in a loaded process: its speedup over the fixed default is then the host's noise)."""
+def _host_timed(clock, monkeypatch):
+    """call(host_us, device_us) -> a call that costs the host and the device that much, with
+    host_us_behind timing it on the host clock it advances."""
     host = {"s": 0.0}
     monkeypatch.setattr(bench.time, "perf_counter", lambda: host["s"])
     monkeypatch.setattr(bench, "host_us_behind", HOST_US_BEHIND)    # (the clock's stands in)
@@ -69,7 +67,15 @@ def test_a_row_whose_call_costs_the_host_its_eager_time_is_marked_host_bound(clo
             host["s"] += host_us / 1e6
             clock.run("tuned", device_us)
         return f
+    return call
 
+
+def test_a_row_whose_call_costs_the_host_its_eager_time_is_marked_host_bound(clock,
+                                                                             monkeypatch):
+    """Each row gives the tuned call's host time, calls back to back; where it reaches
+    HOST_BOUND of the eager time the row says its times read the host (a forward+backward step
+    in a loaded process: its speedup over the fixed default is then the host's noise)."""
+    call = _host_timed(clock, monkeypatch)
     row = bench.run_case(bench.BenchCase("op", "step", "fwd+bwd", call(90.0, 100.0), {}))
     assert row["host_us"] == pytest.approx(90.0) and row["host_bound"] is True
     assert "host-bound (90.00 us of host time a call)" in bench.progress_line(row)
@@ -85,17 +91,8 @@ def test_host_time_the_flush_hides_does_not_mark_a_row_host_bound(clock, monkeyp
     """A timed run's host work overlaps the 80 us L2 flush queued before it, so its eager time
     holds the host's only past the flush: 90 us of host time a call behind 100 us of kernels is
     not host-bound; 200 us is."""
-    host = {"s": 0.0}
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: host["s"])
-    monkeypatch.setattr(bench, "host_us_behind", HOST_US_BEHIND)
+    call = _host_timed(clock, monkeypatch)
     monkeypatch.setattr(timing, "_flush_l2", lambda: clock.run("flush", 80.0))
-
-    def call(host_us, device_us):
-        def f():
-            host["s"] += host_us / 1e6
-            clock.run("tuned", device_us)
-        return f
-
     hidden = bench.run_case(bench.BenchCase("op", "skinny", "fwd", call(90.0, 100.0), {}))
     assert hidden["flush_us"] == pytest.approx(80.0) and hidden["tuned_us"] == pytest.approx(100.0)
     assert hidden["host_us"] == pytest.approx(90.0) and "host_bound" not in hidden

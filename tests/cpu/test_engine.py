@@ -915,6 +915,22 @@ def test_a_stored_winner_that_fails_to_launch_is_searched_again(env, monkeypatch
         t.launch(("k2",), "cpu", x, 32)
 
 
+def _stored_winner_the_driver_refuses(t, env, monkeypatch, x, delay=0.0):
+    """t's key ("k",) searched (occupancy 2 wins, stored) and forgotten; a new search would
+    pick occupancy 4; launches of occupancy 2 then raise as a driver refusing the kernel would
+    (after `delay` s)."""
+    t.launch(("k",), "cpu", x, 32)
+    t.clear()
+    env.fake.best_occ = 4
+
+    def launch(stream, grid, kernel, args):
+        if args[1] == 2:
+            time.sleep(delay)
+            raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")
+        env.launches.append(args)
+    monkeypatch.setattr(ct, "launch", launch)
+
+
 def test_threads_meeting_a_stored_winner_that_fails_to_launch_all_recover(env, monkeypatch):
     """Two threads make the first launch of a key whose stored winner the driver refuses: the
     first to fail drops it and searches again; the other, failing on the same entry, launches
@@ -922,16 +938,7 @@ def test_threads_meeting_a_stored_winner_that_fails_to_launch_all_recover(env, m
     x = torch.zeros(4)
     t = _declared(env, monkeypatch, "race", grid=lambda c, dev, x, n: (1,),
                   args=lambda c, x, n: (x, c.occupancy))
-    t.launch(("k",), "cpu", x, 32)                  # search: occupancy 2 wins, stored
-    t.clear()
-    env.fake.best_occ = 4
-
-    def launch(stream, grid, kernel, args):
-        if args[1] == 2:
-            time.sleep(0.2)
-            raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")
-        env.launches.append(args)
-    monkeypatch.setattr(ct, "launch", launch)
+    _stored_winner_the_driver_refuses(t, env, monkeypatch, x, delay=0.2)
     errors = []
 
     def work():
@@ -957,15 +964,7 @@ def test_a_thread_that_read_a_stored_winner_another_dropped_launches_its_replace
     x = torch.zeros(4)
     t = _declared(env, monkeypatch, "dropped", grid=lambda c, dev, x, n: (1,),
                   args=lambda c, x, n: (x, c.occupancy))
-    t.launch(("k",), "cpu", x, 32)                  # search: occupancy 2 wins, stored
-    t.clear()
-    env.fake.best_occ = 4
-
-    def launch(stream, grid, kernel, args):
-        if args[1] == 2:
-            raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")
-        env.launches.append(args)
-    monkeypatch.setattr(ct, "launch", launch)
+    _stored_winner_the_driver_refuses(t, env, monkeypatch, x)
     t.tune(("k",), "cpu", lambda cfgs: None, shape=dict(n=32))   # the stored winner, unproven
     assert ("k",) in t._unproven
     b_read, a_done, errors = threading.Event(), threading.Event(), []
