@@ -720,7 +720,7 @@ class Autotuner:
                     raise
                 # another thread's first launch of this stored entry failed and dropped it
                 # after this thread read it: launch what replaced it
-                entry = self.cache.get(tkey) or self._resolve_first(tkey, dev, inputs, False)
+                entry = self.cache.get(tkey) or self._resolve_first(tkey, dev, inputs)
                 return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
         try:
             result = self._launch_planned(key, tkey, entry, dev, inputs, launch_config)

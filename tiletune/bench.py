@@ -16,8 +16,8 @@ prepares the call while the flush runs. Every row also gives the tuned call's ho
 row whose host time past the flush reaches HOST_BOUND of its eager time is marked `host_bound`:
 its eager times, the fixed default's included, read the host more than the kernels. Each
 baseline's host time is given and marked the same way (`<peer>_host_us`, `<peer>_host_bound`):
-a ratio against a host-bound peer compares host costs. A call's host cost at a tiny shape is `--host`'s
-table.
+a ratio against a host-bound peer compares host costs. A call's host cost at a tiny shape is
+`--host`'s table.
 
 With `sustained` (`--sustained`) each candidate's turn is a 100 ms block, the first half untimed,
 so that every kernel is timed at the clock its own load settles at (the power limit, for heavy

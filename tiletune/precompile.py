@@ -140,9 +140,9 @@ def kernel_code(fn):
     """Bytes that change when the kernel's code changes: the source of the kernel and of every
     function it reaches through the names it uses (helpers and theirs, in any module; a
     @ct.function helper's wrapped function; attributes of the program's own modules, `_named`),
-    and the values of the other globals those name (constants, enum members). Host code, the module's
-    docstring and other kernels of the same module are left out, so an edit there keeps tuned
-    winners; the source of a kernel or helper includes its own docstring and comments, so an
+    and the values of the other globals those name (constants, enum members). Host code, the
+    module's docstring and other kernels of the same module are left out, so an edit there keeps
+    tuned winners; the source of a kernel or helper includes its own docstring and comments, so an
     edit of those makes its winners (shipped rows included) stale. A function without source
     (made by exec) gives its code object."""
     parts, seen, todo = [], set(), [fn]

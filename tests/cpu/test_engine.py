@@ -1004,7 +1004,8 @@ def test_a_thread_that_read_a_stored_winner_another_dropped_launches_its_replace
                               "earlier fault"])
 def test_a_stored_winner_meeting_a_transient_error_stays_stored(env, monkeypatch, error):
     """An error of the first launch that says nothing about the stored config (out of memory,
-    a compile timed out or killed on a loaded host, bad inputs, an earlier kernel's fault) goes to the
+    a compile timed out or killed on a loaded host, bad inputs, an earlier kernel's fault) goes
+    to the
     caller: the store entry stays, nothing is searched, and the next launch still checks the
     stored winner."""
     x = torch.zeros(4)
