@@ -693,6 +693,12 @@ def _patch_instance(model, fam, *, rms_norm, rope, attention, mlp, experts):
         # the first patch that changes it saves what it was
         _patched_models[model] = top.config._attn_implementation
         top.set_attn_implementation(ATTENTION_NAME)
+    elif attention and top is not None and not any(
+            attr == "get_correct_attn_implementation"
+            for _, attr in _class_patches.get(fam.name, ())):
+        # "tiletune" already, and not as the patched class's default: the model's own choice,
+        # which revert keeps
+        _patched_models.setdefault(model, ATTENTION_NAME)
     else:
         _patched_models.setdefault(model, None)
 

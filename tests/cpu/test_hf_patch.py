@@ -194,6 +194,17 @@ def test_instance_patch_swaps_classes_in_place(family):
     assert list(model.state_dict()) == keys
 
 
+def test_revert_keeps_an_attention_the_model_was_built_with():
+    """A model built with attn_implementation="tiletune" (its own choice, before any patch)
+    keeps it through apply_tiletune and revert."""
+    hf.register_attention()
+    model = build("qwen3")
+    model.set_attn_implementation("tiletune")
+    hf.apply_tiletune(model)
+    hf.revert(model)
+    assert model.config._attn_implementation == "tiletune"
+
+
 def test_instance_patch_leaves_other_models_and_the_module_alone():
     model, other = build("llama"), build("llama")
     originals = hf_classes("llama")
