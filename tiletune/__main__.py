@@ -641,6 +641,8 @@ def main(argv=None):
                             ("--other-gpus", args.other_gpus)):
             if given:
                 subs["cache"].error(f"{flag} is an option of prune, not of {args.action}")
+    if args.cmd == "cache" and args.action != "show" and args.verbose:
+        subs["cache"].error(f"-v is an option of show, not of {args.action}")
     return {"bench": cmd_bench, "cache": cmd_cache, "compile": cmd_compile,
             "tune": cmd_tune}[args.cmd](args)
 

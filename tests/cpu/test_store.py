@@ -192,6 +192,9 @@ def test_prune_removes_other_versions_and_old_rows(folder, monkeypatch, capsys):
     for action in ("clear", "show"):          # an option of prune only: refused, nothing cleared
         with pytest.raises(SystemExit):
             main(["cache", action, "--older-than", "30"])
+    for action in ("clear", "prune"):         # -v: an option of show only
+        with pytest.raises(SystemExit):
+            main(["cache", action, "-v"])
     assert set(store.entries()["rope"]) == {"no versions in this key"}
 
 
