@@ -709,14 +709,16 @@ class Autotuner:
         # unmarked only after it is dropped (or has launched).
         skey = self._unproven.get(tkey)
         entry = self.cache.get(tkey)
+        cached = entry is not None
         if entry is None:
             entry = self._resolve_first(tkey, dev, inputs)
             skey = self._unproven.get(tkey)
+            cached = self.cache.get(tkey) is entry      # (a pick during graph capture is not)
         if skey is None:
             try:
                 return self._launch_planned(key, tkey, entry, dev, inputs, launch_config)
             except Exception:
-                if self.cache.get(tkey) is entry:
+                if not cached or self.cache.get(tkey) is entry:
                     raise
                 # another thread's first launch of this stored entry failed and dropped it
                 # after this thread read it: launch what replaced it

@@ -445,6 +445,25 @@ def test_capture_uses_stored_winner(env, monkeypatch):
         assert resolve(t, ("k",))[0].occupancy == 2
 
 
+def test_a_launch_failing_during_graph_capture_raises_its_own_error_once(env, monkeypatch):
+    """A config picked during capture is not cached: its failed launch is the caller's, not
+    taken for a stored entry another thread dropped (no second launch, no search)."""
+    x = torch.zeros(4)
+    t = _declared(env, monkeypatch, "captured", grid=lambda c, dev, x, n: (1,),
+                  args=lambda c, x, n: (x, c.occupancy))
+    tries = []
+
+    def launch(stream, grid, kernel, args):
+        tries.append(args)
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(ct, "launch", launch)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.warns(UserWarning, match="capture"), \
+            pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+        t.launch(("k",), "cpu", x, 32)
+    assert len(tries) == 1 and env.fake.calls == 0
+
+
 _WRITER = """
 import sys
 from tiletune import store
