@@ -163,12 +163,13 @@ def cmd_cache(args):
     of a store written by anyone: an entry, timing or failure of the wrong shape is marked as
     skipped, never raised on."""
     d = store.cache_dir()
+    unreadable = "" if d is None else _unreadable(d)
     if args.action in ("clear", "prune"):
         if d is None:
             print(f"store is off (TILETUNE_CACHE_DIR={os.environ.get('TILETUNE_CACHE_DIR', '')}):"
                   f" nothing to {args.action}")
-        elif _unreadable(d):
-            print(f"cannot {args.action} {d}: {_unreadable(d)}; nothing "
+        elif unreadable:
+            print(f"cannot {args.action} {d}: {unreadable}; nothing "
                   f"{'removed' if args.action == 'clear' else 'pruned'}")
             return 1
         elif args.action == "prune":
@@ -185,7 +186,6 @@ def cmd_cache(args):
         print(f"store is off (TILETUNE_CACHE_DIR={os.environ.get('TILETUNE_CACHE_DIR', '')})")
         _show_shipped()
         return 0
-    unreadable = _unreadable(d)
     if unreadable:
         print(f"cannot read the store at {d}: {unreadable}", file=sys.stderr)
         return 1
